@@ -1,0 +1,173 @@
+"""Table and optimizer configs: frozen dataclasses, every default in one place.
+
+Table configs keep TorchRec's field names *and positional order*, so TorchRec code
+that builds them positionally means the same thing here.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_shardrec.errors import unknown_name
+
+
+class PoolingType(enum.Enum):
+    """How a bag of rows becomes one vector."""
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+    NONE = "NONE"
+
+
+class DataType(enum.Enum):
+    """Storage type of a table's rows."""
+
+    FP32 = "FP32"
+    FP16 = "FP16"
+    BF16 = "BF16"
+    INT8 = "INT8"
+    INT4 = "INT4"
+    INT2 = "INT2"
+
+    @property
+    def bits(self) -> int:
+        return {"FP32": 32, "FP16": 16, "BF16": 16, "INT8": 8, "INT4": 4, "INT2": 2}[self.value]
+
+
+@dataclass(frozen=True)
+class BaseEmbeddingConfig:
+    """One embedding table: ``num_embeddings`` rows of ``embedding_dim`` floats.
+
+    Several features may share a table (``feature_names``). Rows start uniform in
+    ``[weight_init_min, weight_init_max]``, by default ``±sqrt(1 / num_embeddings)``;
+    ``init_fn`` (called on the ``[rows, dim]`` weight) overrides that.
+    """
+
+    num_embeddings: int
+    embedding_dim: int
+    name: str = ""
+    data_type: DataType = DataType.FP32
+    feature_names: list[str] = field(default_factory=list)
+    weight_init_max: float | None = None
+    weight_init_min: float | None = None
+    num_embeddings_post_pruning: int | None = None
+    init_fn: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    need_pos: bool = False
+
+    def __post_init__(self) -> None:
+        kind = type(self).__name__
+        label = f"{kind}(name={self.name!r})"
+        if not self.name:
+            raise ValueError(f"{kind} needs a table name (got name={self.name!r})")
+        if not isinstance(self.num_embeddings, int) or self.num_embeddings <= 0:
+            raise ValueError(f"{label}: num_embeddings must be a positive int, got {self.num_embeddings!r}")
+        if not isinstance(self.embedding_dim, int) or self.embedding_dim <= 0:
+            raise ValueError(f"{label}: embedding_dim must be a positive int, got {self.embedding_dim!r}")
+        if isinstance(self.feature_names, str) or not self.feature_names:
+            raise ValueError(
+                f"{label}: feature_names must be a non-empty list of feature names, got {self.feature_names!r}"
+            )
+        if len(set(self.feature_names)) != len(self.feature_names):
+            raise ValueError(f"{label}: feature_names repeat a name: {self.feature_names}")
+        lo, hi = self.init_range()
+        if lo > hi:
+            raise ValueError(f"{label}: weight_init_min {lo} is above weight_init_max {hi}")
+
+    @property
+    def num_features(self) -> int:
+        return len(self.feature_names)
+
+    def init_range(self) -> tuple[float, float]:
+        """``(low, high)`` of the uniform init; ``±sqrt(1/num_embeddings)`` by default (as TorchRec)."""
+        bound = math.sqrt(1.0 / self.num_embeddings)
+        lo = -bound if self.weight_init_min is None else self.weight_init_min
+        hi = bound if self.weight_init_max is None else self.weight_init_max
+        return lo, hi
+
+    def init_weight(self, weight: torch.Tensor) -> None:
+        """Fill ``weight`` (the whole table, or a shard of it) with this table's init."""
+        with torch.no_grad():
+            if self.init_fn is not None:
+                self.init_fn(weight)
+            else:
+                lo, hi = self.init_range()
+                weight.uniform_(lo, hi)
+
+
+@dataclass(frozen=True)
+class EmbeddingBagConfig(BaseEmbeddingConfig):
+    """A pooled table: each bag of ids becomes one ``[embedding_dim]`` vector."""
+
+    pooling: PoolingType = PoolingType.SUM
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.pooling is PoolingType.NONE:
+            raise ValueError(
+                f"EmbeddingBagConfig(name={self.name!r}): pooling NONE is not a pooled table; "
+                "use EmbeddingConfig with EmbeddingCollection for sequence (unpooled) lookups"
+            )
+
+
+@dataclass(frozen=True)
+class EmbeddingConfig(BaseEmbeddingConfig):
+    """A sequence table: each id keeps its own ``[embedding_dim]`` row (no pooling)."""
+
+
+class EmbOptimType(str, enum.Enum):
+    """Fused (in-backward) embedding optimizers; every one runs on every device."""
+
+    SGD = "sgd"
+    ADAGRAD = "adagrad"
+    ROWWISE_ADAGRAD = "rowwise_adagrad"
+    ADAM = "adam"
+    ADAMW = "adamw"
+
+    @classmethod
+    def parse(cls, value: str | EmbOptimType) -> EmbOptimType:
+        if isinstance(value, EmbOptimType):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise unknown_name("embedding optimizer", value, [m.value for m in cls]) from None
+
+    def state_per_row(self, dim: int) -> int:
+        """Optimizer state elements per row of a ``dim``-wide table (for memory planning)."""
+        return {
+            EmbOptimType.SGD: 0,
+            EmbOptimType.ADAGRAD: dim,
+            EmbOptimType.ROWWISE_ADAGRAD: 1,
+            EmbOptimType.ADAM: 2 * dim,
+            EmbOptimType.ADAMW: 2 * dim,
+        }[self]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FusedOptimConfig:
+    """Hyper-parameters of the fused embedding optimizer (one place for defaults).
+
+    ``weight_decay`` is L2 (added to the gradient) for sgd/adagrad/adam, decoupled
+    for adamw; it applies to the rows a batch touches (row-sparse, "lazy").
+    """
+
+    optimizer: EmbOptimType = EmbOptimType.ADAGRAD
+    lr: float = 0.01
+    eps: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "optimizer", EmbOptimType.parse(self.optimizer))
+        for name in ("lr", "eps", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"FusedOptimConfig: {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"FusedOptimConfig: {name} must be in [0, 1), got {getattr(self, name)}")

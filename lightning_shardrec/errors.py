@@ -1,0 +1,29 @@
+"""Library exception types.
+
+Bad user input raises ``ValueError`` (or ``KeyError`` for a missing name) with a
+message that names the table/feature, the value and the valid range. The classes
+here mark failures of a whole stage, so callers can catch them by kind.
+"""
+
+from __future__ import annotations
+
+
+class ShardRecError(RuntimeError):
+    """Base class of lightning_shardrec's own failures."""
+
+
+class PlannerError(ShardRecError, ValueError):
+    """No sharding plan satisfies the tables, constraints and topology (or a given plan is invalid)."""
+
+
+class ShardingError(ShardRecError, ValueError):
+    """A sharded module got input it was not planned for (keys, batch size, world size)."""
+
+
+class CheckpointError(ShardRecError, ValueError):
+    """A checkpoint does not match the model it is loaded into."""
+
+
+def unknown_name(kind: str, name: object, available: list[str]) -> ValueError:
+    """``ValueError`` for a lookup by name that failed, listing what is available."""
+    return ValueError(f"unknown {kind} {name!r}; available: {', '.join(available)}")

@@ -1,0 +1,111 @@
+"""``KeyedTensor``: pooled embeddings of several keys side by side in one tensor.
+
+::
+
+    keys            ["user", "item"]
+    length_per_key  [2, 3]                 (embedding dims)
+    values          [B, 5]  = [ user(2) | item(3) ]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+class KeyedTensor:
+    """``KeyedTensor(keys, length_per_key, values, key_dim=1)``: ``values`` is ``[B, sum(dims)]``."""
+
+    def __init__(
+        self, keys: Sequence[str], length_per_key: Sequence[int], values: Tensor, key_dim: int = 1
+    ) -> None:
+        keys, length_per_key = list(keys), list(length_per_key)
+        if len(keys) != len(length_per_key):
+            raise ValueError(f"KeyedTensor: {len(keys)} keys but {len(length_per_key)} lengths")
+        if values.dim() <= key_dim or values.shape[key_dim] != sum(length_per_key):
+            raise ValueError(
+                f"KeyedTensor: length_per_key {length_per_key} sums to {sum(length_per_key)} "
+                f"but values has shape {tuple(values.shape)} (key_dim={key_dim})"
+            )
+        self._keys = keys
+        self._length_per_key = length_per_key
+        self._values = values
+        self._key_dim = key_dim
+        self._offsets: list[int] | None = None
+        self._index: dict[str, int] | None = None
+
+    @staticmethod
+    def from_tensor_list(
+        keys: Sequence[str], tensors: Sequence[Tensor], key_dim: int = 1, cat_dim: int = 1
+    ) -> KeyedTensor:
+        return KeyedTensor(keys, [t.shape[key_dim] for t in tensors], torch.cat(list(tensors), cat_dim), key_dim)
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def values(self) -> Tensor:
+        return self._values
+
+    def key_dim(self) -> int:
+        return self._key_dim
+
+    def length_per_key(self) -> list[int]:
+        return self._length_per_key
+
+    def offset_per_key(self) -> list[int]:
+        if self._offsets is None:
+            out = [0]
+            for n in self._length_per_key:
+                out.append(out[-1] + n)
+            self._offsets = out
+        return self._offsets
+
+    def __getitem__(self, key: str) -> Tensor:
+        if self._index is None:
+            self._index = {k: i for i, k in enumerate(self._keys)}
+        if key not in self._index:
+            raise KeyError(f"key '{key}' not in KeyedTensor keys {self._keys}")
+        i = self._index[key]
+        start = self.offset_per_key()[i]
+        return self._values.narrow(self._key_dim, start, self._length_per_key[i])
+
+    def to_dict(self) -> dict[str, Tensor]:
+        parts = torch.split(self._values, self._length_per_key, dim=self._key_dim)
+        return dict(zip(self._keys, parts, strict=True))
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
+        return KeyedTensor(
+            self._keys, self._length_per_key, self._values.to(device, non_blocking=non_blocking), self._key_dim
+        )
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        self._values.record_stream(stream)  # type: ignore[arg-type]
+
+    @staticmethod
+    def regroup(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[Tensor]:
+        """One tensor per group: the named keys' columns, from whichever KeyedTensor holds them."""
+        where: dict[str, Tensor] = {}
+        for kt in keyed_tensors:
+            if kt.key_dim() != 1:
+                raise ValueError("KeyedTensor.regroup supports key_dim=1 only")
+            where.update(kt.to_dict())
+        missing = sorted({k for g in groups for k in g if k not in where})
+        if missing:
+            raise KeyError(f"regroup: keys {missing} are in none of the KeyedTensors (have {sorted(where)})")
+        return [torch.cat([where[k] for k in g], dim=1) for g in groups]
+
+    @staticmethod
+    def regroup_as_dict(
+        keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]], keys: Sequence[str]
+    ) -> dict[str, Tensor]:
+        if len(groups) != len(keys):
+            raise ValueError(f"regroup_as_dict: {len(groups)} groups but {len(keys)} keys")
+        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups), strict=True))
+
+    def __repr__(self) -> str:
+        return (
+            f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, "
+            f"values=[{', '.join(map(str, self._values.shape))}])"
+        )

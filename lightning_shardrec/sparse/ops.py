@@ -1,0 +1,112 @@
+"""Jagged-layout primitives: fbgemm operators where they run, plain torch otherwise.
+
+Both paths return identical results; tests pin them against each other. Every
+function here is pure and batched (no Python loop over samples or keys' data).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_shardrec._fbgemm import fbgemm_ops_on
+
+
+def _fbgemm_for(t: Tensor) -> bool:
+    return fbgemm_ops_on(t.device.type)
+
+
+def complete_cumsum(lengths: Tensor, *, use_fbgemm: bool | None = None) -> Tensor:
+    """Offsets from lengths: ``[L] -> [L + 1]`` starting at 0.
+
+    >>> complete_cumsum(torch.tensor([2, 0, 1]))
+    tensor([0, 2, 2, 3])
+    """
+    if use_fbgemm is None:
+        use_fbgemm = _fbgemm_for(lengths) and lengths.dtype in (torch.int32, torch.int64)
+    if use_fbgemm:
+        return torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+    out = torch.zeros(lengths.numel() + 1, dtype=lengths.dtype, device=lengths.device)
+    torch.cumsum(lengths, 0, out=out[1:])
+    return out
+
+
+def permute_2d(
+    permute: Tensor,
+    lengths: Tensor,
+    values: Tensor,
+    weights: Tensor | None = None,
+    *,
+    permuted_values_numel: int | None = None,
+    use_fbgemm: bool | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Reorder the key rows of a key-major jagged layout.
+
+    ``lengths`` is ``[K, B]``; new key ``j`` takes old key ``permute[j]`` (keys may be
+    dropped or repeated). Returns ``(lengths [K', B], values, weights)``.
+    """
+    if use_fbgemm is None:
+        use_fbgemm = _fbgemm_for(values)
+    if use_fbgemm:
+        out_lengths, out_values, out_weights = torch.ops.fbgemm.permute_2D_sparse_data(
+            permute.int(), lengths, values, weights, permuted_values_numel
+        )
+        return out_lengths, out_values, out_weights
+    out_lengths = lengths.index_select(0, permute)
+    key_len = lengths.sum(1)
+    key_start = complete_cumsum(key_len, use_fbgemm=False)[:-1]
+    seg_len = key_len.index_select(0, permute)
+    seg_src = key_start.index_select(0, permute)
+    index = gather_index(seg_src, seg_len, total=permuted_values_numel)
+    out_values = values.index_select(0, index)
+    out_weights = None if weights is None else weights.index_select(0, index)
+    return out_lengths, out_values, out_weights
+
+
+def gather_index(starts: Tensor, lengths: Tensor, *, total: int | None = None) -> Tensor:
+    """Concatenated ranges ``[starts[i], starts[i] + lengths[i])`` as one index tensor.
+
+    >>> gather_index(torch.tensor([5, 0]), torch.tensor([2, 3]))
+    tensor([5, 6, 0, 1, 2])
+    """
+    starts = starts.long()
+    lengths = lengths.long()
+    if total is None:
+        total = int(lengths.sum())
+    new_starts = complete_cumsum(lengths, use_fbgemm=False)[:-1]
+    shift = torch.repeat_interleave(starts - new_starts, lengths, output_size=total)
+    return torch.arange(total, device=starts.device) + shift
+
+
+def segment_ids(lengths: Tensor, total: int | None = None) -> Tensor:
+    """For each value, the index of the bag it belongs to: ``[2, 0, 1] -> [0, 0, 2]``."""
+    bags = torch.arange(lengths.numel(), device=lengths.device)
+    return torch.repeat_interleave(bags, lengths.long(), output_size=total)
+
+
+def jagged_to_padded_dense(
+    values: Tensor,
+    offsets: Tensor,
+    max_length: int,
+    padding_value: float = 0.0,
+    *,
+    use_fbgemm: bool | None = None,
+) -> Tensor:
+    """Bags of ``values`` (``[N]`` or ``[N, D]``) padded/truncated to ``[B, max_length(, D)]``."""
+    squeeze = values.dim() == 1
+    vals2d = values.unsqueeze(-1) if squeeze else values
+    if use_fbgemm is None:
+        use_fbgemm = _fbgemm_for(values) and values.is_floating_point()
+    if use_fbgemm:
+        out = torch.ops.fbgemm.jagged_to_padded_dense(
+            vals2d, [offsets.long()], [max_length], float(padding_value)
+        )
+    else:
+        batch = offsets.numel() - 1
+        lengths = offsets[1:] - offsets[:-1]
+        bag = segment_ids(lengths, total=vals2d.shape[0])
+        pos = torch.arange(vals2d.shape[0], device=values.device) - offsets[:-1].long()[bag]
+        keep = pos < max_length
+        out = vals2d.new_full((batch, max_length, vals2d.shape[1]), padding_value)
+        out[bag[keep], pos[keep]] = vals2d[keep]
+    return out.squeeze(-1) if squeeze else out
