@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from types import ModuleType
 
 # Set LIGHTNING_SHARDREC_DISABLE_FBGEMM=1 to force the portable torch paths.
@@ -20,8 +21,10 @@ def _load() -> ModuleType | None:
     if os.environ.get(_DISABLE_ENV, "0") not in ("", "0"):
         return None
     try:
-        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
-        from fbgemm_gpu import split_table_batched_embeddings_ops_training as tbe
+        with warnings.catch_warnings():  # fbgemm warns about optional SSD kernels it lacks
+            warnings.simplefilter("ignore")
+            import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+            from fbgemm_gpu import split_table_batched_embeddings_ops_training as tbe
     except Exception:  # ImportError, or "Could not load this library" on a torch mismatch
         return None
     return tbe

@@ -1,0 +1,114 @@
+"""The kernel interface: many tables looked up (and trained) in one batched call.
+
+A kernel owns the rows of a group of tables (or table shards) and their fused
+optimizer state. Its input is a KJT whose keys are the kernel's features in
+order (feature ``f`` reads table ``feature_table[f]``); its output is
+
+* pooled:   ``[B, sum(dim of each feature)]`` of SUM-pooled rows (callers divide
+  for MEAN, which keeps one kernel for mixed poolings and sidesteps fbgemm's CPU
+  mean-with-weights backward, which omits the 1/L);
+* sequence: ``[N, D]``, one row per id (all tables of one dim).
+
+Backward never returns a weight gradient: it applies the optimizer to the touched
+rows in place. The hyper-parameters live in ``hparams``, a dict the
+``FusedOptimizer`` replaces with its param group so schedulers reach the kernel.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_shardrec.configs import EmbOptimType, FusedOptimConfig
+from lightning_shardrec.sparse import KeyedJaggedTensor
+
+
+class KernelBackend(str, enum.Enum):
+    """Which implementation runs the lookup: fbgemm TBE or portable torch."""
+
+    AUTO = "auto"
+    FBGEMM = "fbgemm"
+    TORCH = "torch"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableSpec:
+    """One table (or shard of one) inside a kernel: ``[num_embeddings, embedding_dim]``."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+
+
+def hparams_from(config: FusedOptimConfig) -> dict[str, Any]:
+    return {
+        "lr": config.lr,
+        "eps": config.eps,
+        "beta1": config.beta1,
+        "beta2": config.beta2,
+        "weight_decay": config.weight_decay,
+    }
+
+
+class BatchedEmbeddingKernel(nn.Module):
+    """Base of both backends: tables, feature->table map, optimizer and hyper-parameters."""
+
+    backend: KernelBackend
+
+    def __init__(
+        self,
+        tables: list[TableSpec],
+        feature_table: list[int],
+        optim: FusedOptimConfig,
+        *,
+        pooled: bool,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        if not tables:
+            raise ValueError("a kernel needs at least one table")
+        bad = [t for t in feature_table if not 0 <= t < len(tables)]
+        if bad:
+            raise ValueError(f"feature_table refers to tables {bad}; there are {len(tables)}")
+        if not pooled and len({t.embedding_dim for t in tables}) > 1:
+            dims = {t.name: t.embedding_dim for t in tables}
+            raise ValueError(f"a sequence kernel needs one embedding_dim for all tables, got {dims}")
+        self.tables = list(tables)
+        self.feature_table = list(feature_table)
+        self.optimizer = optim.optimizer
+        self.pooled = pooled
+        self.hparams: dict[str, Any] = hparams_from(optim)
+        self.feature_dims = [tables[t].embedding_dim for t in feature_table]
+        self._device = torch.device(device)
+
+    # --- to implement ---------------------------------------------------------------
+    def forward(self, kjt: KeyedJaggedTensor) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def split_weights(self) -> list[Tensor]:  # pragma: no cover - abstract
+        """One ``[rows, dim]`` view per table, writable in place."""
+        raise NotImplementedError
+
+    def split_states(self) -> list[dict[str, Tensor]]:  # pragma: no cover - abstract
+        """Per table, its optimizer state tensors (views, writable in place)."""
+        raise NotImplementedError
+
+    # --- shared ---------------------------------------------------------------------
+    def load_weights(self, weights: list[Tensor]) -> None:
+        """Copy full table (or shard) weights in, bit for bit."""
+        for spec, dst, src in zip(self.tables, self.split_weights(), weights, strict=True):
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(
+                    f"table '{spec.name}': weight of shape {tuple(src.shape)} does not fit {tuple(dst.shape)}"
+                )
+            with torch.no_grad():
+                dst.copy_(src)
+
+    def extra_repr(self) -> str:
+        names = ", ".join(f"{t.name}[{t.num_embeddings}x{t.embedding_dim}]" for t in self.tables)
+        kind = "pooled" if self.pooled else "sequence"
+        return f"backend={self.backend.value}, {kind}, optimizer={self.optimizer.value}, tables=[{names}]"

@@ -1,0 +1,173 @@
+"""Portable kernel: plain PyTorch ops, runs on CPU, CUDA (without fbgemm) and MPS.
+
+Tables of one dim share one flat ``[sum(rows), D]`` buffer, so a lookup over all
+of them is one ``embedding_bag`` (pooled) or ``index_select`` (sequence) call.
+Backward turns the output gradient into per-id gradients, sums them per unique
+row and hands those rows to the optimizer rule: no dense weight gradient exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_shardrec.configs import FusedOptimConfig
+from lightning_shardrec.kernels import row_updates
+from lightning_shardrec.kernels.base import BatchedEmbeddingKernel, KernelBackend, TableSpec
+from lightning_shardrec.sparse import KeyedJaggedTensor, ops
+
+
+class _DimGroup:
+    """Tables of one embedding dim: their flat buffer name, row offsets and features."""
+
+    def __init__(self, dim: int, tables: list[int], specs: list[TableSpec]) -> None:
+        self.dim = dim
+        self.tables = tables
+        self.row_offset: dict[int, int] = {}
+        rows = 0
+        for t in tables:
+            self.row_offset[t] = rows
+            rows += specs[t].num_embeddings
+        self.rows = rows
+        self.buffer = f"weight_d{dim}"
+
+
+class _FusedLookup(torch.autograd.Function):
+    """Lookup whose backward updates rows in place (inputs: placeholder, then data)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        placeholder: Tensor,
+        kernel: TorchBatchedEmbedding,
+        group: _DimGroup,
+        ids: Tensor,
+        offsets: Tensor | None,
+        psw: Tensor | None,
+    ) -> Tensor:
+        weight = kernel.get_buffer(group.buffer)
+        ctx.kernel, ctx.group = kernel, group
+        ctx.save_for_backward(ids, offsets, psw)
+        if offsets is None:
+            return weight.index_select(0, ids)
+        return F.embedding_bag(ids, weight, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:  # type: ignore[override]
+        ids, offsets, psw = ctx.saved_tensors
+        if offsets is not None:  # pooled: each id gets its bag's gradient
+            bag = ops.segment_ids(offsets[1:] - offsets[:-1], total=ids.numel())
+            grad = grad.index_select(0, bag)
+        if psw is not None:
+            grad = grad * psw.unsqueeze(1)
+        ctx.kernel.apply_update(ctx.group, ids, grad)
+        return (None,) * 6
+
+
+class TorchBatchedEmbedding(BatchedEmbeddingKernel):
+    """Batched lookup + fused row-sparse optimizer in pure PyTorch."""
+
+    backend = KernelBackend.TORCH
+
+    def __init__(
+        self,
+        tables: list[TableSpec],
+        feature_table: list[int],
+        optim: FusedOptimConfig,
+        *,
+        pooled: bool,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(tables, feature_table, optim, pooled=pooled, device=device)
+        by_dim: dict[int, list[int]] = {}
+        for i, t in enumerate(tables):
+            by_dim.setdefault(t.embedding_dim, []).append(i)
+        self._groups = [_DimGroup(d, ts, self.tables) for d, ts in by_dim.items()]
+        self._group_of = {t: g for g in self._groups for t in g.tables}
+        self._state_names: list[str] = []
+        for g in self._groups:
+            self.register_buffer(g.buffer, torch.empty(g.rows, g.dim, device=device))
+            for name, tensor in row_updates.init_state(self.optimizer, g.rows, g.dim, device).items():
+                self.register_buffer(f"{name}_d{g.dim}", tensor)
+                if name not in self._state_names:
+                    self._state_names.append(name)
+            self.register_buffer(f"step_d{g.dim}", torch.zeros((), dtype=torch.float32, device=device))
+        # Per feature: its group and the row offset of its table inside that group.
+        self._feature_group = [self._group_of[t] for t in self.feature_table]
+        self._feature_row_offset = [self._group_of[t].row_offset[t] for t in self.feature_table]
+        self._single = len(self._groups) == 1
+
+    # --- state views ----------------------------------------------------------------
+    def _state(self, g: _DimGroup) -> dict[str, Tensor]:
+        state = {n: self.get_buffer(f"{n}_d{g.dim}") for n in self._state_names}
+        if self.optimizer in row_updates.USES_STEP:
+            state["step"] = self.get_buffer(f"step_d{g.dim}")
+        return state
+
+    def split_weights(self) -> list[Tensor]:
+        out = []
+        for i, spec in enumerate(self.tables):
+            g = self._group_of[i]
+            out.append(self.get_buffer(g.buffer).narrow(0, g.row_offset[i], spec.num_embeddings))
+        return out
+
+    def split_states(self) -> list[dict[str, Tensor]]:
+        out = []
+        for i, spec in enumerate(self.tables):
+            g = self._group_of[i]
+            state = self._state(g)
+            out.append(
+                {
+                    n: (t if t.dim() == 0 else t.narrow(0, g.row_offset[i], spec.num_embeddings))
+                    for n, t in state.items()
+                }
+            )
+        return out
+
+    # --- update ---------------------------------------------------------------------
+    @torch.no_grad()
+    def apply_update(self, g: _DimGroup, ids: Tensor, grad: Tensor) -> None:
+        rows, row_grad = row_updates.accumulate_rows(ids, grad)
+        state = self._state(g)
+        if "step" in state:
+            state["step"].add_(1)
+        row_updates.RULES[self.optimizer](self.get_buffer(g.buffer), rows, row_grad, state, self.hparams)
+
+    # --- lookup ---------------------------------------------------------------------
+    def _lookup(self, g: _DimGroup, kjt: KeyedJaggedTensor, row_offsets: list[int]) -> Tensor:
+        ids = kjt.values().long()
+        if any(row_offsets):
+            per_bag = torch.tensor(row_offsets, device=ids.device).repeat_interleave(kjt.stride())
+            ids = ids + per_bag.repeat_interleave(kjt.lengths().long(), output_size=ids.numel())
+        offsets = kjt.offsets().long() if self.pooled else None
+        psw = kjt.weights_or_none()
+        placeholder = torch.empty(0, device=ids.device, requires_grad=torch.is_grad_enabled())
+        return _FusedLookup.apply(placeholder, self, g, ids, offsets, psw)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> Tensor:
+        if self._single:
+            return self._finish(self._lookup(self._groups[0], kjt, self._feature_row_offset), kjt, len(self.feature_table))
+        # Several dims: look each group's features up separately, then restore feature order.
+        pieces: dict[int, Tensor] = {}
+        for g in self._groups:
+            feats = [f for f, fg in enumerate(self._feature_group) if fg is g]
+            if not feats:
+                continue
+            sub = kjt.permute(feats)
+            out = self._finish(self._lookup(g, sub, [self._feature_row_offset[f] for f in feats]), sub, len(feats))
+            if self.pooled:
+                pieces.update(zip(feats, out.split(g.dim, dim=1), strict=True))
+            else:
+                pieces.update(zip(feats, out.split(sub.length_per_key()), strict=True))
+        order = [pieces[f] for f in range(len(self.feature_table))]
+        return torch.cat(order, dim=1 if self.pooled else 0)
+
+    def _finish(self, out: Tensor, kjt: KeyedJaggedTensor, num_features: int) -> Tensor:
+        """Pooled ``[F*B, D]`` (key-major bags) -> ``[B, F*D]``; sequence output unchanged."""
+        if not self.pooled:
+            return out
+        b = kjt.stride()
+        return out.view(num_features, b, -1).transpose(0, 1).reshape(b, -1)

@@ -1,0 +1,119 @@
+"""``EmbeddingBagCollection``: pooled lookups of many tables, unsharded.
+
+An ordinary ``nn.Module``: one ``nn.EmbeddingBag`` (hence one trainable
+``[num_embeddings, dim]`` parameter) per table under ``embedding_bags.<table>``,
+exactly TorchRec's state-dict layout. Any ``torch.optim`` optimizer trains it; this
+unsharded run is the reference every sharded run must match.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_shardrec.configs import EmbeddingBagConfig, PoolingType
+from lightning_shardrec.modules.features import FeatureArranger, check_ids
+from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
+
+
+def check_unique_tables(tables: list, owner: str) -> None:  # type: ignore[type-arg]
+    """Table names and feature names must each be unique within one collection."""
+    names = [t.name for t in tables]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{owner}: table names repeat: {dup}")
+    owner_of: dict[str, str] = {}
+    for t in tables:
+        for f in t.feature_names:
+            if f in owner_of:
+                raise ValueError(f"{owner}: feature '{f}' is read by tables '{owner_of[f]}' and '{t.name}'")
+            owner_of[f] = t.name
+
+
+def pool(rows: Tensor, lengths: Tensor, num_features: int, mean: bool) -> Tensor:
+    """SUM-pooled key-major bags ``[F*B, D]`` -> ``[B, F*D]``, divided by bag size for MEAN."""
+    batch = lengths.numel() // max(num_features, 1)
+    out = rows.view(num_features, batch, -1)
+    if mean:
+        out = out / lengths.view(num_features, batch, 1).clamp(min=1).to(out.dtype)
+    return out.transpose(0, 1).reshape(batch, -1)
+
+
+class EmbeddingBagCollection(nn.Module):
+    """Pooled embeddings: ``forward(kjt) -> KeyedTensor`` of ``[B, sum(dims)]``.
+
+    Keys come out in feature order (table by table, each table's ``feature_names``
+    in order). ``is_weighted=True`` scales each row by the KJT's per-id weight before
+    pooling. Built on ``device="meta"``, nothing is allocated until sharding.
+    ``validate_ids`` checks every id against its table's range on every batch.
+    """
+
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        *,
+        validate_ids: bool = True,
+    ) -> None:
+        super().__init__()
+        if not tables:
+            raise ValueError("EmbeddingBagCollection needs at least one EmbeddingBagConfig")
+        bad = [type(t).__name__ for t in tables if not isinstance(t, EmbeddingBagConfig)]
+        if bad:
+            raise TypeError(f"EmbeddingBagCollection takes EmbeddingBagConfig tables, got {bad}")
+        check_unique_tables(tables, "EmbeddingBagCollection")
+        self._tables = list(tables)
+        self._is_weighted = is_weighted
+        self.validate_ids = validate_ids
+        self.embedding_bags = nn.ModuleDict()
+        for t in tables:
+            bag = nn.EmbeddingBag(
+                t.num_embeddings, t.embedding_dim, mode=t.pooling.value.lower(), device=device
+            )
+            if bag.weight.device.type != "meta":
+                t.init_weight(bag.weight)
+            self.embedding_bags[t.name] = bag
+        self._feature_names = [f for t in tables for f in t.feature_names]
+        self._arrange = FeatureArranger(self._feature_names, "EmbeddingBagCollection")
+        self._rows = [t.num_embeddings for t in tables for _ in t.feature_names]
+        self._table_of = [t.name for t in tables for _ in t.feature_names]
+        self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._tables
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def feature_names(self) -> list[str]:
+        return self._feature_names
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.embedding_bags.values())).weight.device
+
+    def reset_parameters(self) -> None:
+        for t in self._tables:
+            t.init_weight(self.embedding_bags[t.name].weight)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        kjt = self._arrange(features)
+        if self._is_weighted and kjt.weights_or_none() is None:
+            raise ValueError("EmbeddingBagCollection(is_weighted=True) got a KeyedJaggedTensor without weights")
+        if self.validate_ids:
+            check_ids(kjt, self._rows, self._table_of)
+        pooled = []
+        for t, sub in zip(self._tables, kjt.split([t.num_features for t in self._tables]), strict=True):
+            weights = sub.weights_or_none() if self._is_weighted else None
+            rows = F.embedding_bag(
+                sub.values().long(),
+                self.embedding_bags[t.name].weight,
+                sub.offsets().long(),
+                mode="sum",
+                per_sample_weights=weights,
+                include_last_offset=True,
+            )
+            pooled.append(pool(rows, sub.lengths(), t.num_features, t.pooling is PoolingType.MEAN))
+        return KeyedTensor(self._feature_names, self._dims, torch.cat(pooled, dim=1))

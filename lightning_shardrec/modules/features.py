@@ -1,0 +1,69 @@
+"""What every embedding collection (sharded or not) does to its input KJT first.
+
+* :class:`FeatureArranger` puts the KJT's keys in the collection's feature order
+  (a no-op when they already are; extra keys are dropped), caching the permutation.
+* :func:`check_ids` rejects ids outside ``[0, num_embeddings)`` with a message
+  naming the feature, its table, the id and the range — one vectorised pass.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+
+import torch
+
+from lightning_shardrec.sparse import KeyedJaggedTensor
+
+
+class FeatureArranger:
+    """Reorders KJT keys into ``feature_names`` (cached per distinct key order)."""
+
+    def __init__(self, feature_names: list[str], owner: str) -> None:
+        self.feature_names = list(feature_names)
+        self._owner = owner
+        self._cache: dict[tuple[str, ...], list[int] | None] = {}
+
+    def __call__(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        keys = tuple(features.keys())
+        if keys not in self._cache:
+            self._cache[keys] = self._permutation(list(keys))
+        perm = self._cache[keys]
+        return features if perm is None else features.permute(perm)
+
+    def _permutation(self, keys: list[str]) -> list[int] | None:
+        if keys == self.feature_names:
+            return None
+        index = {k: i for i, k in enumerate(keys)}
+        missing = [f for f in self.feature_names if f not in index]
+        if missing:
+            raise KeyError(
+                f"{self._owner}: input KeyedJaggedTensor lacks features {missing}; "
+                f"it has keys {keys}, the collection needs {self.feature_names}"
+            )
+        return [index[f] for f in self.feature_names]
+
+
+def check_ids(
+    features: KeyedJaggedTensor, num_embeddings: list[int], table_names: list[str]
+) -> None:
+    """Raise ``ValueError`` for the first id outside its table's ``[0, num_embeddings)``.
+
+    ``features`` is already in collection order; entry ``f`` of the lists belongs to
+    key ``f``.
+    """
+    values = features.values()
+    if values.numel() == 0:
+        return
+    lpk = features.length_per_key()
+    limits = torch.tensor(num_embeddings, device=values.device).repeat_interleave(
+        torch.tensor(lpk, device=values.device), output_size=values.numel()
+    )
+    bad = (values < 0) | (values >= limits)
+    if not bool(bad.any()):
+        return
+    i = int(bad.nonzero()[0])
+    f = bisect_right(features.offset_per_key(), i) - 1
+    raise ValueError(
+        f"feature '{features.keys()[f]}' (table '{table_names[f]}'): id {int(values[i])} "
+        f"outside [0, {num_embeddings[f]})"
+    )

@@ -1,0 +1,87 @@
+"""``FusedOptimizer``: the in-backward embedding optimizer seen as a ``torch.optim.Optimizer``.
+
+The rows were already updated inside backward, so ``step()`` only runs the
+closure. What the object adds is the *interface*: ``param_groups`` (an LR
+scheduler that edits ``lr`` reaches the kernels, which read this very dict),
+``state`` (views of the kernels' momentum / adagrad sums) and
+``state_dict()``/``load_state_dict()`` for checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_shardrec.configs import FusedOptimConfig
+from lightning_shardrec.kernels import BatchedEmbeddingKernel
+from lightning_shardrec.kernels.base import hparams_from
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """One param group over every table weight of ``kernels``; state per table."""
+
+    def __init__(self, kernels: Sequence[BatchedEmbeddingKernel], config: FusedOptimConfig) -> None:
+        self.kernels = list(kernels)
+        self.config = config
+        self.table_names: list[str] = [t.name for k in self.kernels for t in k.tables]
+        params: list[Tensor] = [w for k in self.kernels for w in k.split_weights()]
+        if not params:  # a rank that owns no table still has a group for schedulers
+            params = [torch.empty(0)]
+        super().__init__(params, hparams_from(config))
+        self._bind()
+
+    def _views(self) -> list[dict[str, Tensor]]:
+        return [s for k in self.kernels for s in k.split_states()]
+
+    def _bind(self) -> None:
+        """Point kernels at our param group and ``state`` at the kernels' tensors."""
+        group = self.param_groups[0]
+        for k in self.kernels:
+            k.hparams = group
+        for p, views in zip(group["params"], self._views(), strict=False):
+            self.state[p] = views
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Runs ``closure`` (once) if given; rows were updated in its backward."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to clear: fused tables never hold a ``.grad``."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "param_groups", None):
+            raise ValueError("FusedOptimizer has one param group (the kernels' tables); it cannot take more")
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load hyper-parameters and copy each table's state into the kernels in place."""
+        saved = state_dict.get("state", {})
+        if len(state_dict.get("param_groups", [])) != 1:
+            raise ValueError("FusedOptimizer state_dict must have exactly one param group")
+        num = len(self.param_groups[0]["params"])
+        if len(state_dict["param_groups"][0]["params"]) != num:
+            raise ValueError(
+                f"FusedOptimizer state_dict is for {len(state_dict['param_groups'][0]['params'])} tables, "
+                f"this optimizer has {num} ({self.table_names})"
+            )
+        views = self._views()
+        super().load_state_dict(state_dict)
+        for i, (p, dst) in enumerate(zip(self.param_groups[0]["params"], views, strict=False)):
+            src = saved.get(i, {})
+            for name, tensor in dst.items():
+                if name not in src:
+                    raise ValueError(f"table '{self.table_names[i]}': optimizer state '{name}' missing in state_dict")
+                if tuple(src[name].shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"table '{self.table_names[i]}': state '{name}' has shape {tuple(src[name].shape)}, "
+                        f"expected {tuple(tensor.shape)}"
+                    )
+                tensor.copy_(src[name])
+        self._bind()
