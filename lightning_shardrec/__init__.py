@@ -10,10 +10,33 @@ from lightning_shardrec.configs import (
 )
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from lightning_shardrec.data import RecBatch
+from lightning_shardrec.planner import (
+    EmbeddingShardingPlanner,
+    ParameterConstraints,
+    ParameterSharding,
+    ShardingPlan,
+    ShardingType,
+    Topology,
+)
 
 __version__ = "0.1.0"
 
+_LAZY_DATA = ("CriteoDataModule", "SyntheticRecDataModule")  # import Lightning on first use
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY_DATA:
+        from lightning_shardrec.data import datamodule
+
+        return getattr(datamodule, name)
+    raise AttributeError(f"module 'lightning_shardrec' has no attribute {name!r}")
+
+
 __all__ = [
+    "CriteoDataModule",
+    "RecBatch",
+    "SyntheticRecDataModule",
     "DataType",
     "EmbOptimType",
     "EmbeddingBagCollection",
@@ -26,4 +49,10 @@ __all__ = [
     "KeyedTensor",
     "PoolingType",
     "__version__",
+    "ShardingType",
+    "ParameterConstraints",
+    "ShardingPlan",
+    "ParameterSharding",
+    "EmbeddingShardingPlanner",
+    "Topology",
 ]

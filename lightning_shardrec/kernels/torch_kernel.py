@@ -169,5 +169,5 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
         """Pooled ``[F*B, D]`` (key-major bags) -> ``[B, F*D]``; sequence output unchanged."""
         if not self.pooled:
             return out
-        b = kjt.stride()
-        return out.view(num_features, b, -1).transpose(0, 1).reshape(b, -1)
+        b, d = kjt.stride(), out.shape[1]
+        return out.view(num_features, b, d).transpose(0, 1).reshape(b, num_features * d)

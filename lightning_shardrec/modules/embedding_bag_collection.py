@@ -33,11 +33,11 @@ def check_unique_tables(tables: list, owner: str) -> None:  # type: ignore[type-
 
 def pool(rows: Tensor, lengths: Tensor, num_features: int, mean: bool) -> Tensor:
     """SUM-pooled key-major bags ``[F*B, D]`` -> ``[B, F*D]``, divided by bag size for MEAN."""
-    batch = lengths.numel() // max(num_features, 1)
-    out = rows.view(num_features, batch, -1)
+    batch, dim = lengths.numel() // max(num_features, 1), rows.shape[1]
+    out = rows.view(num_features, batch, dim)
     if mean:
         out = out / lengths.view(num_features, batch, 1).clamp(min=1).to(out.dtype)
-    return out.transpose(0, 1).reshape(batch, -1)
+    return out.transpose(0, 1).reshape(batch, num_features * dim)
 
 
 class EmbeddingBagCollection(nn.Module):

@@ -181,6 +181,11 @@ def _check_shapes(
     where: str,
 ) -> None:
     """Checks that read at most one number from host tensors and nothing from devices."""
+    if values.dim() == 0:
+        raise ValueError(f"{where}: values must have one entry per value, got a 0-d tensor")
+    for name, t in (("lengths", lengths), ("offsets", offsets)):
+        if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+            raise ValueError(f"{where}: {name} must be an integer tensor, got dtype {t.dtype}")
     if lengths is not None and lengths.dim() != 1:
         raise ValueError(f"{where}: lengths must be 1-D, got shape {tuple(lengths.shape)}")
     if offsets is not None:
@@ -191,8 +196,11 @@ def _check_shapes(
                 f"{where}: {offsets.numel()} offsets disagree with {lengths.numel()} lengths "
                 f"(offsets need len(lengths) + 1 = {lengths.numel() + 1})"
             )
-    if weights is not None and weights.shape[0] != values.shape[0]:
-        raise ValueError(f"{where}: {weights.shape[0]} weights for {values.shape[0]} values (need one per value)")
+    if weights is not None and (weights.dim() == 0 or weights.shape[0] != values.shape[0]):
+        got = weights.shape[0] if weights.dim() else "a 0-d tensor of"
+        raise ValueError(
+            f"{where}: {got} weights for {values.shape[0]} values (need one per value)"
+        )
     if values.device.type != "cpu":
         return  # reading lengths would sync with the device; validate() checks them
     if lengths is not None:

@@ -166,7 +166,10 @@ class KeyedJaggedTensor:
         if len(weighted) > 1:
             raise ValueError("KeyedJaggedTensor.concat cannot mix weighted and unweighted KJTs")
         keys = [k for kjt in kjt_list for k in kjt.keys()]
-        weights = torch.cat([kjt.weights() for kjt in kjt_list]) if weighted == {True} else None
+        # KJTs without keys hold no values, so they add no weights (and may have none).
+        weights = None
+        if weighted == {True}:
+            weights = torch.cat([kjt.weights() for kjt in kjt_list if kjt.keys()])
         lpk = [n for kjt in kjt_list for n in kjt.length_per_key()] if all(
             kjt._length_per_key is not None for kjt in kjt_list
         ) else None
@@ -361,8 +364,11 @@ class KeyedJaggedTensor:
 
     def __repr__(self) -> str:
         if not self._keys:
-            return "KeyedJaggedTensor(keys=[], stride=0)"
+            return f"KeyedJaggedTensor(keys=[], stride={self._stride})"
         lines = [f"KeyedJaggedTensor(stride={self._stride}, keys={self._keys})"]
+        if self._values.device.type == "meta":  # no data to show
+            lines.append(f"  values={self._values}, lengths={self.lengths()}")
+            return "\n".join(lines)
         for k in self._keys:
             jt = self[k]
             w = f", weights={jt.weights().tolist()}" if self._weights is not None else ""

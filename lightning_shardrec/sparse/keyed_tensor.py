@@ -24,6 +24,9 @@ class KeyedTensor:
         keys, length_per_key = list(keys), list(length_per_key)
         if len(keys) != len(length_per_key):
             raise ValueError(f"KeyedTensor: {len(keys)} keys but {len(length_per_key)} lengths")
+        if len(set(keys)) != len(keys):
+            dup = sorted({k for k in keys if keys.count(k) > 1})
+            raise ValueError(f"KeyedTensor keys must be unique, repeated: {dup}")
         if values.dim() <= key_dim or values.shape[key_dim] != sum(length_per_key):
             raise ValueError(
                 f"KeyedTensor: length_per_key {length_per_key} sums to {sum(length_per_key)} "

@@ -1,0 +1,268 @@
+"""Criteo preprocessed once into memory-mapped ``.npy`` files, then read per rank. No Lightning.
+
+Layout of ``processed_dir`` (one triple per source file, in source order)::
+
+    meta.json                  sources, rows and bad lines per file, table sizes
+    day_0.dense.npy   [n, 13]  float32, log(max(x, 0) + 1)
+    day_0.sparse.npy  [n, 26]  int32 (int64 if a table has more than 2**31 rows), already hashed
+    day_0.labels.npy  [n]      uint8
+
+The files concatenate into one row space, split contiguously into
+``train | val | test`` (the last ``val_fraction + test_fraction`` of rows, in order).
+A split of ``R`` rows gives ``R // (batch_size * world_size)`` global batches; rank
+``r`` reads rows ``[r * B, (r + 1) * B)`` of each (one contiguous block), so ranks
+are disjoint, all get the same number of batches, and the global batches do not
+depend on the world size. The last ``R % (B * W)`` rows are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from lightning_shardrec.data.batch import RecBatch
+from lightning_shardrec.data.criteo import (
+    NUM_DENSE,
+    NUM_SPARSE,
+    CriteoChunk,
+    CriteoReader,
+    OnBadLine,
+    chunk_to_batch,
+    table_sizes,
+)
+from lightning_shardrec.data.loader import IndexedBatchDataset
+
+FORMAT_VERSION = 1
+_HEADER_LEN = 128  # fixed .npy header, rewritten with the row count at the end
+SPLITS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    source: str
+    stem: str
+    rows: int
+    bad_lines: int
+
+
+@dataclass(frozen=True)
+class CriteoMeta:
+    """What ``meta.json`` records; written last, so its presence means preprocessing finished."""
+
+    num_embeddings: tuple[int, ...]
+    sparse_dtype: str
+    files: tuple[SourceFile, ...]
+    version: int = FORMAT_VERSION
+
+    @property
+    def rows(self) -> int:
+        return sum(f.rows for f in self.files)
+
+    @property
+    def bad_lines(self) -> int:
+        return sum(f.bad_lines for f in self.files)
+
+    @staticmethod
+    def load(path: Path) -> CriteoMeta:
+        d = json.loads(path.read_text())
+        files = tuple(SourceFile(**f) for f in d.pop("files"))
+        return CriteoMeta(num_embeddings=tuple(d.pop("num_embeddings")), files=files, **d)
+
+
+def _npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+    body = repr(
+        {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+    ).encode()
+    return (
+        b"\x93NUMPY\x01\x00"
+        + struct.pack("<H", _HEADER_LEN - 10)
+        + body.ljust(_HEADER_LEN - 11)
+        + b"\n"
+    )
+
+
+class _NpyAppender:
+    """Write a ``.npy`` row by row without knowing the row count up front."""
+
+    def __init__(self, path: Path, dtype: np.dtype, row_shape: tuple[int, ...]) -> None:
+        self.path, self.dtype, self.row_shape, self.rows = path, np.dtype(dtype), row_shape, 0
+        self.f: BinaryIO = open(path, "wb")  # noqa: SIM115
+        self.f.write(b"\0" * _HEADER_LEN)
+
+    def append(self, a: np.ndarray) -> None:
+        self.f.write(np.ascontiguousarray(a, dtype=self.dtype).tobytes())
+        self.rows += a.shape[0]
+
+    def close(self) -> None:
+        self.f.seek(0)
+        self.f.write(_npy_header((self.rows, *self.row_shape), self.dtype))
+        self.f.close()
+
+
+def _stem(path: Path) -> str:
+    return path.name[:-3] if path.name.endswith(".gz") else path.name
+
+
+def preprocess_criteo(
+    files: Sequence[str | Path],
+    processed_dir: str | Path,
+    *,
+    num_embeddings: int | Sequence[int] = 100_000,
+    on_bad_line: OnBadLine = "error",
+    chunk_rows: int = 65_536,
+) -> CriteoMeta:
+    """Convert ``files`` (streaming, chunk by chunk) into ``processed_dir``; a no-op if already done.
+
+    Raises ``ValueError`` if ``processed_dir`` holds a finished conversion of other
+    sources or table sizes.
+    """
+    out = Path(processed_dir)
+    sizes = table_sizes(num_embeddings)
+    sources = [Path(f) for f in files]
+    meta_path = out / "meta.json"
+    if meta_path.is_file():
+        meta = CriteoMeta.load(meta_path)
+        want = ([s.name for s in sources], tuple(sizes.tolist()))
+        have = ([f.source for f in meta.files], meta.num_embeddings)
+        if want != have:
+            raise ValueError(
+                f"criteo processed_dir {str(out)!r} holds sources {have[0]} with num_embeddings "
+                f"{list(have[1])}, not {want[0]} with {list(want[1])}; delete it or use another processed_dir"
+            )
+        return meta
+    out.mkdir(parents=True, exist_ok=True)
+    sparse_dtype = np.dtype(np.int32 if int(sizes.max()) <= 2**31 else np.int64)
+    done = []
+    for src in sources:
+        stem = _stem(src)
+        reader = CriteoReader(
+            src, num_embeddings=sizes.tolist(), on_bad_line=on_bad_line, chunk_rows=chunk_rows
+        )
+        writers = [
+            _NpyAppender(out / f"{stem}.dense.npy.tmp", np.dtype(np.float32), (NUM_DENSE,)),
+            _NpyAppender(out / f"{stem}.sparse.npy.tmp", sparse_dtype, (NUM_SPARSE,)),
+            _NpyAppender(out / f"{stem}.labels.npy.tmp", np.dtype(np.uint8), ()),
+        ]
+        try:
+            for chunk in reader:
+                for w, a in zip(writers, (chunk.dense, chunk.sparse, chunk.labels), strict=True):
+                    w.append(a)
+        finally:
+            for w in writers:
+                w.close()
+        for w in writers:
+            os.replace(w.path, w.path.with_suffix(""))
+        done.append(
+            SourceFile(source=src.name, stem=stem, rows=reader.rows, bad_lines=reader.bad_lines)
+        )
+    meta = CriteoMeta(
+        num_embeddings=tuple(sizes.tolist()), sparse_dtype=sparse_dtype.name, files=tuple(done)
+    )
+    tmp = out / "meta.json.tmp"
+    tmp.write_text(json.dumps(asdict(meta), indent=1))
+    os.replace(tmp, meta_path)
+    return meta
+
+
+class CriteoBinary:
+    """The preprocessed files of ``processed_dir`` as one memory-mapped row space."""
+
+    def __init__(self, processed_dir: str | Path) -> None:
+        root = self.root = Path(processed_dir)
+        if not (root / "meta.json").is_file():
+            raise ValueError(
+                f"criteo processed_dir {str(root)!r} has no meta.json; run preprocess_criteo first"
+            )
+        self.meta = CriteoMeta.load(root / "meta.json")
+        if self.meta.version != FORMAT_VERSION:
+            raise ValueError(
+                f"criteo processed_dir {str(root)!r} has format version {self.meta.version}, "
+                f"this reader reads {FORMAT_VERSION}; preprocess again"
+            )
+        self.parts = [
+            tuple(
+                np.load(root / f"{f.stem}.{kind}.npy", mmap_mode="r")
+                for kind in ("dense", "sparse", "labels")
+            )
+            for f in self.meta.files
+        ]
+        self.starts = np.cumsum([0] + [f.rows for f in self.meta.files])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getstate__(self) -> dict[str, Path]:
+        return {"root": self.root}  # re-map in DataLoader workers instead of pickling the data
+
+    def __setstate__(self, state: dict[str, Path]) -> None:
+        self.__init__(state["root"])  # type: ignore[misc]
+
+    def read(self, lo: int, hi: int) -> CriteoChunk:
+        """Rows ``[lo, hi)`` (copied out of the maps; may span files)."""
+        if not 0 <= lo <= hi <= len(self):
+            raise IndexError(f"criteo rows [{lo}, {hi}) outside [0, {len(self)})")
+        pieces: list[tuple[np.ndarray, ...]] = []
+        k = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        while lo < hi:
+            s, e = int(self.starts[k]), int(self.starts[k + 1])
+            a, b = lo - s, min(hi, e) - s
+            pieces.append(tuple(np.array(m[a:b]) for m in self.parts[k]))
+            lo, k = s + b, k + 1
+        if len(pieces) == 1:
+            return CriteoChunk(*pieces[0])
+        return CriteoChunk(*(np.concatenate(ps) for ps in zip(*pieces, strict=True)))
+
+
+def split_ranges(
+    total: int, val_fraction: float, test_fraction: float
+) -> dict[str, tuple[int, int]]:
+    """Contiguous ``[lo, hi)`` row ranges of ``train``, ``val``, ``test`` (in that order)."""
+    if not (val_fraction >= 0 and test_fraction >= 0 and val_fraction + test_fraction < 1):
+        raise ValueError(
+            f"criteo split: val_fraction {val_fraction} and test_fraction {test_fraction} must be >= 0 "
+            "and sum to less than 1"
+        )
+    n_val, n_test = int(total * val_fraction), int(total * test_fraction)
+    n_train = total - n_val - n_test
+    return {
+        "train": (0, n_train),
+        "val": (n_train, n_train + n_val),
+        "test": (n_train + n_val, total),
+    }
+
+
+class CriteoBinaryDataset(IndexedBatchDataset):
+    """Rank ``rank``'s slices of the global batches of rows ``[lo, hi)`` of a :class:`CriteoBinary`."""
+
+    def __init__(
+        self,
+        data: CriteoBinary,
+        rows: tuple[int, int],
+        *,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        lo, hi = rows
+        if not 0 <= lo <= hi <= len(data):
+            raise ValueError(
+                f"CriteoBinaryDataset: rows [{lo}, {hi}) outside the data's [0, {len(data)})"
+            )
+        super().__init__(batch_size=batch_size, num_batches=0, rank=rank, world_size=world_size)
+        self.num_batches = (hi - lo) // self.global_batch_size
+        self.data, self.lo = data, lo
+
+    def batch(self, index: int) -> RecBatch:
+        if not 0 <= index < self.num_batches:
+            raise IndexError(
+                f"CriteoBinaryDataset: batch index {index} not in [0, {self.num_batches})"
+            )
+        start = self.lo + index * self.global_batch_size + self.rank * self.batch_size
+        return chunk_to_batch(self.data.read(start, start + self.batch_size))

@@ -1,0 +1,7 @@
+"""Sharded embedding collections and ``DistributedModelParallel``."""
+
+from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from lightning_shardrec.distributed.model_parallel import DistributedModelParallel, find_collections
+
+__all__ = ["DistributedModelParallel", "ShardedEmbeddingBagCollection", "ShardingEnv", "find_collections"]

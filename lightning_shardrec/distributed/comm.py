@@ -1,0 +1,125 @@
+"""Collectives the sharded modules use, on gloo (CPU) and NCCL (CUDA) alike.
+
+Only ``torch.distributed`` primitives: all-to-all with uneven splits (plain for ids,
+autograd-aware for embeddings, whose backward is the reverse all-to-all) and
+reduce-scatter (backward: all-gather).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class ShardingEnv:
+    """Where a sharded module lives: its process group, rank and world size."""
+
+    rank: int
+    world_size: int
+    pg: dist.ProcessGroup | None = None
+
+    @staticmethod
+    def from_process_group(pg: dist.ProcessGroup | None = None) -> ShardingEnv:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "sharding needs an initialised process group: call torch.distributed.init_process_group "
+                "(or train with Trainer(strategy='shardrec'))"
+            )
+        return ShardingEnv(dist.get_rank(pg), dist.get_world_size(pg), pg)
+
+
+def all_to_all(tensor: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv) -> Tensor:
+    """Uneven all-to-all of a 1-D (or row-split 2-D) tensor, no autograd (ids, lengths)."""
+    out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
+    if env.world_size == 1:
+        return tensor
+    dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=env.pg)
+    return out
+
+
+def all_to_all_grad(tensor: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv) -> Tensor:
+    """Uneven all-to-all along dim 0 whose backward sends gradients back the same way."""
+    if env.world_size == 1:
+        return tensor
+    return _AllToAllV.apply(tensor, out_splits, in_splits, env)
+
+
+def reduce_scatter_grad(parts: list[Tensor], env: ShardingEnv) -> Tensor:
+    """Sum ``parts[r]`` over ranks onto rank ``r`` (uneven sizes allowed); backward all-gathers."""
+    if env.world_size == 1:
+        return parts[0]
+    return _ReduceScatterV.apply(env, *parts)
+
+
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv) -> Tensor:  # type: ignore[override]
+        ctx.splits, ctx.env = (out_splits, in_splits), env
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=env.pg)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.env.pg)
+        return back, None, None, None
+
+
+class _ReduceScatterV(torch.autograd.Function):
+    """Uneven reduce-scatter; its backward is the uneven all-gather of the gradients."""
+
+    @staticmethod
+    def forward(ctx, env: ShardingEnv, *parts: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.env, ctx.rows = env, [p.shape[0] for p in parts]
+        out = parts[env.rank].new_empty(parts[env.rank].shape)
+        dist.reduce_scatter(out, [p.contiguous() for p in parts], group=env.pg)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        env, rows = ctx.env, ctx.rows
+        width = grad[0].numel() if grad.shape[0] else int(torch.tensor(grad.shape[1:]).prod())
+        mine = grad.contiguous().reshape(-1)
+        gathered = mine.new_empty(sum(rows) * width)
+        # every rank sends its gradient to every rank: an uneven all-gather
+        dist.all_to_all_single(
+            gathered, mine.repeat(env.world_size), [r * width for r in rows], [mine.numel()] * env.world_size,
+            group=env.pg,
+        )
+        return (None, *(g.view(r, *grad.shape[1:]) for g, r in zip(gathered.split([r * width for r in rows]), rows, strict=True)))
+
+
+def exchange_header(rows: Tensor, env: ShardingEnv) -> Tensor:
+    """All-to-all of a small int64 ``[W, K]`` matrix: row ``d`` goes to rank ``d``.
+
+    Returns ``[W, K]`` where row ``s`` came from rank ``s``. Used once per batch for
+    batch sizes, id counts and failure flags, so no rank enters a bulk collective
+    that another rank will never join.
+    """
+    if env.world_size == 1:
+        return rows
+    out = torch.empty_like(rows)
+    dist.all_to_all_single(out, rows.contiguous(), group=env.pg)
+    return out
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: float) -> Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+def scale_grad(x: Tensor, scale: float) -> Tensor:
+    """Identity forward; multiplies the gradient by ``scale`` (1/W: DDP's averaging)."""
+    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)

@@ -1,0 +1,171 @@
+"""``ShardedEmbeddingBagCollection``: an EmbeddingBagCollection cut across ranks.
+
+``forward`` chains three stages. ``input_dist`` checks the local batch, exchanges one
+small header with every rank (batch sizes, id counts, a failure flag: a bad batch
+on one rank stops every rank with an error instead of a hang) and routes ids to
+their owners; ``compute`` runs each group's kernel; ``output_dist`` brings pooled
+rows home, restores the unsharded feature order and applies MEAN pooling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_shardrec.configs import PoolingType
+from lightning_shardrec.distributed.comm import ShardingEnv, exchange_header
+from lightning_shardrec.distributed.input_dist import Routed
+from lightning_shardrec.distributed.sharding import SHARDINGS, EmbeddingSharding, KernelSetup, TableSharding
+from lightning_shardrec.errors import ShardingError
+from lightning_shardrec.modules import EmbeddingBagCollection
+from lightning_shardrec.modules.features import FeatureArranger, check_ids
+from lightning_shardrec.planner import ParameterSharding, ShardMetadata
+from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
+
+
+@dataclass
+class DistContext:
+    """One batch between the stages: the local KJT, every rank's batch size, per-group inputs."""
+
+    local: KeyedJaggedTensor
+    batch_sizes: list[int]
+    inputs: list[KeyedJaggedTensor]
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """Same inputs and outputs as the :class:`EmbeddingBagCollection` it replaces."""
+
+    def __init__(
+        self,
+        module: EmbeddingBagCollection,
+        plan: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        setup: KernelSetup,
+    ) -> None:
+        super().__init__()
+        configs = module.embedding_bag_configs()
+        missing = [t.name for t in configs if t.name not in plan]
+        if missing:
+            raise ShardingError(f"the sharding plan has no entry for tables {missing}")
+        self._configs = configs
+        self._is_weighted = module.is_weighted()
+        self.validate_ids = module.validate_ids
+        self.env = env
+        by_kind: dict[type[EmbeddingSharding], list[TableSharding]] = {}
+        for t in configs:
+            weight = module.embedding_bags[t.name].weight
+            real = None if weight.device.type == "meta" else weight
+            by_kind.setdefault(SHARDINGS[plan[t.name].sharding_type], []).append(TableSharding(t, plan[t.name], real))
+        # Fixed group order (registry order), identical on every rank.
+        kinds = list(dict.fromkeys(SHARDINGS.values()))
+        self.groups = nn.ModuleList([k(by_kind[k], env, setup) for k in kinds if k in by_kind])
+        grouped = [f for g in self.groups for f in g.feature_names]
+        self._arrange = FeatureArranger(grouped, "ShardedEmbeddingBagCollection")
+        table_of = {f: t for t in configs for f in t.feature_names}
+        self._rows = [table_of[f].num_embeddings for f in grouped]
+        self._table_names = [table_of[f].name for f in grouped]
+        self._group_sizes = [len(g.feature_names) for g in self.groups]
+        self._feature_names = module.feature_names()
+        self._dims = [table_of[f].embedding_dim for f in self._feature_names]
+        dims_grouped = [table_of[f].embedding_dim for f in grouped]
+        starts = dict(zip(grouped, _prefix(dims_grouped), strict=True))
+        cols = [c for f in self._feature_names for c in range(starts[f], starts[f] + table_of[f].embedding_dim)]
+        self._reorder = None if cols == list(range(len(cols))) else torch.tensor(cols, device=setup.device)
+        mean = [table_of[f].pooling is PoolingType.MEAN for f in grouped]
+        self._mean_features = torch.tensor(mean, device=setup.device) if any(mean) else None
+        self._mean_dims = torch.tensor(dims_grouped, device=setup.device)
+
+    # --- the TorchRec-style surface ------------------------------------------------------
+    def embedding_bag_configs(self) -> list:  # type: ignore[type-arg]
+        return self._configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def feature_names(self) -> list[str]:
+        return self._feature_names
+
+    def kernels(self) -> list:  # type: ignore[type-arg]
+        return [g.kernel for g in self.groups if g.fused and g.kernel is not None]
+
+    def local_shards(self) -> dict[str, list[tuple[ShardMetadata, Tensor]]]:
+        """``table -> [(shard metadata, [rows, cols] tensor)]`` held by this rank."""
+        out: dict[str, list[tuple[ShardMetadata, Tensor]]] = {}
+        for g in self.groups:
+            for name, meta, w in g.local_shards():
+                out.setdefault(name, []).append((meta, w))
+        return out
+
+    # --- the stages -----------------------------------------------------------------------
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        ctx = self.input_dist(features)
+        return self.output_dist(self.compute(ctx), ctx)
+
+    def input_dist(self, features: KeyedJaggedTensor) -> DistContext:
+        world = self.env.world_size
+        error: Exception | None = None
+        routed: list[Routed | None] = []
+        subs: list[KeyedJaggedTensor] = []
+        try:
+            kjt = self._prepare(features)
+            subs = kjt.split(self._group_sizes)
+            routed = [g.route(s) for g, s in zip(self.groups, subs, strict=True)]
+        except (KeyError, ValueError) as e:
+            error, kjt = e, features
+        header = torch.zeros(world, 2 + len(self.groups), dtype=torch.long)
+        header[:, 0] = error is not None
+        if error is None:
+            header[:, 1] = kjt.stride()
+            for i, r in enumerate(routed):
+                if r is not None:
+                    header[:, 2 + i] = torch.tensor(r.value_splits)
+        recv = exchange_header(header.to(self._mean_dims.device), self.env).cpu()
+        if error is not None:
+            raise error
+        failed = recv[:, 0].nonzero().flatten().tolist()
+        if failed:
+            raise ShardingError(
+                f"rank {self.env.rank}: ranks {failed} rejected their batch (see their error); stopping all ranks"
+            )
+        batch_sizes = recv[:, 1].tolist()
+        inputs = [
+            g.input_dist(s, r, recv[:, 2 + i].tolist(), batch_sizes)
+            for i, (g, s, r) in enumerate(zip(self.groups, subs, routed, strict=True))
+        ]
+        return DistContext(kjt, batch_sizes, inputs)
+
+    def compute(self, ctx: DistContext) -> list[Tensor]:
+        return [g.compute(x) for g, x in zip(self.groups, ctx.inputs, strict=True)]
+
+    def output_dist(self, outs: list[Tensor], ctx: DistContext) -> KeyedTensor:
+        pooled = torch.cat(
+            [g.output_dist(o, ctx.batch_sizes) for g, o in zip(self.groups, outs, strict=True)], dim=1
+        )
+        if self._mean_features is not None:
+            b = ctx.local.stride()
+            lengths = ctx.local.lengths().view(len(self._rows), b).t().clamp(min=1).to(pooled.dtype)  # [B, F]
+            divisor = torch.where(self._mean_features, lengths, torch.ones_like(lengths))
+            pooled = pooled / divisor.repeat_interleave(self._mean_dims, dim=1)
+        if self._reorder is not None:
+            pooled = pooled.index_select(1, self._reorder)
+        return KeyedTensor(self._feature_names, self._dims, pooled)
+
+    def _prepare(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        kjt = self._arrange(features)
+        if self._is_weighted and kjt.weights_or_none() is None:
+            raise ValueError("EmbeddingBagCollection(is_weighted=True) got a KeyedJaggedTensor without weights")
+        if not self._is_weighted and kjt.weights_or_none() is not None:
+            kjt = KeyedJaggedTensor._trusted(kjt.keys(), kjt.values(), None, kjt.lengths(), kjt.stride())
+        if self.validate_ids:
+            check_ids(kjt, self._rows, self._table_names)
+        return kjt.to(self._mean_dims.device)
+
+
+def _prefix(sizes: list[int]) -> list[int]:
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out

@@ -1,0 +1,128 @@
+"""Routing a rank's KJT to the ranks that own its tables (the input distribution).
+
+A rank cuts its local KJT (keys = one sharding group's features, batch ``B_r``)
+into one piece per destination, sends lengths and ids with uneven all-to-alls,
+and receives, from every source ``s``, lengths ``[K_d, B_s]`` and ids. ``regroup``
+turns that (source, key, sample) layout into the key-major KJT the kernel reads::
+
+    received  [s0: k0 k1] [s1: k0 k1]   ->   KJT keys [k0, k1], stride B_0 + B_1
+                                              bags of k0: s0's, then s1's
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all
+from lightning_shardrec.sparse import KeyedJaggedTensor
+from lightning_shardrec.sparse.ops import complete_cumsum, gather_index, segment_ids
+
+
+@dataclass
+class Routed:
+    """What one rank sends for one sharding group, concatenated in destination order."""
+
+    lengths: Tensor
+    values: Tensor
+    weights: Tensor | None
+    length_splits: list[int]  # per destination
+    value_splits: list[int]  # per destination
+
+
+def route_by_key(kjt: KeyedJaggedTensor, keys_per_dest: list[list[int]]) -> Routed:
+    """Send key ``k`` (all its bags) to every destination listing it (table/column-wise)."""
+    perm = [k for keys in keys_per_dest for k in keys]
+    sent = kjt if perm == list(range(len(kjt.keys()))) else kjt.permute(perm)
+    lpk = sent.length_per_key()
+    value_splits, start = [], 0
+    for keys in keys_per_dest:
+        value_splits.append(sum(lpk[start : start + len(keys)]))
+        start += len(keys)
+    return Routed(
+        sent.lengths(),
+        sent.values(),
+        sent.weights_or_none(),
+        [len(keys) * kjt.stride() for keys in keys_per_dest],
+        value_splits,
+    )
+
+
+@dataclass(frozen=True)
+class RowBlocks:
+    """Row blocks of a group's tables, flattened: block ``i`` starts at global row ``starts[i]``.
+
+    Tables are stacked (table ``t`` begins at ``table_base[t]``), so ``starts`` is
+    increasing and one ``searchsorted`` finds every id's block.
+    """
+
+    table_base: Tensor  # [T]
+    starts: Tensor  # [num_blocks], global rows
+    row_start: Tensor  # [num_blocks], row of the block inside its table
+    rank: Tensor  # [num_blocks]
+
+
+def route_by_row(
+    kjt: KeyedJaggedTensor, feature_table: Tensor, blocks: RowBlocks, world_size: int
+) -> Routed:
+    """Bucketize ids by row block: each id goes to its block's rank, rebased to the block.
+
+    Every destination gets lengths for all ``K * B`` bags (zero where it owns none of
+    a bag's ids); ids keep their (key, bag) order within a destination.
+    """
+    values = kjt.values()
+    num_bags = kjt.lengths().numel()
+    bag = segment_ids(kjt.lengths(), total=values.numel())
+    table = feature_table[torch.div(bag, max(kjt.stride(), 1), rounding_mode="floor")]
+    global_row = blocks.table_base[table] + values.long()
+    block = torch.searchsorted(blocks.starts, global_row, right=True) - 1
+    dest = blocks.rank[block]
+    order = torch.sort(dest, stable=True).indices
+    local = (values.long() - blocks.row_start[block]).index_select(0, order)
+    lengths = torch.bincount(dest * num_bags + bag, minlength=world_size * num_bags)
+    weights = kjt.weights_or_none()
+    return Routed(
+        lengths.to(kjt.lengths().dtype),
+        local,
+        None if weights is None else weights.index_select(0, order),
+        [num_bags] * world_size,
+        torch.bincount(dest, minlength=world_size).tolist(),
+    )
+
+
+def exchange(
+    routed: Routed, recv_values: list[int], num_keys: int, batch_per_source: list[int], env: ShardingEnv
+) -> KeyedJaggedTensor:
+    """The all-to-alls for one group, then :func:`regroup` into a key-major KJT."""
+    recv_lengths = [num_keys * b for b in batch_per_source]
+    lengths = all_to_all(routed.lengths, recv_lengths, routed.length_splits, env)
+    values = all_to_all(routed.values, recv_values, routed.value_splits, env)
+    weights = None
+    if routed.weights is not None:
+        weights = all_to_all(routed.weights, recv_values, routed.value_splits, env)
+    return regroup(lengths, values, weights, num_keys, batch_per_source)
+
+
+def regroup(
+    lengths: Tensor, values: Tensor, weights: Tensor | None, num_keys: int, batch_per_source: list[int]
+) -> KeyedJaggedTensor:
+    """(source, key, sample) -> key-major (key, source, sample); keys are named by index."""
+    keys = [str(k) for k in range(num_keys)]
+    total_batch = sum(batch_per_source)
+    sources = len(batch_per_source)
+    if sources == 1 or num_keys <= 1:
+        return KeyedJaggedTensor._trusted(keys, values, weights, lengths, total_batch)
+    device = lengths.device
+    seg_len = torch.tensor(batch_per_source, device=device).repeat_interleave(num_keys)  # [S*K]
+    seg_start = complete_cumsum(seg_len)
+    order = torch.arange(sources * num_keys, device=device).view(sources, num_keys).t().reshape(-1)
+    new_lengths = lengths.index_select(0, gather_index(seg_start[:-1][order], seg_len[order], total=lengths.numel()))
+    offsets = complete_cumsum(lengths)
+    val_start = offsets.index_select(0, seg_start[:-1])
+    val_len = offsets.index_select(0, seg_start[1:]) - val_start
+    index = gather_index(val_start[order], val_len[order], total=values.numel())
+    new_values = values.index_select(0, index)
+    new_weights = None if weights is None else weights.index_select(0, index)
+    return KeyedJaggedTensor._trusted(keys, new_values, new_weights, new_lengths, total_batch)

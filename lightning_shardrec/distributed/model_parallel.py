@@ -1,0 +1,153 @@
+"""``DistributedModelParallel``: plan, shard the embedding collections, DDP the rest.
+
+Plain PyTorch (no Lightning)::
+
+    dist.init_process_group("gloo")
+    model = DistributedModelParallel(MyModel(), embedding_optimizer=FusedOptimConfig(optimizer="adagrad", lr=0.05))
+    dense_opt = torch.optim.Adagrad(model.dense_parameters(), lr=0.05)
+    loss = model(batch).mean(); loss.backward(); dense_opt.step()   # tables already stepped in backward
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_shardrec.configs import FusedOptimConfig
+from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from lightning_shardrec.distributed.sharding import KernelSetup
+from lightning_shardrec.kernels import KernelBackend
+from lightning_shardrec.modules import EmbeddingBagCollection
+from lightning_shardrec.optim import FusedOptimizer
+from lightning_shardrec.planner import (
+    EmbeddingShardingPlanner,
+    ParameterSharding,
+    ShardingPlan,
+    ShardMetadata,
+    Topology,
+    collective_plan,
+)
+
+_SHARDED = {EmbeddingBagCollection: ShardedEmbeddingBagCollection}
+
+
+def find_collections(module: nn.Module) -> dict[str, nn.Module]:
+    """Module path -> every embedding collection this library can shard."""
+    return {name: m for name, m in module.named_modules() if type(m) in _SHARDED}
+
+
+def default_device(env: ShardingEnv) -> torch.device:
+    if dist.is_initialized() and dist.get_backend(env.pg) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def shard_modules(
+    module: nn.Module, plan: ShardingPlan, env: ShardingEnv, setup: KernelSetup
+) -> dict[str, ShardedEmbeddingBagCollection]:
+    """Replace each collection in ``module`` (in place) by its sharded version."""
+    sharded = {}
+    for path, coll in find_collections(module).items():
+        tables = plan.get_plan_for_module(path)
+        if tables is None:
+            raise ValueError(f"the sharding plan has no entry for module '{path or '<root>'}'")
+        new = _SHARDED[type(coll)](coll, dict(tables), env, setup)
+        if path:
+            parent, _, leaf = path.rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, leaf, new)
+        sharded[path] = new
+    return sharded
+
+
+class DistributedModelParallel(nn.Module):
+    """Wraps ``module``: sharded embedding collections, DDP for the dense rest.
+
+    ``plan`` (whole or partial) pins tables; the others are planned by ``planner``
+    (default: an :class:`EmbeddingShardingPlanner` for the live process group). Tables
+    train with ``embedding_optimizer`` inside backward; ``fused_optimizer`` exposes it
+    as a ``torch.optim.Optimizer`` (for LR schedulers and checkpoints).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: ShardingPlan | dict[str, ParameterSharding] | None = None,
+        planner: EmbeddingShardingPlanner | None = None,
+        device: torch.device | str | None = None,
+        embedding_optimizer: FusedOptimConfig | str = "adagrad",
+        kernel: KernelBackend | str = KernelBackend.AUTO,
+        pg: dist.ProcessGroup | None = None,
+        batch_size: int = 512,
+    ) -> None:
+        super().__init__()
+        self.env = ShardingEnv.from_process_group(pg)
+        self.device = torch.device(device) if device is not None else default_device(self.env)
+        optim = embedding_optimizer
+        if not isinstance(optim, FusedOptimConfig):
+            optim = FusedOptimConfig(optimizer=optim)
+        if planner is None:
+            topology = Topology.from_process_group(pg)
+            planner = EmbeddingShardingPlanner(topology, batch_size=batch_size, optimizer=optim.optimizer)
+        collections = find_collections(module)
+        if isinstance(plan, ShardingPlan) and set(plan.plan) >= set(collections):
+            complete = all(
+                set(plan.plan[p]) >= {t.name for t in c.embedding_bag_configs()} for p, c in collections.items()
+            )
+        else:
+            complete = False
+        self.plan = plan if complete else collective_plan(planner, module, plan, pg=pg)  # type: ignore[arg-type]
+        setup = KernelSetup(optim=optim, backend=kernel, device=self.device)
+        self.sharded = shard_modules(module, self.plan, self.env, setup)  # type: ignore[arg-type]
+        if "" in self.sharded:  # the model *is* a collection
+            module = self.sharded[""]
+        module.to(self.device)
+        self.fused_optimizer = FusedOptimizer([k for s in self.sharded.values() for k in s.kernels()], optim)
+        self._dmp_wrapped_module = self._wrap_dense(module)
+
+    def _wrap_dense(self, module: nn.Module) -> nn.Module:
+        fused: list[str] = []
+        for path, sharded in self.sharded.items():
+            for i, group in enumerate(sharded.groups):
+                if group.fused:
+                    prefix = f"{path}.groups.{i}" if path else f"groups.{i}"
+                    fused += [n for n, _ in group.named_parameters(prefix=prefix)]
+                    fused += [n for n, _ in group.named_buffers(prefix=prefix)]
+        skip = set(fused)
+        if not any(p.requires_grad for n, p in module.named_parameters() if n not in skip):
+            return module  # nothing dense to synchronise
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, fused)
+        device_ids = [self.device] if self.device.type == "cuda" else None
+        # DDP's gradient all-reduces fire from backward hooks in an order autograd picks;
+        # on their own group they can never interleave with the embeddings' collectives.
+        dense_pg = dist.new_group(ranks=dist.get_process_group_ranks(self.env.pg or dist.group.WORLD))
+        return DistributedDataParallel(module, device_ids=device_ids, process_group=dense_pg)
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped model (inside DDP when there is a dense part)."""
+        m = self._dmp_wrapped_module
+        return m.module if isinstance(m, DistributedDataParallel) else m
+
+    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return self._dmp_wrapped_module(*args, **kwargs)
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters the user's optimizer should train: all but the fused tables."""
+        fused = {id(t) for s in self.sharded.values() for g in s.groups if g.fused for t in g.parameters()}
+        fused |= {id(t) for s in self.sharded.values() for g in s.groups if g.fused for t in g.buffers()}
+        return (p for p in self.module.parameters() if id(p) not in fused)
+
+    def local_shards(self) -> dict[str, list[tuple[ShardMetadata, Tensor]]]:
+        """``'<module path>.embedding_bags.<table>.weight' -> [(shard, tensor)]`` held here."""
+        out = {}
+        for path, s in self.sharded.items():
+            prefix = f"{path}." if path else ""
+            for table, shards in s.local_shards().items():
+                out[f"{prefix}embedding_bags.{table}.weight"] = shards
+        return out
+

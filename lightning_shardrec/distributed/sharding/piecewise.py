@@ -1,0 +1,96 @@
+"""Table-wise and column-wise sharding: every shard holds all rows of some columns.
+
+A table-wise table is one piece (all columns) on one rank; a column-wise table is
+several pieces, each a column range on some rank. A feature's ids go, whole, to
+every rank holding a piece of its table (duplicated for column-wise); each piece
+pools its columns for the global batch and sends ``[B_s, width]`` back to source
+``s``, which puts the pieces of each feature side by side in column order::
+
+    rank 0 (piece t[:, 0:8])  --[B_r, 8]--\\
+                                           >-- [B_r, 16] for feature f on rank r
+    rank 1 (piece t[:, 8:16]) --[B_r, 8]--/
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_grad, scale_grad
+from lightning_shardrec.distributed.input_dist import Routed, exchange, route_by_key
+from lightning_shardrec.distributed.sharding.base import EmbeddingSharding, KernelSetup, TableSharding
+from lightning_shardrec.sparse import KeyedJaggedTensor
+
+
+class PiecewiseSharding(EmbeddingSharding):
+    """Table-wise (one piece per table) and column-wise (column pieces) tables."""
+
+    def __init__(self, tables: list[TableSharding], env: ShardingEnv, setup: KernelSetup) -> None:
+        super().__init__(tables, env, setup)
+        world = env.world_size
+        # Pieces per rank, in (table, column) order; a piece serves every feature of its table.
+        keys_per_dest: list[list[int]] = [[] for _ in range(world)]
+        widths_per_dest: list[list[int]] = [[] for _ in range(world)]
+        where: dict[tuple[int, int], tuple[int, int]] = {}  # (feature, piece col) -> (dest, slot)
+        local, local_features = [], []
+        for t_idx, t in enumerate(tables):
+            features = [f for f, ft in enumerate(self.feature_table) if ft == t_idx]
+            for shard in sorted(t.plan.shards, key=lambda s: s.shard_offsets[1]):
+                d = shard.rank
+                if d == env.rank:
+                    local.append((t, shard))
+                for f in features:
+                    where[(f, shard.shard_offsets[1])] = (d, len(keys_per_dest[d]))
+                    keys_per_dest[d].append(f)
+                    widths_per_dest[d].append(shard.shard_sizes[1])
+                    if d == env.rank:
+                        local_features.append(len(local) - 1)
+        self.keys_per_dest = keys_per_dest
+        self.recv_widths = [sum(w) for w in widths_per_dest]  # columns each rank sends back
+        self.build_kernel(local, local_features)
+        # Column index: received [B_r, sum over ranks of widths] -> group feature order.
+        starts = [0] * world
+        for d in range(1, world):
+            starts[d] = starts[d - 1] + self.recv_widths[d - 1]
+        slot_start: dict[tuple[int, int], int] = {}
+        for d in range(world):
+            col = starts[d]
+            for slot, w in enumerate(widths_per_dest[d]):
+                slot_start[(d, slot)] = col
+                col += w
+        index: list[int] = []
+        for (f, _c), (d, slot) in sorted(where.items()):
+            width = widths_per_dest[d][slot]
+            index.extend(range(slot_start[(d, slot)], slot_start[(d, slot)] + width))
+        identity = index == list(range(len(index)))
+        self.register_buffer("_columns", None if identity else torch.tensor(index), persistent=False)
+
+    def route(self, kjt: KeyedJaggedTensor) -> Routed:
+        return route_by_key(kjt, self.keys_per_dest)
+
+    def input_dist(
+        self, kjt: KeyedJaggedTensor, routed: Routed | None, recv_values: list[int], batch_sizes: list[int]
+    ) -> KeyedJaggedTensor:
+        num_keys = len(self.keys_per_dest[self.env.rank])
+        return exchange(routed, recv_values, num_keys, batch_sizes, self.env)  # type: ignore[arg-type]
+
+    def compute(self, kjt: KeyedJaggedTensor) -> Tensor:
+        if self.kernel is None:
+            return self.empty_output(kjt.stride(), 0)
+        return self.kernel(kjt)
+
+    def output_dist(self, out: Tensor, batch_sizes: list[int]) -> Tensor:
+        me = self.env.rank
+        b = batch_sizes[me]
+        width = out.shape[1]
+        recv = all_to_all_grad(
+            out.reshape(-1),
+            [b * w for w in self.recv_widths],
+            [bs * width for bs in batch_sizes],
+            self.env,
+        )
+        parts = [p.view(b, w) for p, w in zip(recv.split([b * w for w in self.recv_widths]), self.recv_widths, strict=True)]
+        pooled = torch.cat(parts, dim=1)
+        if self._columns is not None:
+            pooled = pooled.index_select(1, self._columns)
+        return scale_grad(pooled, 1.0 / self.env.world_size)

@@ -1,0 +1,39 @@
+"""Sharding planner: topology, constraints, cost model, partitioner, plans.
+
+Pure: plans for a pretend world size from table configs; ``collective_plan`` is the
+only part that talks to a process group.
+"""
+
+from lightning_shardrec.planner.collective import collective_plan
+from lightning_shardrec.planner.perf import Workload, shard_perf
+from lightning_shardrec.planner.planner import EmbeddingShardingPlanner
+from lightning_shardrec.planner.sharding_plan import PlanStats, ShardingPlan
+from lightning_shardrec.planner.storage import shard_storage
+from lightning_shardrec.planner.topology import DEVICE_DEFAULTS, ComputeDevice, Topology
+from lightning_shardrec.planner.types import (
+    EmbeddingComputeKernel,
+    ParameterConstraints,
+    ParameterSharding,
+    ShardingType,
+    ShardMetadata,
+)
+from lightning_shardrec.planner.validate import sharding_problems
+
+__all__ = [
+    "DEVICE_DEFAULTS",
+    "ComputeDevice",
+    "EmbeddingComputeKernel",
+    "EmbeddingShardingPlanner",
+    "ParameterConstraints",
+    "ParameterSharding",
+    "PlanStats",
+    "ShardMetadata",
+    "ShardingPlan",
+    "ShardingType",
+    "Topology",
+    "Workload",
+    "collective_plan",
+    "shard_perf",
+    "shard_storage",
+    "sharding_problems",
+]

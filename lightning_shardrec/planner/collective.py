@@ -1,0 +1,38 @@
+"""The only distributed part of planning: agree on one plan across ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_shardrec.planner.planner import EmbeddingShardingPlanner, FixedPlan
+from lightning_shardrec.planner.sharding_plan import ShardingPlan
+from lightning_shardrec.planner.tables import TablesInput
+
+
+def collective_plan(
+    planner: EmbeddingShardingPlanner,
+    module: TablesInput,
+    fixed: FixedPlan | None = None,
+    pg: Any = None,
+    src: int = 0,
+) -> ShardingPlan:
+    """Plan on global rank ``src`` and broadcast it to every rank of ``pg``.
+
+    Planning is deterministic, so every rank could plan alone; broadcasting guarantees
+    one plan even if ranks were given different inputs. Without an initialized process
+    group this is just ``planner.plan(module, fixed)``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return planner.plan(module, fixed)
+    box: list[ShardingPlan | None] = [
+        planner.plan(module, fixed) if dist.get_rank() == src else None
+    ]
+    dist.broadcast_object_list(box, src=src, group=pg)
+    plan = box[0]
+    if not isinstance(plan, ShardingPlan):
+        raise RuntimeError(
+            f"collective_plan: rank {src} broadcast {type(plan).__name__}, not a ShardingPlan"
+        )
+    return plan

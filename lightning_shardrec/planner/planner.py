@@ -1,0 +1,200 @@
+"""``EmbeddingShardingPlanner``: tables + topology + constraints -> ``ShardingPlan``.
+
+Pure: plans for a pretend world, touches no process group (see ``collective`` for the
+few lines that share a plan across ranks). Stages: find tables -> resolve constraints
+-> user-given shardings -> data-parallel tables -> partition the rest -> plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from lightning_shardrec.configs import EmbOptimType
+from lightning_shardrec.errors import PlannerError
+from lightning_shardrec.planner.enumerate import TableOptions, prefers_data_parallel, table_options
+from lightning_shardrec.planner.partition import Placement, RankLoads, partition
+from lightning_shardrec.planner.perf import Workload, shard_perf
+from lightning_shardrec.planner.sharding_plan import GiB, PlanStats, ShardingPlan
+from lightning_shardrec.planner.storage import resident_bytes, shard_storage
+from lightning_shardrec.planner.tables import TablesInput, TableSpec, find_tables, table_specs
+from lightning_shardrec.planner.topology import Topology
+from lightning_shardrec.planner.types import (
+    EmbeddingComputeKernel,
+    ParameterConstraints,
+    ParameterSharding,
+    ShardingType,
+    ShardMetadata,
+)
+from lightning_shardrec.planner.validate import sharding_problems
+
+FixedPlan = ShardingPlan | Mapping[str, ParameterSharding]
+Key = tuple[str, str]
+
+
+class EmbeddingShardingPlanner:
+    """Plans how to shard embedding tables over ``topology`` (``batch_size`` is per rank)."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        batch_size: int = 512,
+        constraints: Mapping[str, ParameterConstraints] | None = None,
+        optimizer: EmbOptimType | str = EmbOptimType.ADAGRAD,
+    ) -> None:
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(
+                f"EmbeddingShardingPlanner: batch_size must be a positive int, got {batch_size!r}"
+            )
+        self.topology = topology
+        self.batch_size = batch_size
+        self.constraints = dict(constraints or {})
+        self.work = Workload(
+            topology=topology, batch_size=batch_size, optimizer=EmbOptimType.parse(optimizer)
+        )
+
+    def plan(self, module: TablesInput, fixed: FixedPlan | None = None) -> ShardingPlan:
+        """Plan every table of ``module`` (or of a dict module path -> table configs).
+
+        ``fixed`` (a whole or partial plan, or table name -> sharding) is kept as given
+        after validation; the planner places the other tables around it.
+        """
+        topo, work = self.topology, self.work
+        specs = table_specs(find_tables(module), self.constraints, topo.world_size)
+        by_key = {s.key: s for s in specs}
+        given = self._fixed(fixed, specs)
+        cap = topo.memory_cap
+        load = [0.0] * topo.world_size
+        used = [0] * topo.world_size
+        result: dict[Key, ParameterSharding] = {}
+        owners: dict[int, list[str]] = {}
+        for key, ps in given.items():
+            self._charge(by_key[key], ps, load, used, owners)
+            result[key] = ps
+        free_opts: list[TableOptions] = []
+        lower = sum(load)
+        for spec in specs:
+            if spec.key in given:
+                continue
+            opt = table_options(spec, work)
+            if not opt.kinds:
+                raise PlannerError(
+                    f"table {spec.label}: no sharding type fits its constraints (sharding_types "
+                    f"{[k.value for k in spec.sharding_types]}, compute_kernels "
+                    f"{[k.value for k in spec.compute_kernels]}, ranks {spec.ranks}); data_parallel "
+                    "needs the 'dense' kernel and every rank, the others need 'fused'"
+                )
+            lower += opt.cheapest_total
+            if prefers_data_parallel(opt, cap):
+                ps = _data_parallel(spec, topo.world_size)
+                self._charge(spec, ps, load, used, owners)
+                result[spec.key] = ps
+            else:
+                free_opts.append(opt)
+        over = [r for r in range(topo.world_size) if used[r] > cap]
+        if over:
+            raise PlannerError(
+                "the given and data-parallel tables do not fit in memory:\n  "
+                + "\n  ".join(
+                    f"rank {r} needs {used[r]} bytes ({used[r] / GiB:.2f} GiB) for tables "
+                    f"{sorted(set(owners[r]))}; capacity {cap} bytes ({cap / GiB:.2f} GiB)"
+                    for r in over
+                )
+            )
+        free = [cap - u for u in used]
+        placed, failed, ranks = partition(free_opts, work, load, free, lower / topo.world_size)
+        if failed:
+            raise PlannerError(
+                "no sharding plan fits in memory:\n  "
+                + "\n  ".join(self._too_big(o, ranks) for o in failed)
+            )
+        for p in placed:
+            result[p.table.key] = _sharding(p)
+        plan: dict[str, dict[str, ParameterSharding]] = {}
+        for spec in specs:
+            plan.setdefault(spec.path, {})[spec.name] = result[spec.key]
+        stats = PlanStats(
+            rank_storage=[cap - f for f in ranks.free],
+            rank_cost=ranks.load,
+            storage_cap=cap,
+            lower_bound=lower / topo.world_size,
+        )
+        return ShardingPlan(plan, stats=stats)
+
+    def _fixed(
+        self, fixed: FixedPlan | None, specs: list[TableSpec]
+    ) -> dict[Key, ParameterSharding]:
+        if fixed is None:
+            return {}
+        by_key = {s.key: s for s in specs}
+        available = ", ".join(f"{p or '<root>'}.{n}" for p, n in sorted(by_key))
+        problems: list[str] = []
+        if isinstance(fixed, ShardingPlan):
+            wanted = {(p, n): ps for p, tables in fixed.plan.items() for n, ps in tables.items()}
+        else:
+            wanted = {(s.path, s.name): fixed[s.name] for s in specs if s.name in fixed}
+            known = {s.name for s in specs}
+            problems.extend(
+                f"table '{n}' is not in the model; available: {available}"
+                for n in sorted(set(fixed) - known)
+            )
+        for key, ps in sorted(wanted.items()):
+            spec = by_key.get(key)
+            if spec is None:
+                problems.append(
+                    f"table '{key[1]}' (module '{key[0]}') is not in the model; available: {available}"
+                )
+                continue
+            if not isinstance(ps, ParameterSharding):
+                problems.append(
+                    f"table {spec.label}: expected a ParameterSharding, got {type(ps).__name__}"
+                )
+                continue
+            problems.extend(
+                f"table {spec.label}: {p}" for p in sharding_problems(spec, ps, self.topology)
+            )
+        if problems:
+            raise PlannerError("invalid given sharding plan:\n  " + "\n  ".join(problems))
+        return wanted
+
+    def _charge(
+        self,
+        spec: TableSpec,
+        ps: ParameterSharding,
+        load: list[float],
+        used: list[int],
+        owners: dict[int, list[str]],
+    ) -> None:
+        for s in ps.shards:
+            rows, cols = s.shard_sizes
+            load[s.rank] += shard_perf(spec, self.work, ps.sharding_type, rows, cols)
+            used[s.rank] += shard_storage(spec, self.work, ps.sharding_type, rows, cols)
+            owners.setdefault(s.rank, []).append(spec.name)
+
+    def _too_big(self, opt: TableOptions, ranks: RankLoads) -> str:
+        spec, cap = opt.table, self.topology.memory_cap
+        weights, state = resident_bytes(spec, self.work)
+        buffers = opt.tw_mem - weights - state
+        best = max(range(len(ranks.free)), key=lambda r: (ranks.free[r], -r))
+        largest = int(ranks.free[best])
+        total = int(sum(max(f, 0) for f in ranks.free))
+        return (
+            f"table {spec.label} needs {opt.tw_mem} bytes ({opt.tw_mem / GiB:.2f} GiB: weights "
+            f"{weights / GiB:.2f} + optimizer state {state / GiB:.2f} + buffers {buffers / GiB:.2f}) "
+            f"with sharding types {[k.value for k in opt.kinds]}; largest free capacity {largest} bytes "
+            f"({largest / GiB:.2f} GiB, rank {best} of {cap / GiB:.2f} GiB), "
+            f"{total} bytes ({total / GiB:.2f} GiB) free over {len(ranks.free)} ranks"
+        )
+
+
+def _data_parallel(spec: TableSpec, world_size: int) -> ParameterSharding:
+    shards = [ShardMetadata((0, 0), (spec.rows, spec.dim), r) for r in range(world_size)]
+    return ParameterSharding(
+        ShardingType.DATA_PARALLEL, EmbeddingComputeKernel.DENSE, list(range(world_size)), shards
+    )
+
+
+def _sharding(p: Placement) -> ParameterSharding:
+    shards = [
+        ShardMetadata((x.row_offset, x.col_offset), (x.rows, x.cols), x.rank) for x in p.pieces
+    ]
+    return ParameterSharding(p.kind, EmbeddingComputeKernel.FUSED, [s.rank for s in shards], shards)

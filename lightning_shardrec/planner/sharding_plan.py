@@ -1,0 +1,144 @@
+"""``ShardingPlan``: module path -> table name -> ``ParameterSharding``, plus its estimates."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lightning_shardrec.planner.types import ParameterSharding, ShardingType
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanStats:
+    """The planner's estimates for a plan: per-rank bytes and step seconds."""
+
+    rank_storage: Sequence[float]  # bytes, stored as a tuple of ints
+    rank_cost: Sequence[float]  # seconds per step, stored as a tuple
+    storage_cap: int
+    lower_bound: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rank_storage", tuple(int(x) for x in self.rank_storage))
+        object.__setattr__(self, "rank_cost", tuple(float(x) for x in self.rank_cost))
+
+    @property
+    def max_cost(self) -> float:
+        return max(self.rank_cost)
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean of the per-rank estimated cost (1.0 = perfectly balanced)."""
+        mean = sum(self.rank_cost) / len(self.rank_cost)
+        return self.max_cost / mean if mean > 0 else 1.0
+
+    @property
+    def vs_lower_bound(self) -> float:
+        """max-rank cost / lower bound (total of each table's cheapest arrangement / world size)."""
+        return self.max_cost / self.lower_bound if self.lower_bound > 0 else 1.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "rank_storage": list(self.rank_storage),
+            "rank_cost": list(self.rank_cost),
+            "storage_cap": self.storage_cap,
+            "lower_bound": self.lower_bound,
+        }
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """How every table of every collection is sharded (``==`` compares only ``plan``)."""
+
+    plan: dict[str, dict[str, ParameterSharding]]
+    stats: PlanStats | None = field(default=None, compare=False, kw_only=True)
+
+    def get_plan_for_module(self, module_path: str) -> dict[str, ParameterSharding] | None:
+        """The table shardings of the collection at ``module_path`` (``""`` = root), or None."""
+        return self.plan.get(module_path)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        data = {
+            "plan": {
+                path: {name: ps.to_dict() for name, ps in tables.items()}
+                for path, tables in self.plan.items()
+            },
+            "stats": None if self.stats is None else self.stats.to_dict(),
+        }
+        return json.dumps(data, indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> ShardingPlan:
+        data = json.loads(text)
+        if not isinstance(data, dict) or not isinstance(data.get("plan"), dict):
+            raise ValueError('ShardingPlan.from_json: expected an object with a "plan" key')
+        plan = {
+            path: {name: ParameterSharding.from_dict(ps) for name, ps in tables.items()}
+            for path, tables in data["plan"].items()
+        }
+        stats = data.get("stats")
+        return cls(plan, stats=None if stats is None else PlanStats(**stats))
+
+    def __str__(self) -> str:
+        header = (
+            "module",
+            "param",
+            "sharding type",
+            "kernel",
+            "ranks",
+            "shards (rank: offsets sizes)",
+        )
+        rows = [header]
+        for path in sorted(self.plan):
+            for name in sorted(self.plan[path]):
+                ps = self.plan[path][name]
+                rows.append(
+                    (
+                        path or "<root>",
+                        name,
+                        ps.sharding_type.value,
+                        ps.compute_kernel.value,
+                        _ranks(ps),
+                        _shards(ps),
+                    )
+                )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+        lines = [
+            " | ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + " | " + r[-1]
+            for r in rows
+        ]
+        lines.insert(1, "-+-".join("-" * w for w in widths) + "-+-" + "-" * len(header[-1]))
+        if self.stats is not None:
+            lines.extend(_stats_lines(self.stats))
+        return "\n".join(lines)
+
+
+def _ranks(ps: ParameterSharding) -> str:
+    ranks = list(ps.ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{ranks[0]}..{ranks[-1]}"
+    return ",".join(str(r) for r in ranks)
+
+
+def _shards(ps: ParameterSharding) -> str:
+    if ps.sharding_type is ShardingType.DATA_PARALLEL and ps.shards:
+        s = ps.shards[0]
+        return f"full [{s.shard_sizes[0]}, {s.shard_sizes[1]}] on each of {len(ps.shards)} ranks"
+    return " ".join(
+        f"r{s.rank}:[{s.shard_offsets[0]},{s.shard_offsets[1]}]+[{s.shard_sizes[0]},{s.shard_sizes[1]}]"
+        for s in ps.shards
+    )
+
+
+def _stats_lines(stats: PlanStats) -> list[str]:
+    lines = ["", "rank | storage (bytes) | storage (GiB) | used | est. cost (ms/step)"]
+    for r, (mem, cost) in enumerate(zip(stats.rank_storage, stats.rank_cost, strict=True)):
+        used = mem / stats.storage_cap if stats.storage_cap else 0.0
+        lines.append(f"{r:>4} | {mem:>15} | {mem / GiB:>13.3f} | {used:>4.0%} | {cost * 1e3:.4f}")
+    lines.append(
+        f"max cost {stats.max_cost * 1e3:.4f} ms, imbalance (max/mean) {stats.imbalance:.3f}, "
+        f"lower bound {stats.lower_bound * 1e3:.4f} ms (max/bound {stats.vs_lower_bound:.3f})"
+    )
+    return lines

@@ -1,0 +1,152 @@
+"""What the planner plans: one ``TableSpec`` per table, found in a module or given as a dict."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_shardrec.configs import BaseEmbeddingConfig, EmbeddingConfig
+from lightning_shardrec.errors import PlannerError
+from lightning_shardrec.planner.types import (
+    EmbeddingComputeKernel,
+    ParameterConstraints,
+    ShardingType,
+)
+
+DEFAULT_MIN_PARTITION = 32
+COLUMN_ALIGN = 4  # column shards are multiples of 4 wide (fbgemm's row alignment)
+
+TablesInput = nn.Module | Mapping[str, Sequence[BaseEmbeddingConfig]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableSpec:
+    """One table with its constraints resolved (every default filled in)."""
+
+    path: str
+    name: str
+    rows: int
+    dim: int
+    elem_bytes: float
+    sequence: bool
+    ids_per_sample: float
+    bags_per_sample: float
+    sharding_types: tuple[ShardingType, ...]
+    compute_kernels: tuple[EmbeddingComputeKernel, ...]
+    min_partition: int
+    ranks: tuple[int, ...] | None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.path, self.name)
+
+    @property
+    def label(self) -> str:
+        return f"'{self.name}'" if not self.path else f"'{self.name}' (module '{self.path}')"
+
+
+def find_tables(tables: TablesInput) -> dict[str, list[BaseEmbeddingConfig]]:
+    """Module path -> table configs; a module is searched for collections by duck typing.
+
+    A submodule counts as a collection when it has ``embedding_bag_configs()`` (pooled)
+    or ``embedding_configs()`` (sequence); the root module itself has path ``""``.
+    """
+    if isinstance(tables, nn.Module):
+        found: dict[str, list[BaseEmbeddingConfig]] = {}
+        for path, module in tables.named_modules():
+            if any(path.startswith(f"{p}.") or (p == "" and path) for p in found):
+                continue  # inside a collection already found
+            for method in ("embedding_bag_configs", "embedding_configs"):
+                getter = getattr(module, method, None)
+                if callable(getter):
+                    found[path] = list(getter())
+                    break
+        if not found:
+            raise PlannerError(
+                f"{type(tables).__name__} has no embedding collection: no submodule has "
+                "embedding_bag_configs() or embedding_configs()"
+            )
+        return found
+    if not isinstance(tables, Mapping):
+        raise TypeError(
+            "plan() takes an nn.Module or a dict of module path -> list of table configs, "
+            f"got {type(tables).__name__}"
+        )
+    out: dict[str, list[BaseEmbeddingConfig]] = {}
+    for path, configs in tables.items():
+        bad = [c for c in configs if not isinstance(c, BaseEmbeddingConfig)]
+        if bad:
+            raise TypeError(
+                f"module '{path}': tables must be EmbeddingBagConfig / EmbeddingConfig, "
+                f"got {type(bad[0]).__name__}"
+            )
+        out[str(path)] = list(configs)
+    return out
+
+
+def table_specs(
+    tables: Mapping[str, list[BaseEmbeddingConfig]],
+    constraints: Mapping[str, ParameterConstraints],
+    world_size: int,
+) -> list[TableSpec]:
+    """Resolve every table's constraints; raise once listing every bad table."""
+    problems: list[str] = []
+    specs: list[TableSpec] = []
+    all_names = {c.name for configs in tables.values() for c in configs}
+    unknown = sorted(set(constraints) - all_names)
+    if unknown:
+        problems.append(
+            f"constraints name unknown tables {unknown}; available: {', '.join(sorted(all_names))}"
+        )
+    for path in sorted(tables):
+        seen: set[str] = set()
+        for config in tables[path]:
+            label = f"'{config.name}'" if not path else f"'{config.name}' (module '{path}')"
+            if config.name in seen:
+                problems.append(f"table {label} appears twice in the same module")
+                continue
+            seen.add(config.name)
+            pc = constraints.get(config.name, ParameterConstraints())
+            factors = pc.pooling_factors
+            n_feat = config.num_features
+            if len(factors) == 1:
+                factors = factors * n_feat
+            if len(factors) != n_feat:
+                problems.append(
+                    f"table {label}: pooling_factors has {len(pc.pooling_factors)} values but the "
+                    f"table has {n_feat} features {config.feature_names}"
+                )
+                continue
+            counts = pc.num_poolings or [1.0] * len(pc.pooling_factors)
+            if len(counts) == 1:
+                counts = counts * n_feat
+            if pc.ranks is not None and pc.ranks[-1] >= world_size:
+                problems.append(
+                    f"table {label}: pinned ranks {pc.ranks} are outside [0, {world_size})"
+                )
+                continue
+            types = tuple(pc.sharding_types or list(ShardingType))
+            kernels = tuple(pc.compute_kernels or list(EmbeddingComputeKernel))
+            specs.append(
+                TableSpec(
+                    path=path,
+                    name=config.name,
+                    rows=config.num_embeddings,
+                    dim=config.embedding_dim,
+                    elem_bytes=config.data_type.bits / 8,
+                    sequence=isinstance(config, EmbeddingConfig),
+                    ids_per_sample=sum(p * n for p, n in zip(factors, counts, strict=True)),
+                    bags_per_sample=float(sum(counts)),
+                    sharding_types=types,
+                    compute_kernels=kernels,
+                    min_partition=min(
+                        pc.min_partition or DEFAULT_MIN_PARTITION, config.embedding_dim
+                    ),
+                    ranks=tuple(pc.ranks) if pc.ranks is not None else None,
+                )
+            )
+    if problems:
+        raise PlannerError("invalid tables or constraints:\n  " + "\n  ".join(problems))
+    return specs

@@ -1,0 +1,189 @@
+"""Plan vocabulary: sharding types, kernels, shard metadata, per-table shardings, constraints.
+
+A table of ``rows x dim`` is cut into shards; each shard is a rectangle
+``[row_offset : row_offset + rows, col_offset : col_offset + cols]`` on one rank::
+
+    table_wise      column_wise (2)      row_wise (3)
+    +--------+      +----+----+          +--------+ rank 0  rows [0, 4)
+    | rank 0 |      | r0 | r5 |          +--------+ rank 1  rows [4, 7)
+    |        |      |    |    |          +--------+ rank 2  rows [7, 10)
+    +--------+      +----+----+
+
+``ShardMetadata``, ``ParameterSharding`` and ``ShardingPlan`` keep TorchRec's field
+names and positional order (they are the contract the sharded modules consume).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from lightning_shardrec.errors import unknown_name
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+class ShardingType(str, enum.Enum):
+    """How a table is cut across ranks (TorchRec's values)."""
+
+    TABLE_WISE = "table_wise"
+    ROW_WISE = "row_wise"
+    COLUMN_WISE = "column_wise"
+    TABLE_ROW_WISE = "table_row_wise"
+    DATA_PARALLEL = "data_parallel"
+
+
+class EmbeddingComputeKernel(str, enum.Enum):
+    """How a shard is trained.
+
+    ``FUSED``: the fused optimizer updates rows inside backward. ``DENSE``: a plain
+    parameter (data_parallel), gradient all-reduced, trained by the user's optimizer.
+    """
+
+    FUSED = "fused"
+    DENSE = "dense"
+
+
+def parse_enum(kind: type[_E], value: _E | str, what: str) -> _E:
+    """``value`` as a member of ``kind`` (members or their string values), else list the choices."""
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(str(value).lower())
+    except ValueError:
+        raise unknown_name(what, value, [m.value for m in kind]) from None
+
+
+@dataclass(frozen=True)
+class ShardMetadata:
+    """One shard: ``shard_sizes`` ``(rows, cols)`` at ``shard_offsets`` ``(row, col)`` on ``rank``."""
+
+    shard_offsets: Sequence[int]  # (row, col), stored as a tuple
+    shard_sizes: Sequence[int]  # (rows, cols), stored as a tuple
+    rank: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shard_offsets", tuple(int(x) for x in self.shard_offsets))
+        object.__setattr__(self, "shard_sizes", tuple(int(x) for x in self.shard_sizes))
+        object.__setattr__(self, "rank", int(self.rank))
+        if len(self.shard_offsets) != 2 or len(self.shard_sizes) != 2:
+            raise ValueError(
+                "ShardMetadata: shard_offsets and shard_sizes are (row, col) pairs, got "
+                f"{self.shard_offsets} and {self.shard_sizes}"
+            )
+
+    @property
+    def numel(self) -> int:
+        return self.shard_sizes[0] * self.shard_sizes[1]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "shard_offsets": list(self.shard_offsets),
+            "shard_sizes": list(self.shard_sizes),
+            "rank": self.rank,
+        }
+
+
+@dataclass(frozen=True)
+class ParameterSharding:
+    """How one table is sharded: its type, kernel, the ranks (in shard order) and the shards."""
+
+    sharding_type: ShardingType
+    compute_kernel: EmbeddingComputeKernel
+    ranks: Sequence[int]  # stored as a tuple
+    shards: Sequence[ShardMetadata]  # stored as a tuple
+
+    def __post_init__(self) -> None:
+        st = parse_enum(ShardingType, self.sharding_type, "sharding type")
+        kernel = parse_enum(EmbeddingComputeKernel, self.compute_kernel, "compute kernel")
+        object.__setattr__(self, "sharding_type", st)
+        object.__setattr__(self, "compute_kernel", kernel)
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        shards = tuple(
+            s if isinstance(s, ShardMetadata) else ShardMetadata(**s) for s in self.shards
+        )
+        object.__setattr__(self, "shards", shards)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "sharding_type": self.sharding_type.value,
+            "compute_kernel": self.compute_kernel.value,
+            "ranks": list(self.ranks),
+            "shards": [s.to_dict() for s in self.shards],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> ParameterSharding:
+        return cls(
+            sharding_type=data["sharding_type"],  # type: ignore[arg-type]
+            compute_kernel=data["compute_kernel"],  # type: ignore[arg-type]
+            ranks=data["ranks"],  # type: ignore[arg-type]
+            shards=[ShardMetadata(**s) for s in data["shards"]],  # type: ignore[attr-defined,union-attr]
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParameterConstraints:
+    """What the planner may do with one table (TorchRec's field names).
+
+    ``sharding_types`` / ``compute_kernels``: allowed choices (members or string values),
+    ``None`` = all. ``pooling_factors``: mean ids per bag, one per feature.
+    ``num_poolings``: bags per sample per feature (default 1 each). ``min_partition``:
+    the narrowest column shard (default 32, never wider than the table). ``ranks``: pin
+    the table's shards to these ranks.
+    """
+
+    sharding_types: list[ShardingType] | None = None
+    compute_kernels: list[EmbeddingComputeKernel] | None = None
+    pooling_factors: list[float] = field(default_factory=lambda: [1.0])
+    num_poolings: list[float] | None = None
+    min_partition: int | None = None
+    ranks: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sharding_types is not None:
+            types = [parse_enum(ShardingType, t, "sharding type") for t in self.sharding_types]
+            if not types:
+                raise ValueError(
+                    "ParameterConstraints: sharding_types is empty; use None to allow all"
+                )
+            object.__setattr__(self, "sharding_types", types)
+        if self.compute_kernels is not None:
+            kernels = [
+                parse_enum(EmbeddingComputeKernel, k, "compute kernel")
+                for k in self.compute_kernels
+            ]
+            if not kernels:
+                raise ValueError(
+                    "ParameterConstraints: compute_kernels is empty; use None to allow all"
+                )
+            object.__setattr__(self, "compute_kernels", kernels)
+        factors = [float(p) for p in self.pooling_factors]
+        if not factors or any(p <= 0 for p in factors):
+            raise ValueError(
+                f"ParameterConstraints: pooling_factors must be a non-empty list of positive numbers, "
+                f"got {self.pooling_factors!r}"
+            )
+        object.__setattr__(self, "pooling_factors", factors)
+        if self.num_poolings is not None:
+            if len(self.num_poolings) != len(factors) or any(n <= 0 for n in self.num_poolings):
+                raise ValueError(
+                    "ParameterConstraints: num_poolings needs one positive number per pooling factor "
+                    f"({len(factors)}), got {self.num_poolings!r}"
+                )
+            object.__setattr__(self, "num_poolings", [float(n) for n in self.num_poolings])
+        if self.min_partition is not None and (
+            not isinstance(self.min_partition, int) or self.min_partition <= 0
+        ):
+            raise ValueError(
+                f"ParameterConstraints: min_partition must be a positive int, got {self.min_partition!r}"
+            )
+        if self.ranks is not None:
+            ranks = sorted(set(self.ranks))
+            if not ranks or any(not isinstance(r, int) or r < 0 for r in ranks):
+                raise ValueError(
+                    f"ParameterConstraints: ranks must be a non-empty list of ints >= 0, got {self.ranks!r}"
+                )
+            object.__setattr__(self, "ranks", ranks)

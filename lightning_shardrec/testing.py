@@ -1,0 +1,119 @@
+"""Run a function on W ranks (gloo on CPU) and get every rank's result back.
+
+``run_ranks(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` on each
+rank of a process group and returns the results in rank order; a failure on any rank
+raises in the caller with that rank's traceback. Workers are started once per world
+size and reused across calls (starting a torch process costs seconds), and are
+replaced after a failure so a broken collective never leaks into the next call.
+``fn`` must be importable (a module-level function).
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+_POOLS: dict[tuple[int, str], RankPool] = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, backend: str, port: int, jobs: Any, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        except BaseException:  # report everything; the parent decides
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` worker processes sharing one process group."""
+
+    def __init__(self, world_size: int, backend: str = "gloo") -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(world_size)]
+        env = {"OMP_NUM_THREADS": "1"}
+        os.environ.update(env)
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world_size, backend, port, self.jobs[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 180.0) -> list[Any]:
+        for q in self.jobs:
+            q.put((fn, args))
+        out: list[Any] = [None] * self.world_size
+        errors = []
+        for _ in range(self.world_size):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"{fn.__name__}: no answer from every rank within {timeout:.0f} s") from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append((rank, value))
+        if errors:
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors))
+            raise RuntimeError(f"{fn.__name__} failed on ranks {[r for r, _ in errors]}:\n{detail}")
+        return out
+
+    def close(self) -> None:
+        for q, p in zip(self.jobs, self.procs, strict=True):
+            if p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+              timeout: float = 180.0) -> list[Any]:
+    """``[fn(rank, world_size, *args) for every rank]``, run in parallel in one process group."""
+    key = (world_size, backend)
+    pool = _POOLS.get(key)
+    if pool is None or not all(p.is_alive() for p in pool.procs):
+        pool = _POOLS[key] = RankPool(world_size, backend)
+    try:
+        return pool.run(fn, *args, timeout=timeout)
+    except BaseException:
+        pool.close()
+        del _POOLS[key]
+        raise
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()

@@ -1,0 +1,73 @@
+"""DistributedModelParallel: planner-driven mixed plans, bad input that must not hang."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_shardrec import FusedOptimConfig, KeyedJaggedTensor, PoolingType
+from lightning_shardrec.testing import run_ranks
+
+from test_sharded_ebc import GLOBAL_BATCH, LR, Rec, check, kjt_of, loss_fn, make_data, make_optimizers, splits
+
+
+def train_planned(rank, world, constraints):
+    from lightning_shardrec.distributed import DistributedModelParallel
+    from lightning_shardrec.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    planner = EmbeddingShardingPlanner(
+        Topology(world, compute_device="cpu"), batch_size=GLOBAL_BATCH // world,
+        constraints={t: ParameterConstraints(sharding_types=[s]) for t, s in constraints.items()},
+    )
+    dmp = DistributedModelParallel(Rec(PoolingType.SUM, False), planner=planner,
+                                   embedding_optimizer=FusedOptimConfig(optimizer="adagrad", lr=LR, eps=1e-8))
+    types = {t: p.sharding_type.value for t, p in dmp.plan.get_plan_for_module("ebc").items()}
+    opt = make_optimizers(list(dmp.dense_parameters()), "adagrad")
+    sizes = splits(world, False)
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
+    first = None
+    for bags, wts, dense, label in make_data(3, False):
+        logits, pooled = dmp(dense[lo:hi], kjt_of(bags, wts, lo, hi))
+        first = pooled.detach().clone() if first is None else first
+        opt.zero_grad()
+        loss_fn(logits, label[lo:hi], world).backward()
+        opt.step()
+    shards = {k: [(m.shard_offsets, w.detach().clone()) for m, w in v] for k, v in dmp.local_shards().items()}
+    return (first, shards, {k: v.clone() for k, v in dmp.module.top.state_dict().items()}), types
+
+
+def test_mixed_plan_from_planner_constraints():
+    constraints = {"t_big": "row_wise", "t_small": "table_wise"}
+    out = run_ranks(train_planned, 2, constraints)
+    assert out[0][1] == constraints
+    check(("mixed", "SUM", False, "adagrad", False, 3), 2, [r[0] for r in out])
+
+
+def bad_batch(rank, world):
+    from lightning_shardrec.distributed import DistributedModelParallel
+    from lightning_shardrec.planner import ShardingPlan
+
+    from test_sharded_ebc import plan_for
+
+    dmp = DistributedModelParallel(Rec(PoolingType.SUM, False), plan=ShardingPlan({"ebc": plan_for("row_wise", world)}))
+    dense = torch.zeros(2, 3)
+    good = KeyedJaggedTensor(["f0", "f1", "f2"], torch.tensor([1, 2, 0]), lengths=torch.tensor([1, 0, 1, 0, 1, 0]))
+    messages = []
+    bad_id = KeyedJaggedTensor(["f0", "f1", "f2"], torch.tensor([1, 2, 5]), lengths=torch.tensor([1, 0, 1, 0, 1, 0]))
+    missing = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1]), lengths=torch.tensor([1, 0, 0, 0]))
+    for bad in (bad_id, missing):
+        try:
+            dmp(dense, bad if rank == 1 else good)
+        except (ValueError, KeyError) as e:
+            messages.append(f"{type(e).__name__}: {e}")
+    logits, _ = dmp(dense, good)  # the group still works afterwards
+    return messages, logits.shape[0]
+
+
+def test_bad_input_on_one_rank_stops_every_rank_without_hanging():
+    (msgs0, n0), (msgs1, n1) = run_ranks(bad_batch, 2, timeout=60)
+    assert "feature 'f2' (table 't_small'): id 5 outside [0, 2)" in msgs1[0]
+    assert "lacks features ['f2']" in msgs1[1]
+    for m in msgs0:
+        assert "ShardingError: rank 0: ranks [1] rejected their batch" in m
+    assert n0 == n1 == 2
