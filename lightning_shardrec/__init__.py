@@ -20,6 +20,9 @@ from lightning_shardrec.planner import (
     Topology,
 )
 
+from lightning_shardrec.distributed import DistributedModelParallel
+from lightning_shardrec.lightning import ShardRecStrategy  # registers strategy="shardrec"
+
 __version__ = "0.1.0"
 
 _LAZY_DATA = ("CriteoDataModule", "SyntheticRecDataModule")  # import Lightning on first use
@@ -34,6 +37,8 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "DistributedModelParallel",
+    "ShardRecStrategy",
     "CriteoDataModule",
     "RecBatch",
     "SyntheticRecDataModule",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -64,10 +65,11 @@ class BaseEmbeddingConfig:
         label = f"{kind}(name={self.name!r})"
         if not self.name:
             raise ValueError(f"{kind} needs a table name (got name={self.name!r})")
-        if not isinstance(self.num_embeddings, int) or self.num_embeddings <= 0:
-            raise ValueError(f"{label}: num_embeddings must be a positive int, got {self.num_embeddings!r}")
-        if not isinstance(self.embedding_dim, int) or self.embedding_dim <= 0:
-            raise ValueError(f"{label}: embedding_dim must be a positive int, got {self.embedding_dim!r}")
+        for name in ("num_embeddings", "embedding_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+                raise ValueError(f"{label}: {name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))  # numpy ints (e.g. from df.nunique()) become int
         if isinstance(self.feature_names, str) or not self.feature_names:
             raise ValueError(
                 f"{label}: feature_names must be a non-empty list of feature names, got {self.feature_names!r}"

@@ -1,7 +1,14 @@
 """Sharded embedding collections and ``DistributedModelParallel``."""
 
 from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
 from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from lightning_shardrec.distributed.model_parallel import DistributedModelParallel, find_collections
 
-__all__ = ["DistributedModelParallel", "ShardedEmbeddingBagCollection", "ShardingEnv", "find_collections"]
+__all__ = [
+    "DistributedModelParallel",
+    "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
+    "ShardingEnv",
+    "find_collections",
+]

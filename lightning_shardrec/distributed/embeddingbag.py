@@ -9,12 +9,14 @@ rows home, restores the unsharded feature order and applies MEAN pooling.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import PoolingType
+from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.distributed.comm import ShardingEnv, exchange_header
 from lightning_shardrec.distributed.input_dist import Routed
 from lightning_shardrec.distributed.sharding import SHARDINGS, EmbeddingSharding, KernelSetup, TableSharding
@@ -31,11 +33,64 @@ class DistContext:
 
     local: KeyedJaggedTensor
     batch_sizes: list[int]
-    inputs: list[KeyedJaggedTensor]
+    inputs: list[KeyedJaggedTensor]  # per group, the kernel's input
+    subs: list[KeyedJaggedTensor] = field(default_factory=list)  # per group, this rank's ids
+    routed: list[Routed | None] = field(default_factory=list)  # per group, what this rank sent
+    recv_values: list[list[int]] = field(default_factory=list)  # per group, ids from each source
 
 
-class ShardedEmbeddingBagCollection(nn.Module):
+def distribute_inputs(
+    features: KeyedJaggedTensor,
+    split: Callable[[KeyedJaggedTensor], tuple[KeyedJaggedTensor, list[KeyedJaggedTensor]]],
+    groups: Sequence[EmbeddingSharding],
+    env: ShardingEnv,
+    device: torch.device,
+) -> DistContext:
+    """The input distribution every sharded collection shares.
+
+    ``split`` checks the batch and cuts it into one KJT per group. Every rank then sends
+    one small header (its batch size, its id count per group and destination, a
+    failure flag) before any bulk collective, so a bad batch on one rank stops every
+    rank with an error instead of a hang. Then each group routes its ids.
+    """
+    world = env.world_size
+    error: Exception | None = None
+    routed: list[Routed | None] = []
+    subs: list[KeyedJaggedTensor] = []
+    try:
+        kjt, subs = split(features)
+        routed = [g.route(s) for g, s in zip(groups, subs, strict=True)]
+    except (KeyError, ValueError) as e:
+        error, kjt = e, features
+    header = torch.zeros(world, 2 + len(groups), dtype=torch.long)
+    header[:, 0] = error is not None
+    if error is None:
+        header[:, 1] = kjt.stride()
+        for i, r in enumerate(routed):
+            if r is not None:
+                header[:, 2 + i] = torch.tensor(r.value_splits)
+    recv = exchange_header(header.to(device), env).cpu()
+    if error is not None:
+        raise error
+    failed = recv[:, 0].nonzero().flatten().tolist()
+    if failed:
+        raise ShardingError(
+            f"rank {env.rank}: ranks {failed} rejected their batch (see their error); stopping all ranks"
+        )
+    batch_sizes = recv[:, 1].tolist()
+    recv_values = [recv[:, 2 + i].tolist() for i in range(len(groups))]
+    inputs = [
+        g.input_dist(s, r, v, batch_sizes)
+        for g, s, r, v in zip(groups, subs, routed, recv_values, strict=True)
+    ]
+    return DistContext(kjt, batch_sizes, inputs, subs, routed, recv_values)
+
+
+class ShardedEmbeddingBagCollection(ShardedCollection):
     """Same inputs and outputs as the :class:`EmbeddingBagCollection` it replaces."""
+
+    #: state-dict prefix of the unsharded module's tables: ``embedding_bags.<table>.weight``
+    weight_prefix = "embedding_bags"
 
     def __init__(
         self,
@@ -84,57 +139,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def is_weighted(self) -> bool:
         return self._is_weighted
 
-    def feature_names(self) -> list[str]:
-        return self._feature_names
-
-    def kernels(self) -> list:  # type: ignore[type-arg]
-        return [g.kernel for g in self.groups if g.fused and g.kernel is not None]
-
-    def local_shards(self) -> dict[str, list[tuple[ShardMetadata, Tensor]]]:
-        """``table -> [(shard metadata, [rows, cols] tensor)]`` held by this rank."""
-        out: dict[str, list[tuple[ShardMetadata, Tensor]]] = {}
-        for g in self.groups:
-            for name, meta, w in g.local_shards():
-                out.setdefault(name, []).append((meta, w))
-        return out
-
     # --- the stages -----------------------------------------------------------------------
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         ctx = self.input_dist(features)
         return self.output_dist(self.compute(ctx), ctx)
 
     def input_dist(self, features: KeyedJaggedTensor) -> DistContext:
-        world = self.env.world_size
-        error: Exception | None = None
-        routed: list[Routed | None] = []
-        subs: list[KeyedJaggedTensor] = []
-        try:
-            kjt = self._prepare(features)
-            subs = kjt.split(self._group_sizes)
-            routed = [g.route(s) for g, s in zip(self.groups, subs, strict=True)]
-        except (KeyError, ValueError) as e:
-            error, kjt = e, features
-        header = torch.zeros(world, 2 + len(self.groups), dtype=torch.long)
-        header[:, 0] = error is not None
-        if error is None:
-            header[:, 1] = kjt.stride()
-            for i, r in enumerate(routed):
-                if r is not None:
-                    header[:, 2 + i] = torch.tensor(r.value_splits)
-        recv = exchange_header(header.to(self._mean_dims.device), self.env).cpu()
-        if error is not None:
-            raise error
-        failed = recv[:, 0].nonzero().flatten().tolist()
-        if failed:
-            raise ShardingError(
-                f"rank {self.env.rank}: ranks {failed} rejected their batch (see their error); stopping all ranks"
-            )
-        batch_sizes = recv[:, 1].tolist()
-        inputs = [
-            g.input_dist(s, r, recv[:, 2 + i].tolist(), batch_sizes)
-            for i, (g, s, r) in enumerate(zip(self.groups, subs, routed, strict=True))
-        ]
-        return DistContext(kjt, batch_sizes, inputs)
+        return distribute_inputs(features, self._split, self.groups, self.env, self._mean_dims.device)
 
     def compute(self, ctx: DistContext) -> list[Tensor]:
         return [g.compute(x) for g, x in zip(self.groups, ctx.inputs, strict=True)]
@@ -151,6 +162,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if self._reorder is not None:
             pooled = pooled.index_select(1, self._reorder)
         return KeyedTensor(self._feature_names, self._dims, pooled)
+
+    def _split(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, list[KeyedJaggedTensor]]:
+        kjt = self._prepare(features)
+        return kjt, kjt.split(self._group_sizes)
 
     def _prepare(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         kjt = self._arrange(features)

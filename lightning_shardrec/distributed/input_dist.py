@@ -30,6 +30,9 @@ class Routed:
     weights: Tensor | None
     length_splits: list[int]  # per destination
     value_splits: list[int]  # per destination
+    #: row-wise only: ``values[i]`` is the local KJT's id ``order[i]`` (ids sorted by
+    #: destination); sequence outputs use its inverse to put rows back in id order
+    order: Tensor | None = None
 
 
 def route_by_key(kjt: KeyedJaggedTensor, keys_per_dest: list[list[int]]) -> Routed:
@@ -89,6 +92,7 @@ def route_by_row(
         None if weights is None else weights.index_select(0, order),
         [num_bags] * world_size,
         torch.bincount(dest, minlength=world_size).tolist(),
+        order,
     )
 
 
@@ -126,3 +130,31 @@ def regroup(
     new_values = values.index_select(0, index)
     new_weights = None if weights is None else weights.index_select(0, index)
     return KeyedJaggedTensor._trusted(keys, new_values, new_weights, new_lengths, total_batch)
+
+
+def source_major(
+    lengths: Tensor, num_keys: int, batch_per_source: list[int], total: int | None = None
+) -> Tensor | None:
+    """Index taking a regrouped KJT's values from (key, source, sample) to (source, key, sample).
+
+    The inverse of :func:`regroup`'s value reorder: a sequence kernel returns one row
+    per received id, and this index makes each source's rows one contiguous block, in
+    the order that source sent its ids. ``lengths`` is the regrouped ``[K * sum(B_s)]``,
+    ``total`` its sum when known (saves a host sync).
+    None when the order is already source-major (one source or at most one key)::
+
+        rows  [k0: s0 s1] [k1: s0 s1]   ->   [s0: k0 k1] [s1: k0 k1]
+    """
+    sources = len(batch_per_source)
+    if sources == 1 or num_keys <= 1:
+        return None
+    device = lengths.device
+    total_batch = sum(batch_per_source)
+    offsets = complete_cumsum(lengths)
+    # first bag of segment (key k, source s), laid out [K, S]
+    source_start = complete_cumsum(torch.tensor(batch_per_source, device=device))
+    bag_start = (torch.arange(num_keys, device=device) * total_batch).unsqueeze(1) + source_start.unsqueeze(0)
+    val_start = offsets.index_select(0, bag_start[:, :-1].reshape(-1)).view(num_keys, sources)
+    val_len = offsets.index_select(0, bag_start[:, 1:].reshape(-1)).view(num_keys, sources) - val_start
+    total = int(offsets[-1]) if total is None else total
+    return gather_index(val_start.t().reshape(-1), val_len.t().reshape(-1), total=total)

@@ -19,10 +19,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
 from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.kernels import KernelBackend
-from lightning_shardrec.modules import EmbeddingBagCollection
+from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.optim import FusedOptimizer
 from lightning_shardrec.planner import (
     EmbeddingShardingPlanner,
@@ -33,12 +34,24 @@ from lightning_shardrec.planner import (
     collective_plan,
 )
 
-_SHARDED = {EmbeddingBagCollection: ShardedEmbeddingBagCollection}
+ShardedCollection = ShardedEmbeddingBagCollection | ShardedEmbeddingCollection
+
+_SHARDED: dict[type[nn.Module], type[ShardedCollection]] = {
+    EmbeddingBagCollection: ShardedEmbeddingBagCollection,
+    EmbeddingCollection: ShardedEmbeddingCollection,
+}
 
 
 def find_collections(module: nn.Module) -> dict[str, nn.Module]:
     """Module path -> every embedding collection this library can shard."""
     return {name: m for name, m in module.named_modules() if type(m) in _SHARDED}
+
+
+def table_names(collection: nn.Module) -> set[str]:
+    """Names of a collection's tables, pooled (``embedding_bag_configs``) or sequence."""
+    if isinstance(collection, EmbeddingCollection | ShardedEmbeddingCollection):
+        return {t.name for t in collection.embedding_configs()}
+    return {t.name for t in collection.embedding_bag_configs()}  # type: ignore[operator]
 
 
 def default_device(env: ShardingEnv) -> torch.device:
@@ -49,7 +62,7 @@ def default_device(env: ShardingEnv) -> torch.device:
 
 def shard_modules(
     module: nn.Module, plan: ShardingPlan, env: ShardingEnv, setup: KernelSetup
-) -> dict[str, ShardedEmbeddingBagCollection]:
+) -> dict[str, ShardedCollection]:
     """Replace each collection in ``module`` (in place) by its sharded version."""
     sharded = {}
     for path, coll in find_collections(module).items():
@@ -96,7 +109,7 @@ class DistributedModelParallel(nn.Module):
         collections = find_collections(module)
         if isinstance(plan, ShardingPlan) and set(plan.plan) >= set(collections):
             complete = all(
-                set(plan.plan[p]) >= {t.name for t in c.embedding_bag_configs()} for p, c in collections.items()
+                set(plan.plan[p]) >= table_names(c) for p, c in collections.items()
             )
         else:
             complete = False
@@ -143,11 +156,15 @@ class DistributedModelParallel(nn.Module):
         return (p for p in self.module.parameters() if id(p) not in fused)
 
     def local_shards(self) -> dict[str, list[tuple[ShardMetadata, Tensor]]]:
-        """``'<module path>.embedding_bags.<table>.weight' -> [(shard, tensor)]`` held here."""
+        """``'<module path>.<embedding_bags|embeddings>.<table>.weight' -> [(shard, tensor)]`` held here.
+
+        The unsharded module's keys: ``embedding_bags`` for an EmbeddingBagCollection,
+        ``embeddings`` for an EmbeddingCollection.
+        """
         out = {}
         for path, s in self.sharded.items():
             prefix = f"{path}." if path else ""
             for table, shards in s.local_shards().items():
-                out[f"{prefix}embedding_bags.{table}.weight"] = shards
+                out[f"{prefix}{s.weight_prefix}.{table}.weight"] = shards
         return out
 

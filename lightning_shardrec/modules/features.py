@@ -54,6 +54,9 @@ def check_ids(
     values = features.values()
     if values.numel() == 0:
         return
+    low, high = torch.aminmax(values)
+    if int(low) >= 0 and int(high) < min(num_embeddings):  # one pass settles the common case
+        return
     lpk = features.length_per_key()
     limits = torch.tensor(num_embeddings, device=values.device).repeat_interleave(
         torch.tensor(lpk, device=values.device), output_size=values.numel()

@@ -31,6 +31,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not params:  # a rank that owns no table still has a group for schedulers
             params = [torch.empty(0)]
         super().__init__(params, hparams_from(config))
+        self._lr_source: dict[str, Any] | None = None
+        self._bind()
+
+    def link_lr(self, group: dict[str, Any]) -> None:
+        """Make the tables' lr follow another optimizer's param ``group`` (its LR scheduler).
+
+        The fused lr keeps its ratio to ``group['lr']`` as of now: a scheduler that
+        halves the dense lr halves the embedding lr too.
+        """
+        self._lr_source = group
+        self._lr_ratio = self.param_groups[0]["lr"] / group["lr"] if group["lr"] else 1.0
         self._bind()
 
     def _views(self) -> list[dict[str, Tensor]]:
@@ -39,8 +50,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _bind(self) -> None:
         """Point kernels at our param group and ``state`` at the kernels' tensors."""
         group = self.param_groups[0]
+        hparams: Any = group if self._lr_source is None else _LinkedLr(self, group)
         for k in self.kernels:
-            k.hparams = group
+            k.hparams = hparams
         for p, views in zip(group["params"], self._views(), strict=False):
             self.state[p] = views
 
@@ -85,3 +97,18 @@ class FusedOptimizer(torch.optim.Optimizer):
                     )
                 tensor.copy_(src[name])
         self._bind()
+
+
+class _LinkedLr(dict):  # type: ignore[type-arg]
+    """The fused param group, but ``lr`` read live from the linked group (scaled)."""
+
+    def __init__(self, owner: FusedOptimizer, group: dict[str, Any]) -> None:
+        super().__init__(group)
+        self._owner = owner
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "lr":
+            lr = self._owner._lr_source["lr"] * self._owner._lr_ratio  # type: ignore[index]
+            self._owner.param_groups[0]["lr"] = lr  # keep the visible group (and checkpoints) in step
+            return lr
+        return super().__getitem__(key)

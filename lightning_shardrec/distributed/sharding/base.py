@@ -4,6 +4,12 @@ A sharding instance owns one group of tables of a collection (those whose plans
 share a mechanism) and this rank's shards of them. The sharded collection drives
 the stages; one header all-to-all per batch (in the collection) tells every
 group how many ids each source sends and each source's batch size.
+
+Sequence groups (``KernelSetup.pooled=False``) route ids the same way; their kernel
+returns one row per received id and :meth:`EmbeddingSharding.output_dist_sequence`
+brings every source its own ids' rows. All shards of a sequence group have one width
+(the kernel's single dim); a column-wise table whose pieces differ in width spans
+several groups, each holding the columns in ``feature_columns``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,17 @@ class TableSharding:
     weight: Tensor | None  # [rows, dim] on a real device, or None (built on meta)
 
 
+@dataclass
+class SequenceDist:
+    """One sequence group's batch between the stages, for :meth:`output_dist_sequence`."""
+
+    local: KeyedJaggedTensor  # this rank's ids of the group's features, key-major
+    received: KeyedJaggedTensor  # the kernel's input: ids from every source, (key, source, sample)
+    routed: Routed | None  # what this rank sent (None: nothing crossed the wire)
+    recv_values: list[int]  # ids received from each source
+    batch_sizes: list[int]
+
+
 @dataclass(frozen=True)
 class KernelSetup:
     """How to build this rank's kernels."""
@@ -40,13 +57,19 @@ class KernelSetup:
     pooled: bool = True
 
 
-def shard_init(table: TableSharding, shard: ShardMetadata, device: torch.device) -> Tensor:
-    """The shard's initial rows: the user's weights sliced bit for bit, else the table's init."""
+def shard_init(table: TableSharding, shard: ShardMetadata, device: torch.device, out: Tensor | None = None) -> Tensor:
+    """The shard's initial rows: the user's weights sliced bit for bit, else the table's init.
+
+    Written into ``out`` when given (the kernel's own storage: no second copy of the shard).
+    """
     (r0, c0), (rows, cols) = shard.shard_offsets, shard.shard_sizes
-    if table.weight is not None:
-        return table.weight.detach()[r0 : r0 + rows, c0 : c0 + cols].to(device)
-    out = torch.empty(rows, cols, device=device)
-    table.config.init_weight(out)
+    if out is None:
+        out = torch.empty(rows, cols, device=device)
+    with torch.no_grad():
+        if table.weight is not None:
+            out.copy_(table.weight.detach()[r0 : r0 + rows, c0 : c0 + cols])
+        else:
+            table.config.init_weight(out)
     return out
 
 
@@ -65,6 +88,11 @@ class EmbeddingSharding(nn.Module):
         self.feature_dims = [t.config.embedding_dim for t in tables for _ in t.config.feature_names]
         # group feature -> group table index
         self.feature_table = [i for i, t in enumerate(tables) for _ in t.config.feature_names]
+        # columns of each feature's table held by this group (a subset for column-wise sequence
+        # tables split by piece width; every column otherwise)
+        self.feature_columns = [_columns(t) for t in tables for _ in t.config.feature_names]
+        #: sequence groups: the one width of every shard, the kernel's dim
+        self.seq_width = 0 if setup.pooled else _one_width(tables)
         self.kernel: BatchedEmbeddingKernel | None = None
         self._local: list[tuple[str, ShardMetadata]] = []  # (table, shard) in kernel table order
 
@@ -80,7 +108,8 @@ class EmbeddingSharding(nn.Module):
             specs, feature_table, self.setup.optim, pooled=self.setup.pooled,
             device=self.setup.device, kernel=self.setup.backend,
         )
-        self.kernel.load_weights([shard_init(t, s, self.setup.device) for t, s in shards])
+        for (t, s), dst in zip(shards, self.kernel.split_weights(), strict=True):
+            shard_init(t, s, self.setup.device, out=dst)
         self._local = [(t.config.name, s) for t, s in shards]
 
     def local_shards(self) -> list[tuple[str, ShardMetadata, Tensor]]:
@@ -109,9 +138,34 @@ class EmbeddingSharding(nn.Module):
         """``[B_r, sum(feature dims)]`` SUM-pooled, in this group's feature order."""
         raise NotImplementedError
 
+    def output_dist_sequence(self, rows: Tensor, ctx: SequenceDist) -> list[Tensor]:
+        """Sequence: per group feature, ``[N_f, len(feature_columns[f])]`` rows of this rank's ids.
+
+        ``rows`` is the kernel output (one row per received id); the result follows the
+        local KJT's order (each feature's ids in bag order).
+        """
+        raise NotImplementedError
+
     def empty_output(self, rows: int, cols: int) -> Tensor:
         """Output of a rank that holds no shard: zeros that still join backward's collectives."""
         return torch.zeros(rows, cols, device=self.setup.device, requires_grad=torch.is_grad_enabled())
+
+
+def _one_width(tables: list[TableSharding]) -> int:
+    widths = {s.shard_sizes[1] for t in tables for s in t.plan.shards}
+    if len(widths) != 1:
+        names = [t.config.name for t in tables]
+        raise ValueError(
+            f"a sequence sharding group needs shards of one width; tables {names} have widths "
+            f"{sorted(widths)} (group them by shard width)"
+        )
+    return widths.pop()
+
+
+def _columns(table: TableSharding) -> list[int]:
+    """The table columns its (possibly partial) shard list covers, ascending."""
+    cols = {c for s in table.plan.shards for c in range(s.shard_offsets[1], s.shard_offsets[1] + s.shard_sizes[1])}
+    return sorted(cols)
 
 
 def _where(s: ShardMetadata) -> str:

@@ -13,7 +13,13 @@ from torch import Tensor, nn
 
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.input_dist import Routed
-from lightning_shardrec.distributed.sharding.base import EmbeddingSharding, KernelSetup, TableSharding, shard_init
+from lightning_shardrec.distributed.sharding.base import (
+    EmbeddingSharding,
+    KernelSetup,
+    SequenceDist,
+    TableSharding,
+    shard_init,
+)
 from lightning_shardrec.planner import ShardMetadata
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
@@ -39,8 +45,15 @@ class DataParallelSharding(EmbeddingSharding):
         return kjt
 
     def compute(self, kjt: KeyedJaggedTensor) -> Tensor:
+        subs = kjt.split([t.config.num_features for t in self.tables])
+        if not self.setup.pooled:  # one row per id, in the KJT's (key, bag) order
+            rows = [
+                F.embedding(sub.values().long(), self.weights[t.config.name])
+                for t, sub in zip(self.tables, subs, strict=True)
+            ]
+            return rows[0] if len(rows) == 1 else torch.cat(rows)
         outs = []
-        for t, sub in zip(self.tables, kjt.split([t.config.num_features for t in self.tables]), strict=True):
+        for t, sub in zip(self.tables, subs, strict=True):
             rows = F.embedding_bag(
                 sub.values().long(),
                 self.weights[t.config.name],
@@ -56,6 +69,9 @@ class DataParallelSharding(EmbeddingSharding):
 
     def output_dist(self, out: Tensor, batch_sizes: list[int]) -> Tensor:
         return out
+
+    def output_dist_sequence(self, rows: Tensor, ctx: SequenceDist) -> list[Tensor]:
+        return list(rows.split(ctx.local.length_per_key()))
 
     def local_shards(self) -> list[tuple[str, ShardMetadata, Tensor]]:
         return [

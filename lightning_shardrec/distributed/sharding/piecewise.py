@@ -9,6 +9,10 @@ pools its columns for the global batch and sends ``[B_s, width]`` back to source
     rank 0 (piece t[:, 0:8])  --[B_r, 8]--\\
                                            >-- [B_r, 16] for feature f on rank r
     rank 1 (piece t[:, 8:16]) --[B_r, 8]--/
+
+Sequence tables: each piece returns one row per id instead, ``[N_s, width]`` to
+source ``s`` (its ids in the order it sent them), and the source puts a feature's
+pieces side by side the same way.
 """
 
 from __future__ import annotations
@@ -17,8 +21,13 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_grad, scale_grad
-from lightning_shardrec.distributed.input_dist import Routed, exchange, route_by_key
-from lightning_shardrec.distributed.sharding.base import EmbeddingSharding, KernelSetup, TableSharding
+from lightning_shardrec.distributed.input_dist import Routed, exchange, route_by_key, source_major
+from lightning_shardrec.distributed.sharding.base import (
+    EmbeddingSharding,
+    KernelSetup,
+    SequenceDist,
+    TableSharding,
+)
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 
@@ -64,6 +73,11 @@ class PiecewiseSharding(EmbeddingSharding):
             index.extend(range(slot_start[(d, slot)], slot_start[(d, slot)] + width))
         identity = index == list(range(len(index)))
         self.register_buffer("_columns", None if identity else torch.tensor(index), persistent=False)
+        # Sequence: per feature, its pieces' blocks in the routed order, by column.
+        first_block = [sum(len(k) for k in keys_per_dest[:d]) for d in range(world)]
+        self._blocks_of: list[list[int]] = [[] for _ in self.feature_names]
+        for (f, _c), (d, slot) in sorted(where.items()):
+            self._blocks_of[f].append(first_block[d] + slot)
 
     def route(self, kjt: KeyedJaggedTensor) -> Routed:
         return route_by_key(kjt, self.keys_per_dest)
@@ -76,6 +90,8 @@ class PiecewiseSharding(EmbeddingSharding):
 
     def compute(self, kjt: KeyedJaggedTensor) -> Tensor:
         if self.kernel is None:
+            if not self.setup.pooled:
+                return self.empty_output(0, self.seq_width)
             return self.empty_output(kjt.stride(), 0)
         return self.kernel(kjt)
 
@@ -94,3 +110,19 @@ class PiecewiseSharding(EmbeddingSharding):
         if self._columns is not None:
             pooled = pooled.index_select(1, self._columns)
         return scale_grad(pooled, 1.0 / self.env.world_size)
+
+    def output_dist_sequence(self, rows: Tensor, ctx: SequenceDist) -> list[Tensor]:
+        received = ctx.received
+        index = source_major(received.lengths(), len(received.keys()), ctx.batch_sizes, rows.shape[0])
+        if index is not None:
+            rows = rows.index_select(0, index)
+        # reverse of the id all-to-all: each source gets its ids' rows in the order it sent them
+        routed = ctx.routed
+        back = all_to_all_grad(rows, routed.value_splits, ctx.recv_values, self.env)  # type: ignore[union-attr]
+        back = scale_grad(back, 1.0 / self.env.world_size)
+        lpk = ctx.local.length_per_key()
+        blocks = back.split([lpk[k] for keys in self.keys_per_dest for k in keys])
+        return [
+            blocks[b[0]] if len(b) == 1 else torch.cat([blocks[i] for i in b], dim=1)
+            for b in self._blocks_of
+        ]

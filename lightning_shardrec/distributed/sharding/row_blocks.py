@@ -7,6 +7,10 @@ bags onto ``s``. Pooling is linear, so the sum of partial sums is the full sum;
 MEAN divides by the whole bag's length afterwards, on the source rank.
 
 Table-row-wise is the same mechanism with every block of a table on one host.
+
+Sequence tables: every id went to exactly one rank, so each rank sends the rows
+of source ``s``'s ids back to ``s`` by the reverse all-to-all, and ``s`` undoes the
+sort by destination of :func:`route_by_row` to restore its ids' order.
 """
 
 from __future__ import annotations
@@ -14,9 +18,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import ShardingEnv, reduce_scatter_grad, scale_grad
-from lightning_shardrec.distributed.input_dist import Routed, RowBlocks, exchange, route_by_row
-from lightning_shardrec.distributed.sharding.base import EmbeddingSharding, KernelSetup, TableSharding
+from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_grad, reduce_scatter_grad, scale_grad
+from lightning_shardrec.distributed.input_dist import Routed, RowBlocks, exchange, route_by_row, source_major
+from lightning_shardrec.distributed.sharding.base import (
+    EmbeddingSharding,
+    KernelSetup,
+    SequenceDist,
+    TableSharding,
+)
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 
@@ -70,6 +79,8 @@ class RowBlockSharding(EmbeddingSharding):
         return received.permute(self.local_features)
 
     def compute(self, kjt: KeyedJaggedTensor) -> Tensor:
+        if not self.setup.pooled:  # one row per id; a rank without blocks received none
+            return self.empty_output(0, self.seq_width) if self.kernel is None else self.kernel(kjt)
         rows = kjt.stride()
         if self.kernel is None:
             return self.empty_output(rows, self.width)
@@ -81,3 +92,18 @@ class RowBlockSharding(EmbeddingSharding):
     def output_dist(self, out: Tensor, batch_sizes: list[int]) -> Tensor:
         pooled = reduce_scatter_grad(list(out.split(batch_sizes)), self.env)
         return scale_grad(pooled, 1.0 / self.env.world_size)
+
+    def output_dist_sequence(self, rows: Tensor, ctx: SequenceDist) -> list[Tensor]:
+        # Keys this rank owns no block of received no ids, so dropping them in input_dist
+        # left the rows in (key, source, sample) order of the kept keys.
+        received = ctx.received
+        index = source_major(received.lengths(), len(received.keys()), ctx.batch_sizes, rows.shape[0])
+        if index is not None:
+            rows = rows.index_select(0, index)
+        routed = ctx.routed
+        back = all_to_all_grad(rows, routed.value_splits, ctx.recv_values, self.env)  # type: ignore[union-attr]
+        order = routed.order  # type: ignore[union-attr]
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        back = scale_grad(back.index_select(0, inverse), 1.0 / self.env.world_size)
+        return list(back.split(ctx.local.length_per_key()))

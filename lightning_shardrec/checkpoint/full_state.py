@@ -1,0 +1,140 @@
+"""Full (unsharded) checkpoints of sharded collections: gather on save, slice on load.
+
+A full state dict uses the unsharded module's keys (``<path>.embedding_bags.<table>.weight``,
+``<path>.embeddings.<table>.weight``),
+so it loads into the plain model (``LightningModule.load_from_checkpoint``, inference)
+and into a sharded model of *any* world size or plan: resharding is slicing. Fused
+optimizer state travels the same way, keyed by the weight's name.
+
+Every rank gathers every table, so this suits tables that fit in host memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.errors import CheckpointError
+
+Shards = list[tuple[tuple[int, int], Tensor]]
+
+
+def _key(module: ShardedCollection, path: str, table: str) -> str:
+    name = f"{module.weight_prefix}.{table}.weight"
+    return f"{path}.{name}" if path else name
+
+
+def _gather(local: dict[str, Shards]) -> list[dict[str, Shards]]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [local]
+    out: list[dict[str, Shards] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, local)
+    return out  # type: ignore[return-value]
+
+
+def _assemble(pieces: list[dict[str, Shards]], shapes: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
+    full = {k: torch.empty(shape) for k, shape in shapes.items()}
+    for rank_pieces in pieces:
+        for key, shards in rank_pieces.items():
+            for (r0, c0), t in shards:
+                if t.dim() == 1:  # row-wise state (rowwise adagrad): [rows]
+                    full[key][r0 : r0 + t.shape[0]] = t
+                else:
+                    full[key][r0 : r0 + t.shape[0], c0 : c0 + t.shape[1]] = t
+    return full
+
+
+def gather_full_state(
+    sharded: Mapping[str, ShardedCollection],
+) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
+    """Collective: every table's full weight and full fused optimizer state, on every rank."""
+    weights: dict[str, Shards] = {}
+    states: dict[str, Shards] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    state_shapes: dict[str, tuple[int, ...]] = {}
+    for path, module in sharded.items():
+        for cfg in module.table_configs():
+            shapes[_key(module, path, cfg.name)] = (cfg.num_embeddings, cfg.embedding_dim)
+        for table, shards in module.local_shards().items():
+            weights[_key(module, path, table)] = [(m.shard_offsets, w.detach().cpu()) for m, w in shards]
+        for table, shards in module.local_states().items():
+            cfg = next(c for c in module.table_configs() if c.name == table)
+            for meta, state in shards:
+                for name, t in state.items():
+                    key = f"{_key(module, path, table)}/{name}"
+                    if t.dim() == 0:  # a step counter, the same for every shard
+                        states[key] = [((0, 0), t.detach().cpu().reshape(1))]
+                        state_shapes[key] = (1,)
+                        continue
+                    states.setdefault(key, []).append((meta.shard_offsets, t.detach().cpu()))
+                    state_shapes[key] = (cfg.num_embeddings,) + ((cfg.embedding_dim,) if t.dim() == 2 else ())
+    weight_pieces = _gather(weights)
+    state_pieces = _gather(states)
+    all_state_shapes: dict[str, tuple[int, ...]] = {}
+    for rank_pieces in state_pieces:  # shapes of state keys that live only on other ranks
+        for key, shards in rank_pieces.items():
+            all_state_shapes.setdefault(key, state_shapes.get(key) or _state_shape(key, sharded, shards))
+    flat_states = _assemble(state_pieces, all_state_shapes)
+    nested: dict[str, dict[str, Tensor]] = {}
+    for key, t in flat_states.items():
+        weight_key, name = key.rsplit("/", 1)
+        nested.setdefault(weight_key, {})[name] = t.reshape(()) if name == "step" else t
+    return _assemble(weight_pieces, shapes), nested
+
+
+def _state_shape(key: str, sharded: Mapping[str, ShardedCollection], shards: Shards) -> tuple[int, ...]:
+    weight_key, name = key.rsplit("/", 1)
+    if name == "step":
+        return (1,)
+    for path, module in sharded.items():
+        for cfg in module.table_configs():
+            if _key(module, path, cfg.name) == weight_key:
+                return (cfg.num_embeddings,) + ((cfg.embedding_dim,) if shards[0][1].dim() == 2 else ())
+    raise CheckpointError(f"optimizer state '{key}' belongs to no table of this model")
+
+
+def load_full_state(
+    sharded: Mapping[str, ShardedCollection],
+    weights: Mapping[str, Tensor] | None = None,
+    states: Mapping[str, Mapping[str, Tensor]] | None = None,
+) -> None:
+    """Copy this rank's slices of full ``weights`` and/or fused ``states`` into its shards."""
+    problems = []
+    for path, module in sharded.items():
+        configs = {c.name: c for c in module.table_configs()}
+        for table, shards in (module.local_shards() if weights is not None else {}).items():
+            key = _key(module, path, table)
+            if key not in weights:
+                problems.append(f"'{key}': missing from the checkpoint")
+                continue
+            expected = (configs[table].num_embeddings, configs[table].embedding_dim)
+            if tuple(weights[key].shape) != expected:
+                problems.append(f"'{key}': checkpoint has shape {tuple(weights[key].shape)}, model expects {expected}")
+                continue
+            with torch.no_grad():
+                for meta, w in shards:
+                    (r0, c0), (rows, cols) = meta.shard_offsets, meta.shard_sizes
+                    w.copy_(weights[key][r0 : r0 + rows, c0 : c0 + cols])
+        if states is None:
+            continue
+        for table, shards in module.local_states().items():
+            saved = states.get(_key(module, path, table), {})
+            for meta, state in shards:
+                (r0, c0), (rows, cols) = meta.shard_offsets, meta.shard_sizes
+                for name, t in state.items():
+                    if name not in saved:
+                        problems.append(f"'{_key(module, path, table)}': optimizer state '{name}' missing from the checkpoint")
+                        continue
+                    src = saved[name]
+                    if t.dim() == 0:
+                        t.copy_(src.reshape(()))
+                    elif t.dim() == 1:
+                        t.copy_(src[r0 : r0 + rows])
+                    else:
+                        t.copy_(src[r0 : r0 + rows, c0 : c0 + cols])
+    if problems:
+        raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(problems))

@@ -1,0 +1,150 @@
+"""``ShardedEmbeddingCollection``: an EmbeddingCollection (sequence tables) cut across ranks.
+
+Same three stages as :mod:`~lightning_shardrec.distributed.embeddingbag`, and the same
+input distribution; only the way back differs. A sequence kernel returns one row per
+id it received, so ``output_dist`` sends every source the rows of its own ids and
+puts them back in its local order (each feature's ids in bag order)::
+
+    rank r, feature f: ids [3, 9 | 4]    (two bags)
+      -> rows [[w3], [w9], [w4]]  [N_f, dim], lengths [2, 1]
+
+A sequence kernel looks up tables of one dim, so tables are grouped by (mechanism,
+shard width): a column-wise table whose pieces differ in width (12 = 8 + 4) spans two
+groups, and the collection puts each feature's columns back together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor, nn
+
+from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.embeddingbag import DistContext, distribute_inputs
+from lightning_shardrec.distributed.sharding import SHARDINGS, EmbeddingSharding, KernelSetup, TableSharding
+from lightning_shardrec.distributed.sharding.base import SequenceDist
+from lightning_shardrec.errors import ShardingError
+from lightning_shardrec.modules import EmbeddingCollection
+from lightning_shardrec.modules.features import FeatureArranger, check_ids
+from lightning_shardrec.planner import ParameterSharding, ShardMetadata
+from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor
+
+
+class ShardedEmbeddingCollection(ShardedCollection):
+    """Same inputs and outputs as the :class:`EmbeddingCollection` it replaces."""
+
+    #: state-dict prefix of the unsharded module's tables: ``embeddings.<table>.weight``
+    weight_prefix = "embeddings"
+
+    def __init__(
+        self,
+        module: EmbeddingCollection,
+        plan: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        setup: KernelSetup,
+    ) -> None:
+        super().__init__()
+        configs = module.embedding_configs()
+        missing = [t.name for t in configs if t.name not in plan]
+        if missing:
+            raise ShardingError(f"the sharding plan has no entry for tables {missing}")
+        self._configs = configs
+        self._need_indices = module.need_indices()
+        self.validate_ids = module.validate_ids
+        self.env = env
+        self._device = setup.device
+        setup = replace(setup, pooled=False)
+        by_group: dict[tuple[type[EmbeddingSharding], int], list[TableSharding]] = {}
+        for t in configs:
+            weight = module.embeddings[t.name].weight
+            real = None if weight.device.type == "meta" else weight
+            for width, part in _split_by_width(plan[t.name]):
+                key = (SHARDINGS[part.sharding_type], width)
+                by_group.setdefault(key, []).append(TableSharding(t, part, real))
+        # Fixed group order (registry order, then width), identical on every rank.
+        kinds = list(dict.fromkeys(SHARDINGS.values()))
+        order = sorted(by_group, key=lambda k: (kinds.index(k[0]), k[1]))
+        self.groups = nn.ModuleList([kind(by_group[(kind, w)], env, setup) for kind, w in order])
+
+        self._feature_names = module.feature_names()
+        self._arrange = FeatureArranger(self._feature_names, "ShardedEmbeddingCollection")
+        table_of = {f: t for t in configs for f in t.feature_names}
+        self._rows = [table_of[f].num_embeddings for f in self._feature_names]
+        self._table_names = [table_of[f].name for f in self._feature_names]
+        # Each group reads its features from one KJT (a feature may feed several groups).
+        position = {f: i for i, f in enumerate(self._feature_names)}
+        grouped = [position[f] for g in self.groups for f in g.feature_names]
+        self._grouped = None if grouped == list(range(len(grouped))) else grouped
+        self._group_sizes = [len(g.feature_names) for g in self.groups]
+        # Per feature: the (group, group feature) parts holding its columns, and the column
+        # index that puts their concatenation in table order (None: already in order).
+        self._parts: list[list[tuple[int, int]]] = [[] for _ in self._feature_names]
+        cols: list[list[int]] = [[] for _ in self._feature_names]
+        for gi, g in enumerate(self.groups):
+            for j, f in enumerate(g.feature_names):
+                self._parts[position[f]].append((gi, j))
+                cols[position[f]] += g.feature_columns[j]
+        self._col_index = [
+            None if c == list(range(len(c))) else torch.tensor(c, device=setup.device).argsort() for c in cols
+        ]
+
+    # --- the TorchRec-style surface ------------------------------------------------------
+    def embedding_configs(self) -> list:  # type: ignore[type-arg]
+        return self._configs
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    # --- the stages -----------------------------------------------------------------------
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        ctx = self.input_dist(features)
+        return self.output_dist(self.compute(ctx), ctx)
+
+    def input_dist(self, features: KeyedJaggedTensor) -> DistContext:
+        return distribute_inputs(features, self._split, self.groups, self.env, self._device)
+
+    def compute(self, ctx: DistContext) -> list[Tensor]:
+        """Per group, one row per received id, in the received (key, source, sample) order."""
+        return [g.compute(x) for g, x in zip(self.groups, ctx.inputs, strict=True)]
+
+    def output_dist(self, outs: list[Tensor], ctx: DistContext) -> dict[str, JaggedTensor]:
+        per_group = [
+            g.output_dist_sequence(rows, SequenceDist(sub, received, routed, recv, ctx.batch_sizes))
+            for g, rows, sub, received, routed, recv in zip(
+                self.groups, outs, ctx.subs, ctx.inputs, ctx.routed, ctx.recv_values, strict=True
+            )
+        ]
+        out: dict[str, JaggedTensor] = {}
+        for f, name in enumerate(self._feature_names):
+            parts = [per_group[gi][j] for gi, j in self._parts[f]]
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            index = self._col_index[f]
+            if index is not None:
+                rows = rows.index_select(1, index)
+            jt = ctx.local[name]
+            out[name] = JaggedTensor(rows, jt.values() if self._need_indices else None, lengths=jt.lengths())
+        return out
+
+    def _split(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, list[KeyedJaggedTensor]]:
+        kjt = self._arrange(features)
+        if kjt.weights_or_none() is not None:  # sequence lookups ignore weights: do not send them
+            kjt = KeyedJaggedTensor._trusted(kjt.keys(), kjt.values(), None, kjt.lengths(), kjt.stride())
+        if self.validate_ids:
+            check_ids(kjt, self._rows, self._table_names)
+        kjt = kjt.to(self._device)
+        grouped = kjt if self._grouped is None else kjt.permute(self._grouped)
+        return kjt, grouped.split(self._group_sizes)
+
+
+def _split_by_width(plan: ParameterSharding) -> list[tuple[int, ParameterSharding]]:
+    """One plan per shard width: a sequence kernel holds shards of one width only."""
+    widths = sorted({s.shard_sizes[1] for s in plan.shards})
+    if len(widths) == 1:
+        return [(widths[0], plan)]
+    out = []
+    for w in widths:
+        shards = [s for s in plan.shards if s.shard_sizes[1] == w]
+        out.append((w, replace(plan, ranks=[s.rank for s in shards], shards=shards)))
+    return out

@@ -1,0 +1,5 @@
+"""The Lightning layer: ``ShardRecStrategy``, registered as ``strategy="shardrec"`` on import."""
+
+from lightning_shardrec.lightning.strategy import ShardRecStrategy
+
+__all__ = ["ShardRecStrategy"]

@@ -1,0 +1,242 @@
+"""``ShardRecStrategy`` (``strategy="shardrec"``): shard embedding tables, DDP the rest.
+
+A thin layer over Lightning's ``DDPStrategy`` (its launchers, cluster environments,
+process-group setup, ``barrier``/``reduce``/``all_gather``). What it adds, in
+``setup``: plan and shard the module's embedding collections, move the tables out
+of the user's optimizer into the fused in-backward optimizer (derived from the
+user's, lr linked so schedulers move both), and wrap only the dense rest in DDP.
+Checkpoints hold full tables under the unsharded keys plus the fused optimizer
+state, so they load into the plain model and into any world size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_shardrec.checkpoint import gather_full_state, load_full_state
+from lightning_shardrec.configs import FusedOptimConfig
+from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.distributed.model_parallel import find_collections, shard_modules
+from lightning_shardrec.distributed.sharding import KernelSetup
+from lightning_shardrec.kernels import KernelBackend, parse_backend
+from lightning_shardrec.lightning.optimizers import derive_fused_config, find_group, remove_params
+from lightning_shardrec.optim import FusedOptimizer
+from lightning_shardrec.planner import (
+    EmbeddingShardingPlanner,
+    ParameterConstraints,
+    ParameterSharding,
+    ShardingPlan,
+    Topology,
+    collective_plan,
+)
+
+log = logging.getLogger(__name__)
+_FUSED_KEY = "shardrec_fused_optimizer"
+
+
+class ShardRecStrategy(DDPStrategy):
+    """Embedding tables sharded and trained in backward; dense layers data-parallel.
+
+    Args:
+        embedding_optimizer: fused optimizer name or config; default: derived from the
+            optimizer ``configure_optimizers`` puts the tables in.
+        embedding_lr: the tables' lr, when it should differ from the derived one.
+        constraints: per table name, what the planner may do with it.
+        plan: a whole or partial plan (table name -> ``ParameterSharding``) to pin.
+        kernel: ``"auto"`` (fbgemm where it runs), ``"fbgemm"`` or ``"torch"``.
+        planner_batch_size: per-rank batch size the planner's cost model assumes.
+    """
+
+    strategy_name = "shardrec"
+
+    def __init__(
+        self,
+        embedding_optimizer: str | FusedOptimConfig | None = None,
+        embedding_lr: float | None = None,
+        constraints: Mapping[str, ParameterConstraints] | None = None,
+        plan: ShardingPlan | Mapping[str, ParameterSharding] | None = None,
+        kernel: str | KernelBackend = KernelBackend.AUTO,
+        pipeline: bool = False,
+        process_group_backend: str | None = None,
+        planner_batch_size: int = 512,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, **kwargs)
+        if pipeline:
+            raise ValueError("ShardRecStrategy(pipeline=True) is not available yet; use pipeline=False")
+        if isinstance(embedding_optimizer, str):
+            embedding_optimizer = FusedOptimConfig(optimizer=embedding_optimizer)  # validates the name
+        self._embedding_optimizer = embedding_optimizer
+        self._embedding_lr = embedding_lr
+        self._constraints = dict(constraints or {})
+        self._fixed_plan = plan
+        self._kernel = parse_backend(kernel)
+        self._planner_batch_size = planner_batch_size
+        self.sharded: dict[str, ShardedCollection] = {}
+        self.plan: ShardingPlan | None = None
+        self.fused_optimizer: FusedOptimizer | None = None
+
+    # --- setup --------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Any) -> None:
+        module = self.lightning_module
+        assert module is not None and self.accelerator is not None
+        collections = find_collections(module)
+        if not collections and not self.sharded:
+            rank_zero_info("ShardRecStrategy: the LightningModule has no embedding collection; training as plain DDP")
+            return super().setup(trainer)
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"ShardRecStrategy: accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported: fused "
+                "embedding tables are updated in every backward; raise the batch size instead"
+            )
+        if fitting:
+            self.setup_optimizers(trainer)
+        table_params = [p for c in collections.values() for p in c.parameters()]
+        holder = find_group(self.optimizers, table_params) if fitting else None
+        if collections:
+            self._shard(module, self._fused_config(holder))
+        if fitting:
+            remove_params(self.optimizers, table_params)
+            dense_tables = [p for s in self.sharded.values() for g in s.groups if not g.fused for p in g.parameters()]
+            if dense_tables and holder is not None:
+                holder[1]["params"].extend(dense_tables)  # data-parallel tables train like dense layers
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        kernels = [k for s in self.sharded.values() for k in s.kernels()]
+        if self.fused_optimizer is None:
+            self.fused_optimizer = FusedOptimizer(kernels, self._config)
+        if holder is not None:
+            self.fused_optimizer.link_lr(holder[1])
+        if fitting:
+            self.model = self._wrap_dense(self.model)
+            self._register_ddp_hooks()
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _fused_config(self, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> FusedOptimConfig:
+        if self._embedding_optimizer is not None:
+            config = self._embedding_optimizer
+        elif holder is not None:
+            config = derive_fused_config(*holder)
+            rank_zero_info(
+                f"ShardRecStrategy: embedding tables train with fused '{config.optimizer.value}' "
+                f"(lr={config.lr}) derived from {type(holder[0]).__name__}"
+            )
+        else:
+            config = FusedOptimConfig()
+        if self._embedding_lr is not None:
+            config = FusedOptimConfig(**{**config.__dict__, "lr": self._embedding_lr})
+        return config
+
+    def _shard(self, module: torch.nn.Module, config: FusedOptimConfig) -> None:
+        self._config = config
+        env = ShardingEnv.from_process_group()
+        topology = Topology.from_process_group(compute_device=self.root_device.type)
+        planner = EmbeddingShardingPlanner(
+            topology, batch_size=self._planner_batch_size, constraints=self._constraints, optimizer=config.optimizer
+        )
+        self.plan = collective_plan(planner, module, self._fixed_plan)  # type: ignore[arg-type]
+        _print_plan(self.plan)
+        setup = KernelSetup(optim=config, backend=self._kernel, device=self.root_device)
+        self.sharded = shard_modules(module, self.plan, env, setup)
+
+    def _wrap_dense(self, model: torch.nn.Module) -> torch.nn.Module:
+        fused: list[str] = []
+        for path, sharded in self.sharded.items():
+            for i, group in enumerate(sharded.groups):
+                if group.fused:
+                    prefix = f"{path}.groups.{i}"
+                    fused += [n for n, _ in group.named_parameters(prefix=prefix)]
+                    fused += [n for n, _ in group.named_buffers(prefix=prefix)]
+        skip = set(fused)
+        if not any(p.requires_grad for n, p in model.named_parameters() if n not in skip):
+            return model
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, fused)
+        # Its own group: DDP's hook-driven all-reduces never interleave with the tables' collectives.
+        dense_pg = dist.new_group(backend=self._get_process_group_backend())
+        return DistributedDataParallel(
+            model, device_ids=self.determine_ddp_device_ids(), process_group=dense_pg, **self._ddp_kwargs
+        )
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = self.lightning_module.state_dict()  # type: ignore[union-attr]
+        if not self.sharded:
+            return state
+        prefixes = tuple(f"{p}." for p in self.sharded)
+        state = {k: v for k, v in state.items() if not k.startswith(prefixes)}
+        weights, self._fused_states = gather_full_state(self.sharded)
+        state.update(weights)
+        return state
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self.sharded and self.fused_optimizer is not None and "state_dict" in checkpoint:
+            group = {k: v for k, v in self.fused_optimizer.param_groups[0].items() if k != "params"}
+            checkpoint[_FUSED_KEY] = {"states": self._fused_states, "param_group": group}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self.sharded:  # before setup: the plain model takes the full state dict
+            return super().load_model_state_dict(checkpoint, strict)
+        prefixes = tuple(f"{p}." for p in self.sharded)
+        state = checkpoint["state_dict"]
+        load_full_state(self.sharded, {k: v for k, v in state.items() if k.startswith(prefixes)})
+        rest = {k: v for k, v in state.items() if not k.startswith(prefixes)}
+        self.lightning_module.load_state_dict(rest, strict=False)  # type: ignore[union-attr]
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        fused = checkpoint.get(_FUSED_KEY)
+        if fused is not None and self.sharded:
+            load_full_state(self.sharded, states=fused["states"])
+            if self.fused_optimizer is not None:
+                self.fused_optimizer.param_groups[0].update(fused["param_group"])
+
+    # --- teardown -------------------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        if not self.sharded:
+            return super().teardown()
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.lightning_module
+        # Unlike the base class, do not copy (possibly huge) sharded tables to the CPU.
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="Sharded embedding tables (TorchRec-style) + DDP for dense layers"
+            )
+
+
+@rank_zero_only
+def _print_plan(plan: ShardingPlan) -> None:
+    print(f"lightning_shardrec sharding plan:\n{plan}", flush=True)
+
+
+ShardRecStrategy.register_strategies(StrategyRegistry)

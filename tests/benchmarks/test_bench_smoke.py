@@ -1,0 +1,47 @@
+"""The benchmark scripts' ``--quick`` paths run end to end (no timings are checked)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def run_quick(script: str) -> str:
+    out = subprocess.run(
+        [sys.executable, str(BENCH / script), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out.stdout
+
+
+def test_kernel_bench_quick():
+    text = run_quick("kernel_bench.py")
+    assert text.startswith("## Kernels")
+    for case in (
+        "fbgemm sgd",
+        "fbgemm rowwise_adagrad",
+        "torch sgd",
+        "torch rowwise_adagrad",
+        "torch adam",
+    ):
+        assert f"fwd+bwd+update {case} |" in text
+    assert "`validate_ids`" in text
+
+
+@pytest.mark.slow
+def test_memory_bench_quick():
+    text = run_quick("memory_bench.py")
+    assert text.startswith("## Sharded memory")
+    rows = [ln for ln in text.splitlines() if ln.startswith(("| table_wise |", "| row_wise |"))]
+    assert len(rows) == 8  # 2 optimizer configs x 2 plans x 2 ranks
+    # each rank holds exactly half of tables + state
+    assert all("| 1.0000 |" in ln for ln in rows)

@@ -1,0 +1,62 @@
+"""A small recommender LightningModule and helpers shared by the strategy tests."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType, SyntheticRecDataModule
+
+TABLES = [("big", 120, 8, PoolingType.SUM), ("mid", 30, 12, PoolingType.MEAN), ("tiny", 3, 4, PoolingType.SUM)]
+
+
+class Rec(L.LightningModule):
+    def __init__(self, optimizer: str = "adagrad", lr: float = 0.05) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.ebc = EmbeddingBagCollection(
+            [EmbeddingBagConfig(num_embeddings=n, embedding_dim=d, name=f"t_{f}", feature_names=[f], pooling=p)
+             for f, n, d, p in TABLES]
+        )
+        self.mlp = torch.nn.Linear(3 + sum(d for _, _, d, _ in TABLES), 1)
+        self.optimizer, self.lr = optimizer, lr
+
+    def training_step(self, batch, i):
+        x = torch.cat([batch.dense, self.ebc(batch.sparse).values()], 1)
+        loss = F.binary_cross_entropy_with_logits(self.mlp(x).squeeze(1), batch.labels)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        cls = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[self.optimizer]
+        return cls(self.parameters(), lr=self.lr)
+
+
+def data(batch_size: int, num_batches: int, seed: int = 1) -> SyntheticRecDataModule:
+    return SyntheticRecDataModule(
+        num_dense=3,
+        tables=[{"name": f, "num_embeddings": n} for f, n, _, _ in TABLES],
+        batch_size=batch_size,
+        num_batches=num_batches,
+        val_batches=0,
+        pooling_factor=3.0,
+        seed=seed,
+    )
+
+
+def trainer(**kwargs) -> L.Trainer:
+    base = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, num_sanity_val_steps=0)
+    base.update(kwargs)
+    return L.Trainer(**base)
+
+
+def external_launch(rank: int, world: int) -> None:
+    """Tell Lightning the processes exist already (as torchrun would)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"), WORLD_SIZE=str(world),
+        RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(world),
+    )

@@ -1,0 +1,47 @@
+"""Checkpoints: resume continues the identical run, on the same or another world size,
+and the file loads into the plain (unsharded) model."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_shardrec.testing import run_ranks
+
+from _models import Rec, data, external_launch, trainer
+
+GLOBAL_BATCH = 12
+STEPS = 8
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def fit(rank, world, steps, ckpt_in, ckpt_out, sharding_type):
+    import lightning_shardrec  # noqa: F401
+    from lightning_shardrec import ParameterConstraints, ShardRecStrategy
+
+    external_launch(rank, world)
+    constraints = {f"t_{f}": ParameterConstraints(sharding_types=[sharding_type]) for f in ("big", "mid")}
+    strategy = ShardRecStrategy(constraints=constraints)
+    t = trainer(strategy=strategy, devices=world, max_steps=steps)
+    t.fit(Rec("adagrad"), data(GLOBAL_BATCH // world, STEPS), ckpt_path=ckpt_in)
+    if ckpt_out:
+        t.save_checkpoint(ckpt_out)
+    return {k: v.clone() for k, v in strategy.lightning_module_state_dict().items()}
+
+
+def test_resume_and_reshard(tmp_path):
+    straight = run_ranks(fit, 2, STEPS, None, None, "row_wise")[0]
+    half = str(tmp_path / "half.ckpt")
+    run_ranks(fit, 2, STEPS // 2, None, half, "row_wise")
+    # same world size, mid-epoch: 4 + save + resume 4 == 8 straight
+    for world, kind in [(2, "row_wise"), (1, "table_wise"), (3, "column_wise")]:
+        resumed = run_ranks(fit, world, STEPS, half, None, kind)[0]
+        for k in straight:
+            torch.testing.assert_close(resumed[k], straight[k], **TOL, msg=f"resume at W={world} ({kind}): {k}")
+
+    ckpt = torch.load(half, weights_only=True)
+    plain = Rec()
+    plain.load_state_dict(ckpt["state_dict"])  # strict: the keys are the unsharded model's
+    assert ckpt["state_dict"]["ebc.embedding_bags.t_big.weight"].shape == (120, 8)
+    fused = ckpt["shardrec_fused_optimizer"]["states"]
+    assert {"ebc.embedding_bags.t_big.weight", "ebc.embedding_bags.t_mid.weight"} <= set(fused)
+    assert fused["ebc.embedding_bags.t_big.weight"]["sum"].shape == (120, 8)  # adagrad state, full table
