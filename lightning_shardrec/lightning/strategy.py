@@ -12,6 +12,7 @@ state, so they load into the plain model and into any world size.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -110,6 +111,7 @@ class ShardRecStrategy(DDPStrategy):
         holder = find_group(self.optimizers, table_params) if fitting else None
         if collections:
             self._shard(module, self._fused_config(holder))
+            _save_plan(self.plan, getattr(trainer.checkpoint_callback, "dirpath", None))
         if fitting:
             remove_params(self.optimizers, table_params)
             dense_tables = [p for s in self.sharded.values() for g in s.groups if not g.fused for p in g.parameters()]
@@ -191,6 +193,7 @@ class ShardRecStrategy(DDPStrategy):
         if self.sharded and self.fused_optimizer is not None and "state_dict" in checkpoint:
             group = {k: v for k, v in self.fused_optimizer.param_groups[0].items() if k != "params"}
             checkpoint[_FUSED_KEY] = {"states": self._fused_states, "param_group": group}
+            checkpoint["shardrec_plan"] = self.plan.to_json() if self.plan is not None else None
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -237,6 +240,16 @@ class ShardRecStrategy(DDPStrategy):
 @rank_zero_only
 def _print_plan(plan: ShardingPlan) -> None:
     print(f"lightning_shardrec sharding plan:\n{plan}", flush=True)
+
+
+@rank_zero_only
+def _save_plan(plan: ShardingPlan | None, dirpath: str | None) -> None:
+    """``sharding_plan.json`` beside the checkpoints (edit it and pass it back as ``plan=`` to pin it)."""
+    if plan is None or not dirpath:
+        return
+    os.makedirs(dirpath, exist_ok=True)
+    with open(os.path.join(dirpath, "sharding_plan.json"), "w") as f:
+        f.write(plan.to_json())
 
 
 ShardRecStrategy.register_strategies(StrategyRegistry)

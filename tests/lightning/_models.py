@@ -14,7 +14,8 @@ TABLES = [("big", 120, 8, PoolingType.SUM), ("mid", 30, 12, PoolingType.MEAN), (
 
 
 class Rec(L.LightningModule):
-    def __init__(self, optimizer: str = "adagrad", lr: float = 0.05) -> None:
+    def __init__(self, optimizer: str = "adagrad", lr: float = 0.05, scheduler: bool = False,
+                 manual: bool = False, bad_id_at: int | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.ebc = EmbeddingBagCollection(
@@ -22,26 +23,50 @@ class Rec(L.LightningModule):
              for f, n, d, p in TABLES]
         )
         self.mlp = torch.nn.Linear(3 + sum(d for _, _, d, _ in TABLES), 1)
-        self.optimizer, self.lr = optimizer, lr
+        self.optimizer, self.lr, self.scheduler = optimizer, lr, scheduler
+        self.automatic_optimization = not manual
+        self.bad_id_at = bad_id_at  # step at which rank 1 feeds an out-of-range id
+
+    def forward(self, batch):
+        x = torch.cat([batch.dense, self.ebc(batch.sparse).values()], 1)
+        return self.mlp(x).squeeze(1)
 
     def training_step(self, batch, i):
-        x = torch.cat([batch.dense, self.ebc(batch.sparse).values()], 1)
-        loss = F.binary_cross_entropy_with_logits(self.mlp(x).squeeze(1), batch.labels)
+        if self.bad_id_at == i and self.global_rank == 1:
+            batch.sparse.values()[0] = 10**6
+        loss = F.binary_cross_entropy_with_logits(self(batch), batch.labels)
         self.log("loss", loss)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            if self.scheduler:
+                self.lr_schedulers().step()
         return loss
+
+    def validation_step(self, batch, i):
+        self.log("val_loss", F.binary_cross_entropy_with_logits(self(batch), batch.labels), sync_dist=True)
+
+    def predict_step(self, batch, i):
+        return self(batch)
 
     def configure_optimizers(self):
         cls = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[self.optimizer]
-        return cls(self.parameters(), lr=self.lr)
+        opt = cls(self.parameters(), lr=self.lr)
+        if not self.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def data(batch_size: int, num_batches: int, seed: int = 1) -> SyntheticRecDataModule:
+def data(batch_size: int, num_batches: int, seed: int = 1, val_batches: int = 0) -> SyntheticRecDataModule:
     return SyntheticRecDataModule(
         num_dense=3,
         tables=[{"name": f, "num_embeddings": n} for f, n, _, _ in TABLES],
         batch_size=batch_size,
         num_batches=num_batches,
-        val_batches=0,
+        val_batches=val_batches,
         pooling_factor=3.0,
         seed=seed,
     )

@@ -45,3 +45,27 @@ def test_resume_and_reshard(tmp_path):
     fused = ckpt["shardrec_fused_optimizer"]["states"]
     assert {"ebc.embedding_bags.t_big.weight", "ebc.embedding_bags.t_mid.weight"} <= set(fused)
     assert fused["ebc.embedding_bags.t_big.weight"]["sum"].shape == (120, 8)  # adagrad state, full table
+
+
+def fit_with_checkpointing(rank, world, root):
+    from lightning_shardrec import ShardRecStrategy
+
+    external_launch(rank, world)
+    t = trainer(strategy=ShardRecStrategy(), devices=world, max_steps=4, enable_checkpointing=True, default_root_dir=root)
+    t.fit(Rec(), data(4, 4))
+    return t.checkpoint_callback.best_model_path or t.checkpoint_callback.last_model_path
+
+
+def test_model_checkpoint_writes_plan_beside_checkpoints(tmp_path):
+    import json
+    from pathlib import Path
+
+    from lightning_shardrec import ShardingPlan
+
+    path = run_ranks(fit_with_checkpointing, 2, str(tmp_path))[0]
+    ckpt_dir = Path(path).parent
+    plan = ShardingPlan.from_json((ckpt_dir / "sharding_plan.json").read_text())
+    assert set(plan.get_plan_for_module("ebc")) == {"t_big", "t_mid", "t_tiny"}
+    ckpt = torch.load(path, weights_only=True)
+    assert ShardingPlan.from_json(ckpt["shardrec_plan"]) == plan
+    assert json.loads(ckpt["shardrec_plan"])  # plain JSON text, loadable without this library

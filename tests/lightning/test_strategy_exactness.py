@@ -16,7 +16,7 @@ BATCH = 6  # per rank
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def fit_sharded(rank, world, sharding_type, optimizer):
+def fit_sharded(rank, world, sharding_type, optimizer, options=None):
     import lightning_shardrec  # noqa: F401
     from lightning_shardrec import ParameterConstraints, ShardRecStrategy
 
@@ -24,15 +24,15 @@ def fit_sharded(rank, world, sharding_type, optimizer):
     constraints = {f"t_{f}": ParameterConstraints(sharding_types=[sharding_type]) for f in ("big", "mid", "tiny")}
     strategy = ShardRecStrategy(constraints=constraints)
     t = trainer(strategy=strategy, devices=world, max_steps=STEPS)
-    model = Rec(optimizer)
+    model = Rec(optimizer, **(options or {}))
     t.fit(model, data(BATCH, STEPS))
     types = {name: p.sharding_type.value for name, p in strategy.plan.get_plan_for_module("ebc").items()}
     state = strategy.lightning_module_state_dict()
     return {k: v.clone() for k, v in state.items()}, types
 
 
-def fit_reference(world, optimizer):
-    model = Rec(optimizer)
+def fit_reference(world, optimizer, options=None):
+    model = Rec(optimizer, **(options or {}))
     trainer(devices=1, max_steps=STEPS).fit(model, data(BATCH * world, STEPS))
     return model.state_dict()
 
@@ -48,3 +48,13 @@ def test_shardrec_matches_single_device(world, sharding_type):
         assert set(state) == set(want)
         for k in want:
             torch.testing.assert_close(state[k], want[k], **TOL, msg=f"{sharding_type}: {k}")
+
+
+@pytest.mark.parametrize("options", [{"scheduler": True}, {"manual": True}, {"manual": True, "scheduler": True}])
+def test_lr_scheduler_and_manual_optimization(options):
+    """A StepLR halving the lr every step moves the fused tables' lr too; manual optimization works."""
+    results = run_ranks(fit_sharded, 2, "row_wise", "adagrad", options)
+    want = fit_reference(2, "adagrad", options)
+    for state, _ in results:
+        for k in want:
+            torch.testing.assert_close(state[k], want[k], **TOL, msg=f"{options}: {k}")
