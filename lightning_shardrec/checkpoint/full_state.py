@@ -66,6 +66,8 @@ def gather_full_state(
             for meta, state in shards:
                 for name, t in state.items():
                     key = f"{_key(module, path, table)}/{name}"
+                    if t.dim() == 1:  # one value per row *of this column piece*: keyed by its first column
+                        key = f"{key}@{meta.shard_offsets[1]}"
                     if t.dim() == 0:  # a step counter, the same for every shard
                         states[key] = [((0, 0), t.detach().cpu().reshape(1))]
                         state_shapes[key] = (1,)
@@ -126,15 +128,24 @@ def load_full_state(
             for meta, state in shards:
                 (r0, c0), (rows, cols) = meta.shard_offsets, meta.shard_sizes
                 for name, t in state.items():
-                    if name not in saved:
+                    if not any(k == name or k.startswith(f"{name}@") for k in saved):
                         problems.append(f"'{_key(module, path, table)}': optimizer state '{name}' missing from the checkpoint")
                         continue
-                    src = saved[name]
                     if t.dim() == 0:
-                        t.copy_(src.reshape(()))
+                        t.copy_(saved[name].reshape(()))
                     elif t.dim() == 1:
-                        t.copy_(src[r0 : r0 + rows])
+                        t.copy_(_row_state(saved, name, c0)[r0 : r0 + rows])
                     else:
-                        t.copy_(src[r0 : r0 + rows, c0 : c0 + cols])
+                        t.copy_(saved[name][r0 : r0 + rows, c0 : c0 + cols])
     if problems:
         raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(problems))
+
+
+def _row_state(saved: Mapping[str, Tensor], name: str, col: int) -> Tensor:
+    """A per-row state saved per column piece (``name@<first column>``): the piece holding ``col``.
+
+    Exact when the plan is unchanged; a different column split takes the state of the
+    saved piece its first column falls in.
+    """
+    starts = sorted(int(k.split("@", 1)[1]) for k in saved if k.startswith(f"{name}@"))
+    return saved[f"{name}@{max(c for c in starts if c <= col)}"]
