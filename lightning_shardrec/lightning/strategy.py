@@ -5,14 +5,16 @@ process-group setup, ``barrier``/``reduce``/``all_gather``). What it adds, in
 ``setup``: plan and shard the module's embedding collections, move the tables out
 of the user's optimizer into the fused in-backward optimizer (derived from the
 user's, lr linked so schedulers move both), and wrap only the dense rest in DDP.
-Checkpoints hold full tables under the unsharded keys plus the fused optimizer
-state, so they load into the plain model and into any world size.
+Checkpoints are DCP directories (each rank writes its shards) or, with
+``checkpoint_format="full"``, single files with gathered tables; both hold the fused
+optimizer state and load into any world size and plan.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,8 +27,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_shardrec.checkpoint import gather_full_state, load_full_state
+from lightning_shardrec.checkpoint import gather_full_state, load_full_state, load_sharded, save_sharded
 from lightning_shardrec.configs import FusedOptimConfig
+from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.distributed.model_parallel import find_collections, shard_modules
@@ -58,6 +61,9 @@ class ShardRecStrategy(DDPStrategy):
         plan: a whole or partial plan (table name -> ``ParameterSharding``) to pin.
         kernel: ``"auto"`` (fbgemm where it runs), ``"fbgemm"`` or ``"torch"``.
         planner_batch_size: per-rank batch size the planner's cost model assumes.
+        checkpoint_format: ``"sharded"`` (a DCP directory: each rank writes its shards;
+            loads on any world size) or ``"full"`` (one file with gathered tables, for
+            tables that fit in host memory; loads into the plain model).
     """
 
     strategy_name = "shardrec"
@@ -72,6 +78,7 @@ class ShardRecStrategy(DDPStrategy):
         pipeline: bool = False,
         process_group_backend: str | None = None,
         planner_batch_size: int = 512,
+        checkpoint_format: str = "sharded",
         **kwargs: Any,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, **kwargs)
@@ -85,6 +92,10 @@ class ShardRecStrategy(DDPStrategy):
         self._fixed_plan = plan
         self._kernel = parse_backend(kernel)
         self._planner_batch_size = planner_batch_size
+        if checkpoint_format not in ("sharded", "full"):
+            raise ValueError(f"checkpoint_format must be 'sharded' or 'full', got {checkpoint_format!r}")
+        self._checkpoint_format = checkpoint_format
+        self._loaded_in_place = False
         self.sharded: dict[str, ShardedCollection] = {}
         self.plan: ShardingPlan | None = None
         self.fused_optimizer: FusedOptimizer | None = None
@@ -177,41 +188,85 @@ class ShardRecStrategy(DDPStrategy):
         )
 
     # --- checkpoints ----------------------------------------------------------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # tables are restored into their shards, so the sharded model must exist
+
+    def _dense_state(self) -> dict[str, torch.Tensor]:
+        prefixes = tuple(f"{p}." for p in self.sharded)
+        state = self.lightning_module.state_dict()  # type: ignore[union-attr]
+        return {k: v for k, v in state.items() if not k.startswith(prefixes)}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the unsharded model's state dict (tables gathered), on every rank."""
+        if not self.sharded:
+            return self.lightning_module.state_dict()  # type: ignore[union-attr]
+        weights, _ = gather_full_state(self.sharded)
+        return {**self._dense_state(), **weights}
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = self.lightning_module.state_dict()  # type: ignore[union-attr]
         if not self.sharded:
-            return state
-        prefixes = tuple(f"{p}." for p in self.sharded)
-        state = {k: v for k, v in state.items() if not k.startswith(prefixes)}
+            return super().lightning_module_state_dict()
+        if self._checkpoint_format == "sharded":
+            return self._dense_state()  # tables go to DCP in save_checkpoint
         weights, self._fused_states = gather_full_state(self.sharded)
-        state.update(weights)
-        return state
+        return {**self._dense_state(), **weights}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if self.sharded and self.fused_optimizer is not None and "state_dict" in checkpoint:
-            group = {k: v for k, v in self.fused_optimizer.param_groups[0].items() if k != "params"}
+        if not self.sharded or "state_dict" not in checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        assert self.fused_optimizer is not None
+        group = {k: v for k, v in self.fused_optimizer.param_groups[0].items() if k != "params"}
+        checkpoint["shardrec_plan"] = self.plan.to_json() if self.plan is not None else None
+        if self._checkpoint_format == "full":
             checkpoint[_FUSED_KEY] = {"states": self._fused_states, "param_group": group}
-            checkpoint["shardrec_plan"] = self.plan.to_json() if self.plan is not None else None
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        checkpoint[_FUSED_KEY] = {"param_group": group}
+        path = Path(self.broadcast(str(filepath)))
+        if path.is_file():
+            path.unlink()
+        dense = checkpoint.pop("state_dict")
+        save_sharded(path, self.sharded, dense, checkpoint, self.global_rank)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not (self.sharded and path.is_dir()):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        meta = load_sharded(path, self.sharded, self._dense_state(), self.global_rank)
+        meta["state_dict"] = {}  # already loaded in place
+        self._loaded_in_place = True
+        return meta
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if not self.sharded:  # before setup: the plain model takes the full state dict
+        if not self.sharded:
             return super().load_model_state_dict(checkpoint, strict)
+        if self._loaded_in_place:
+            self._loaded_in_place = False
+            return None
         prefixes = tuple(f"{p}." for p in self.sharded)
         state = checkpoint["state_dict"]
         load_full_state(self.sharded, {k: v for k, v in state.items() if k.startswith(prefixes)})
         rest = {k: v for k, v in state.items() if not k.startswith(prefixes)}
-        self.lightning_module.load_state_dict(rest, strict=False)  # type: ignore[union-attr]
+        result = self.lightning_module.load_state_dict(rest, strict=False)  # type: ignore[union-attr]
+        missing = [k for k in result.missing_keys if not k.startswith(prefixes)]
+        if strict and (missing or result.unexpected_keys):
+            raise CheckpointError(
+                f"checkpoint does not match the model: missing {missing}, unexpected {result.unexpected_keys}"
+            )
+        return None
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
         fused = checkpoint.get(_FUSED_KEY)
         if fused is not None and self.sharded:
-            load_full_state(self.sharded, states=fused["states"])
+            if "states" in fused:
+                load_full_state(self.sharded, states=fused["states"])
             if self.fused_optimizer is not None:
                 self.fused_optimizer.param_groups[0].update(fused["param_group"])
 

@@ -27,7 +27,7 @@ def fit_sharded(rank, world, sharding_type, optimizer, options=None):
     model = Rec(optimizer, **(options or {}))
     t.fit(model, data(BATCH, STEPS))
     types = {name: p.sharding_type.value for name, p in strategy.plan.get_plan_for_module("ebc").items()}
-    state = strategy.lightning_module_state_dict()
+    state = strategy.full_state_dict()
     return {k: v.clone() for k, v in state.items()}, types
 
 

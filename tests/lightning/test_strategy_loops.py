@@ -19,7 +19,7 @@ def eval_sharded(rank, world):
     t.fit(model, dm)
     metrics = t.validate(model, dm, verbose=False)
     preds = t.predict(model, dm.val_dataloader())
-    state = t.strategy.lightning_module_state_dict()
+    state = t.strategy.full_state_dict()
     return metrics, [p.clone() for p in preds], {k: v.clone() for k, v in state.items()}
 
 

@@ -1,0 +1,175 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): each rank writes its shards.
+
+Tables (and their fused optimizer state) enter the DCP state dict as
+``ShardedTensor``s whose global metadata comes from the sharding plan, under the
+unsharded module's keys (``<path>.embedding_bags.<table>.weight``). Loading builds
+the same structure from the *current* plan, with the kernels' own storage as the
+local shards, and DCP reads whatever overlaps: a checkpoint saved by 2 ranks
+row-wise loads into 3 ranks column-wise, in place, without gathering a table.
+
+Per-row optimizer state (row-wise Adagrad) belongs to one column piece, so it is
+keyed by the piece's first column (``.../sum@8``); a different column split takes
+the state of the saved piece its first column falls in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.errors import CheckpointError
+from lightning_shardrec.planner import ShardingType, ShardMetadata
+
+
+def _shard_meta(offsets: tuple[int, ...], sizes: tuple[int, ...], rank: int, device: torch.device) -> TorchShardMetadata:
+    return TorchShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{rank}/{device}")
+
+
+def _sharded(
+    size: tuple[int, ...], shards: list[tuple[tuple[int, ...], tuple[int, ...], int]], local: list[tuple[tuple[int, ...], Tensor]],
+    rank: int,
+) -> ShardedTensor:
+    """A ShardedTensor over ``local`` views, with the plan's ``shards`` as global metadata (no collective)."""
+    device = local[0][1].device if local else torch.device("cpu")
+    metas = [_shard_meta(o, s, r, device) for o, s, r in shards]
+    dtype = local[0][1].dtype if local else torch.float32
+    global_meta = ShardedTensorMetadata(
+        shards_metadata=metas, size=torch.Size(size), tensor_properties=TensorProperties(dtype=dtype)
+    )
+    by_offset = {tuple(o): t for o, t in local}
+    mine = [Shard(by_offset[tuple(m.shard_offsets)], m) for m in metas if m.placement.rank() == rank]  # type: ignore[union-attr]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(mine, global_meta, process_group=None)
+
+
+def _plan_shards(module: ShardedCollection, table: str) -> tuple[ShardingType, list[ShardMetadata]]:
+    kinds, shards = set(), []
+    for g in module.groups:
+        for t in g.tables:  # type: ignore[attr-defined]
+            if t.config.name == table:
+                kinds.add(t.plan.sharding_type)
+                shards.extend(t.plan.shards)
+    return kinds.pop(), sorted(set(shards), key=lambda s: (s.shard_offsets, s.rank))
+
+
+def sharded_state_dict(
+    sharded: Mapping[str, ShardedCollection], rank: int, saved_keys: set[str] | None = None
+) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """``(tables, fused_states, more_fused)`` for DCP, keyed like the unsharded model.
+
+    With ``saved_keys`` (loading), per-row states are requested under the saved key of
+    the piece each local piece starts in; when two local pieces read the same saved
+    piece, the second goes to ``more_fused`` (to load in a separate pass).
+    """
+    tables: dict[str, Any] = {}
+    fused: dict[str, Any] = {}
+    more: list[dict[str, Any]] = []
+    for path, module in sharded.items():
+        configs = {c.name: c for c in module.table_configs()}
+        local = module.local_shards()
+        states = module.local_states()
+        for table, cfg in configs.items():
+            key = f"{path}.{module.weight_prefix}.{table}.weight" if path else f"{module.weight_prefix}.{table}.weight"
+            size = (cfg.num_embeddings, cfg.embedding_dim)
+            kind, plan = _plan_shards(module, table)
+            mine = local.get(table, [])
+            if kind is ShardingType.DATA_PARALLEL:  # replicated: a plain tensor, written once
+                tables[key] = mine[0][1]
+                continue
+            shards = [(s.shard_offsets, s.shard_sizes, s.rank) for s in plan]
+            tables[key] = _sharded(size, shards, [(m.shard_offsets, w) for m, w in mine], rank)
+            per_state: dict[str, list[tuple[ShardMetadata, Tensor]]] = {}
+            for meta, state in states.get(table, []):
+                for name, t in state.items():
+                    per_state.setdefault(name, []).append((meta, t))
+            for name, views in sorted(per_state.items()):  # ranks without a shard add nothing
+                if views[0][1].dim() == 0:  # a step counter, equal on every rank that has one
+                    fused[f"{key}/{name}"] = views[0][1]
+                elif views[0][1].dim() == 2:
+                    fused[f"{key}/{name}"] = _sharded(size, shards, [(m.shard_offsets, t) for m, t in views], rank)
+                else:  # one value per row of a column piece
+                    for col in sorted({m.shard_offsets[1] for m, _ in views}):
+                        piece = [s for s in plan if s.shard_offsets[1] == col]
+                        rows = [((s.shard_offsets[0],), (s.shard_sizes[0],), s.rank) for s in piece]
+                        mine_rows = [((m.shard_offsets[0],), t) for m, t in views if m.shard_offsets[1] == col]
+                        state_key = f"{key}/{name}@{col}"
+                        if saved_keys is not None:
+                            state_key = _saved_piece(saved_keys, f"{key}/{name}", col)
+                        value = _sharded((cfg.num_embeddings,), rows, mine_rows, rank)
+                        target = next((d for d in [fused, *more] if state_key not in d), None)
+                        if target is None:
+                            more.append(target := {})
+                        target[state_key] = value
+    return tables, fused, more
+
+
+def _saved_piece(saved_keys: set[str], prefix: str, col: int) -> str:
+    starts = sorted(int(k.rsplit("@", 1)[1]) for k in saved_keys if k.startswith(f"{prefix}@"))
+    fits = [c for c in starts if c <= col]
+    return f"{prefix}@{fits[-1] if fits else col}"
+
+
+def saved_keys(path: str | Path) -> set[str]:
+    """Every key a DCP checkpoint holds (flattened, as DCP names them)."""
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def save_sharded(
+    path: str | Path, sharded: Mapping[str, ShardedCollection], dense: dict[str, Tensor], meta: dict[str, Any], rank: int
+) -> None:
+    """Collective: tables, fused state and ``dense`` entries via DCP into directory ``path``;
+    ``meta`` (loops, dense optimizers, plan: all replicated) as ``path/meta.pt`` from rank 0."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tables, fused, _ = sharded_state_dict(sharded, rank)
+    dcp.save(_non_empty({"state_dict": {**dense, **tables}, "fused": fused}), checkpoint_id=path)
+    if rank == 0:
+        torch.save(meta, path / META_FILE)
+
+
+def load_sharded(
+    path: str | Path, sharded: Mapping[str, ShardedCollection], dense: dict[str, Tensor], rank: int
+) -> dict[str, Any]:
+    """Collective: read ``path`` into this rank's shards and ``dense`` tensors in place; return meta."""
+    path = Path(path)
+    keys = {k.split(".", 1)[1] for k in saved_keys(path) if k.startswith("fused.")}
+    tables, fused, more = sharded_state_dict(sharded, rank, saved_keys=keys)
+    missing = sorted(k for k in tables if f"state_dict.{k}" not in saved_keys(path))
+    if missing:
+        raise CheckpointError(f"checkpoint {path} has no tables {missing}; it was saved from another model")
+    dcp.load(_non_empty({"state_dict": {**dense, **tables}, "fused": fused}), checkpoint_id=path)
+    for extra in more:
+        dcp.load({"fused": extra}, checkpoint_id=path)
+    return torch.load(path / META_FILE, weights_only=True)
+
+
+def _non_empty(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """DCP takes an empty nested dict for a leaf; a rank holding no shard sends none."""
+    return {k: v for k, v in state.items() if v}
+
+
+def convert_to_full(checkpoint_dir: str | Path, out_file: str | Path) -> None:
+    """Turn a sharded checkpoint directory into one full checkpoint file (one process, no group).
+
+    The result has the unsharded model's keys, so ``LightningModule.load_from_checkpoint`` and
+    inference code read it directly.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    checkpoint_dir, out_file = Path(checkpoint_dir), Path(out_file)
+    dcp_to_torch_save(checkpoint_dir, out_file)
+    full = torch.load(out_file, weights_only=True)
+    meta = torch.load(checkpoint_dir / META_FILE, weights_only=True)
+    meta["state_dict"] = full["state_dict"]
+    torch.save(meta, out_file)
+
+
+META_FILE = "meta.pt"
