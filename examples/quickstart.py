@@ -1,7 +1,7 @@
 """The smallest end-to-end run: an ordinary LightningModule, sharded by one argument.
 
-    python examples/quickstart.py                  # strategy="shardrec", 2 CPU processes
-    python examples/quickstart.py --devices 1      # a world of one (same global batches)
+python examples/quickstart.py                  # strategy="shardrec", 2 CPU processes
+python examples/quickstart.py --devices 1      # a world of one (same global batches)
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ class Rec(L.LightningModule):
         super().__init__()
         self.ebc = EmbeddingBagCollection(
             tables=[
-                EmbeddingBagConfig(name="user_table", embedding_dim=16, num_embeddings=50_000, feature_names=["user_hist"]),
+                EmbeddingBagConfig(
+                    name="user_table", embedding_dim=16, num_embeddings=50_000, feature_names=["user_hist"]
+                ),
                 EmbeddingBagConfig(name="item_table", embedding_dim=16, num_embeddings=20_000, feature_names=["item"]),
             ]
         )
@@ -60,8 +62,12 @@ def main() -> None:
         val_batches=4,
     )
     trainer = L.Trainer(
-        strategy="shardrec", accelerator="cpu", devices=args.devices, max_steps=args.steps,
-        logger=False, enable_checkpointing=False,
+        strategy="shardrec",
+        accelerator="cpu",
+        devices=args.devices,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
     )
     trainer.fit(Rec(), data)
 

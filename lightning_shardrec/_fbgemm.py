@@ -11,6 +11,10 @@ import functools
 import os
 import warnings
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 # Set LIGHTNING_SHARDREC_DISABLE_FBGEMM=1 to force the portable torch paths.
 _DISABLE_ENV = "LIGHTNING_SHARDREC_DISABLE_FBGEMM"
@@ -71,3 +75,45 @@ def _has_cuda_kernels() -> bool:
     except Exception:
         return False
     return True
+
+
+@functools.cache
+def _load_inference() -> ModuleType | None:
+    if _load() is None:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from fbgemm_gpu import split_table_batched_embeddings_ops_inference as inference
+    except Exception:
+        return None
+    return inference
+
+
+def fbgemm_inference_available() -> bool:
+    """True when fbgemm's integer inference TBE (``IntNBitTableBatchedEmbeddingBagsCodegen``) loads."""
+    return _load_inference() is not None
+
+
+def fbgemm_inference_tbe() -> ModuleType:
+    """fbgemm's inference TBE module (``IntNBitTableBatchedEmbeddingBagsCodegen``, ``SparseType``,
+    ``EmbeddingLocation``, ``PoolingMode``, ``BoundsCheckMode`` are all reachable from it)."""
+    inference = _load_inference()
+    if inference is None:
+        raise RuntimeError(
+            "fbgemm_gpu's inference TBE is not available: install the build that matches torch 2.13 "
+            "(`pip install lightning-shardrec[cpu]` or `[cuda]`), or use backend='torch'"
+        )
+    return inference
+
+
+def fbgemm_quantize_rows_nbit(weight: Tensor, bits: int) -> Tensor:
+    """fbgemm's row-wise quantizer: ``[rows, dim]`` float -> ``[rows, dim*bits/8 + 4]`` uint8.
+
+    Each row is ``| packed ints | scale fp16 | bias fp16 |``; element ``j`` sits in byte
+    ``j // (8 // bits)`` at bit ``(j % (8 // bits)) * bits``.
+    """
+    fbgemm_inference_tbe()  # raises when absent; importing it registered the operators
+    import torch
+
+    return torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(weight, bits)

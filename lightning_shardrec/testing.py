@@ -35,7 +35,10 @@ def _worker(rank: int, world_size: int, backend: str, port: int, jobs: Any, resu
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=60),
     )
     while True:
@@ -97,8 +100,9 @@ class RankPool:
                 p.kill()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-              timeout: float = 180.0) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout: float = 180.0
+) -> list[Any]:
     """``[fn(rank, world_size, *args) for every rank]``, run in parallel in one process group."""
     key = (world_size, backend)
     pool = _POOLS.get(key)

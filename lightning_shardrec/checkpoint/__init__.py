@@ -10,4 +10,13 @@ from lightning_shardrec.checkpoint.sharded_state import (
     sharded_state_dict,
 )
 
-__all__ = ["META_FILE", "convert_to_full", "gather_full_state", "load_full_state", "load_sharded", "save_sharded", "saved_keys", "sharded_state_dict"]
+__all__ = [
+    "META_FILE",
+    "convert_to_full",
+    "gather_full_state",
+    "load_full_state",
+    "load_sharded",
+    "save_sharded",
+    "saved_keys",
+    "sharded_state_dict",
+]

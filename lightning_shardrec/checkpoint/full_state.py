@@ -129,7 +129,9 @@ def load_full_state(
                 (r0, c0), (rows, cols) = meta.shard_offsets, meta.shard_sizes
                 for name, t in state.items():
                     if not any(k == name or k.startswith(f"{name}@") for k in saved):
-                        problems.append(f"'{_key(module, path, table)}': optimizer state '{name}' missing from the checkpoint")
+                        problems.append(
+                            f"'{_key(module, path, table)}': optimizer state '{name}' missing from the checkpoint"
+                        )
                         continue
                     if t.dim() == 0:
                         t.copy_(saved[name].reshape(()))

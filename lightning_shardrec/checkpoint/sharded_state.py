@@ -30,12 +30,16 @@ from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.planner import ShardingType, ShardMetadata
 
 
-def _shard_meta(offsets: tuple[int, ...], sizes: tuple[int, ...], rank: int, device: torch.device) -> TorchShardMetadata:
+def _shard_meta(
+    offsets: tuple[int, ...], sizes: tuple[int, ...], rank: int, device: torch.device
+) -> TorchShardMetadata:
     return TorchShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{rank}/{device}")
 
 
 def _sharded(
-    size: tuple[int, ...], shards: list[tuple[tuple[int, ...], tuple[int, ...], int]], local: list[tuple[tuple[int, ...], Tensor]],
+    size: tuple[int, ...],
+    shards: list[tuple[tuple[int, ...], tuple[int, ...], int]],
+    local: list[tuple[tuple[int, ...], Tensor]],
     rank: int,
 ) -> ShardedTensor:
     """A ShardedTensor over ``local`` views, with the plan's ``shards`` as global metadata (no collective)."""
@@ -123,7 +127,11 @@ def saved_keys(path: str | Path) -> set[str]:
 
 
 def save_sharded(
-    path: str | Path, sharded: Mapping[str, ShardedCollection], dense: dict[str, Tensor], meta: dict[str, Any], rank: int
+    path: str | Path,
+    sharded: Mapping[str, ShardedCollection],
+    dense: dict[str, Tensor],
+    meta: dict[str, Any],
+    rank: int,
 ) -> None:
     """Collective: tables, fused state and ``dense`` entries via DCP into directory ``path``;
     ``meta`` (loops, dense optimizers, plan: all replicated) as ``path/meta.pt`` from rank 0."""

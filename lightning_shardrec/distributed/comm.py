@@ -89,10 +89,16 @@ class _ReduceScatterV(torch.autograd.Function):
         gathered = mine.new_empty(sum(rows) * width)
         # every rank sends its gradient to every rank: an uneven all-gather
         dist.all_to_all_single(
-            gathered, mine.repeat(env.world_size), [r * width for r in rows], [mine.numel()] * env.world_size,
+            gathered,
+            mine.repeat(env.world_size),
+            [r * width for r in rows],
+            [mine.numel()] * env.world_size,
             group=env.pg,
         )
-        return (None, *(g.view(r, *grad.shape[1:]) for g, r in zip(gathered.split([r * width for r in rows]), rows, strict=True)))
+        return (
+            None,
+            *(g.view(r, *grad.shape[1:]) for g, r in zip(gathered.split([r * width for r in rows]), rows, strict=True)),
+        )
 
 
 def exchange_header(rows: Tensor, env: ShardingEnv) -> Tensor:

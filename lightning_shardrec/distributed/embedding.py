@@ -28,7 +28,7 @@ from lightning_shardrec.distributed.sharding.base import SequenceDist
 from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.modules import EmbeddingCollection
 from lightning_shardrec.modules.features import FeatureArranger, check_ids
-from lightning_shardrec.planner import ParameterSharding, ShardMetadata
+from lightning_shardrec.planner import ParameterSharding
 from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor
 
 

@@ -23,7 +23,7 @@ from lightning_shardrec.distributed.sharding import SHARDINGS, EmbeddingSharding
 from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.modules import EmbeddingBagCollection
 from lightning_shardrec.modules.features import FeatureArranger, check_ids
-from lightning_shardrec.planner import ParameterSharding, ShardMetadata
+from lightning_shardrec.planner import ParameterSharding
 from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 
@@ -79,10 +79,7 @@ def distribute_inputs(
         )
     batch_sizes = recv[:, 1].tolist()
     recv_values = [recv[:, 2 + i].tolist() for i in range(len(groups))]
-    inputs = [
-        g.input_dist(s, r, v, batch_sizes)
-        for g, s, r, v in zip(groups, subs, routed, recv_values, strict=True)
-    ]
+    inputs = [g.input_dist(s, r, v, batch_sizes) for g, s, r, v in zip(groups, subs, routed, recv_values, strict=True)]
     return DistContext(kjt, batch_sizes, inputs, subs, routed, recv_values)
 
 
@@ -151,9 +148,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         return [g.compute(x) for g, x in zip(self.groups, ctx.inputs, strict=True)]
 
     def output_dist(self, outs: list[Tensor], ctx: DistContext) -> KeyedTensor:
-        pooled = torch.cat(
-            [g.output_dist(o, ctx.batch_sizes) for g, o in zip(self.groups, outs, strict=True)], dim=1
-        )
+        pooled = torch.cat([g.output_dist(o, ctx.batch_sizes) for g, o in zip(self.groups, outs, strict=True)], dim=1)
         if self._mean_features is not None:
             b = ctx.local.stride()
             lengths = ctx.local.lengths().view(len(self._rows), b).t().clamp(min=1).to(pooled.dtype)  # [B, F]

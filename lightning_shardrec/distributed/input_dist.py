@@ -67,9 +67,7 @@ class RowBlocks:
     rank: Tensor  # [num_blocks]
 
 
-def route_by_row(
-    kjt: KeyedJaggedTensor, feature_table: Tensor, blocks: RowBlocks, world_size: int
-) -> Routed:
+def route_by_row(kjt: KeyedJaggedTensor, feature_table: Tensor, blocks: RowBlocks, world_size: int) -> Routed:
     """Bucketize ids by row block: each id goes to its block's rank, rebased to the block.
 
     Every destination gets lengths for all ``K * B`` bags (zero where it owns none of

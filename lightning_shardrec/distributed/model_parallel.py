@@ -108,9 +108,7 @@ class DistributedModelParallel(nn.Module):
             planner = EmbeddingShardingPlanner(topology, batch_size=batch_size, optimizer=optim.optimizer)
         collections = find_collections(module)
         if isinstance(plan, ShardingPlan) and set(plan.plan) >= set(collections):
-            complete = all(
-                set(plan.plan[p]) >= table_names(c) for p, c in collections.items()
-            )
+            complete = all(set(plan.plan[p]) >= table_names(c) for p, c in collections.items())
         else:
             complete = False
         self.plan = plan if complete else collective_plan(planner, module, plan, pg=pg)  # type: ignore[arg-type]
@@ -167,4 +165,3 @@ class DistributedModelParallel(nn.Module):
             for table, shards in s.local_shards().items():
                 out[f"{prefix}{s.weight_prefix}.{table}.weight"] = shards
         return out
-

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_shardrec.configs import EmbOptimType, FusedOptimConfig
+from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 

@@ -149,7 +149,9 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
 
     def forward(self, kjt: KeyedJaggedTensor) -> Tensor:
         if self._single:
-            return self._finish(self._lookup(self._groups[0], kjt, self._feature_row_offset), kjt, len(self.feature_table))
+            return self._finish(
+                self._lookup(self._groups[0], kjt, self._feature_row_offset), kjt, len(self.feature_table)
+            )
         # Several dims: look each group's features up separately, then restore feature order.
         pieces: dict[int, Tensor] = {}
         for g in self._groups:

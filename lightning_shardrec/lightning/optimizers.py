@@ -45,7 +45,11 @@ def _adam(kind: EmbOptimType):  # type: ignore[no-untyped-def]
             raise ValueError("Adam(amsgrad=True) has no fused form; pass ShardRecStrategy(embedding_optimizer=...)")
         b1, b2 = group["betas"]
         return FusedOptimConfig(
-            optimizer=kind, lr=group["lr"], eps=group["eps"], beta1=b1, beta2=b2,
+            optimizer=kind,
+            lr=group["lr"],
+            eps=group["eps"],
+            beta1=b1,
+            beta2=b2,
             weight_decay=group.get("weight_decay", 0.0),
         )
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,11 +29,11 @@ from typing_extensions import override
 
 from lightning_shardrec.checkpoint import gather_full_state, load_full_state, load_sharded, save_sharded
 from lightning_shardrec.configs import FusedOptimConfig
-from lightning_shardrec.errors import CheckpointError
-from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.model_parallel import find_collections, shard_modules
 from lightning_shardrec.distributed.sharding import KernelSetup
+from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.lightning.optimizers import derive_fused_config, find_group, remove_params
 from lightning_shardrec.optim import FusedOptimizer

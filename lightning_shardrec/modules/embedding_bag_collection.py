@@ -69,9 +69,7 @@ class EmbeddingBagCollection(nn.Module):
         self.validate_ids = validate_ids
         self.embedding_bags = nn.ModuleDict()
         for t in tables:
-            bag = nn.EmbeddingBag(
-                t.num_embeddings, t.embedding_dim, mode=t.pooling.value.lower(), device=device
-            )
+            bag = nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling.value.lower(), device=device)
             if bag.weight.device.type != "meta":
                 t.init_weight(bag.weight)
             self.embedding_bags[t.name] = bag

@@ -43,9 +43,7 @@ class FeatureArranger:
         return [index[f] for f in self.feature_names]
 
 
-def check_ids(
-    features: KeyedJaggedTensor, num_embeddings: list[int], table_names: list[str]
-) -> None:
+def check_ids(features: KeyedJaggedTensor, num_embeddings: list[int], table_names: list[str]) -> None:
     """Raise ``ValueError`` for the first id outside its table's ``[0, num_embeddings)``.
 
     ``features`` is already in collection order; entry ``f`` of the lists belongs to

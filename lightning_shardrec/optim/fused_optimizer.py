@@ -85,7 +85,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             )
         views = self._views()
         super().load_state_dict(state_dict)
-        for i, (p, dst) in enumerate(zip(self.param_groups[0]["params"], views, strict=False)):
+        for i, dst in enumerate(views):
             src = saved.get(i, {})
             for name, tensor in dst.items():
                 if name not in src:

@@ -127,14 +127,10 @@ class JaggedTensor:
             desired_length = int(lengths.max()) if lengths.numel() else 0
         return ops.jagged_to_padded_dense(self._values, self.offsets(), desired_length, padding_value)
 
-    def to_padded_dense_weights(
-        self, desired_length: int | None = None, padding_value: float = 0.0
-    ) -> Tensor | None:
+    def to_padded_dense_weights(self, desired_length: int | None = None, padding_value: float = 0.0) -> Tensor | None:
         if self._weights is None:
             return None
-        return JaggedTensor(self._weights, offsets=self.offsets()).to_padded_dense(
-            desired_length, padding_value
-        )
+        return JaggedTensor(self._weights, offsets=self.offsets()).to_padded_dense(desired_length, padding_value)
 
     # --- movement -----------------------------------------------------------------
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
@@ -198,9 +194,7 @@ def _check_shapes(
             )
     if weights is not None and (weights.dim() == 0 or weights.shape[0] != values.shape[0]):
         got = weights.shape[0] if weights.dim() else "a 0-d tensor of"
-        raise ValueError(
-            f"{where}: {got} weights for {values.shape[0]} values (need one per value)"
-        )
+        raise ValueError(f"{where}: {got} weights for {values.shape[0]} values (need one per value)")
     if values.device.type != "cpu":
         return  # reading lengths would sync with the device; validate() checks them
     if lengths is not None:

@@ -165,14 +165,16 @@ class KeyedJaggedTensor:
         weighted = {kjt.weights_or_none() is not None for kjt in kjt_list if kjt.keys()}
         if len(weighted) > 1:
             raise ValueError("KeyedJaggedTensor.concat cannot mix weighted and unweighted KJTs")
-        keys = [k for kjt in kjt_list for k in kjt.keys()]
+        keys = [k for kjt in kjt_list for k in kjt.keys()]  # noqa: SIM118 (a KJT, not a dict)
         # KJTs without keys hold no values, so they add no weights (and may have none).
         weights = None
         if weighted == {True}:
             weights = torch.cat([kjt.weights() for kjt in kjt_list if kjt.keys()])
-        lpk = [n for kjt in kjt_list for n in kjt.length_per_key()] if all(
-            kjt._length_per_key is not None for kjt in kjt_list
-        ) else None
+        lpk = (
+            [n for kjt in kjt_list for n in kjt.length_per_key()]
+            if all(kjt._length_per_key is not None for kjt in kjt_list)
+            else None
+        )
         out = KeyedJaggedTensor(
             keys,
             torch.cat([kjt.values() for kjt in kjt_list]),
@@ -283,9 +285,7 @@ class KeyedJaggedTensor:
     def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
         """Consecutive groups of keys: ``segments`` are key counts summing to ``len(keys)``."""
         if sum(segments) != len(self._keys) or any(s < 0 for s in segments):
-            raise ValueError(
-                f"split segments {list(segments)} must be non-negative and sum to {len(self._keys)} keys"
-            )
+            raise ValueError(f"split segments {list(segments)} must be non-negative and sum to {len(self._keys)} keys")
         opk, out, k = self.offset_per_key(), [], 0
         lpk = self.length_per_key()
         for seg in segments:

@@ -18,9 +18,7 @@ from torch import Tensor
 class KeyedTensor:
     """``KeyedTensor(keys, length_per_key, values, key_dim=1)``: ``values`` is ``[B, sum(dims)]``."""
 
-    def __init__(
-        self, keys: Sequence[str], length_per_key: Sequence[int], values: Tensor, key_dim: int = 1
-    ) -> None:
+    def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: Tensor, key_dim: int = 1) -> None:
         keys, length_per_key = list(keys), list(length_per_key)
         if len(keys) != len(length_per_key):
             raise ValueError(f"KeyedTensor: {len(keys)} keys but {len(length_per_key)} lengths")

@@ -98,9 +98,7 @@ def jagged_to_padded_dense(
     if use_fbgemm is None:
         use_fbgemm = _fbgemm_for(values) and values.is_floating_point()
     if use_fbgemm:
-        out = torch.ops.fbgemm.jagged_to_padded_dense(
-            vals2d, [offsets.long()], [max_length], float(padding_value)
-        )
+        out = torch.ops.fbgemm.jagged_to_padded_dense(vals2d, [offsets.long()], [max_length], float(padding_value))
     else:
         batch = offsets.numel() - 1
         lengths = offsets[1:] - offsets[:-1]

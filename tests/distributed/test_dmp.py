@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
+from test_sharded_ebc import GLOBAL_BATCH, LR, Rec, check, kjt_of, loss_fn, make_data, make_optimizers, splits
 
 from lightning_shardrec import FusedOptimConfig, KeyedJaggedTensor, PoolingType
 from lightning_shardrec.testing import run_ranks
-
-from test_sharded_ebc import GLOBAL_BATCH, LR, Rec, check, kjt_of, loss_fn, make_data, make_optimizers, splits
 
 
 def train_planned(rank, world, constraints):
@@ -15,11 +14,15 @@ def train_planned(rank, world, constraints):
     from lightning_shardrec.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
     planner = EmbeddingShardingPlanner(
-        Topology(world, compute_device="cpu"), batch_size=GLOBAL_BATCH // world,
+        Topology(world, compute_device="cpu"),
+        batch_size=GLOBAL_BATCH // world,
         constraints={t: ParameterConstraints(sharding_types=[s]) for t, s in constraints.items()},
     )
-    dmp = DistributedModelParallel(Rec(PoolingType.SUM, False), planner=planner,
-                                   embedding_optimizer=FusedOptimConfig(optimizer="adagrad", lr=LR, eps=1e-8))
+    dmp = DistributedModelParallel(
+        Rec(PoolingType.SUM, False),
+        planner=planner,
+        embedding_optimizer=FusedOptimConfig(optimizer="adagrad", lr=LR, eps=1e-8),
+    )
     types = {t: p.sharding_type.value for t, p in dmp.plan.get_plan_for_module("ebc").items()}
     opt = make_optimizers(list(dmp.dense_parameters()), "adagrad")
     sizes = splits(world, False)
@@ -44,10 +47,10 @@ def test_mixed_plan_from_planner_constraints():
 
 
 def bad_batch(rank, world):
+    from test_sharded_ebc import plan_for
+
     from lightning_shardrec.distributed import DistributedModelParallel
     from lightning_shardrec.planner import ShardingPlan
-
-    from test_sharded_ebc import plan_for
 
     dmp = DistributedModelParallel(Rec(PoolingType.SUM, False), plan=ShardingPlan({"ebc": plan_for("row_wise", world)}))
     dense = torch.zeros(2, 3)

@@ -8,15 +8,25 @@ equal after 3 steps. Tolerance: float32, only the summation order differs
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimConfig, KeyedJaggedTensor, PoolingType
-from lightning_shardrec.planner import EmbeddingComputeKernel, ParameterSharding, ShardingPlan, ShardingType, ShardMetadata
+from lightning_shardrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    FusedOptimConfig,
+    KeyedJaggedTensor,
+    PoolingType,
+)
+from lightning_shardrec.planner import (
+    EmbeddingComputeKernel,
+    ParameterSharding,
+    ShardingPlan,
+    ShardingType,
+    ShardMetadata,
+)
 from lightning_shardrec.testing import run_ranks
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -34,8 +44,12 @@ class Rec(nn.Module):
         torch.manual_seed(0)
         self.ebc = EmbeddingBagCollection(
             [
-                EmbeddingBagConfig(num_embeddings=40, embedding_dim=8, name="t_big", feature_names=["f0", "f1"], pooling=pooling),
-                EmbeddingBagConfig(num_embeddings=2, embedding_dim=12, name="t_small", feature_names=["f2"], pooling=pooling),
+                EmbeddingBagConfig(
+                    num_embeddings=40, embedding_dim=8, name="t_big", feature_names=["f0", "f1"], pooling=pooling
+                ),
+                EmbeddingBagConfig(
+                    num_embeddings=2, embedding_dim=12, name="t_small", feature_names=["f2"], pooling=pooling
+                ),
             ],
             is_weighted=weighted,
         )
@@ -51,11 +65,20 @@ def make_data(seed: int, weighted: bool):
     g = torch.Generator().manual_seed(seed)
     steps = []
     for _ in range(STEPS):
-        bags = {f: [torch.randint(0, ROWS[f], (int(n),), generator=g).tolist() for n in torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)] for f in FEATURES}
-        for f in FEATURES:  # an empty feature in some samples is guaranteed; make f1 empty in the first half
-            for i in range(GLOBAL_BATCH // 2):
-                bags["f1"][i] = []
-        wts = {f: [torch.rand(len(b), generator=g).add(0.5).tolist() for b in bags[f]] for f in FEATURES} if weighted else None
+        bags = {
+            f: [
+                torch.randint(0, ROWS[f], (int(n),), generator=g).tolist()
+                for n in torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)
+            ]
+            for f in FEATURES
+        }
+        for i in range(GLOBAL_BATCH // 2):  # a feature empty in half the samples
+            bags["f1"][i] = []
+        wts = (
+            {f: [torch.rand(len(b), generator=g).add(0.5).tolist() for b in bags[f]] for f in FEATURES}
+            if weighted
+            else None
+        )
         dense = torch.randn(GLOBAL_BATCH, 3, generator=g)
         label = torch.rand(GLOBAL_BATCH, generator=g).round()
         steps.append((bags, wts, dense, label))
@@ -66,7 +89,9 @@ def kjt_of(bags, wts, lo: int, hi: int) -> KeyedJaggedTensor:
     lengths = [len(bags[f][i]) for f in FEATURES for i in range(lo, hi)]
     values = [v for f in FEATURES for i in range(lo, hi) for v in bags[f][i]]
     weights = None if wts is None else torch.tensor([w for f in FEATURES for i in range(lo, hi) for w in wts[f][i]])
-    return KeyedJaggedTensor(FEATURES, torch.tensor(values, dtype=torch.long), weights, torch.tensor(lengths, dtype=torch.long))
+    return KeyedJaggedTensor(
+        FEATURES, torch.tensor(values, dtype=torch.long), weights, torch.tensor(lengths, dtype=torch.long)
+    )
 
 
 def plan_for(kind: str, world: int) -> dict[str, ParameterSharding]:
@@ -86,7 +111,10 @@ def plan_for(kind: str, world: int) -> dict[str, ParameterSharding]:
         else:  # row-wise, table-row-wise: uneven blocks; fewer blocks than ranks when rows < world
             n = min(world, rows)
             bounds = [0] + sorted({max(1, rows * (k + 1) // (n + 1) + k) for k in range(n - 1)}) + [rows]
-            shards = [ShardMetadata((a, 0), (b - a, dim), (k + i) % world) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+            shards = [
+                ShardMetadata((a, 0), (b - a, dim), (k + i) % world)
+                for k, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
+            ]
         kernel = EmbeddingComputeKernel.DENSE if st is ShardingType.DATA_PARALLEL else fused
         out[name] = ParameterSharding(st, kernel, [s.rank for s in shards], shards)
     return out
@@ -118,8 +146,10 @@ def train_sharded(rank, world, cases, kernel="auto"):
     for kind, pooling, weighted, optim, uneven, seed in cases:
         model = Rec(PoolingType(pooling), weighted)
         dmp = DistributedModelParallel(
-            model, plan=ShardingPlan({"ebc": plan_for(kind, world)}),
-            embedding_optimizer=FusedOptimConfig(optimizer=optim, lr=LR, eps=1e-8), kernel=kernel,
+            model,
+            plan=ShardingPlan({"ebc": plan_for(kind, world)}),
+            embedding_optimizer=FusedOptimConfig(optimizer=optim, lr=LR, eps=1e-8),
+            kernel=kernel,
         )
         dense_opt = make_optimizers(list(dmp.dense_parameters()), optim)
         sizes = splits(world, uneven)

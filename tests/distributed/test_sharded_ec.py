@@ -138,8 +138,10 @@ def train_sharded(rank, world, cases, kernel="auto"):
     results = []
     for kind, optim, uneven, seed in cases:
         dmp = DistributedModelParallel(
-            Seq(), plan=ShardingPlan({"ec": plan_for(kind, world)}),
-            embedding_optimizer=FusedOptimConfig(optimizer=optim, lr=LR, eps=1e-8), kernel=kernel,
+            Seq(),
+            plan=ShardingPlan({"ec": plan_for(kind, world)}),
+            embedding_optimizer=FusedOptimConfig(optimizer=optim, lr=LR, eps=1e-8),
+            kernel=kernel,
         )
         dense = list(dmp.dense_parameters())  # data-parallel tables
         dense_opt = make_optimizer(dense, optim) if dense else None

@@ -13,7 +13,10 @@ BACKENDS = ["torch"] + (["fbgemm"] if fbgemm_available() else [])
 # float32; only the order of summation differs between the paths.
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
-SPECS = [TableSpec(name="t0", num_embeddings=12, embedding_dim=8), TableSpec(name="t1", num_embeddings=6, embedding_dim=4)]
+SPECS = [
+    TableSpec(name="t0", num_embeddings=12, embedding_dim=8),
+    TableSpec(name="t1", num_embeddings=6, embedding_dim=4),
+]
 FEATURE_TABLE = [0, 0, 1]  # f0 and f1 share t0
 
 
@@ -21,7 +24,11 @@ def random_batch(gen, batch=4, weighted=False, rows=(12, 12, 6)):
     lengths = torch.randint(0, 4, (len(rows) * batch,), generator=gen)
     lengths[1] = 0  # always an empty bag
     values = torch.cat(
-        [torch.randint(0, r, (int(n),), generator=gen) for r, ls in zip(rows, lengths.view(len(rows), batch)) for n in ls]
+        [
+            torch.randint(0, r, (int(n),), generator=gen)
+            for r, ls in zip(rows, lengths.view(len(rows), batch), strict=False)
+            for n in ls
+        ]
     )
     weights = torch.rand(values.numel(), generator=gen) + 0.5 if weighted else None
     return KeyedJaggedTensor(["f0", "f1", "f2"], values, weights, lengths)
@@ -29,11 +36,17 @@ def random_batch(gen, batch=4, weighted=False, rows=(12, 12, 6)):
 
 def reference_pooled(weights, kjt, weighted):
     outs = []
-    for f, t in zip(kjt.keys(), FEATURE_TABLE):
+    for f, t in zip(kjt.keys(), FEATURE_TABLE, strict=False):
         jt = kjt[f]
         outs.append(
-            F.embedding_bag(jt.values(), weights[t], jt.offsets(), mode="sum",
-                            per_sample_weights=jt.weights_or_none() if weighted else None, include_last_offset=True)
+            F.embedding_bag(
+                jt.values(),
+                weights[t],
+                jt.offsets(),
+                mode="sum",
+                per_sample_weights=jt.weights_or_none() if weighted else None,
+                include_last_offset=True,
+            )
         )
     return torch.cat(outs, 1)
 
@@ -66,7 +79,7 @@ def test_training_matches_torch_optim(backend, name, weighted):
     k = kernel(backend, optim)
     ref = [torch.nn.Parameter(w.clone()) for w in init_weights()]
     k.load_weights([p.detach() for p in ref])
-    torch_opt = (torch.optim.SGD(ref, lr=0.1) if name == "sgd" else torch.optim.Adagrad(ref, lr=0.1, eps=1e-10))
+    torch_opt = torch.optim.SGD(ref, lr=0.1) if name == "sgd" else torch.optim.Adagrad(ref, lr=0.1, eps=1e-10)
     fused = FusedOptimizer([k], optim)
     gen = torch.Generator().manual_seed(2)
     for _ in range(3):
@@ -77,10 +90,10 @@ def test_training_matches_torch_optim(backend, name, weighted):
         torch_opt.step()
         (k(kjt) * target).sum().backward()
         fused.step()
-    for got, want in zip(k.split_weights(), ref):
+    for got, want in zip(k.split_weights(), ref, strict=False):
         torch.testing.assert_close(got, want.detach(), **TOL)
     if name == "adagrad":
-        for st, p in zip(k.split_states(), ref):
+        for st, p in zip(k.split_states(), ref, strict=False):
             torch.testing.assert_close(st["sum"], torch_opt.state[p]["sum"], **TOL)
 
 
@@ -96,7 +109,7 @@ def test_rowwise_adagrad_formula(backend):
     params = [torch.nn.Parameter(x.clone()) for x in w]
     (reference_pooled(params, kjt, False) * target).sum().backward()
     (k(kjt) * target).sum().backward()
-    for p, got, st in zip(params, k.split_weights(), k.split_states()):
+    for p, got, st in zip(params, k.split_weights(), k.split_states(), strict=False):
         g = p.grad
         state = g.pow(2).mean(1)
         want = p.detach() - 0.05 * g / (state.sqrt() + 1e-8).unsqueeze(1)
@@ -127,8 +140,13 @@ def test_adam_matches_torch_when_every_row_is_touched(name, torch_cls):
 
 
 def test_lazy_adam_leaves_untouched_rows():
-    k = make_kernel([TableSpec(name="t", num_embeddings=4, embedding_dim=4)], [0], FusedOptimConfig(optimizer="adam"),
-                    pooled=True, device="cpu")
+    k = make_kernel(
+        [TableSpec(name="t", num_embeddings=4, embedding_dim=4)],
+        [0],
+        FusedOptimConfig(optimizer="adam"),
+        pooled=True,
+        device="cpu",
+    )
     before = k.split_weights()[0].clone()
     k(KeyedJaggedTensor(["f"], torch.tensor([1]), lengths=torch.tensor([1]))).sum().backward()
     after = k.split_weights()[0]
@@ -137,7 +155,10 @@ def test_lazy_adam_leaves_untouched_rows():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sequence_kernel_matches_nn_embedding(backend):
-    specs = [TableSpec(name="a", num_embeddings=6, embedding_dim=4), TableSpec(name="b", num_embeddings=3, embedding_dim=4)]
+    specs = [
+        TableSpec(name="a", num_embeddings=6, embedding_dim=4),
+        TableSpec(name="b", num_embeddings=3, embedding_dim=4),
+    ]
     optim = FusedOptimConfig(optimizer="sgd", lr=0.5)
     k = make_kernel(specs, [0, 1], optim, pooled=False, device="cpu", kernel=backend)
     ref = [torch.nn.Parameter(torch.rand(6, 4)), torch.nn.Parameter(torch.rand(3, 4))]
@@ -150,19 +171,24 @@ def test_sequence_kernel_matches_nn_embedding(backend):
     (out * target).sum().backward()
     (want * target).sum().backward()
     torch.optim.SGD(ref, lr=0.5).step()
-    for got, p in zip(k.split_weights(), ref):
+    for got, p in zip(k.split_weights(), ref, strict=False):
         torch.testing.assert_close(got, p.detach(), **TOL)
 
 
 def test_torch_backend_mixed_dims_keeps_feature_order():
-    specs = [TableSpec(name="a", num_embeddings=5, embedding_dim=3), TableSpec(name="b", num_embeddings=5, embedding_dim=2)]
+    specs = [
+        TableSpec(name="a", num_embeddings=5, embedding_dim=3),
+        TableSpec(name="b", num_embeddings=5, embedding_dim=2),
+    ]
     k = make_kernel(specs, [1, 0, 1], FusedOptimConfig(optimizer="sgd"), pooled=True, device="cpu", kernel="torch")
     w = [torch.rand(5, 3), torch.rand(5, 2)]
     k.load_weights(w)
     kjt = KeyedJaggedTensor(["x", "y", "z"], torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 0, 1, 1, 0, 1]))
     out = k(kjt)
-    cols = [F.embedding_bag(kjt[f].values(), w[t], kjt[f].offsets(), include_last_offset=True)
-            for f, t in zip("xyz", [1, 0, 1])]
+    cols = [
+        F.embedding_bag(kjt[f].values(), w[t], kjt[f].offsets(), include_last_offset=True)
+        for f, t in zip("xyz", [1, 0, 1], strict=False)
+    ]
     torch.testing.assert_close(out, torch.cat(cols, 1))
 
 
@@ -177,7 +203,7 @@ def test_lr_scheduler_reaches_kernel(backend):
     k(random_batch(torch.Generator().manual_seed(4))).sum().backward()
     fused.step()
     sched.step()
-    for b, a in zip(before, k.split_weights()):
+    for b, a in zip(before, k.split_weights(), strict=False):
         assert torch.equal(b, a)
 
 
@@ -192,8 +218,10 @@ def test_optimizer_state_dict_round_trip(backend):
     for kjt, t in batches[:2]:
         (a(kjt) * t).sum().backward()
     saved_w = [w.clone() for w in a.split_weights()]
-    saved = {"state": {i: {n: v.clone() for n, v in s.items()} for i, s in opt_a.state_dict()["state"].items()},
-             "param_groups": opt_a.state_dict()["param_groups"]}
+    saved = {
+        "state": {i: {n: v.clone() for n, v in s.items()} for i, s in opt_a.state_dict()["state"].items()},
+        "param_groups": opt_a.state_dict()["param_groups"],
+    }
     b = kernel(backend, optim)
     b.load_weights(saved_w)
     opt_b = FusedOptimizer([b], optim)
@@ -201,7 +229,7 @@ def test_optimizer_state_dict_round_trip(backend):
     for kjt, t in batches[2:]:
         (a(kjt) * t).sum().backward()
         (b(kjt) * t).sum().backward()
-    for x, y in zip(a.split_weights(), b.split_weights()):
+    for x, y in zip(a.split_weights(), b.split_weights(), strict=False):
         torch.testing.assert_close(x, y)
     assert b.hparams is opt_b.param_groups[0]  # still bound after load
 
@@ -218,7 +246,7 @@ def test_backends_agree_after_training():
         kjt, t = random_batch(gen, weighted=True), torch.randn(4, 20, generator=gen)
         for k in ks:
             (k(kjt) * t).sum().backward()
-    for x, y in zip(ks[0].split_weights(), ks[1].split_weights()):
+    for x, y in zip(ks[0].split_weights(), ks[1].split_weights(), strict=False):
         torch.testing.assert_close(x, y, **TOL)
 
 

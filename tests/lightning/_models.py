@@ -14,13 +14,21 @@ TABLES = [("big", 120, 8, PoolingType.SUM), ("mid", 30, 12, PoolingType.MEAN), (
 
 
 class Rec(L.LightningModule):
-    def __init__(self, optimizer: str = "adagrad", lr: float = 0.05, scheduler: bool = False,
-                 manual: bool = False, bad_id_at: int | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: str = "adagrad",
+        lr: float = 0.05,
+        scheduler: bool = False,
+        manual: bool = False,
+        bad_id_at: int | None = None,
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.ebc = EmbeddingBagCollection(
-            [EmbeddingBagConfig(num_embeddings=n, embedding_dim=d, name=f"t_{f}", feature_names=[f], pooling=p)
-             for f, n, d, p in TABLES]
+            [
+                EmbeddingBagConfig(num_embeddings=n, embedding_dim=d, name=f"t_{f}", feature_names=[f], pooling=p)
+                for f, n, d, p in TABLES
+            ]
         )
         self.mlp = torch.nn.Linear(3 + sum(d for _, _, d, _ in TABLES), 1)
         self.optimizer, self.lr, self.scheduler = optimizer, lr, scheduler
@@ -73,8 +81,14 @@ def data(batch_size: int, num_batches: int, seed: int = 1, val_batches: int = 0)
 
 
 def trainer(**kwargs) -> L.Trainer:
-    base = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, num_sanity_val_steps=0)
+    base = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     base.update(kwargs)
     return L.Trainer(**base)
 
@@ -82,6 +96,11 @@ def trainer(**kwargs) -> L.Trainer:
 def external_launch(rank: int, world: int) -> None:
     """Tell Lightning the processes exist already (as torchrun would)."""
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"), WORLD_SIZE=str(world),
-        RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("MASTER_PORT", "29500"),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        LOCAL_WORLD_SIZE=str(world),
     )

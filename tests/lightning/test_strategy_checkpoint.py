@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _models import Rec, data, external_launch, trainer
 
 from lightning_shardrec.checkpoint import convert_to_full
 from lightning_shardrec.testing import run_ranks
-
-from _models import Rec, data, external_launch, trainer
 
 GLOBAL_BATCH = 12
 STEPS = 8
@@ -82,7 +81,9 @@ def fit_with_checkpointing(rank, world, root):
     from lightning_shardrec import ShardRecStrategy
 
     external_launch(rank, world)
-    t = trainer(strategy=ShardRecStrategy(), devices=world, max_steps=4, enable_checkpointing=True, default_root_dir=root)
+    t = trainer(
+        strategy=ShardRecStrategy(), devices=world, max_steps=4, enable_checkpointing=True, default_root_dir=root
+    )
     t.fit(Rec(), data(4, 4))
     return t.checkpoint_callback.best_model_path or t.checkpoint_callback.last_model_path
 

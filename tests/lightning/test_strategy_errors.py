@@ -5,24 +5,27 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from _models import Rec, data, external_launch, trainer
 
 import lightning_shardrec  # noqa: F401
 from lightning_shardrec import FusedOptimConfig, ShardRecStrategy
 from lightning_shardrec.lightning.optimizers import derive_fused_config, find_group, remove_params
 from lightning_shardrec.testing import run_ranks
 
-from _models import Rec, data, external_launch, trainer
-
 
 def test_alias_is_registered_on_import():
     from lightning.pytorch.strategies import StrategyRegistry
 
     assert "shardrec" in StrategyRegistry
-    assert isinstance(L.Trainer(strategy="shardrec", accelerator="cpu", devices=1, logger=False).strategy, ShardRecStrategy)
+    assert isinstance(
+        L.Trainer(strategy="shardrec", accelerator="cpu", devices=1, logger=False).strategy, ShardRecStrategy
+    )
 
 
 def test_bad_settings_fail_with_choices():
-    with pytest.raises(ValueError, match="unknown embedding optimizer 'lamb'; available: sgd, adagrad, rowwise_adagrad, adam, adamw"):
+    with pytest.raises(
+        ValueError, match="unknown embedding optimizer 'lamb'; available: sgd, adagrad, rowwise_adagrad, adam, adamw"
+    ):
         ShardRecStrategy(embedding_optimizer="lamb")
     with pytest.raises(ValueError, match="unknown kernel 'cuda'; available: auto, fbgemm, torch"):
         ShardRecStrategy(kernel="cuda")

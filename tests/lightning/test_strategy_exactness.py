@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _models import Rec, data, external_launch, trainer
 
 from lightning_shardrec.testing import run_ranks
-
-from _models import Rec, data, external_launch, trainer
 
 STEPS = 4
 BATCH = 6  # per rank

@@ -74,7 +74,9 @@ def test_state_dict_layout_is_torchrec():
 
 
 def test_default_init_range():
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=400, embedding_dim=8, name="t", feature_names=["f"])])
+    ebc = EmbeddingBagCollection(
+        [EmbeddingBagConfig(num_embeddings=400, embedding_dim=8, name="t", feature_names=["f"])]
+    )
     w = ebc.embedding_bags["t"].weight
     bound = (1 / 400) ** 0.5
     assert w.abs().max() <= bound and w.abs().max() > bound * 0.9

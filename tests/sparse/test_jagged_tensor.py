@@ -12,18 +12,14 @@ from hypothesis import strategies as st
 
 from lightning_shardrec import JaggedTensor
 
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="pin_memory/record_stream need CUDA"
-)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="pin_memory/record_stream need CUDA")
 PROPS = settings(max_examples=50, deadline=None)
 
 
 @pytest.fixture
 def jt() -> JaggedTensor:
     # bags [[10, 11], [], [12]] with weights
-    return JaggedTensor(
-        torch.tensor([10, 11, 12]), torch.tensor([1.0, 0.5, 2.0]), lengths=torch.tensor([2, 0, 1])
-    )
+    return JaggedTensor(torch.tensor([10, 11, 12]), torch.tensor([1.0, 0.5, 2.0]), lengths=torch.tensor([2, 0, 1]))
 
 
 # --- construction and accessors ---------------------------------------------------------
@@ -59,9 +55,7 @@ def test_positional_order_is_values_weights_lengths_offsets() -> None:
 def test_weights_raises_when_unweighted() -> None:
     jt = JaggedTensor(torch.tensor([1]), lengths=torch.tensor([1]))
     assert jt.weights_or_none() is None
-    with pytest.raises(
-        ValueError, match=re.escape("this JaggedTensor has no weights; use weights_or_none()")
-    ):
+    with pytest.raises(ValueError, match=re.escape("this JaggedTensor has no weights; use weights_or_none()")):
         jt.weights()
 
 
@@ -145,9 +139,7 @@ def jagged(draw: st.DrawFn) -> tuple[list[int], list[float]]:
 @given(jagged(), st.integers(0, 3))
 def test_padded_dense_round_trip(data: tuple[list[int], list[float]], extra: int) -> None:
     lengths, values = data
-    jt = JaggedTensor(
-        torch.tensor(values, dtype=torch.float32), lengths=torch.tensor(lengths, dtype=torch.int64)
-    )
+    jt = JaggedTensor(torch.tensor(values, dtype=torch.float32), lengths=torch.tensor(lengths, dtype=torch.int64))
     padded = jt.to_padded_dense(max(lengths, default=0) + extra, padding_value=-7.0)
     back = JaggedTensor.from_dense_lengths(padded, jt.lengths())
     assert torch.equal(back.values(), jt.values())
@@ -188,11 +180,7 @@ def test_to_cpu_keeps_data(jt: JaggedTensor) -> None:
 @needs_cuda
 def test_pin_memory(jt: JaggedTensor) -> None:
     pinned = jt.pin_memory()
-    assert (
-        pinned.values().is_pinned()
-        and pinned.weights().is_pinned()
-        and pinned.lengths().is_pinned()
-    )
+    assert pinned.values().is_pinned() and pinned.weights().is_pinned() and pinned.lengths().is_pinned()
     assert pinned.values().tolist() == jt.values().tolist()
 
 
@@ -219,17 +207,13 @@ def test_repr_shows_values_weights_lengths(jt: JaggedTensor) -> None:
 
 # --- bad input: construction ------------------------------------------------------------
 def test_needs_lengths_or_offsets() -> None:
-    with pytest.raises(
-        ValueError, match=re.escape("JaggedTensor needs lengths or offsets (got neither)")
-    ):
+    with pytest.raises(ValueError, match=re.escape("JaggedTensor needs lengths or offsets (got neither)")):
         JaggedTensor(torch.tensor([1]))
 
 
 @pytest.mark.parametrize(("lengths", "total"), [([2, 2], 4), ([1, 0], 1)])
 def test_lengths_sum_disagrees_with_values(lengths: list[int], total: int) -> None:
-    with pytest.raises(
-        ValueError, match=f"JaggedTensor: lengths sum to {total} but there are 3 values"
-    ):
+    with pytest.raises(ValueError, match=f"JaggedTensor: lengths sum to {total} but there are 3 values"):
         JaggedTensor(torch.tensor([1, 2, 3]), lengths=torch.tensor(lengths))
 
 
@@ -239,9 +223,7 @@ def test_offsets_span_disagrees_with_values() -> None:
 
 
 def test_offsets_count_disagrees_with_lengths() -> None:
-    msg = re.escape(
-        "JaggedTensor: 3 offsets disagree with 3 lengths (offsets need len(lengths) + 1 = 4)"
-    )
+    msg = re.escape("JaggedTensor: 3 offsets disagree with 3 lengths (offsets need len(lengths) + 1 = 4)")
     with pytest.raises(ValueError, match=msg):
         JaggedTensor(
             torch.tensor([1, 2, 3]),
@@ -257,18 +239,14 @@ def test_weights_of_wrong_size() -> None:
 
 
 def test_lengths_must_be_1d() -> None:
-    with pytest.raises(
-        ValueError, match=re.escape("JaggedTensor: lengths must be 1-D, got shape (1, 2)")
-    ):
+    with pytest.raises(ValueError, match=re.escape("JaggedTensor: lengths must be 1-D, got shape (1, 2)")):
         JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([[1, 1]]))
 
 
 def test_offsets_must_be_1d_and_non_empty() -> None:
     msg = re.escape("JaggedTensor: offsets must be 1-D with at least one entry, got shape (0,)")
     with pytest.raises(ValueError, match=msg):
-        JaggedTensor(
-            torch.tensor([], dtype=torch.int64), offsets=torch.tensor([], dtype=torch.int64)
-        )
+        JaggedTensor(torch.tensor([], dtype=torch.int64), offsets=torch.tensor([], dtype=torch.int64))
 
 
 def test_float_lengths_rejected() -> None:
@@ -290,12 +268,8 @@ def test_validate_negative_length() -> None:
 
 
 def test_validate_offsets_disagree_with_lengths() -> None:
-    jt = JaggedTensor(
-        torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 2]), offsets=torch.tensor([0, 2, 3])
-    )
-    with pytest.raises(
-        ValueError, match="offsets disagree with lengths at bag 0: offsets give 2, lengths give 1"
-    ):
+    jt = JaggedTensor(torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 2]), offsets=torch.tensor([0, 2, 3]))
+    with pytest.raises(ValueError, match="offsets disagree with lengths at bag 0: offsets give 2, lengths give 1"):
         jt.validate()
 
 

@@ -14,9 +14,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightning_shardrec import JaggedTensor, KeyedJaggedTensor
 
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="pin_memory/record_stream need CUDA"
-)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="pin_memory/record_stream need CUDA")
 PROPS = settings(max_examples=50, deadline=None)
 
 
@@ -76,9 +74,7 @@ def test_getitem(kjt: KeyedJaggedTensor) -> None:
 
 
 def test_getitem_unknown_key_lists_keys(kjt: KeyedJaggedTensor) -> None:
-    with pytest.raises(
-        KeyError, match=re.escape("key 'item' not in KeyedJaggedTensor keys ['product', 'user']")
-    ):
+    with pytest.raises(KeyError, match=re.escape("key 'item' not in KeyedJaggedTensor keys ['product', 'user']")):
         kjt["item"]
 
 
@@ -89,9 +85,7 @@ def test_weights_follow_their_key(weighted: KeyedJaggedTensor) -> None:
 
 
 def test_weights_raises_when_unweighted(kjt: KeyedJaggedTensor) -> None:
-    msg = re.escape(
-        "KeyedJaggedTensor(keys=['product', 'user']) has no weights; use weights_or_none()"
-    )
+    msg = re.escape("KeyedJaggedTensor(keys=['product', 'user']) has no weights; use weights_or_none()")
     with pytest.raises(ValueError, match=msg):
         kjt.weights()
 
@@ -112,9 +106,7 @@ def test_positional_order_matches_torchrec() -> None:
 
 
 def test_explicit_stride() -> None:
-    kjt = KeyedJaggedTensor(
-        ["a"], torch.tensor([1, 2]), lengths=torch.tensor([1, 0, 1, 0]), stride=4
-    )
+    kjt = KeyedJaggedTensor(["a"], torch.tensor([1, 2]), lengths=torch.tensor([1, 0, 1, 0]), stride=4)
     assert kjt.stride() == 4
 
 
@@ -127,9 +119,7 @@ def test_from_lengths_sync(kjt: KeyedJaggedTensor) -> None:
 
 def test_from_offsets_sync(kjt: KeyedJaggedTensor) -> None:
     weights = torch.arange(6.0)
-    out = KeyedJaggedTensor.from_offsets_sync(
-        ["product", "user"], kjt.values(), kjt.offsets(), weights
-    )
+    out = KeyedJaggedTensor.from_offsets_sync(["product", "user"], kjt.values(), kjt.offsets(), weights)
     assert out.lengths().tolist() == [2, 0, 1, 1, 1, 1]
     assert out.length_per_key() == [3, 3]
     assert out.weights() is weights
@@ -166,9 +156,7 @@ def test_from_jt_dict_mixed_weights() -> None:
         "a": JaggedTensor(torch.tensor([1]), torch.tensor([1.0]), torch.tensor([1])),
         "b": JaggedTensor(torch.tensor([2]), lengths=torch.tensor([1])),
     }
-    with pytest.raises(
-        ValueError, match=re.escape("from_jt_dict: keys ['b'] have no weights while others do")
-    ):
+    with pytest.raises(ValueError, match=re.escape("from_jt_dict: keys ['b'] have no weights while others do")):
         KeyedJaggedTensor.from_jt_dict(jts)
 
 
@@ -218,9 +206,7 @@ def test_concat_stride_mismatch(kjt: KeyedJaggedTensor, weighted: KeyedJaggedTen
 
 def test_concat_weighted_with_unweighted(weighted: KeyedJaggedTensor) -> None:
     unweighted = KeyedJaggedTensor(["x"], torch.tensor([1]), lengths=torch.tensor([1, 0]))
-    with pytest.raises(
-        ValueError, match="KeyedJaggedTensor.concat cannot mix weighted and unweighted KJTs"
-    ):
+    with pytest.raises(ValueError, match="KeyedJaggedTensor.concat cannot mix weighted and unweighted KJTs"):
         KeyedJaggedTensor.concat([weighted, unweighted])
 
 
@@ -311,11 +297,7 @@ def test_move_data_to_device_inside_a_tuple(kjt: KeyedJaggedTensor, device: str)
 @needs_cuda
 def test_pin_memory(weighted: KeyedJaggedTensor) -> None:
     pinned = weighted.pin_memory()
-    assert (
-        pinned.values().is_pinned()
-        and pinned.weights().is_pinned()
-        and pinned.lengths().is_pinned()
-    )
+    assert pinned.values().is_pinned() and pinned.weights().is_pinned() and pinned.lengths().is_pinned()
     assert pinned.values().tolist() == weighted.values().tolist()
 
 
@@ -371,9 +353,7 @@ def test_no_keys_but_lengths() -> None:
 def test_stride_mismatch() -> None:
     msg = re.escape("stride 3 x 2 keys ['a', 'b'] needs 6 lengths, got 4")
     with pytest.raises(ValueError, match=msg):
-        KeyedJaggedTensor(
-            ["a", "b"], torch.tensor([1, 2]), lengths=torch.tensor([1, 0, 1, 0]), stride=3
-        )
+        KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2]), lengths=torch.tensor([1, 0, 1, 0]), stride=3)
 
 
 def test_weights_of_wrong_size() -> None:
@@ -397,9 +377,7 @@ def test_ids_must_be_1d() -> None:
 
 @pytest.mark.parametrize(("lengths", "total"), [([2, 2], 4), ([0, 1], 1)])
 def test_lengths_sum_more_or_less_than_values(lengths: list[int], total: int) -> None:
-    msg = re.escape(
-        f"KeyedJaggedTensor(keys=['a', 'b']): lengths sum to {total} but there are 3 values"
-    )
+    msg = re.escape(f"KeyedJaggedTensor(keys=['a', 'b']): lengths sum to {total} but there are 3 values")
     with pytest.raises(ValueError, match=msg):
         KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3]), lengths=torch.tensor(lengths))
 
@@ -413,9 +391,7 @@ def test_offsets_span_disagrees_with_values() -> None:
 def test_lengths_and_offsets_counts_disagree() -> None:
     msg = re.escape("3 offsets disagree with 1 lengths (offsets need len(lengths) + 1 = 2)")
     with pytest.raises(ValueError, match=msg):
-        KeyedJaggedTensor(
-            ["a"], torch.tensor([1]), lengths=torch.tensor([1]), offsets=torch.tensor([0, 1, 1])
-        )
+        KeyedJaggedTensor(["a"], torch.tensor([1]), lengths=torch.tensor([1]), offsets=torch.tensor([0, 1, 1]))
 
 
 def test_duplicate_keys() -> None:
@@ -425,9 +401,7 @@ def test_duplicate_keys() -> None:
 
 
 def test_float_lengths_rejected() -> None:
-    with pytest.raises(
-        ValueError, match="lengths must be an integer tensor, got dtype torch.float32"
-    ):
+    with pytest.raises(ValueError, match="lengths must be an integer tensor, got dtype torch.float32"):
         KeyedJaggedTensor(["a"], torch.tensor([1, 2]), lengths=torch.tensor([1.0, 1.0]))
 
 
@@ -439,12 +413,8 @@ def test_validate_accepts_good_data(kjt: KeyedJaggedTensor, weighted: KeyedJagge
 
 def test_validate_negative_length_names_key() -> None:
     # lengths sum to 3 = number of values, so construction accepts them
-    kjt = KeyedJaggedTensor(
-        ["product", "user"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 0, -1, 1, 1])
-    )
-    with pytest.raises(
-        ValueError, match=re.escape("negative length -1 at key 'user' (bag 0 of 3)")
-    ):
+    kjt = KeyedJaggedTensor(["product", "user"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 0, -1, 1, 1]))
+    with pytest.raises(ValueError, match=re.escape("negative length -1 at key 'user' (bag 0 of 3)")):
         kjt.validate()
 
 
@@ -455,17 +425,13 @@ def test_validate_offsets_disagree_with_lengths_names_key() -> None:
         lengths=torch.tensor([1, 0, 1, 1]),
         offsets=torch.tensor([0, 1, 1, 3, 3]),
     )
-    msg = re.escape(
-        "offsets disagree with lengths at key 'b' (bag 0 of 2): offsets give 2, lengths give 1"
-    )
+    msg = re.escape("offsets disagree with lengths at key 'b' (bag 0 of 2): offsets give 2, lengths give 1")
     with pytest.raises(ValueError, match=msg):
         kjt.validate()
 
 
 def test_validate_offsets_only_must_start_at_zero() -> None:
-    kjt = KeyedJaggedTensor(
-        ["a", "b"], torch.tensor([1, 2, 3]), offsets=torch.tensor([1, 2, 2, 3, 4])
-    )
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3]), offsets=torch.tensor([1, 2, 2, 3, 4]))
     with pytest.raises(ValueError, match="offsets must start at 0, got 1"):
         kjt.validate()
 
@@ -475,16 +441,12 @@ def test_validate_offsets_only_must_start_at_zero() -> None:
 def kjts(draw: st.DrawFn) -> KeyedJaggedTensor:
     num_keys = draw(st.integers(1, 5))
     batch = draw(st.integers(0, 4))
-    lengths = draw(
-        st.lists(st.integers(0, 4), min_size=num_keys * batch, max_size=num_keys * batch)
-    )
+    lengths = draw(st.lists(st.integers(0, 4), min_size=num_keys * batch, max_size=num_keys * batch))
     total = sum(lengths)
     values = draw(st.lists(st.integers(0, 10**9), min_size=total, max_size=total))
     weights = None
     if draw(st.booleans()):
-        weights = torch.tensor(
-            draw(st.lists(st.floats(-1, 1, width=32), min_size=total, max_size=total))
-        )
+        weights = torch.tensor(draw(st.lists(st.floats(-1, 1, width=32), min_size=total, max_size=total)))
     return KeyedJaggedTensor(
         [f"f{i}" for i in range(num_keys)],
         torch.tensor(values, dtype=torch.int64),
@@ -553,11 +515,7 @@ def test_to_dict_from_jt_dict_round_trip(kjt: KeyedJaggedTensor) -> None:
 @PROPS
 @given(kjts())
 def test_lengths_offsets_constructors_agree(kjt: KeyedJaggedTensor) -> None:
-    by_offsets = KeyedJaggedTensor.from_offsets_sync(
-        kjt.keys(), kjt.values(), kjt.offsets(), kjt.weights_or_none()
-    )
-    by_lengths = KeyedJaggedTensor.from_lengths_sync(
-        kjt.keys(), kjt.values(), kjt.lengths(), kjt.weights_or_none()
-    )
+    by_offsets = KeyedJaggedTensor.from_offsets_sync(kjt.keys(), kjt.values(), kjt.offsets(), kjt.weights_or_none())
+    by_lengths = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values(), kjt.lengths(), kjt.weights_or_none())
     assert_same(by_offsets, kjt)
     assert_same(by_lengths, kjt)

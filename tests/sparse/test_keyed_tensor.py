@@ -41,9 +41,7 @@ def test_getitem(kt: KeyedTensor) -> None:
 
 
 def test_getitem_unknown_key(kt: KeyedTensor) -> None:
-    with pytest.raises(
-        KeyError, match=re.escape("key 'ad' not in KeyedTensor keys ['user', 'item']")
-    ):
+    with pytest.raises(KeyError, match=re.escape("key 'ad' not in KeyedTensor keys ['user', 'item']")):
         kt["ad"]
 
 
@@ -62,9 +60,7 @@ def test_from_tensor_list() -> None:
 
 
 def test_key_dim_zero() -> None:
-    kt = KeyedTensor.from_tensor_list(
-        ["a", "b"], [torch.ones(1, 3), torch.zeros(2, 3)], key_dim=0, cat_dim=0
-    )
+    kt = KeyedTensor.from_tensor_list(["a", "b"], [torch.ones(1, 3), torch.zeros(2, 3)], key_dim=0, cat_dim=0)
     assert kt.length_per_key() == [1, 2]
     assert kt["b"].tolist() == [[0, 0, 0], [0, 0, 0]]
 
@@ -106,9 +102,7 @@ def test_regroup_needs_key_dim_1() -> None:
 def test_regroup_matches_per_key_columns(dims: list[int], batch: int, data: st.DataObject) -> None:
     keys = [f"k{i}" for i in range(len(dims))]
     kt = KeyedTensor(keys, dims, torch.randn(batch, sum(dims)))
-    groups = data.draw(
-        st.lists(st.lists(st.sampled_from(keys), min_size=1, max_size=4), min_size=1, max_size=3)
-    )
+    groups = data.draw(st.lists(st.lists(st.sampled_from(keys), min_size=1, max_size=4), min_size=1, max_size=3))
     for group, out in zip(groups, KeyedTensor.regroup([kt], groups), strict=True):
         assert torch.equal(out, torch.cat([kt[k] for k in group], dim=1))
     assert torch.equal(KeyedTensor.regroup([kt], [keys])[0], kt.values())
@@ -136,23 +130,17 @@ def test_key_and_length_counts_differ() -> None:
 
 
 def test_dims_do_not_match_values() -> None:
-    msg = re.escape(
-        "KeyedTensor: length_per_key [2, 2] sums to 4 but values has shape (2, 5) (key_dim=1)"
-    )
+    msg = re.escape("KeyedTensor: length_per_key [2, 2] sums to 4 but values has shape (2, 5) (key_dim=1)")
     with pytest.raises(ValueError, match=msg):
         KeyedTensor(["a", "b"], [2, 2], torch.zeros(2, 5))
 
 
 def test_values_without_key_dim() -> None:
-    msg = re.escape(
-        "KeyedTensor: length_per_key [3] sums to 3 but values has shape (3,) (key_dim=1)"
-    )
+    msg = re.escape("KeyedTensor: length_per_key [3] sums to 3 but values has shape (3,) (key_dim=1)")
     with pytest.raises(ValueError, match=msg):
         KeyedTensor(["a"], [3], torch.zeros(3))
 
 
 def test_duplicate_keys() -> None:
-    with pytest.raises(
-        ValueError, match=re.escape("KeyedTensor keys must be unique, repeated: ['a']")
-    ):
+    with pytest.raises(ValueError, match=re.escape("KeyedTensor keys must be unique, repeated: ['a']")):
         KeyedTensor(["a", "a"], [1, 1], torch.zeros(2, 2))

@@ -83,9 +83,7 @@ def test_jagged_to_padded_dense_torchrec_docstring_example(use_fbgemm: bool) -> 
 @pytest.mark.parametrize("use_fbgemm", BOTH_PATHS)
 def test_jagged_to_padded_dense_2d_values(use_fbgemm: bool) -> None:
     values = torch.arange(6.0).view(3, 2)  # three rows of D=2
-    out = ops.jagged_to_padded_dense(
-        values, torch.tensor([0, 2, 2, 3]), 3, -1.0, use_fbgemm=use_fbgemm
-    )
+    out = ops.jagged_to_padded_dense(values, torch.tensor([0, 2, 2, 3]), 3, -1.0, use_fbgemm=use_fbgemm)
     assert out.shape == (3, 3, 2)
     assert out[0].tolist() == [[0, 1], [2, 3], [-1, -1]]
     assert out[1].tolist() == [[-1, -1]] * 3
@@ -107,21 +105,15 @@ def key_major_batches(
     num_keys = draw(st.integers(1, 5))
     batch = draw(st.integers(0, 4))
     n = num_keys * batch
-    lengths = torch.tensor(
-        draw(st.lists(st.integers(0, 4), min_size=n, max_size=n)), dtype=torch.int64
-    )
+    lengths = torch.tensor(draw(st.lists(st.integers(0, 4), min_size=n, max_size=n)), dtype=torch.int64)
     lengths = lengths.view(num_keys, batch)
     total = int(lengths.sum())
-    values = torch.tensor(
-        draw(st.lists(st.integers(0, 10**6), min_size=total, max_size=total)), dtype=torch.int64
-    )
+    values = torch.tensor(draw(st.lists(st.integers(0, 10**6), min_size=total, max_size=total)), dtype=torch.int64)
     weights = torch.tensor(
         draw(st.lists(st.floats(-10, 10, width=32), min_size=total, max_size=total)),
         dtype=torch.float32,
     )
-    permute = torch.tensor(
-        draw(st.lists(st.integers(0, num_keys - 1), min_size=0, max_size=7)), dtype=torch.int64
-    )
+    permute = torch.tensor(draw(st.lists(st.integers(0, num_keys - 1), min_size=0, max_size=7)), dtype=torch.int64)
     return permute, lengths, values, weights
 
 

@@ -101,12 +101,18 @@ class EmbeddingSharding(nn.Module):
         if not shards:
             return
         specs = [
-            TableSpec(name=f"{t.config.name}{_where(s)}", num_embeddings=s.shard_sizes[0], embedding_dim=s.shard_sizes[1])
+            TableSpec(
+                name=f"{t.config.name}{_where(s)}", num_embeddings=s.shard_sizes[0], embedding_dim=s.shard_sizes[1]
+            )
             for t, s in shards
         ]
         self.kernel = make_kernel(
-            specs, feature_table, self.setup.optim, pooled=self.setup.pooled,
-            device=self.setup.device, kernel=self.setup.backend,
+            specs,
+            feature_table,
+            self.setup.optim,
+            pooled=self.setup.pooled,
+            device=self.setup.device,
+            kernel=self.setup.backend,
         )
         for (t, s), dst in zip(shards, self.kernel.split_weights(), strict=True):
             shard_init(t, s, self.setup.device, out=dst)

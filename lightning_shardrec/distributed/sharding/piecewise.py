@@ -68,7 +68,7 @@ class PiecewiseSharding(EmbeddingSharding):
                 slot_start[(d, slot)] = col
                 col += w
         index: list[int] = []
-        for (f, _c), (d, slot) in sorted(where.items()):
+        for _feature_col, (d, slot) in sorted(where.items()):
             width = widths_per_dest[d][slot]
             index.extend(range(slot_start[(d, slot)], slot_start[(d, slot)] + width))
         identity = index == list(range(len(index)))
@@ -76,7 +76,7 @@ class PiecewiseSharding(EmbeddingSharding):
         # Sequence: per feature, its pieces' blocks in the routed order, by column.
         first_block = [sum(len(k) for k in keys_per_dest[:d]) for d in range(world)]
         self._blocks_of: list[list[int]] = [[] for _ in self.feature_names]
-        for (f, _c), (d, slot) in sorted(where.items()):
+        for _feature_col, (d, slot) in sorted(where.items()):
             self._blocks_of[f].append(first_block[d] + slot)
 
     def route(self, kjt: KeyedJaggedTensor) -> Routed:
@@ -105,7 +105,9 @@ class PiecewiseSharding(EmbeddingSharding):
             [bs * width for bs in batch_sizes],
             self.env,
         )
-        parts = [p.view(b, w) for p, w in zip(recv.split([b * w for w in self.recv_widths]), self.recv_widths, strict=True)]
+        parts = [
+            p.view(b, w) for p, w in zip(recv.split([b * w for w in self.recv_widths]), self.recv_widths, strict=True)
+        ]
         pooled = torch.cat(parts, dim=1)
         if self._columns is not None:
             pooled = pooled.index_select(1, self._columns)
@@ -122,7 +124,4 @@ class PiecewiseSharding(EmbeddingSharding):
         back = scale_grad(back, 1.0 / self.env.world_size)
         lpk = ctx.local.length_per_key()
         blocks = back.split([lpk[k] for keys in self.keys_per_dest for k in keys])
-        return [
-            blocks[b[0]] if len(b) == 1 else torch.cat([blocks[i] for i in b], dim=1)
-            for b in self._blocks_of
-        ]
+        return [blocks[b[0]] if len(b) == 1 else torch.cat([blocks[i] for i in b], dim=1) for b in self._blocks_of]
