@@ -76,7 +76,7 @@ class PiecewiseSharding(EmbeddingSharding):
         # Sequence: per feature, its pieces' blocks in the routed order, by column.
         first_block = [sum(len(k) for k in keys_per_dest[:d]) for d in range(world)]
         self._blocks_of: list[list[int]] = [[] for _ in self.feature_names]
-        for _feature_col, (d, slot) in sorted(where.items()):
+        for (f, _col), (d, slot) in sorted(where.items()):
             self._blocks_of[f].append(first_block[d] + slot)
 
     def route(self, kjt: KeyedJaggedTensor) -> Routed:
