@@ -1,0 +1,249 @@
+"""Quantized inference: table size, AUROC/NE change and lookups/s of int8/int4/fp16 vs fp32.
+
+    python benchmarks/quant_bench.py [--steps 300] [--repeats 5] [--quick]
+        [--write-docs docs/benchmarks.md]
+
+Accuracy: a small model (EmbeddingBagCollection of the synthetic default task's 8
+tables, 4 x 200,000 + 4 x 20,000 rows, dim 16, + MLP over 13 dense features) is
+trained ``--steps`` steps (batch 1024, Adagrad) with a plain ``Trainer`` on the CPU
+in this process, then quantized with ``lightning_shardrec.inference.quantize`` and
+scored on held-out synthetic batches (the ``test`` stream). NE = BCE / entropy of
+the mean label. "max |logit diff|" is against the fp32 model on the same batches.
+Size = stored table bytes (rows + fp16 scale/bias) / fp32 table bytes, and the size
+of the file ``inference.export`` writes.
+
+Throughput: the kernel benchmark's tables (same 8 tables, dim 64, random init) and
+batches (1024 x 8 features, ~8 power-law ids per bag), forward only under
+``torch.inference_mode``; fp32 = ``EmbeddingBagCollection`` (``nn.EmbeddingBag``
+path), quantized = ``QuantEmbeddingBagCollection`` on fbgemm's integer TBE and on the
+torch fallback. Median over repeats (each repeat times every case once, shuffled),
+1 intra-op thread, ``validate_ids`` on everywhere.
+
+``--write-docs`` replaces only the ``## Quantized inference`` section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics.classification import BinaryAUROC
+
+from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, SyntheticRecDataModule, _fbgemm
+from lightning_shardrec.data.synthetic import SyntheticRecGenerator, SyntheticSpec, benchmark_tables, to_features
+from lightning_shardrec.inference import QuantEmbeddingBagCollection
+from lightning_shardrec.inference.export import export
+
+SECTION = "## Quantized inference"
+DTYPES = ["int8", "int4", "fp16"]
+
+
+class BenchRec(L.LightningModule):
+    """EBC + 2-layer MLP over ``[dense | pooled]``."""
+
+    def __init__(self, tables: list[EmbeddingBagConfig], num_dense: int = 13, lr: float = 0.05) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(tables)
+        width = num_dense + sum(t.embedding_dim for t in tables)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        self.lr = lr
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.mlp(torch.cat([batch.dense, self.ebc(batch.sparse).values()], 1)).squeeze(1)
+
+    def training_step(self, batch: Any, i: int) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(self(batch), batch.labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adagrad(self.parameters(), lr=self.lr)
+
+
+def evaluate(model: torch.nn.Module, batches: list[Any]) -> tuple[float, float, torch.Tensor]:
+    with torch.inference_mode():
+        logits = torch.cat([model(b) for b in batches])
+    labels = torch.cat([b.labels for b in batches])
+    auroc = float(BinaryAUROC()(logits.sigmoid(), labels.long()))
+    p = labels.mean().clamp(1e-7, 1 - 1e-7)
+    entropy = -(p * p.log() + (1 - p) * (1 - p).log())
+    ne = float(F.binary_cross_entropy_with_logits(logits, labels) / entropy)
+    return auroc, ne, logits
+
+
+def accuracy(steps: int, test_batches: int, batch_size: int, shrink: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    tables = [
+        EmbeddingBagConfig(num_embeddings=t.num_embeddings // shrink, embedding_dim=16, name=t.name,
+                           feature_names=t.feature_names)
+        for t in benchmark_tables()
+    ]
+    dm = SyntheticRecDataModule(
+        tables=[{"name": t.feature_names[0], "num_embeddings": t.num_embeddings} for t in tables],
+        batch_size=batch_size, num_batches=steps, val_batches=0, test_batches=test_batches,
+    )
+    model = BenchRec(tables)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    t0 = time.perf_counter()
+    trainer.fit(model, dm)
+    train_s = time.perf_counter() - t0
+    dm.setup("test")
+    batches = list(dm.test_dataloader())
+    model.eval()
+    base_auroc, base_ne, base_logits = evaluate(model, batches)
+    fp32_bytes = sum(t.num_embeddings * t.embedding_dim * 4 for t in tables)
+    rows = [{"case": "fp32", "auroc": base_auroc, "ne": base_ne, "diff": 0.0, "ratio": 1.0, "file": None}]
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in DTYPES:
+            for dense in (False, True) if dtype == "int8" else (False,):
+                out = Path(tmp) / f"{dtype}-{dense}.pt"
+                q = export(None, model, dtype, out, dense=dense)
+                auroc, ne, logits = evaluate(q, batches)
+                qebc = q.get_submodule("ebc")
+                assert isinstance(qebc, QuantEmbeddingBagCollection)
+                rows.append({
+                    "case": dtype + (" + dense int8" if dense else ""), "auroc": auroc, "ne": ne,
+                    "diff": float((logits - base_logits).abs().max()), "ratio": qebc.nbytes() / fp32_bytes,
+                    "file": out.stat().st_size,
+                })
+    return {"rows": rows, "fp32_bytes": fp32_bytes, "train_s": train_s, "n_test": len(batches) * batch_size,
+            "steps": steps, "batch_size": batch_size, "tables": tables}
+
+
+def throughput(batch_size: int, num_batches: int, repeats: int, shrink: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    tables = [
+        EmbeddingBagConfig(num_embeddings=t.num_embeddings // shrink, embedding_dim=64, name=t.name,
+                           feature_names=t.feature_names)
+        for t in benchmark_tables()
+    ]
+    spec = SyntheticSpec(features=to_features([{"name": t.feature_names[0], "num_embeddings": t.num_embeddings}
+                                               for t in tables]), num_dense=13)
+    gen = SyntheticRecGenerator(spec)
+    kjts = [gen.global_batch(i, batch_size, stream=7).sparse for i in range(num_batches)]
+    n_ids = sum(k.values().numel() for k in kjts)
+    ebc = EmbeddingBagCollection(tables).eval()
+    cases: dict[str, torch.nn.Module] = {"fp32 EmbeddingBagCollection (torch)": ebc}
+    backends = ["fbgemm", "torch"] if _fbgemm.fbgemm_inference_available() else ["torch"]
+    for dtype in DTYPES:
+        for backend in backends:
+            cases[f"{dtype} {backend}"] = QuantEmbeddingBagCollection.from_float(ebc, dtype, backend=backend)
+    seconds: dict[str, list[float]] = {name: [] for name in cases}
+    with torch.inference_mode():
+        for m in cases.values():  # warm-up (builds the TBEs)
+            m(kjts[0])
+        for _ in range(repeats):
+            order = list(cases)
+            random.shuffle(order)
+            for name in order:
+                t0 = time.perf_counter()
+                for k in kjts:
+                    cases[name](k)
+                seconds[name].append(time.perf_counter() - t0)
+    return {"seconds": seconds, "n_ids": n_ids, "batch_size": batch_size, "num_batches": num_batches,
+            "repeats": repeats, "rows": [t.num_embeddings for t in tables]}
+
+
+def machine() -> str:
+    cpu = platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        models = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
+        cpu = f"{models[0]} x {len(models)}" if models else cpu
+    fbgemm = "fbgemm_gpu " + ("loaded" if _fbgemm.fbgemm_inference_available() else "absent")
+    return f"{cpu}, {platform.system()} {platform.release()}, Python {platform.python_version()}, " \
+           f"torch {torch.__version__}, {fbgemm}, 1 thread"
+
+
+def report(acc: dict[str, Any], thr: dict[str, Any], cmd: str) -> str:
+    tables = acc["tables"]
+    lines = [
+        SECTION, "",
+        f"Command: `{cmd}`  ",
+        f"Machine: {machine()}. Date: {datetime.date.today().isoformat()}.  ",
+        f"Accuracy: {len(tables)} tables ({', '.join(str(t.num_embeddings) for t in tables)} rows, dim 16, "
+        f"fp32 {acc['fp32_bytes'] / 2**20:.1f} MiB) + MLP, trained {acc['steps']} steps x batch "
+        f"{acc['batch_size']} (Adagrad 0.05, plain `Trainer`, CPU, {acc['train_s']:.0f} s), scored on "
+        f"{acc['n_test']:,} held-out synthetic rows. Row-wise quantization, fp16 scale/bias per row.",
+        "",
+        "| tables | size vs fp32 | artifact file | AUROC | change | NE | change | max abs logit diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = acc["rows"][0]
+    for r in acc["rows"]:
+        file = "-" if r["file"] is None else f"{r['file'] / 2**20:.1f} MiB"
+        lines.append(
+            f"| {r['case']} | {r['ratio']:.3f} | {file} | {r['auroc']:.4f} | {r['auroc'] - base['auroc']:+.5f} "
+            f"| {r['ne']:.4f} | {r['ne'] - base['ne']:+.5f} | {r['diff']:.2e} |"
+        )
+    sec, n = thr["seconds"], thr["n_ids"]
+    base_s = statistics.median(sec["fp32 EmbeddingBagCollection (torch)"])
+    lines += [
+        "",
+        f"Lookups/s: 8 tables ({', '.join(str(x) for x in thr['rows'])} rows, dim 64), {thr['num_batches']} "
+        f"batches of {thr['batch_size']} ({n:,} ids), forward only, median of {thr['repeats']} repeats "
+        "(spread = min..max).",
+        "",
+        "| case | M ids/s (median) | spread | vs fp32 |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, s in sec.items():
+        med = statistics.median(s)
+        lines.append(f"| {name} | {n / med / 1e6:.2f} | {n / max(s) / 1e6:.2f}..{n / min(s) / 1e6:.2f} "
+                     f"| {base_s / med:.2f}x |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_section(path: Path, text: str) -> None:
+    """Replace (or append) the ``## Quantized inference`` section; keeps a ``Reading:`` paragraph."""
+    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
+    start = old.find(SECTION + "\n")
+    if start < 0:
+        path.write_text(old.rstrip("\n") + "\n\n" + text)
+        return
+    end = old.find("\n## ", start + len(SECTION))
+    section = old[start:] if end < 0 else old[start : end + 1]
+    reading = section.find("\nReading:")
+    if reading >= 0:
+        text = text.rstrip("\n") + "\n" + section[reading:].rstrip("\n") + "\n"
+    path.write_text(old[:start] + text + ("" if end < 0 else "\n" + old[end + 1 :]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--test-batches", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--batches", type=int, default=16, help="batches per timed pass")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="smoke run: tables 1/100, 5 steps, 2 batches of 128")
+    p.add_argument("--write-docs", type=Path, default=None)
+    a = p.parse_args(argv)
+    shrink = 1
+    if a.quick:
+        a.steps, a.test_batches, a.batch_size, a.batches, a.repeats, shrink = 5, 2, 128, 2, 1, 100
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    acc = accuracy(a.steps, a.test_batches, a.batch_size, shrink)
+    thr = throughput(a.batch_size, a.batches, a.repeats, shrink)
+    cmd = "python benchmarks/quant_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = report(acc, thr, cmd.strip())
+    print(text)
+    if a.write_docs is not None:
+        write_section(a.write_docs, text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Quantized inference: row-wise int8/int4/fp16 tables on fbgemm's integer TBE (torch fallback).
+
+* :func:`quantize` swaps each ``EmbeddingBagCollection`` for a
+  :class:`QuantEmbeddingBagCollection` (same ``forward(kjt) -> KeyedTensor``).
+* :mod:`lightning_shardrec.inference.export` writes/reads a serving artifact
+  (``export``/``load`` here as :func:`export_model`/:func:`load`; CLI
+  ``python -m lightning_shardrec.inference.export``).
+* ``QuantizedPredictor`` (imported lazily: it needs Lightning) runs a plain
+  quantized module under ``Trainer.predict``.
+"""
+
+from lightning_shardrec.inference.export import export as export_model  # the name `export` stays the module
+from lightning_shardrec.inference.export import load
+from lightning_shardrec.inference.lookup import QuantBackend
+from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection
+from lightning_shardrec.inference.quantize import quantize, quantize_dense
+from lightning_shardrec.inference.rowwise import (
+    QuantDType,
+    QuantizedRows,
+    dequantize_rows,
+    quantize_rows,
+    row_error_bound,
+)
+
+
+def __getattr__(name: str) -> object:
+    if name == "QuantizedPredictor":
+        from lightning_shardrec.inference.predictor import QuantizedPredictor
+
+        return QuantizedPredictor
+    raise AttributeError(f"module 'lightning_shardrec.inference' has no attribute {name!r}")
+
+
+__all__ = [
+    "QuantBackend",
+    "QuantDType",
+    "QuantEmbeddingBagCollection",
+    "QuantizedPredictor",
+    "QuantizedRows",
+    "dequantize_rows",
+    "export_model",
+    "load",
+    "quantize",
+    "quantize_dense",
+    "quantize_rows",
+    "row_error_bound",
+]

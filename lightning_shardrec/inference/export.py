@@ -1,0 +1,268 @@
+"""Export a trained model as a quantized serving artifact, and load it back.
+
+::
+
+    python -m lightning_shardrec.inference.export --ckpt last.ckpt --model my_pkg.models:Rec \\
+        --dtype int8 --out model.pt [--model-kwargs '{"num_dense": 13}'] [--dense]
+
+The artifact is one ``torch.save`` file of plain data, loadable with
+``torch.load(path, weights_only=True)`` (no pickled code, no process group)::
+
+    format          "lightning_shardrec.quantized"
+    version         1
+    factory         "my_pkg.models:Rec"    the model's class (or function), by import path
+    factory_kwargs  {...}                   its keyword arguments (plain data)
+    dtype           "int8" | "int4" | "fp16"
+    dense           bool                    nn.Linear layers dynamically quantized (int8)
+    collections     {path: {"is_weighted": bool, "tables": [{name, num_embeddings, embedding_dim,
+                                                              feature_names, pooling}]}}
+    state_dict      the quantized model's state dict (uint8 rows + fp16 scale/bias, fp32 dense)
+
+:func:`load` rebuilds the model from ``factory(**factory_kwargs)`` on the CPU, swaps
+its collections for empty quantized ones built from ``collections``, quantizes the
+dense layers when ``dense`` is set, and loads ``state_dict`` strictly. The model
+code must be importable where the artifact is loaded; the weights need nothing
+else. (``torch.export``/TorchScript would drop that need but do not round-trip
+here: the KeyedJaggedTensor input is not a pytree/TorchScript type.)
+
+Import the functions from this module (``from lightning_shardrec.inference.export
+import export, load``): ``lightning_shardrec.inference.export`` names the module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_shardrec.configs import EmbeddingBagConfig, PoolingType
+from lightning_shardrec.errors import CheckpointError
+from lightning_shardrec.inference.lookup import QuantBackend
+from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection
+from lightning_shardrec.inference.quantize import collection_paths, quantize, quantize_dense, swap_collections
+from lightning_shardrec.inference.rowwise import QuantDType
+from lightning_shardrec.modules import EmbeddingBagCollection
+
+FORMAT = "lightning_shardrec.quantized"
+VERSION = 1
+Factory = Callable[..., nn.Module]
+
+
+def export(
+    checkpoint_path: str | Path | None,
+    model_factory_or_module: str | Factory | nn.Module | None,
+    dtype: str | QuantDType,
+    out: str | Path,
+    *,
+    factory_kwargs: Mapping[str, Any] | None = None,
+    dense: bool = False,
+) -> nn.Module:
+    """Quantize a trained model and write the serving artifact to ``out``; returns the quantized model.
+
+    ``checkpoint_path``: a Lightning checkpoint (its ``state_dict`` is the full,
+    unsharded one, also when the ``shardrec`` strategy wrote it) or a plain state
+    dict; ``None`` exports ``model_factory_or_module`` as it is (a trained module).
+    ``model_factory_or_module``: ``"pkg.module:Name"``, a top-level class/function,
+    or a module instance (its class is recorded); ``None`` takes the class LightningCLI
+    records in the checkpoint (``hyper_parameters["_class_path"]``). ``factory_kwargs``
+    default to the checkpoint's ``hyper_parameters`` (minus LightningCLI's ``_``-keys),
+    else a module's ``hparams``, else ``{}``.
+    """
+    qdtype = QuantDType.parse(dtype)
+    checkpoint = _read_checkpoint(checkpoint_path) if checkpoint_path is not None else {}
+    if model_factory_or_module is None:
+        model_factory_or_module = _class_path_of(checkpoint, checkpoint_path)
+    target, factory = _factory_target(model_factory_or_module)
+    if factory_kwargs is None:
+        factory_kwargs = _default_kwargs(checkpoint, model_factory_or_module)
+    kwargs = dict(factory_kwargs)
+    _check_plain(kwargs, "factory_kwargs")
+    given = isinstance(model_factory_or_module, nn.Module)
+    model = model_factory_or_module if isinstance(model_factory_or_module, nn.Module) else factory(**kwargs)
+    if checkpoint_path is not None:
+        state = checkpoint.get("state_dict", checkpoint)
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as err:
+            raise CheckpointError(f"export: checkpoint {str(checkpoint_path)!r} does not fit {target}: {err}") from None
+    if not collection_paths(model):
+        raise ValueError(f"export: {target} has no EmbeddingBagCollection to quantize")
+    model = quantize(model, qdtype, dense=dense, inplace=not given)
+    artifact = {
+        "format": FORMAT,
+        "version": VERSION,
+        "factory": target,
+        "factory_kwargs": kwargs,
+        "dtype": qdtype.value,
+        "dense": dense,
+        "collections": {path: _describe(model.get_submodule(path)) for path in collection_paths(model)},
+        "state_dict": model.state_dict(),
+    }
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(artifact, out)
+    return model
+
+
+def load(path: str | Path, *, backend: str | QuantBackend = QuantBackend.AUTO) -> nn.Module:
+    """Rebuild the quantized model of an artifact written by :func:`export` (eval mode, CPU)."""
+    artifact = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(artifact, dict) or artifact.get("format") != FORMAT:
+        raise CheckpointError(f"load: {str(path)!r} is not a {FORMAT} artifact (written by inference.export)")
+    if artifact.get("version") != VERSION:
+        raise CheckpointError(
+            f"load: {str(path)!r} has artifact version {artifact.get('version')!r}; this build reads {VERSION}"
+        )
+    dtype = QuantDType.parse(artifact["dtype"])
+    factory = _resolve(artifact["factory"])
+    model = factory(**artifact["factory_kwargs"])
+    collections: dict[str, dict[str, Any]] = artifact["collections"]
+
+    def empty_quantized(path: str, ebc: EmbeddingBagCollection) -> nn.Module:
+        if path not in collections:
+            raise CheckpointError(
+                f"load: {artifact['factory']} has a collection at {path!r}; the artifact has {sorted(collections)}"
+            )
+        spec = collections[path]
+        tables = [_table(t) for t in spec["tables"]]
+        if [f for t in tables for f in t.feature_names] != ebc.feature_names():
+            raise CheckpointError(
+                f"load: collection {path!r} of {artifact['factory']} reads {ebc.feature_names()}, "
+                f"the artifact's reads {[f for t in tables for f in t.feature_names]}"
+            )
+        return QuantEmbeddingBagCollection(tables, dtype, spec["is_weighted"], "cpu", backend=backend)
+
+    model = swap_collections(model, empty_quantized)
+    if artifact["dense"]:
+        model = quantize_dense(model)
+    model.load_state_dict(artifact["state_dict"], strict=True)
+    return model.eval()
+
+
+def _read_checkpoint(path: str | Path) -> dict[str, Any]:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"export: checkpoint {str(path)!r} does not exist")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"export: {str(path)!r} holds a {type(checkpoint).__name__}, not a state dict/checkpoint")
+    return checkpoint
+
+
+def _factory_target(obj: str | Factory | nn.Module) -> tuple[str, Factory]:
+    """``"pkg.module:Name"`` for ``obj``, checked to import back to the same thing."""
+    if isinstance(obj, str):
+        return obj, _resolve(obj)
+    factory = type(obj) if isinstance(obj, nn.Module) else obj
+    target = f"{factory.__module__}:{factory.__qualname__}"
+    try:
+        same = _resolve(target) is factory
+    except (ImportError, AttributeError, ValueError):
+        same = False
+    if not same:
+        raise ValueError(
+            f"export: {target} cannot be imported back by that name; define the model class (or a "
+            "factory function) at the top level of an importable module, or pass 'pkg.module:Name'"
+        )
+    return target, factory
+
+
+def _resolve(target: str) -> Factory:
+    module_name, sep, qualname = target.partition(":")
+    if not sep or not module_name or not qualname:
+        raise ValueError(f"model factory must look like 'pkg.module:Name', got {target!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"model factory {target!r} is a {type(obj).__name__}, not a class or function")
+    return obj  # type: ignore[no-any-return]
+
+
+def _class_path_of(checkpoint: Mapping[str, Any], path: str | Path | None) -> str:
+    class_path = checkpoint.get("hyper_parameters", {}).get("_class_path")
+    if not isinstance(class_path, str) or "." not in class_path:
+        raise ValueError(
+            f"export: checkpoint {str(path)!r} does not record the model class (no hyper_parameters['_class_path'], "
+            "which LightningCLI writes); pass the model as 'pkg.module:Name' (--model)"
+        )
+    module, _, name = class_path.rpartition(".")
+    return f"{module}:{name}"
+
+
+def _default_kwargs(checkpoint: Mapping[str, Any], source: object) -> dict[str, Any]:
+    if "hyper_parameters" in checkpoint:
+        return {k: v for k, v in checkpoint["hyper_parameters"].items() if not str(k).startswith("_")}
+    hparams = getattr(source, "hparams", None) if isinstance(source, nn.Module) else None
+    return dict(hparams) if hparams else {}
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _check_plain(value: object, where: str) -> None:
+    """Factory kwargs must load under ``weights_only=True``: str/int/float/bool/None, lists, dicts."""
+    if isinstance(value, _PLAIN):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_plain(k, f"{where} key")
+            _check_plain(v, f"{where}[{k!r}]")
+        return
+    raise ValueError(
+        f"export: {where} is a {type(value).__name__}; the artifact keeps only plain data "
+        "(str, int, float, bool, None, lists, dicts). Pass factory_kwargs that rebuild it, or a factory that does"
+    )
+
+
+def _describe(module: nn.Module) -> dict[str, Any]:
+    if not isinstance(module, QuantEmbeddingBagCollection):  # pragma: no cover - quantize() swapped them all
+        raise TypeError(f"expected a QuantEmbeddingBagCollection, got {type(module).__name__}")
+    tables = [
+        {"name": t.name, "num_embeddings": t.num_embeddings, "embedding_dim": t.embedding_dim,
+         "feature_names": list(t.feature_names), "pooling": t.pooling.value}
+        for t in module.embedding_bag_configs()
+    ]
+    return {"is_weighted": module.is_weighted(), "tables": tables}
+
+
+def _table(spec: Mapping[str, Any]) -> EmbeddingBagConfig:
+    return EmbeddingBagConfig(
+        num_embeddings=spec["num_embeddings"], embedding_dim=spec["embedding_dim"], name=spec["name"],
+        feature_names=list(spec["feature_names"]), pooling=PoolingType(spec["pooling"]),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lightning_shardrec.inference.export`` (and ``shardrec export``)."""
+    parser = argparse.ArgumentParser(prog="shardrec export", description="Write a quantized serving artifact.")
+    parser.add_argument("--ckpt", required=True, help="Lightning checkpoint or state dict (.ckpt/.pt)")
+    parser.add_argument("--model", default=None, help="model class or factory, 'pkg.module:Name' (default: the "
+                        "class LightningCLI recorded in the checkpoint)")
+    parser.add_argument("--model-kwargs", default=None, help="JSON object of factory kwargs (default: the "
+                        "checkpoint's hyper_parameters)")
+    parser.add_argument("--dtype", default="int8", help=f"one of {', '.join(m.value for m in QuantDType)}")
+    parser.add_argument("--dense", action="store_true", help="also quantize nn.Linear layers (torch.ao dynamic int8)")
+    parser.add_argument("--out", required=True, help="artifact path, e.g. model.pt")
+    args = parser.parse_args(argv)
+    try:
+        kwargs = None if args.model_kwargs is None else json.loads(args.model_kwargs)
+        model = export(args.ckpt, args.model, args.dtype, args.out, factory_kwargs=kwargs, dense=args.dense)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        parser.error(str(err))
+    size = Path(args.out).stat().st_size
+    n = sum(m.nbytes() for m in model.modules() if isinstance(m, QuantEmbeddingBagCollection))
+    print(f"wrote {args.out}: {size / 2**20:.2f} MiB ({args.dtype} tables {n / 2**20:.2f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

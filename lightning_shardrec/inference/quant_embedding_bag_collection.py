@@ -1,0 +1,228 @@
+"""``QuantEmbeddingBagCollection``: an inference-only EmbeddingBagCollection on quantized rows.
+
+Same contract as :class:`~lightning_shardrec.modules.EmbeddingBagCollection`:
+``forward(kjt) -> KeyedTensor [B, sum dims]`` with keys in feature order, SUM/MEAN
+pooling, optional per-id weights. The rows are stored row-wise quantized (see
+:mod:`~lightning_shardrec.inference.rowwise`) as buffers, TorchRec's layout::
+
+    embedding_bags.<table>.weight          uint8 [rows, dim*bits/8]   (fp16 [rows, dim] for fp16)
+    embedding_bags.<table>.weight_qscale   fp16  [rows, 1]            (int8/int4 only)
+    embedding_bags.<table>.weight_qbias    fp16  [rows, 1]            (int8/int4 only)
+
+Lookups run on fbgemm's integer TBE or the torch fallback
+(:class:`~lightning_shardrec.inference.lookup.QuantBackend`); both read these same
+bytes, so a state dict written under one backend serves under the other.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lightning_shardrec.configs import EmbeddingBagConfig, PoolingType
+from lightning_shardrec.inference.lookup import FbgemmQuantLookup, QuantBackend, QuantLookup, TorchQuantLookup
+from lightning_shardrec.inference.rowwise import QuantDType, QuantizedRows, quantize_rows
+from lightning_shardrec.modules import EmbeddingBagCollection
+from lightning_shardrec.modules.embedding_bag_collection import check_unique_tables
+from lightning_shardrec.modules.features import FeatureArranger, check_ids
+from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
+
+
+class QuantTable(nn.Module):
+    """The stored rows of one table: ``weight`` (+ ``weight_qscale``/``weight_qbias``)."""
+
+    weight: Tensor
+
+    def __init__(self, config: EmbeddingBagConfig, dtype: QuantDType, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.dtype = dtype
+        rows, dim = config.num_embeddings, config.embedding_dim
+        if dtype is QuantDType.FP16:
+            self.register_buffer("weight", torch.zeros(rows, dim, dtype=torch.float16, device=device))
+        else:
+            self.register_buffer("weight", torch.zeros(rows, dim * dtype.bits // 8, dtype=torch.uint8, device=device))
+            self.register_buffer("weight_qscale", torch.ones(rows, 1, dtype=torch.float16, device=device))
+            self.register_buffer("weight_qbias", torch.zeros(rows, 1, dtype=torch.float16, device=device))
+
+    def rows(self) -> QuantizedRows:
+        return QuantizedRows(
+            dtype=self.dtype,
+            data=self.weight,
+            scale=getattr(self, "weight_qscale", None),
+            bias=getattr(self, "weight_qbias", None),
+        )
+
+    def set_rows(self, rows: QuantizedRows, *, copy: bool) -> None:
+        """Copy ``rows`` into the buffers (``copy=True``) or make the buffers *be* them."""
+        pairs: list[tuple[str, Tensor | None]] = [("weight", rows.data)]
+        if self.dtype.has_scale_bias:
+            pairs += [("weight_qscale", rows.scale), ("weight_qbias", rows.bias)]
+        for name, value in pairs:
+            if value is None:
+                raise ValueError(f"QuantTable: {self.dtype.value} rows lack {name}")
+            if copy:
+                self._buffers[name].copy_(value)  # type: ignore[union-attr]
+            else:
+                self._buffers[name] = value
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+class QuantEmbeddingBagCollection(nn.Module):
+    """Pooled lookups of row-wise quantized tables: ``forward(kjt) -> KeyedTensor``.
+
+    Build one from a trained collection with :meth:`from_float` (or
+    :func:`lightning_shardrec.inference.quantize`); the constructor allocates empty
+    rows for ``load_state_dict``. ``backend``: ``"auto"`` (fbgemm on CPU when it
+    loads), ``"fbgemm"`` or ``"torch"``.
+    """
+
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        dtype: str | QuantDType = QuantDType.INT8,
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        *,
+        backend: str | QuantBackend = QuantBackend.AUTO,
+        validate_ids: bool = True,
+    ) -> None:
+        super().__init__()
+        if not tables:
+            raise ValueError("QuantEmbeddingBagCollection needs at least one EmbeddingBagConfig")
+        check_unique_tables(tables, "QuantEmbeddingBagCollection")
+        self._dtype = QuantDType.parse(dtype)
+        self._backend = QuantBackend.parse(backend)
+        _check_dims(tables, self._dtype)
+        self._tables = list(tables)
+        self._is_weighted = is_weighted
+        self.validate_ids = validate_ids
+        self.embedding_bags = nn.ModuleDict({t.name: QuantTable(t, self._dtype, device) for t in tables})
+        self._feature_names = [f for t in tables for f in t.feature_names]
+        self._arrange = FeatureArranger(self._feature_names, "QuantEmbeddingBagCollection")
+        self._rows = [t.num_embeddings for t in tables for _ in t.feature_names]
+        self._table_of = [t.name for t in tables for _ in t.feature_names]
+        self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+        self._mean = [t.pooling is PoolingType.MEAN for t in tables for _ in t.feature_names]
+        self._lookup: QuantLookup | None = None
+        self._lookup_key: tuple[object, ...] = ()
+
+    @classmethod
+    def from_float(
+        cls,
+        ebc: EmbeddingBagCollection,
+        dtype: str | QuantDType = QuantDType.INT8,
+        *,
+        backend: str | QuantBackend = QuantBackend.AUTO,
+    ) -> QuantEmbeddingBagCollection:
+        """Quantize a trained (unsharded, or loaded from a gathered checkpoint) collection."""
+        device = ebc.device
+        if device.type == "meta":
+            raise ValueError(
+                "QuantEmbeddingBagCollection.from_float: the EmbeddingBagCollection is on the meta device "
+                "(no weights); load its state dict first"
+            )
+        q = cls(
+            ebc.embedding_bag_configs(), dtype, ebc.is_weighted(), device,
+            backend=backend, validate_ids=ebc.validate_ids,
+        )
+        for t in q._tables:
+            bag = ebc.embedding_bags[t.name]
+            if not isinstance(bag, nn.EmbeddingBag):  # pragma: no cover - EmbeddingBagCollection builds these
+                raise TypeError(f"embedding_bags.{t.name} is {type(bag).__name__}, not nn.EmbeddingBag")
+            rows = quantize_rows(bag.weight, q._dtype)
+            q.table(t.name).set_rows(rows, copy=True)
+        return q
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._tables
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def feature_names(self) -> list[str]:
+        return self._feature_names
+
+    @property
+    def dtype(self) -> QuantDType:
+        return self._dtype
+
+    @property
+    def backend(self) -> QuantBackend:
+        """The backend that serves the next lookup (AUTO resolved for the rows' device)."""
+        return self._backend.resolve(self.device)
+
+    def set_backend(self, backend: str | QuantBackend) -> None:
+        """Serve later lookups from ``backend`` (the stored rows stay as they are)."""
+        self._backend = QuantBackend.parse(backend)
+
+    @property
+    def device(self) -> torch.device:
+        return self.table(self._tables[0].name).weight.device
+
+    def table(self, name: str) -> QuantTable:
+        module = self.embedding_bags[name]
+        if not isinstance(module, QuantTable):  # pragma: no cover - construction guarantees it
+            raise TypeError(f"embedding_bags.{name} is {type(module).__name__}, not QuantTable")
+        return module
+
+    def nbytes(self) -> int:
+        """Bytes of the stored rows (scale/bias included)."""
+        return sum(self.table(t.name).nbytes() for t in self._tables)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        kjt = self._arrange(features)
+        weights = kjt.weights_or_none() if self._is_weighted else None
+        if self._is_weighted and weights is None:
+            raise ValueError("QuantEmbeddingBagCollection(is_weighted=True) got a KeyedJaggedTensor without weights")
+        if self.validate_ids:
+            check_ids(kjt, self._rows, self._table_of)
+        pooled = self._current_lookup()(kjt, weights)
+        if any(self._mean):
+            pooled = pooled / self._mean_divisor(kjt.lengths(), kjt.stride())
+        return KeyedTensor(self._feature_names, self._dims, pooled)
+
+    def _mean_divisor(self, lengths: Tensor, batch: int) -> Tensor:
+        """``[B, sum dims]``: the bag size under MEAN features, 1 under SUM ones."""
+        per_feature = lengths.view(len(self._dims), batch).clamp(min=1).to(torch.float32)
+        mean = torch.tensor(self._mean, device=lengths.device).unsqueeze(1)
+        per_feature = torch.where(mean, per_feature, torch.ones_like(per_feature))
+        dims = torch.tensor(self._dims, device=lengths.device)
+        return per_feature.repeat_interleave(dims, dim=0, output_size=sum(self._dims)).t()
+
+    def _current_lookup(self) -> QuantLookup:
+        """The lookup for the current buffers, rebuilt when they were replaced (``.to``, ``_apply``)."""
+        key = self._buffers_key()
+        if self._lookup is None or key != self._lookup_key:
+            names = [t.name for t in self._tables]
+            rows = [self.table(n).rows() for n in names]
+            features = [t.num_features for t in self._tables]
+            with torch.inference_mode(False):  # built under Trainer.predict: keep the rows loadable later
+                self._build_lookup(names, rows, features)
+            self._lookup_key = self._buffers_key()
+        return self._lookup  # type: ignore[return-value]
+
+    def _build_lookup(self, names: list[str], rows: list[QuantizedRows], features: list[int]) -> None:
+        if self.backend is QuantBackend.FBGEMM:
+            lookup = FbgemmQuantLookup(names, rows, features, bounds_check=not self.validate_ids)
+            for name, stored in zip(names, lookup.stored_rows([r.dtype for r in rows]), strict=True):
+                self.table(name).set_rows(stored, copy=False)  # one copy of the rows: the TBE's
+            self._lookup = lookup
+        else:
+            self._lookup = TorchQuantLookup(rows, features)
+
+    def _buffers_key(self) -> tuple[object, ...]:
+        return (self._backend, *((b.device, b.data_ptr()) for b in self.buffers()))
+
+
+def _check_dims(tables: list[EmbeddingBagConfig], dtype: QuantDType) -> None:
+    """Every table's dim must pack into 2-byte-aligned rows (fbgemm's rule, kept for both backends)."""
+    bad = [f"'{t.name}' dim {t.embedding_dim}" for t in tables if t.embedding_dim % dtype.dim_multiple]
+    if bad:
+        raise ValueError(
+            f"QuantEmbeddingBagCollection: {dtype.value} needs embedding_dim a multiple of {dtype.dim_multiple} "
+            f"(rows of dim*{dtype.bits}/8 bytes + fp16 scale/bias must be 2-byte aligned); tables: "
+            + ", ".join(bad)
+            + "; choose another dtype (fp16 takes any dim) or pad the tables"
+        )
