@@ -45,3 +45,10 @@ def test_memory_bench_quick():
     assert len(rows) == 8  # 2 optimizer configs x 2 plans x 2 ranks
     # each rank holds exactly half of tables + state
     assert all("| 1.0000 |" in ln for ln in rows)
+
+
+def test_quant_bench_quick():
+    text = run_quick("quant_bench.py")
+    assert text.startswith("## Quantized inference")
+    for case in ("| int8 |", "| int4 |", "| fp16 |", "| int8 + dense int8 |", "| int8 torch |"):
+        assert case in text
