@@ -9,7 +9,7 @@ FBGEMM_EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(FBGEMM_EXTRA)
 PYTEST_ARGS ?=
 
-.PHONY: setup train test lint clean
+.PHONY: setup train test lint docs clean
 
 setup: $(STAMP)
 
@@ -17,19 +17,34 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[$(FBGEMM_EXTRA),test,dev]"
+	$(PY) -m pip install --quiet -e ".[$(FBGEMM_EXTRA),test,dev,docs]"
 	rm -f $(VENV)/.installed-*
 	touch $@
 
 train: $(STAMP)
-	$(PY) examples/quickstart.py
+	$(VENV)/bin/shardrec fit --config examples/dlrm/config.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
+
 lint: $(STAMP)
 	$(PY) -m ruff check lightning_shardrec tests examples benchmarks
 	$(PY) -m mypy lightning_shardrec
+
+# The benchmark suite (issue 10): each script rewrites its own section of docs/benchmarks.md.
+# TorchRec (the peer) goes only into benchmarks/.venv-torchrec, never into $(VENV).
+.PHONY: bench
+bench: $(STAMP)
+	bash benchmarks/setup_torchrec_venv.sh
+	$(PY) benchmarks/data_bench.py --rows 200000 --repeats 5 --write-docs docs/benchmarks.md
+	$(PY) benchmarks/planner_bench.py
+	$(PY) benchmarks/kernel_bench.py --repeats 15 --write-docs docs/benchmarks.md
+	$(PY) benchmarks/memory_bench.py --write-docs docs/benchmarks.md
+	$(PY) benchmarks/quant_bench.py --steps 300 --repeats 7 --write-docs docs/benchmarks.md
+	$(PY) benchmarks/e2e_bench.py --rounds 3 --plot docs/e2e_throughput.png --write-docs docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,4 +1,7 @@
-"""lightning_shardrec: TorchRec-style embedding sharding as a PyTorch Lightning strategy."""
+"""lightning_shardrec: TorchRec-style embedding sharding as a PyTorch Lightning strategy.
+
+Importing the package registers ``Trainer(strategy="shardrec")``.
+"""
 
 from lightning_shardrec.configs import (
     DataType,
@@ -8,9 +11,12 @@ from lightning_shardrec.configs import (
     FusedOptimConfig,
     PoolingType,
 )
-from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
-from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from lightning_shardrec.data import RecBatch
+from lightning_shardrec.distributed import DistributedModelParallel
+from lightning_shardrec.lightning import ShardRecStrategy  # registers strategy="shardrec"
+from lightning_shardrec.metrics import Calibration, NormalizedEntropy
+from lightning_shardrec.models import DLRM, DCNv2, DLRMTask
+from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.planner import (
     EmbeddingShardingPlanner,
     ParameterConstraints,
@@ -19,13 +25,11 @@ from lightning_shardrec.planner import (
     ShardingType,
     Topology,
 )
-
-from lightning_shardrec.distributed import DistributedModelParallel
-from lightning_shardrec.lightning import ShardRecStrategy  # registers strategy="shardrec"
+from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 __version__ = "0.1.0"
 
-_LAZY_DATA = ("CriteoDataModule", "SyntheticRecDataModule")  # import Lightning on first use
+_LAZY_DATA = ("CriteoDataModule", "SyntheticRecDataModule")
 
 
 def __getattr__(name: str) -> object:
@@ -37,27 +41,32 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    "DistributedModelParallel",
-    "ShardRecStrategy",
+    "DLRM",
+    "Calibration",
     "CriteoDataModule",
-    "RecBatch",
-    "SyntheticRecDataModule",
+    "DCNv2",
+    "DLRMTask",
     "DataType",
+    "DistributedModelParallel",
     "EmbOptimType",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
     "EmbeddingCollection",
     "EmbeddingConfig",
+    "EmbeddingShardingPlanner",
     "FusedOptimConfig",
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
-    "PoolingType",
-    "__version__",
-    "ShardingType",
+    "NormalizedEntropy",
     "ParameterConstraints",
-    "ShardingPlan",
     "ParameterSharding",
-    "EmbeddingShardingPlanner",
+    "PoolingType",
+    "RecBatch",
+    "ShardRecStrategy",
+    "ShardingPlan",
+    "ShardingType",
+    "SyntheticRecDataModule",
     "Topology",
+    "__version__",
 ]

@@ -85,6 +85,11 @@ class _RecDataModule(L.LightningDataModule):
     def test_dataloader(self) -> RecBatchLoader | list:
         return self._loader("test")
 
+    def predict_dataloader(self) -> RecBatchLoader | list:
+        """The test split, or the validation split when there is no test split."""
+        test = self.datasets.get("test")
+        return self._loader("test" if test is not None and len(test) > 0 else "val")
+
 
 class SyntheticRecDataModule(_RecDataModule):
     """Synthetic click logs (see :mod:`lightning_shardrec.data.synthetic`); the default data.

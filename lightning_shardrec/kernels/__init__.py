@@ -18,8 +18,11 @@ _BACKENDS: dict[KernelBackend, type[BatchedEmbeddingKernel]] = {
 
 
 def parse_backend(kernel: str | KernelBackend) -> KernelBackend:
+    """A backend from a member, its value or its name, in any case (``"auto"``, ``"AUTO"``)."""
+    if isinstance(kernel, KernelBackend):
+        return kernel
     try:
-        return KernelBackend(kernel)
+        return KernelBackend(str(kernel).lower())
     except ValueError:
         raise unknown_name("kernel", kernel, [k.value for k in KernelBackend]) from None
 

@@ -1,0 +1,80 @@
+"""``shardrec``: LightningCLI with ``strategy="shardrec"`` by default.
+
+::
+
+    shardrec fit --config examples/dlrm/config.yaml
+    shardrec validate --config examples/dlrm/config.yaml --ckpt_path=lightning_logs/version_0/checkpoints/last.ckpt
+    python -m lightning_shardrec.cli fit --config examples/dlrm/config.yaml --trainer.accelerator=gpu \
+        --trainer.devices=1
+
+Importing this module imports :mod:`lightning_shardrec`, which registers the
+``"shardrec"`` strategy alias, so YAML can say ``trainer.strategy: shardrec`` (or
+``class_path: lightning_shardrec.ShardRecStrategy`` with ``init_args``). Model and
+data are any LightningModule / LightningDataModule given by ``class_path``.
+
+Loggers: unless the config names some (``trainer.logger``), a ``CSVLogger`` in
+``trainer.default_root_dir``, plus a ``TensorBoardLogger`` when tensorboard is
+installed. The ``curves`` section configures :class:`TrainingCurves` (PNG of loss,
+AUROC and NE written at the end of ``fit``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+from typing_extensions import override
+
+import lightning_shardrec  # noqa: F401  (registers strategy="shardrec")
+from lightning_shardrec.curves import TrainingCurves
+
+
+def default_loggers(root_dir: str) -> list[Logger]:
+    """CSV always; TensorBoard too when it is installed."""
+    loggers: list[Logger] = [CSVLogger(root_dir, name="lightning_logs")]
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return loggers
+    loggers.append(TensorBoardLogger(root_dir, name="tensorboard"))
+    return loggers
+
+
+class ShardRecCLI(LightningCLI):
+    """LightningCLI with the ``curves`` callback and the default loggers above."""
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(TrainingCurves, "curves")
+
+    @override
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
+        if config.get("logger") in (None, True):
+            config = {**config, "logger": default_loggers(config.get("default_root_dir") or os.getcwd())}
+        return super()._instantiate_trainer(config, callbacks)
+
+
+def run_cli(args: list[str] | None = None, run: bool = True) -> ShardRecCLI:
+    """The CLI on ``args`` (default ``sys.argv[1:]``); ``run=False`` only parses and builds (no subcommand)."""
+    return ShardRecCLI(
+        model_class=None,
+        datamodule_class=None,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        trainer_defaults={"strategy": "shardrec"},
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=run,
+    )
+
+
+def main() -> None:
+    """The ``shardrec`` console script."""
+    run_cli()
+
+
+if __name__ == "__main__":
+    main()
