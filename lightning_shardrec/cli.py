@@ -21,6 +21,7 @@ AUROC and NE written at the end of ``fit``).
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import lightning as L
@@ -71,9 +72,14 @@ def run_cli(args: list[str] | None = None, run: bool = True) -> ShardRecCLI:
     )
 
 
-def main() -> None:
-    """The ``shardrec`` console script."""
-    run_cli()
+def main(args: list[str] | None = None) -> None:
+    """The ``shardrec`` console script: LightningCLI subcommands, plus ``shardrec export``."""
+    args = sys.argv[1:] if args is None else args
+    if args[:1] == ["export"]:  # quantized serving artifact: see lightning_shardrec.inference.export
+        from lightning_shardrec.inference.export import main as export_main
+
+        raise SystemExit(export_main(args[1:]))
+    run_cli(args)
 
 
 if __name__ == "__main__":

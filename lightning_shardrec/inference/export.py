@@ -145,6 +145,15 @@ def load(path: str | Path, *, backend: str | QuantBackend = QuantBackend.AUTO) -
 
 
 def _read_checkpoint(path: str | Path) -> dict[str, Any]:
+    if Path(path).is_dir():  # a sharded (DCP) checkpoint: gather it into one file first
+        import tempfile
+
+        from lightning_shardrec.checkpoint import convert_to_full
+
+        with tempfile.TemporaryDirectory() as tmp:
+            full = Path(tmp) / "full.ckpt"
+            convert_to_full(path, full)
+            return _read_checkpoint(full)
     if not Path(path).is_file():
         raise FileNotFoundError(f"export: checkpoint {str(path)!r} does not exist")
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)

@@ -71,6 +71,24 @@ def test_sharded_task_matches_single_device_and_checkpoint_rebuilds(arch, tmp_pa
                                         "feature_names": ["a"], "pooling": "SUM"}
     for k, v in loaded.state_dict().items():
         torch.testing.assert_close(v, state[k], msg=k)
+    if arch == "dlrm":  # `shardrec export` reads the sharded directory directly
+        from lightning_shardrec.cli import main
+        from lightning_shardrec.inference.export import load
+
+        out = tmp_path / "model.pt"
+        with pytest.raises(SystemExit) as done:
+            main(["export", "--ckpt", ckpt, "--model", "lightning_shardrec.models.task:DLRMTask",
+                  "--dtype", "int8", "--out", str(out)])
+        assert done.value.code == 0
+        served = load(out)
+        dm = data(4)
+        dm.setup("fit")
+        batch = next(iter(dm.train_dataloader()))
+        with torch.no_grad():
+            got, want_logits = served(batch), loaded.eval()(batch)
+        assert got.shape == want_logits.shape == (4,)
+        torch.testing.assert_close(got, want_logits, rtol=0, atol=0.05)  # int8 tables: small, bounded error
+        assert not torch.equal(got, want_logits)  # it really is the quantized model
 
 
 def test_task_errors():
