@@ -113,3 +113,28 @@ def test_rowwise_state_of_column_pieces_survives_resume(tmp_path, fmt):
     resumed, _ = run_ranks(fit, 2, STEPS, half, None, "column_wise", "rowwise_adagrad", fmt)[0]
     for k in straight:
         torch.testing.assert_close(resumed[k], straight[k], **TOL, msg=k)
+
+
+def fit_epochs(rank, world, epochs, ckpt_in, ckpt_out):
+    from lightning_shardrec import ShardRecStrategy
+
+    external_launch(rank, world)
+    strategy = ShardRecStrategy()
+    t = trainer(strategy=strategy, devices=world, max_epochs=epochs)
+    t.fit(Rec("adagrad"), data(GLOBAL_BATCH // world, 3), ckpt_path=ckpt_in)
+    if ckpt_out:
+        t.save_checkpoint(ckpt_out)
+    return {k: v.clone() for k, v in strategy.full_state_dict().items()}, t.global_step
+
+
+def test_resume_from_epoch_end():
+    """Save after epoch 1 and resume to epoch 2 == 2 epochs straight."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        straight, steps = run_ranks(fit_epochs, 2, 2, None, None)[0]
+        run_ranks(fit_epochs, 2, 1, None, f"{tmp}/epoch1.ckpt")
+        resumed, resumed_steps = run_ranks(fit_epochs, 2, 2, f"{tmp}/epoch1.ckpt", None)[0]
+    assert steps == resumed_steps == 6
+    for k in straight:
+        torch.testing.assert_close(resumed[k], straight[k], **TOL, msg=k)
