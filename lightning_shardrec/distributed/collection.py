@@ -1,13 +1,26 @@
-"""What both sharded collections (pooled and sequence) share: their tables and shards."""
+"""What both sharded collections (pooled and sequence) share: their tables, shards, and prefetch.
+
+Prefetch (the pipelined input distribution, see :mod:`~lightning_shardrec.distributed.batch_dist`)::
+
+    coll.enable_prefetch(new_group_like(coll.env))  # collective, once
+    handle = coll.prefetch(next_kjt)   # every rank, same order; starts the async all-to-alls
+    out = coll(kjt)                    # this batch (its own handle, if one was started)
+    handle.progress()                  # optional: e.g. after this batch's forward
+    out = coll(next_kjt)               # the same KJT object: waits on the handle, no new input dist
+"""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import BaseEmbeddingConfig
+from lightning_shardrec.distributed.batch_dist import DistContext, PrefetchHandle, Split, start_input_dist
+from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharding import EmbeddingSharding
 from lightning_shardrec.kernels import BatchedEmbeddingKernel
 from lightning_shardrec.planner import ShardMetadata
+from lightning_shardrec.sparse import KeyedJaggedTensor
 
 
 class ShardedCollection(nn.Module):
@@ -18,6 +31,78 @@ class ShardedCollection(nn.Module):
     groups: nn.ModuleList
     _configs: list
     _feature_names: list[str]
+    _split: Split
+    env: ShardingEnv
+    #: process group of the prefetched (async) input distribution; None: prefetch off
+    _prefetch_env: ShardingEnv | None = None
+    #: handles started and not yet consumed, oldest first (at most ``max_prefetched``)
+    _prefetched: tuple[PrefetchHandle, ...] = ()
+    max_prefetched = 2
+
+    def input_device(self) -> torch.device:
+        """Where the input KJT goes before the input distribution."""
+        raise NotImplementedError
+
+    # --- prefetch -----------------------------------------------------------------------------
+    def enable_prefetch(self, env: ShardingEnv) -> None:
+        """Let :meth:`prefetch` run on ``env``: a process group of the same ranks that nothing else uses.
+
+        Create it collectively (:func:`~lightning_shardrec.distributed.comm.new_group_like`);
+        several collections may share one.
+        """
+        own = self.env
+        if (env.rank, env.world_size) != (own.rank, own.world_size):
+            raise ValueError(
+                f"{type(self).__name__}.enable_prefetch: the prefetch group has rank {env.rank} of "
+                f"{env.world_size}, the collection's group rank {own.rank} of {own.world_size}; "
+                "create it over the same ranks with new_group_like(collection.env)"
+            )
+        self._prefetch_env = env
+
+    def prefetch(self, features: KeyedJaggedTensor) -> PrefetchHandle:
+        """Start ``features``' input distribution (async); ``forward(features)`` will wait on it.
+
+        Collective on the prefetch group: every rank calls it, in the same order. Beyond
+        ``max_prefetched`` handles in flight, the oldest is drained and dropped (its
+        ``forward`` then redoes the input distribution).
+        """
+        if self._prefetch_env is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.prefetch: prefetch is off; call enable_prefetch(env) first with a "
+                "ShardingEnv of a dedicated process group (or train with ShardRecStrategy(pipeline=True))"
+            )
+        while len(self._prefetched) >= self.max_prefetched:
+            self.drop_prefetched(self._prefetched[0])
+        handle = start_input_dist(features, self._split, self._groups(), self._prefetch_env, self.input_device())
+        self._prefetched = (*self._prefetched, handle)
+        return handle
+
+    def drop_prefetched(self, handle: PrefetchHandle | None = None) -> None:
+        """Drain and forget ``handle`` (default: every handle not consumed). Same calls on every rank."""
+        for h in self._prefetched if handle is None else (handle,):
+            h.drain()
+        self._prefetched = () if handle is None else tuple(h for h in self._prefetched if h is not handle)
+
+    def is_prefetched(self, handle: PrefetchHandle) -> bool:
+        """Whether ``handle`` is still waiting for its ``forward``."""
+        return any(h is handle for h in self._prefetched)
+
+    def progress_prefetched(self) -> None:
+        """Issue the id all-to-alls of every started handle whose header arrived, oldest first."""
+        for h in self._prefetched:
+            h.progress()
+
+    def take_prefetched(self, features: KeyedJaggedTensor) -> DistContext | None:
+        """The prefetched context when ``features`` is the object ``prefetch`` was given, else None."""
+        if not self._prefetched:
+            return None
+        for i, h in enumerate(self._prefetched):
+            if h.features is features:
+                for older in self._prefetched[:i]:  # keep every rank's issue order: oldest first
+                    older.progress()
+                self._prefetched = self._prefetched[:i] + self._prefetched[i + 1 :]
+                return h.wait()
+        return None
 
     def table_configs(self) -> list[BaseEmbeddingConfig]:
         return self._configs

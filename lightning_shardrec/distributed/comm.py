@@ -32,6 +32,12 @@ class ShardingEnv:
         return ShardingEnv(dist.get_rank(pg), dist.get_world_size(pg), pg)
 
 
+def new_group_like(env: ShardingEnv) -> ShardingEnv:
+    """Collective: a new process group over ``env``'s ranks (same backend), e.g. for prefetched input dist."""
+    ranks = dist.get_process_group_ranks(env.pg or dist.group.WORLD)
+    return ShardingEnv.from_process_group(dist.new_group(ranks=ranks, backend=dist.get_backend(env.pg)))
+
+
 def all_to_all(tensor: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv) -> Tensor:
     """Uneven all-to-all of a 1-D (or row-split 2-D) tensor, no autograd (ids, lengths)."""
     out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
@@ -39,6 +45,17 @@ def all_to_all(tensor: Tensor, out_splits: list[int], in_splits: list[int], env:
         return tensor
     dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=env.pg)
     return out
+
+
+def all_to_all_async(
+    tensor: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv
+) -> tuple[Tensor, dist.Work | None]:
+    """:func:`all_to_all` issued with ``async_op=True``: ``(out, work)``; ``out`` is valid after ``work.wait()``."""
+    if env.world_size == 1:
+        return tensor, None
+    out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
+    work = dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=env.pg, async_op=True)
+    return out, work
 
 
 def all_to_all_grad(tensor: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv) -> Tensor:
@@ -113,6 +130,14 @@ def exchange_header(rows: Tensor, env: ShardingEnv) -> Tensor:
     out = torch.empty_like(rows)
     dist.all_to_all_single(out, rows.contiguous(), group=env.pg)
     return out
+
+
+def exchange_header_async(rows: Tensor, env: ShardingEnv) -> tuple[Tensor, dist.Work | None]:
+    """:func:`exchange_header` issued with ``async_op=True``: ``(out, work)``."""
+    if env.world_size == 1:
+        return rows, None
+    out = torch.empty_like(rows)
+    return out, dist.all_to_all_single(out, rows.contiguous(), group=env.pg, async_op=True)
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -20,9 +20,9 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
+from lightning_shardrec.distributed.batch_dist import DistContext, distribute_inputs
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.embeddingbag import DistContext, distribute_inputs
 from lightning_shardrec.distributed.sharding import SHARDINGS, EmbeddingSharding, KernelSetup, TableSharding
 from lightning_shardrec.distributed.sharding.base import SequenceDist
 from lightning_shardrec.errors import ShardingError
@@ -99,11 +99,16 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
     # --- the stages -----------------------------------------------------------------------
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        ctx = self.input_dist(features)
+        ctx = self.take_prefetched(features)
+        if ctx is None:
+            ctx = self.input_dist(features)
         return self.output_dist(self.compute(ctx), ctx)
 
     def input_dist(self, features: KeyedJaggedTensor) -> DistContext:
         return distribute_inputs(features, self._split, self.groups, self.env, self._device)
+
+    def input_device(self) -> torch.device:
+        return self._device
 
     def compute(self, ctx: DistContext) -> list[Tensor]:
         """Per group, one row per received id, in the received (key, source, sample) order."""

@@ -9,78 +9,19 @@ rows home, restores the unsharded feature order and applies MEAN pooling.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import PoolingType
+from lightning_shardrec.distributed.batch_dist import DistContext, distribute_inputs
 from lightning_shardrec.distributed.collection import ShardedCollection
-from lightning_shardrec.distributed.comm import ShardingEnv, exchange_header
-from lightning_shardrec.distributed.input_dist import Routed
+from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharding import SHARDINGS, EmbeddingSharding, KernelSetup, TableSharding
 from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.modules import EmbeddingBagCollection
 from lightning_shardrec.modules.features import FeatureArranger, check_ids
 from lightning_shardrec.planner import ParameterSharding
 from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
-
-
-@dataclass
-class DistContext:
-    """One batch between the stages: the local KJT, every rank's batch size, per-group inputs."""
-
-    local: KeyedJaggedTensor
-    batch_sizes: list[int]
-    inputs: list[KeyedJaggedTensor]  # per group, the kernel's input
-    subs: list[KeyedJaggedTensor] = field(default_factory=list)  # per group, this rank's ids
-    routed: list[Routed | None] = field(default_factory=list)  # per group, what this rank sent
-    recv_values: list[list[int]] = field(default_factory=list)  # per group, ids from each source
-
-
-def distribute_inputs(
-    features: KeyedJaggedTensor,
-    split: Callable[[KeyedJaggedTensor], tuple[KeyedJaggedTensor, list[KeyedJaggedTensor]]],
-    groups: Sequence[EmbeddingSharding],
-    env: ShardingEnv,
-    device: torch.device,
-) -> DistContext:
-    """The input distribution every sharded collection shares.
-
-    ``split`` checks the batch and cuts it into one KJT per group. Every rank then sends
-    one small header (its batch size, its id count per group and destination, a
-    failure flag) before any bulk collective, so a bad batch on one rank stops every
-    rank with an error instead of a hang. Then each group routes its ids.
-    """
-    world = env.world_size
-    error: Exception | None = None
-    routed: list[Routed | None] = []
-    subs: list[KeyedJaggedTensor] = []
-    try:
-        kjt, subs = split(features)
-        routed = [g.route(s) for g, s in zip(groups, subs, strict=True)]
-    except (KeyError, ValueError) as e:
-        error, kjt = e, features
-    header = torch.zeros(world, 2 + len(groups), dtype=torch.long)
-    header[:, 0] = error is not None
-    if error is None:
-        header[:, 1] = kjt.stride()
-        for i, r in enumerate(routed):
-            if r is not None:
-                header[:, 2 + i] = torch.tensor(r.value_splits)
-    recv = exchange_header(header.to(device), env).cpu()
-    if error is not None:
-        raise error
-    failed = recv[:, 0].nonzero().flatten().tolist()
-    if failed:
-        raise ShardingError(
-            f"rank {env.rank}: ranks {failed} rejected their batch (see their error); stopping all ranks"
-        )
-    batch_sizes = recv[:, 1].tolist()
-    recv_values = [recv[:, 2 + i].tolist() for i in range(len(groups))]
-    inputs = [g.input_dist(s, r, v, batch_sizes) for g, s, r, v in zip(groups, subs, routed, recv_values, strict=True)]
-    return DistContext(kjt, batch_sizes, inputs, subs, routed, recv_values)
 
 
 class ShardedEmbeddingBagCollection(ShardedCollection):
@@ -138,11 +79,16 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     # --- the stages -----------------------------------------------------------------------
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        ctx = self.input_dist(features)
+        ctx = self.take_prefetched(features)
+        if ctx is None:
+            ctx = self.input_dist(features)
         return self.output_dist(self.compute(ctx), ctx)
 
     def input_dist(self, features: KeyedJaggedTensor) -> DistContext:
         return distribute_inputs(features, self._split, self.groups, self.env, self._mean_dims.device)
+
+    def input_device(self) -> torch.device:
+        return self._mean_dims.device
 
     def compute(self, ctx: DistContext) -> list[Tensor]:
         return [g.compute(x) for g, x in zip(self.groups, ctx.inputs, strict=True)]

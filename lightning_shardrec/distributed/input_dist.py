@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all
+from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all, all_to_all_async
 from lightning_shardrec.sparse import KeyedJaggedTensor
 from lightning_shardrec.sparse.ops import complete_cumsum, gather_index, segment_ids
 
@@ -105,6 +105,38 @@ def exchange(
     if routed.weights is not None:
         weights = all_to_all(routed.weights, recv_values, routed.value_splits, env)
     return regroup(lengths, values, weights, num_keys, batch_per_source)
+
+
+@dataclass
+class PendingExchange:
+    """:func:`exchange` issued with async collectives; :meth:`wait` gives the same KJT."""
+
+    lengths: Tensor
+    values: Tensor
+    weights: Tensor | None
+    works: list[torch.distributed.Work]
+    num_keys: int
+    batch_per_source: list[int]
+
+    def wait(self) -> KeyedJaggedTensor:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        return regroup(self.lengths, self.values, self.weights, self.num_keys, self.batch_per_source)
+
+
+def exchange_async(
+    routed: Routed, recv_values: list[int], num_keys: int, batch_per_source: list[int], env: ShardingEnv
+) -> PendingExchange:
+    """:func:`exchange`'s all-to-alls (lengths, ids, weights: that order on every rank), not waited for."""
+    recv_lengths = [num_keys * b for b in batch_per_source]
+    lengths, w0 = all_to_all_async(routed.lengths, recv_lengths, routed.length_splits, env)
+    values, w1 = all_to_all_async(routed.values, recv_values, routed.value_splits, env)
+    weights, w2 = None, None
+    if routed.weights is not None:
+        weights, w2 = all_to_all_async(routed.weights, recv_values, routed.value_splits, env)
+    works = [w for w in (w0, w1, w2) if w is not None]
+    return PendingExchange(lengths, values, weights, works, num_keys, batch_per_source)
 
 
 def regroup(

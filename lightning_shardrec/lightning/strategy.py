@@ -30,12 +30,13 @@ from typing_extensions import override
 from lightning_shardrec.checkpoint import gather_full_state, load_full_state, load_sharded, save_sharded
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.collection import ShardedCollection
-from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.comm import ShardingEnv, new_group_like
 from lightning_shardrec.distributed.model_parallel import find_collections, shard_modules
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.errors import CheckpointError
-from lightning_shardrec.kernels import KernelBackend, parse_backend
+from lightning_shardrec.kernels import parse_backend
 from lightning_shardrec.lightning.optimizers import derive_fused_config, find_group, remove_params
+from lightning_shardrec.lightning.pipeline import TrainPipeline
 from lightning_shardrec.optim import FusedOptimizer
 from lightning_shardrec.planner import (
     EmbeddingShardingPlanner,
@@ -60,6 +61,9 @@ class ShardRecStrategy(DDPStrategy):
         constraints: per table name, what the planner may do with it.
         plan: a whole or partial plan (table name -> ``ParameterSharding``) to pin.
         kernel: ``"auto"`` (fbgemm where it runs), ``"fbgemm"`` or ``"torch"``.
+        pipeline: overlap the next batch's input distribution (id all-to-alls, host-to-device copy)
+            with this batch's forward/backward (see :mod:`lightning_shardrec.lightning.pipeline`);
+            results are identical to ``pipeline=False``.
         planner_batch_size: per-rank batch size the planner's cost model assumes.
         checkpoint_format: ``"sharded"`` (a DCP directory: each rank writes its shards;
             loads on any world size) or ``"full"`` (one file with gathered tables, for
@@ -74,7 +78,7 @@ class ShardRecStrategy(DDPStrategy):
         embedding_lr: float | None = None,
         constraints: Mapping[str, ParameterConstraints] | None = None,
         plan: ShardingPlan | Mapping[str, ParameterSharding] | None = None,
-        kernel: str | KernelBackend = KernelBackend.AUTO,
+        kernel: str = "auto",
         pipeline: bool = False,
         process_group_backend: str | None = None,
         planner_batch_size: int = 512,
@@ -82,8 +86,8 @@ class ShardRecStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, **kwargs)
-        if pipeline:
-            raise ValueError("ShardRecStrategy(pipeline=True) is not available yet; use pipeline=False")
+        self._pipeline_on = pipeline
+        self.pipeline: TrainPipeline | None = None
         if isinstance(embedding_optimizer, str):
             embedding_optimizer = FusedOptimConfig(optimizer=embedding_optimizer)  # validates the name
         self._embedding_optimizer = embedding_optimizer
@@ -141,6 +145,9 @@ class ShardRecStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if fitting and self._pipeline_on and self.sharded and self.pipeline is None:
+            env = new_group_like(next(iter(self.sharded.values())).env)  # collective: the prefetch group
+            self.pipeline = TrainPipeline(self.sharded, env, self.root_device)
 
     def _fused_config(self, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> FusedOptimConfig:
         if self._embedding_optimizer is not None:
@@ -187,6 +194,30 @@ class ShardRecStrategy(DDPStrategy):
             model, device_ids=self.determine_ddp_device_ids(), process_group=dense_pg, **self._ddp_kwargs
         )
 
+    # --- pipeline (pipeline=True): logic in lightning_shardrec.lightning.pipeline ----------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            self.pipeline.before_step(self.lightning_module.trainer, super().batch_to_device)  # type: ignore[union-attr]
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        moved = None if self.pipeline is None or device is not None else self.pipeline.moved(batch)
+        return super().batch_to_device(batch, device, dataloader_idx) if moved is None else moved
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.pipeline is not None:
+            self.pipeline.progress()
+        super().pre_backward(closure_loss)
+
+    @override
+    def on_train_end(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.drain()
+        super().on_train_end()
+
     # --- checkpoints ----------------------------------------------------------------------------
     @property
     @override
@@ -219,6 +250,8 @@ class ShardRecStrategy(DDPStrategy):
         if not self.sharded or "state_dict" not in checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         assert self.fused_optimizer is not None
+        if self.pipeline is not None:
+            self.pipeline.patch_loader_states(checkpoint)
         group = {k: v for k, v in self.fused_optimizer.param_groups[0].items() if k != "params"}
         checkpoint["shardrec_plan"] = self.plan.to_json() if self.plan is not None else None
         if self._checkpoint_format == "full":

@@ -29,8 +29,6 @@ def test_bad_settings_fail_with_choices():
         ShardRecStrategy(embedding_optimizer="lamb")
     with pytest.raises(ValueError, match="unknown kernel 'cuda'; available: auto, fbgemm, torch"):
         ShardRecStrategy(kernel="cuda")
-    with pytest.raises(ValueError, match=r"pipeline=True\) is not available yet"):
-        ShardRecStrategy(pipeline=True)
 
 
 def test_derived_optimizers():

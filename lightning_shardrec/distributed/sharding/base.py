@@ -137,6 +137,14 @@ class EmbeddingSharding(nn.Module):
     ) -> KeyedJaggedTensor:
         raise NotImplementedError
 
+    def received_keys(self) -> int:
+        """Keys this rank receives from every source in the input all-to-alls (groups that route ids)."""
+        raise NotImplementedError
+
+    def after_exchange(self, received: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The kernel's input from the exchanged KJT (:meth:`input_dist` = exchange, then this)."""
+        return received
+
     def compute(self, kjt: KeyedJaggedTensor) -> Tensor:
         raise NotImplementedError
 

@@ -85,8 +85,10 @@ class PiecewiseSharding(EmbeddingSharding):
     def input_dist(
         self, kjt: KeyedJaggedTensor, routed: Routed | None, recv_values: list[int], batch_sizes: list[int]
     ) -> KeyedJaggedTensor:
-        num_keys = len(self.keys_per_dest[self.env.rank])
-        return exchange(routed, recv_values, num_keys, batch_sizes, self.env)  # type: ignore[arg-type]
+        return exchange(routed, recv_values, self.received_keys(), batch_sizes, self.env)  # type: ignore[arg-type]
+
+    def received_keys(self) -> int:
+        return len(self.keys_per_dest[self.env.rank])
 
     def compute(self, kjt: KeyedJaggedTensor) -> Tensor:
         if self.kernel is None:

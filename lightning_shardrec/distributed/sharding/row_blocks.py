@@ -73,7 +73,13 @@ class RowBlockSharding(EmbeddingSharding):
     def input_dist(
         self, kjt: KeyedJaggedTensor, routed: Routed | None, recv_values: list[int], batch_sizes: list[int]
     ) -> KeyedJaggedTensor:
-        received = exchange(routed, recv_values, len(self.feature_names), batch_sizes, self.env)  # type: ignore[arg-type]
+        received = exchange(routed, recv_values, self.received_keys(), batch_sizes, self.env)  # type: ignore[arg-type]
+        return self.after_exchange(received)
+
+    def received_keys(self) -> int:
+        return len(self.feature_names)
+
+    def after_exchange(self, received: KeyedJaggedTensor) -> KeyedJaggedTensor:
         if self._all_local or self.kernel is None:
             return received
         return received.permute(self.local_features)

@@ -1,0 +1,213 @@
+"""``ShardRecStrategy(pipeline=True)``: batch ``i + 1``'s input distribution behind batch ``i``'s compute.
+
+TorchRec's ``TrainPipelineSparseDist`` without a user-written loop. Per training step
+``i`` (the user's ``training_step`` is unchanged)::
+
+    strategy.training_step      peek batch i+1 in the fit loop's fetcher, move it to the device
+                                (side stream on CUDA), prefetch its KJT on every sharded collection
+                                whose features it holds: routing + async header all-to-all
+    user forward (batch i)      the collections find batch i's handle (started at step i-1): wait, no
+                                input dist; the header of i+1 travels meanwhile
+    strategy.pre_backward       progress: header of i+1 read, its id all-to-alls issued (async) ...
+    backward + optimizer step   ... and hidden behind them
+    fit loop: batch_to_device   returns the batch already moved at step i (the same KJT object)
+
+Only communication is cached; the batch itself flows through Lightning's loop, so
+validation in between, the last (partial) batch, ``max_steps`` and resume behave as
+without the pipeline. Lightning's fetcher does not look ahead when the loader has a
+length, so the fit loop's fetcher is made to (:class:`LookaheadFetcher`); the
+checkpointed loader state is the one from before the look-ahead batch was pulled.
+
+Rank agreement: prefetching and matching depend only on the batch structure and on
+object identity, which every rank shares when every rank runs the same code. A
+``training_step`` that hands a collection a new KJT (a copy, a permutation) just
+misses the prefetched one; it is drained and the step redoes the input distribution.
+Ids are routed one step early: a ``training_step`` that edits its batch's KJT in place
+trains on the ids as they were when prefetched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_shardrec.distributed.batch_dist import PrefetchHandle
+from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.sparse import KeyedJaggedTensor
+
+
+class LookaheadFetcher(_PrefetchDataFetcher):
+    """Lightning's training fetcher, always holding the next batch (also for loaders with a length).
+
+    ``done`` is true exactly when no batch is left after the one just returned.
+    ``loader_states`` are the stateful loaders' states from before the held batch was
+    pulled: what a checkpoint must record so that resume neither skips nor repeats it.
+    """
+
+    loader_states: list[dict[str, Any]] | None = None
+
+    @classmethod
+    def adopt(cls, fetcher: _PrefetchDataFetcher) -> LookaheadFetcher:
+        """Turn Lightning's fetcher (which the running epoch loop holds) into one, in place."""
+        fetcher.__class__ = cls
+        assert isinstance(fetcher, LookaheadFetcher)
+        if fetcher.iterator is not None and not fetcher.done:
+            fetcher._fill()
+        return fetcher
+
+    def __iter__(self) -> LookaheadFetcher:
+        _DataFetcher.__iter__(self)  # a new iterator; reset() empties ``batches``
+        self._fill()
+        return self
+
+    def __next__(self) -> Any:
+        if not self.batches:
+            self.done = True
+            raise StopIteration
+        batch = self.batches.pop(0)
+        self._fill()
+        return batch
+
+    def _fill(self) -> None:
+        if self.batches:
+            return
+        self.loader_states = self.combined_loader._state_dicts()
+        with contextlib.suppress(StopIteration):
+            self.batches.append(_DataFetcher.__next__(self))
+        self.done = not self.batches
+
+    def peek(self) -> Any:
+        """The batch the next ``next()`` returns (None at the end of the epoch)."""
+        return self.batches[0][0] if self.batches else None
+
+
+@dataclass
+class PipelineStats:
+    """How many prefetched input distributions a forward used (hits) or had to redo (misses)."""
+
+    prefetched: int = 0
+    hits: int = 0
+    misses: int = 0
+
+
+class TrainPipeline:
+    """The strategy's pipeline state: collections, the pre-moved next batch, handles in flight."""
+
+    def __init__(self, sharded: dict[str, ShardedCollection], env: ShardingEnv, device: torch.device) -> None:
+        self.sharded = sharded
+        for c in sharded.values():
+            c.enable_prefetch(env)
+        self.stats = PipelineStats()
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._next: tuple[Any, Any] | None = None  # (batch as fetched, batch on the device)
+        self._current: list[tuple[ShardedCollection, PrefetchHandle]] = []  # for the batch being trained
+        self._ahead: list[tuple[ShardedCollection, PrefetchHandle]] = []  # for the next batch
+        self._warned = False
+        self._fetcher: LookaheadFetcher | None = None  # the fit loop's, kept past its teardown
+
+    # --- per step -------------------------------------------------------------------------------
+    def before_step(self, trainer: Any, move: Any) -> None:
+        """Called at the start of ``training_step``: prefetch the batch after this one."""
+        self._retire(self._current)  # started for the previous batch: its forward had its chance
+        self._current, self._ahead = self._ahead, []
+        fetcher = _lookahead(trainer)
+        self._fetcher = fetcher or self._fetcher
+        nxt = None if fetcher is None else fetcher.peek()
+        if nxt is None or (trainer.max_steps != -1 and trainer.global_step + 1 >= trainer.max_steps):
+            return  # end of epoch or of training: nothing to overlap with
+        with _on(self._stream):
+            moved = move(nxt)
+            kjts: list[KeyedJaggedTensor] = []
+            apply_to_collection(moved, KeyedJaggedTensor, kjts.append)
+            for coll in self.sharded.values():
+                kjt = _input_of(coll, kjts)
+                if kjt is not None:
+                    self._ahead.append((coll, coll.prefetch(kjt)))
+        self.stats.prefetched += len(self._ahead)
+        self._next = (nxt, moved)
+
+    def moved(self, batch: Any) -> Any | None:
+        """The device copy made by :meth:`before_step` when ``batch`` is the batch it peeked at."""
+        if self._next is None or self._next[0] is not batch:
+            return None
+        moved, self._next = self._next[1], None
+        if self._stream is not None:
+            _hand_over(moved, self._stream)
+        return moved
+
+    def progress(self) -> None:
+        """Before backward: issue the next batch's id all-to-alls (every collection, fixed order)."""
+        for coll in self.sharded.values():
+            coll.progress_prefetched()
+
+    def drain(self) -> None:
+        """End of training: finish and drop whatever was started and not consumed (every rank)."""
+        self._retire(self._current)  # the last step's: consumed unless its forward missed them
+        self._current, self._ahead, self._next = [], [], None  # the next batch's: never trained, not a miss
+        for coll in self.sharded.values():
+            coll.drop_prefetched()
+
+    def _retire(self, started: list[tuple[ShardedCollection, PrefetchHandle]]) -> None:
+        for coll, handle in started:
+            if coll.is_prefetched(handle):
+                self.stats.misses += 1
+                coll.drop_prefetched(handle)
+                if not self._warned:
+                    self._warned = True
+                    rank_zero_warn(
+                        f"ShardRecStrategy(pipeline=True): {type(coll).__name__} was not called with the prefetched "
+                        "KeyedJaggedTensor of the batch (training_step passed a copy?); that step redid the input "
+                        "distribution. Pass the batch's KJT itself to overlap its communication."
+                    )
+            else:
+                self.stats.hits += 1
+
+    def patch_loader_states(self, checkpoint: dict[str, Any]) -> None:
+        """Record the loader states from before the look-ahead batch was pulled (in place)."""
+        states = None if self._fetcher is None else self._fetcher.loader_states
+        state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
+        if states is not None and state is not None and "combined_loader" in state:
+            state["combined_loader"] = states
+
+
+def _lookahead(trainer: Any) -> LookaheadFetcher | None:
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if isinstance(fetcher, LookaheadFetcher):
+        return fetcher
+    if type(fetcher) is _PrefetchDataFetcher:  # not dataloader_iter: the user fetches the batches then
+        return LookaheadFetcher.adopt(fetcher)
+    return None
+
+
+def _input_of(coll: ShardedCollection, kjts: list[KeyedJaggedTensor]) -> KeyedJaggedTensor | None:
+    """The one KJT of the batch that holds all of ``coll``'s features (None: none, or ambiguous)."""
+    need = set(coll.feature_names())
+    found = [k for k in kjts if need <= set(k.keys())]
+    return found[0] if len(found) == 1 else None
+
+
+class _on:
+    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+        self._ctx = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+def _hand_over(batch: Any, stream: torch.cuda.Stream) -> None:
+    """The current stream waits for the side stream's copies, and owns the batch's memory from now on."""
+    current = torch.cuda.current_stream(stream.device)
+    current.wait_stream(stream)
+    apply_to_collection(batch, (torch.Tensor, KeyedJaggedTensor), lambda t: t.record_stream(current))
