@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import ShardingEnv, exchange_header, exchange_header_async
+from lightning_shardrec.distributed.comm import ShardingEnv, exchange_header, exchange_header_async, on_stream
 from lightning_shardrec.distributed.input_dist import PendingExchange, Routed, exchange_async
 from lightning_shardrec.distributed.sharding import EmbeddingSharding
 from lightning_shardrec.errors import ShardingError
@@ -122,7 +122,7 @@ class PrefetchHandle:
         if self._progressed:
             return
         self._progressed = True
-        with _on(self._stream):
+        with on_stream(self._stream):
             if self._header_work is not None:
                 self._header_work.wait()
             recv = self._header.cpu()
@@ -142,7 +142,7 @@ class PrefetchHandle:
         self.progress()
         if self._failure is not None:
             raise self._failure
-        with _on(self._stream):
+        with on_stream(self._stream):
             inputs = [
                 g.after_exchange(p.wait()) if isinstance(p, PendingExchange) else p
                 for g, p in zip(self._groups, self._pending, strict=True)
@@ -202,20 +202,6 @@ def _read_header(
         )
     return recv[:, 1].tolist(), [recv[:, 2 + i].tolist() for i in range(num_groups)]
 
-
-class _on:
-    """``torch.cuda.stream(s)`` when ``s`` is a stream, else nothing."""
-
-    def __init__(self, stream: torch.cuda.Stream | None) -> None:
-        self._ctx = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
 
 
 def _hand_over(ctx: DistContext, stream: torch.cuda.Stream) -> None:

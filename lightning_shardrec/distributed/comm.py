@@ -7,6 +7,7 @@ reduce-scatter (backward: all-gather).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -154,3 +155,8 @@ class _ScaleGrad(torch.autograd.Function):
 def scale_grad(x: Tensor, scale: float) -> Tensor:
     """Identity forward; multiplies the gradient by ``scale`` (1/W: DDP's averaging)."""
     return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
+
+
+def on_stream(stream: torch.cuda.Stream | None) -> AbstractContextManager[object]:
+    """``torch.cuda.stream(stream)``, or nothing when there is no side stream (CPU)."""
+    return nullcontext() if stream is None else torch.cuda.stream(stream)

@@ -39,7 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_shardrec.distributed.batch_dist import PrefetchHandle
 from lightning_shardrec.distributed.collection import ShardedCollection
-from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.comm import ShardingEnv, on_stream
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 
@@ -122,7 +122,7 @@ class TrainPipeline:
         nxt = None if fetcher is None else fetcher.peek()
         if nxt is None or (trainer.max_steps != -1 and trainer.global_step + 1 >= trainer.max_steps):
             return  # end of epoch or of training: nothing to overlap with
-        with _on(self._stream):
+        with on_stream(self._stream):
             moved = move(nxt)
             kjts: list[KeyedJaggedTensor] = []
             apply_to_collection(moved, KeyedJaggedTensor, kjts.append)
@@ -192,18 +192,6 @@ def _input_of(coll: ShardedCollection, kjts: list[KeyedJaggedTensor]) -> KeyedJa
     found = [k for k in kjts if need <= set(k.keys())]
     return found[0] if len(found) == 1 else None
 
-
-class _on:
-    def __init__(self, stream: torch.cuda.Stream | None) -> None:
-        self._ctx = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
 
 
 def _hand_over(batch: Any, stream: torch.cuda.Stream) -> None:
