@@ -1,0 +1,836 @@
+"""End-to-end training throughput, side by side with the peers, in one run (issue 10).
+
+    python benchmarks/e2e_bench.py [--rounds 3] [--warmup 10] [--steps 60] [--window 10]
+        [--variants shardrec,dmp_plain,torchrec_dmp,ddp_sparse,kernel_floor]
+        [--quick] [--no-profile] [--plot docs/e2e_throughput.png]
+        [--write-docs docs/benchmarks.md]
+
+Workload (issue 10, kept exactly so figures compare across versions): 8 tables
+(4 x 200,000 + 4 x 20,000 rows, dim 64, fp32, sum pooling), one power-law feature
+each, ~8 ids per bag; 13 dense features; bottom MLP 13->128->64, concat interaction
+(576 wide), top MLP 576->256->1, BCE-with-logits. Tables: fused row-wise Adagrad
+(lr 0.05, eps 1e-8); dense layers: Adagrad (lr 0.05). Batch 1024 per rank.
+
+Variants (each in fresh processes; one intra-op thread per rank):
+
+- ``shardrec``: ``Trainer(strategy=ShardRecStrategy(...), accelerator="cpu", devices=2)``,
+  the full Lightning loop (its own popen launcher), steps timed inside the loop by a
+  callback (start of a batch to start of the next), process start and warm-up excluded.
+- ``shardrec_pipeline``: slot for the same run with ``pipeline=True`` (not built yet:
+  reported as skipped until ``ShardRecStrategy`` accepts it).
+- ``dmp_plain``: our ``DistributedModelParallel`` in a plain loop, 2 ranks (gloo).
+- ``torchrec_dmp``: TorchRec 1.8.0's ``DistributedModelParallel``, its default planner,
+  2 ranks (gloo), run by ``benchmarks/.venv-torchrec/bin/python`` (made by
+  ``benchmarks/setup_torchrec_venv.sh``); skipped when that venv is absent.
+- ``ddp_sparse``: 8 ``nn.EmbeddingBag(sparse=True)`` + MLPs in DDP, 2 ranks; Adagrad on
+  everything (element-wise on the tables: torch has no row-wise Adagrad).
+- ``kernel_floor``: one fbgemm TBE holding all 8 tables (exact row-wise Adagrad) + the
+  MLPs, one process, one core, no framework. Two ranks on two cores reach 2x at best.
+
+Batches are generated once by this process (``SyntheticRecGenerator``, seed 0), saved
+as plain tensors, and every variant trains on the same ones (rank ``r`` of 2 takes rows
+``[r * 1024, (r + 1) * 1024)`` of each global batch; ``kernel_floor`` takes rank 0's),
+built into the variant's input type before its loop. Each round runs every variant
+once, in a shuffled order; samples/s is measured per window of ``--window`` steps
+(global batch x steps / the slowest rank's seconds); the table gives the median over
+all windows of all rounds and the spread (min..max). Ratios are paired per round
+(median, min..max). Peak RSS is ``ru_maxrss`` per rank at the end; "import" is the RSS
+right after the variant's imports, before any model or data.
+
+``--write-docs`` replaces only the ``## End-to-end training`` section (keeping a
+hand-written ``Reading:`` paragraph at its end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _e2e_common import (  # noqa: E402
+    DIM,
+    EPS,
+    LR,
+    RankResult,
+    StepTimer,
+    load_batches,
+    make_dense_arch,
+    offsets_of,
+    peak_rss_mib,
+    read_result,
+    rss_mib,
+    table_rows,
+    worker_env,
+)
+
+SECTION = "## End-to-end training"
+VARIANTS = ["shardrec", "shardrec_pipeline", "dmp_plain", "torchrec_dmp", "ddp_sparse", "kernel_floor"]
+WORLD = {"shardrec": 2, "shardrec_pipeline": 2, "dmp_plain": 2, "torchrec_dmp": 2, "ddp_sparse": 2, "kernel_floor": 1}
+TORCHREC_VENV = HERE / ".venv-torchrec"
+TORCHREC_WORKER = HERE / "_e2e_torchrec_worker.py"
+
+
+# ===============================================================================================
+# Workers (each runs in its own processes)
+# ===============================================================================================
+
+
+@dataclass
+class WorkerArgs:
+    variant: str
+    batches: Path  # directory with rank<r>.pt
+    out: Path
+    warmup: int
+    steps: int
+    shrink: int
+    batch_size: int  # per rank
+    profile: Path | None
+
+
+def our_tables(shrink: int) -> list[Any]:
+    from lightning_shardrec import EmbeddingBagConfig
+
+    return [
+        EmbeddingBagConfig(num_embeddings=n, embedding_dim=DIM, name=f"t{i}", feature_names=[f"f{i}"])
+        for i, n in enumerate(table_rows(shrink))
+    ]
+
+
+def rec_batches(path: Path) -> list[Any]:
+    """Pre-generated batches as our ``RecBatch`` (built before timing)."""
+    from lightning_shardrec import KeyedJaggedTensor, RecBatch
+
+    out = []
+    for b in load_batches(path):
+        n = b["dense"].shape[0]
+        kjt = KeyedJaggedTensor([f"f{i}" for i in range(8)], b["values"], lengths=b["lengths"], stride=n)
+        out.append(RecBatch(b["dense"], kjt, b["labels"]))
+    return out
+
+
+def _bench_model(shrink: int):  # type: ignore[no-untyped-def]
+    import torch
+    from torch import nn
+
+    from lightning_shardrec import EmbeddingBagCollection
+
+    class BenchModel(nn.Module):
+        """Our EBC (built on ``meta``: shards are materialised by the sharder) + the MLPs."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = EmbeddingBagCollection(our_tables(shrink), device="meta")
+            self.dense_arch = make_dense_arch()
+
+        def forward(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
+            return self.dense_arch(dense, self.ebc(kjt).values())
+
+    return BenchModel()
+
+
+def plan_summary(plan: Any) -> str:
+    kinds: dict[str, list[str]] = {}
+    for tables in plan.plan.values():
+        for name, ps in tables.items():
+            kinds.setdefault(ps.sharding_type.value, []).append(name)
+    return "; ".join(f"{k}: {','.join(sorted(v))}" for k, v in sorted(kinds.items()))
+
+
+def worker_dmp_plain(a: WorkerArgs) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from lightning_shardrec import DistributedModelParallel, FusedOptimConfig
+
+    import_rss = rss_mib()
+    rank, world = worker_env()
+    dist.init_process_group("gloo")
+    batches = rec_batches(a.batches / f"rank{rank}.pt")
+    bsz = batches[0].batch_size
+    config = FusedOptimConfig(optimizer="rowwise_adagrad", lr=LR, eps=EPS)
+    model = DistributedModelParallel(_bench_model(a.shrink), embedding_optimizer=config, batch_size=bsz)
+    opt = torch.optim.Adagrad(model.dense_parameters(), lr=LR)
+    timer, losses = StepTimer(a.warmup), []
+    for batch in batches[: a.warmup + a.steps]:
+        timer.tick()
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(model(batch.dense, batch.sparse), batch.labels)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    timer.tick()
+    RankResult(
+        a.variant, rank, world, bsz, timer.seconds, import_rss, peak_rss_mib(), losses, plan_summary(model.plan)
+    ).write(a.out)
+    dist.destroy_process_group()
+
+
+def worker_shardrec(a: WorkerArgs) -> None:
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+
+    import lightning_shardrec  # noqa: F401  (registers strategy="shardrec")
+    from lightning_shardrec import FusedOptimConfig, ShardRecStrategy
+
+    import_rss = rss_mib()
+    torch.set_num_threads(1)
+    total = a.warmup + a.steps
+
+    class Batches:
+        """An iterable of pre-built batches (Lightning takes any iterable)."""
+
+        def __init__(self, items: list[Any]) -> None:
+            self.items = items
+
+        def __iter__(self) -> Iterator[Any]:
+            return iter(self.items)
+
+        def __len__(self) -> int:
+            return len(self.items)
+
+    class BenchTask(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _bench_model(a.shrink)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = F.binary_cross_entropy_with_logits(self.model(batch.dense, batch.sparse), batch.labels)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adagrad(self.parameters(), lr=LR)
+
+        def train_dataloader(self) -> Batches:
+            return Batches(rec_batches(a.batches / f"rank{self.global_rank}.pt")[:total])
+
+    class StepTiming(L.Callback):
+        def __init__(self) -> None:
+            self.timer = StepTimer(a.warmup)
+            self.losses: list[float] = []
+            self.profiler = StepProfiler(a.warmup) if a.profile is not None else None
+
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            self.timer.tick()
+            if self.profiler is not None and trainer.global_rank == 0:
+                self.profiler.tick()
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+            self.losses.append(float(outputs["loss"]))
+            if i == total - 1:
+                self.timer.tick()
+                if self.profiler is not None and trainer.global_rank == 0:
+                    self.profiler.tick(last=True)
+
+        def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+            strategy = trainer.strategy
+            RankResult(
+                a.variant,
+                trainer.global_rank,
+                trainer.world_size,
+                int(pl_module.trainer.train_dataloader.items[0].batch_size),
+                self.timer.seconds,
+                import_rss,
+                peak_rss_mib(),
+                self.losses,
+                plan_summary(strategy.plan),
+            ).write(a.out)
+            if self.profiler is not None and trainer.global_rank == 0:
+                self.profiler.write(a.profile, self.timer.seconds)
+
+    strategy = ShardRecStrategy(
+        embedding_optimizer=FusedOptimConfig(optimizer="rowwise_adagrad", lr=LR, eps=EPS),
+        planner_batch_size=a.batch_size,
+        pipeline=a.variant == "shardrec_pipeline",
+    )
+    timing = StepTiming()
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=total,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[timing],
+    )
+    trainer.fit(BenchTask())
+
+
+class StepProfiler:
+    """torch.profiler around each timed step separately; keeps every step's top-level
+    breakdown and the full op table of the slowest and of the median step."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self._n = 0
+        self._prof: Any = None
+        self._t0 = 0.0
+        self.steps: list[dict[str, Any]] = []
+
+    def tick(self, last: bool = False) -> None:
+        import torch.profiler as tp
+
+        if self._prof is not None:
+            wall_ms = (time.perf_counter() - self._t0) * 1e3  # the profiled step alone, not this bookkeeping
+            self._prof.stop()
+            self.steps.append({"wall_ms": wall_ms, **self._summarise(self._prof)})
+            self._prof = None
+        self._n += 1
+        if self._n > self.warmup and not last:
+            self._prof = tp.profile(activities=[tp.ProfilerActivity.CPU])
+            self._prof.start()
+            self._t0 = time.perf_counter()
+
+    @staticmethod
+    def _summarise(prof: Any) -> dict[str, Any]:
+        top: dict[str, float] = {}
+        for e in prof.key_averages():  # self times partition the profiled time
+            key = _category(e.key)
+            top[key] = top.get(key, 0.0) + e.self_cpu_time_total / 1e3
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+        return {"top_ms": top, "table": table}
+
+    def write(self, path: Path, seconds: list[float]) -> None:
+        walls = [s["wall_ms"] for s in self.steps]
+        order = sorted(range(len(walls)), key=lambda i: walls[i])
+        picks = {"slowest": order[-1], "median": order[len(order) // 2]}
+        out: dict[str, Any] = {name: {"index": i, **self.steps[i]} for name, i in picks.items()}
+        out["all_wall_ms"] = walls
+        path.write_text(json.dumps(out))
+
+
+def _category(name: str) -> str:
+    """Group ops by their *self* time into what a reader can act on."""
+    if name.startswith("fbgemm::"):
+        return "embedding kernels (fbgemm TBE fwd, bwd + row-wise adagrad)"
+    if name.startswith(("c10d::", "gloo:", "record_param_comms")) or "AllToAll" in name or "all_to_all" in name:
+        return "collectives (gloo all-to-all / all-reduce / broadcast, incl. waiting for the peer)"
+    if name in ("aten::sqrt", "aten::addcmul_", "aten::addcdiv_", "aten::div", "aten::add_") or "_foreach" in name:
+        return "element-wise math (mostly dense Adagrad: sqrt, addcmul_, addcdiv_)"
+    if name in ("aten::mm", "aten::addmm", "aten::relu", "aten::threshold_backward", "aten::cat", "aten::sum"):
+        return "MLP math (mm, addmm, relu, cat)"
+    if name.startswith(("aten::", "prim::")):
+        return "other aten ops (copies, index, cumsum, allocations, ...)"
+    return "Python inside profiled scopes (DDP.forward, Optimizer.step, autograd nodes, ...)"
+
+
+def worker_ddp_sparse(a: WorkerArgs) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    import_rss = rss_mib()
+    rank, world = worker_env()
+    dist.init_process_group("gloo")
+    raw = load_batches(a.batches / f"rank{rank}.pt")[: a.warmup + a.steps]
+    batches = []
+    for b in raw:  # per-feature (values, offsets), built before timing
+        n = b["dense"].shape[0]
+        lengths = b["lengths"].view(8, n)
+        per_key = b["values"].split(lengths.sum(1).tolist())
+        feats = [(v, offsets_of(ln)[:-1]) for v, ln in zip(per_key, lengths, strict=True)]
+        batches.append((b["dense"], feats, b["labels"]))
+
+    class SparseModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(1)
+            self.bags = nn.ModuleList(nn.EmbeddingBag(n, DIM, mode="sum", sparse=True) for n in table_rows(a.shrink))
+            for bag in self.bags:
+                nn.init.uniform_(bag.weight, -(bag.num_embeddings**-0.5), bag.num_embeddings**-0.5)
+            self.dense_arch = make_dense_arch()
+
+        def forward(self, dense: torch.Tensor, feats: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+            pooled = torch.cat([bag(v, o) for bag, (v, o) in zip(self.bags, feats, strict=True)], 1)
+            return self.dense_arch(dense, pooled)
+
+    model = DistributedDataParallel(SparseModel())
+    opt = torch.optim.Adagrad(model.parameters(), lr=LR)
+    timer, losses = StepTimer(a.warmup), []
+    for dense, feats, labels in batches:
+        timer.tick()
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(model(dense, feats), labels)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    timer.tick()
+    RankResult(
+        a.variant, rank, world, int(batches[0][0].shape[0]), timer.seconds, import_rss, peak_rss_mib(), losses,
+        "data_parallel: all (full tables on every rank)",
+    ).write(a.out)
+    dist.destroy_process_group()
+
+
+def worker_kernel_floor(a: WorkerArgs) -> None:
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import fbgemm_gpu  # noqa: F401
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            BoundsCheckMode,
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+    import_rss = rss_mib()
+    worker_env()
+    raw = load_batches(a.batches / "rank0.pt")[: a.warmup + a.steps]
+    batches = [(b["dense"], b["values"], offsets_of(b["lengths"]), b["labels"]) for b in raw]
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(n, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU) for n in table_rows(a.shrink)],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=LR,
+        eps=EPS,
+        pooling_mode=PoolingMode.SUM,
+        bounds_check_mode=BoundsCheckMode.NONE,
+        device=torch.device("cpu"),
+    )
+    arch = make_dense_arch()
+    opt = torch.optim.Adagrad(arch.parameters(), lr=LR)
+    timer, losses = StepTimer(a.warmup), []
+    for dense, values, offsets, labels in batches:
+        timer.tick()
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(arch(dense, tbe(values, offsets)), labels)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    timer.tick()
+    RankResult(
+        a.variant, 0, 1, int(batches[0][0].shape[0]), timer.seconds, import_rss, peak_rss_mib(), losses,
+        "one TBE, all 8 tables",
+    ).write(a.out)
+
+
+WORKERS = {
+    "shardrec": worker_shardrec,
+    "shardrec_pipeline": worker_shardrec,
+    "dmp_plain": worker_dmp_plain,
+    "ddp_sparse": worker_ddp_sparse,
+    "kernel_floor": worker_kernel_floor,
+}
+
+
+# ===============================================================================================
+# Orchestrator
+# ===============================================================================================
+
+
+def make_batch_files(out: Path, steps: int, batch_size: int, shrink: int) -> None:
+    import torch
+
+    from lightning_shardrec.data.synthetic import FeatureSpec, SyntheticRecGenerator, SyntheticSpec
+
+    features = tuple(FeatureSpec(name=f"f{i}", num_embeddings=n) for i, n in enumerate(table_rows(shrink)))
+    gen = SyntheticRecGenerator(SyntheticSpec(features=features, num_dense=13, seed=0))
+    g = 2 * batch_size
+    for rank in range(2):
+        rows = (rank * batch_size, (rank + 1) * batch_size)
+        items = []
+        for i in range(steps):
+            b = gen.global_batch(i, g, rows=rows)
+            items.append(
+                {
+                    "dense": b.dense.contiguous(),
+                    "labels": b.labels.contiguous(),
+                    "values": b.sparse.values().long().contiguous(),
+                    "lengths": b.sparse.lengths().long().contiguous(),
+                }
+            )
+        torch.save(items, out / f"rank{rank}.pt")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean_env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
+    }
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def run_variant(variant: str, a: argparse.Namespace, data: Path, out: Path, profile: Path | None = None) -> str:
+    """Run one variant to completion; '' on success, else the reason (tail of its stderr)."""
+    for old in out.glob(f"{variant}.rank*.json"):
+        old.unlink()
+    common = [
+        "--worker", variant, "--data", str(data), "--out", str(out),
+        "--warmup", str(a.warmup), "--steps", str(a.steps), "--shrink", str(a.shrink),
+        "--batch-size", str(a.batch_size),
+    ]  # fmt: skip
+    if profile is not None:
+        common += ["--profile", str(profile)]
+    env = _clean_env()
+    if variant == "torchrec_dmp":
+        python = TORCHREC_VENV / "bin" / "python"
+        cmds = [[str(python), str(TORCHREC_WORKER), *common] for _ in range(2)]
+    elif variant.startswith("shardrec"):
+        cmds = [[sys.executable, str(Path(__file__).resolve()), *common]]  # Lightning starts rank 1
+    else:
+        cmds = [[sys.executable, str(Path(__file__).resolve()), *common] for _ in range(WORLD[variant])]
+    procs = []
+    logs = []
+    for r, cmd in enumerate(cmds):
+        e = dict(env)
+        if len(cmds) > 1:
+            e.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(cmds)))
+        log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed below, after the wait
+        logs.append(log)
+        procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT, cwd=HERE.parent))
+    deadline = time.monotonic() + a.timeout
+    failed = ""
+    for p, log in zip(procs, logs, strict=True):
+        try:
+            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rc = None
+        if rc != 0 and not failed:
+            log.seek(0)
+            tail = log.read()[-3000:]
+            failed = f"exit {rc if rc is not None else 'timeout'}: {tail}"
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for log in logs:
+        log.close()
+    if not failed and len(list(out.glob(f"{variant}.rank*.json"))) != WORLD[variant]:
+        failed = "finished without writing every rank's result"
+    return failed
+
+
+def windows(results: list[dict[str, Any]], window: int) -> list[float]:
+    """Samples/s per window of ``window`` steps: global batch x steps / slowest rank's time."""
+    n = min(len(r["step_seconds"]) for r in results)
+    global_batch = sum(r["batch_size"] for r in results)
+    out = []
+    for lo in range(0, n - window + 1, window):
+        sec = max(sum(r["step_seconds"][lo : lo + window]) for r in results)
+        out.append(global_batch * window / sec)
+    return out
+
+
+def whole(results: list[dict[str, Any]]) -> float:
+    n = min(len(r["step_seconds"]) for r in results)
+    global_batch = sum(r["batch_size"] for r in results)
+    return global_batch * n / max(sum(r["step_seconds"][:n]) for r in results)
+
+
+@dataclass
+class Stat:
+    values: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def lo(self) -> float:
+        return min(self.values)
+
+    @property
+    def hi(self) -> float:
+        return max(self.values)
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.machine()
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        models = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")]
+        cpu = f"{models[0]} x {len(models)}" if models else cpu
+    system = f"{platform.system()} {platform.release()}"
+    return f"{cpu}, {system}, Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def report(
+    a: argparse.Namespace,
+    runs: dict[str, list[list[dict[str, Any]]]],
+    failures: dict[str, str],
+    profile: dict[str, Any] | None,
+    cmd: str,
+    plot: Path | None,
+) -> str:
+    per_window = {v: Stat([x for rr in rounds for x in windows(rr, a.window)]) for v, rounds in runs.items() if rounds}
+    per_round = {v: [whole(rr) for rr in rounds] for v, rounds in runs.items()}
+    floor = per_window.get("kernel_floor")
+    lines = [
+        SECTION,
+        "",
+        f"Command: `{cmd}`  ",
+        f"Machine: {machine()}; {os.cpu_count()} cores, one intra-op thread per rank. "
+        f"Date: {datetime.date.today().isoformat()}. Load average (1 min) at start / end: "
+        f"{a.load_start:.1f} / {os.getloadavg()[0]:.1f}.  ",
+        f"Workload: issue 10's DLRM{' (tables 1/' + str(a.shrink) + ' the rows: --quick)' if a.shrink > 1 else ''}; "
+        f"batch {a.batch_size} per rank, {a.warmup} warm-up + {a.steps} timed steps per run, {a.rounds} rounds "
+        f"(every variant once per round, shuffled order, fresh processes). samples/s per window of {a.window} steps "
+        "= global batch x steps / slowest rank's seconds; median over all windows of all rounds, spread = min..max. "
+        "Step = start of one iteration to the start of the next (data fetch, logging, optimizer included).",
+        "",
+        "| variant | ranks | samples/s (median) | spread | ms/step (median) | x kernel_floor "
+        "| peak RSS per rank (MiB) | import RSS (MiB) | final loss | plan |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for v in VARIANTS:
+        if v in failures:
+            lines.append(f"| {v} | {WORLD[v]} | - | - | - | - | - | - | - | not run: {failures[v]} |")
+            continue
+        if v not in per_window:
+            continue
+        st = per_window[v]
+        last = runs[v][-1]
+        ms = statistics.median([s for rr in runs[v] for s in rr[0]["step_seconds"]]) * 1e3
+        peak = " / ".join(f"{r['peak_rss_mib']:.0f}" for r in sorted(last, key=lambda r: r["rank"]))
+        imp = " / ".join(f"{r['import_rss_mib']:.0f}" for r in sorted(last, key=lambda r: r["rank"]))
+        loss = statistics.mean(last[0]["losses"][-a.window :])
+        vs = f"{st.median / floor.median:.2f}" if floor else "-"
+        plan = last[0].get("plan", "")
+        lines.append(
+            f"| {v} | {WORLD[v]} | {st.median:,.0f} | {st.lo:,.0f}..{st.hi:,.0f} | {ms:.1f} | {vs} "
+            f"| {peak} | {imp} | {loss:.4f} | {plan} |"
+        )
+
+    def ratio(num: str, den: str) -> str:
+        if not per_round.get(num) or not per_round.get(den):
+            return "- (a variant did not run)"
+        rs = Stat([x / y for x, y in zip(per_round[num], per_round[den], strict=True)])
+        return f"{rs.median:.2f} (rounds {rs.lo:.2f}..{rs.hi:.2f})"
+
+    lines += [
+        "",
+        "Ratios, paired per round (each round's whole timed run of the two variants):",
+        "",
+        f"- shardrec / torchrec_dmp = {ratio('shardrec', 'torchrec_dmp')} (target >= 1.3)",
+        f"- shardrec / kernel_floor = {ratio('shardrec', 'kernel_floor')} (target >= 1.5; 2.0 = two cores' ideal)",
+        f"- shardrec / dmp_plain = {ratio('shardrec', 'dmp_plain')} (Lightning overhead target: >= 0.95)",
+        f"- dmp_plain / torchrec_dmp = {ratio('dmp_plain', 'torchrec_dmp')}",
+        f"- ddp_sparse / kernel_floor = {ratio('ddp_sparse', 'kernel_floor')}",
+        "",
+    ]
+    if plot is not None:
+        base = a.write_docs.parent if a.write_docs else Path(".")
+        lines += [f"![samples/s per variant]({os.path.relpath(plot, base)})", ""]
+    if profile is not None:
+        lines += profile_lines(profile)
+    return "\n".join(lines)
+
+
+def profile_lines(p: dict[str, Any]) -> list[str]:
+    walls = p["all_wall_ms"]
+    out = [
+        f"Profile (a separate shardrec run after the rounds, rank 0, one torch.profiler session per timed step, "
+        f"{len(walls)} steps; wall inside the profiler: median {statistics.median(walls):.1f} ms, slowest "
+        f"{max(walls):.1f} ms; the profiler slows steps, so compare shares, not absolute ms with the table). "
+        "Self CPU time by kind of op, slowest and median step (ms); the rest of the wall time is Python outside "
+        "any profiled scope (Lightning's loop, hooks, logging, our sharded modules' Python):",
+        "",
+        "| kind of op (self time) | slowest step (ms) | median step (ms) |",
+        "|---|---:|---:|",
+    ]
+    slow, med = p["slowest"], p["median"]
+    keys = sorted(set(slow["top_ms"]) | set(med["top_ms"]), key=lambda k: -slow["top_ms"].get(k, 0.0))
+    for k in keys:
+        s, m = slow["top_ms"].get(k, 0.0), med["top_ms"].get(k, 0.0)
+        if max(s, m) >= 0.2:
+            out.append(f"| {k} | {s:.1f} | {m:.1f} |")
+    out.append(
+        f"| (python outside ops) | {slow['wall_ms'] - sum(slow['top_ms'].values()):.1f} "
+        f"| {med['wall_ms'] - sum(med['top_ms'].values()):.1f} |"
+    )
+    out.append(f"| **step wall** | {slow['wall_ms']:.1f} | {med['wall_ms']:.1f} |")
+    out.append("")
+    return out
+
+
+def make_plot(path: Path, a: argparse.Namespace, runs: dict[str, list[list[dict[str, Any]]]]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("e2e_bench: matplotlib is not installed; no plot written", file=sys.stderr)
+        return False
+    names = [v for v in VARIANTS if runs.get(v)]
+    stats = [Stat([x for rr in runs[v] for x in windows(rr, a.window)]) for v in names]
+    med = [s.median for s in stats]
+    err = [[s.median - s.lo for s in stats], [s.hi - s.median for s in stats]]
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    colors = ["tab:blue" if v.startswith("shardrec") else "tab:gray" for v in names]
+    ax.bar(names, med, yerr=err, capsize=4, color=colors)
+    if "kernel_floor" in names:
+        f = med[names.index("kernel_floor")]
+        ax.axhline(2 * f, ls="--", c="k", lw=1, label="2 x kernel_floor (two cores' ideal)")
+        ax.axhline(1.5 * f, ls=":", c="tab:red", lw=1, label="1.5 x kernel_floor (target)")
+        ax.legend(loc="upper right", fontsize=8)
+    for i, m in enumerate(med):
+        ax.text(i, m, f"{m:,.0f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("samples/s (median over windows; bars: min..max)")
+    ax.set_title(f"issue-10 DLRM, batch {a.batch_size}/rank, CPU, 1 thread/rank ({datetime.date.today()})", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_section(path: Path, text: str) -> None:
+    """Replace (or append) this script's section, leaving the others alone; keep a trailing ``Reading:``."""
+    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
+    start = old.find(SECTION + "\n")
+    if start < 0:
+        new = old.rstrip("\n") + "\n\n" + text
+    else:
+        end = old.find("\n## ", start + len(SECTION))
+        section = old[start:] if end < 0 else old[start : end + 1]
+        reading = section.find("\nReading:")
+        if reading >= 0:
+            text = text.rstrip("\n") + "\n" + section[reading:].rstrip("\n") + "\n"
+        new = old[:start] + text + ("" if end < 0 else "\n" + old[end + 1 :])
+    path.write_text(new)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=60, help="timed steps per run")
+    p.add_argument("--window", type=int, default=10, help="steps per throughput sample")
+    p.add_argument("--batch-size", type=int, default=1024, help="per rank")
+    p.add_argument("--shrink", type=int, default=1, help="divide table rows by this (tests)")
+    p.add_argument("--timeout", type=float, default=400.0, help="seconds per variant run")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled shardrec run")
+    p.add_argument("--plot", type=Path, default=None, help="PNG of samples/s per variant")
+    p.add_argument("--write-docs", type=Path, default=None)
+    p.add_argument("--keep", type=Path, default=None, help="copy the raw per-rank results here")
+    p.add_argument("--quick", action="store_true", help="smoke run: tables 1/100, batch 128, 1 round of 2+4 steps")
+    # worker mode (internal)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--profile", type=Path, default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker is not None:
+        WORKERS[a.worker](WorkerArgs(a.worker, a.data, a.out, a.warmup, a.steps, a.shrink, a.batch_size, a.profile))
+        return
+    if a.quick:
+        a.rounds, a.warmup, a.steps, a.window, a.batch_size, a.shrink = 1, 2, 4, 2, 128, 100
+        a.no_profile = True
+    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"unknown variants {unknown}; available: {', '.join(VARIANTS)}")
+    failures: dict[str, str] = {}
+    if "shardrec_pipeline" in variants:
+        failures["shardrec_pipeline"] = "pipeline not built yet (slot kept)"
+        variants.remove("shardrec_pipeline")
+    if "torchrec_dmp" in variants and not (TORCHREC_VENV / "bin" / "python").exists():
+        failures["torchrec_dmp"] = "no benchmarks/.venv-torchrec (run benchmarks/setup_torchrec_venv.sh)"
+        variants.remove("torchrec_dmp")
+
+    a.load_start = os.getloadavg()[0]
+    work = Path(tempfile.mkdtemp(prefix="e2e_bench_"))
+    try:
+        data, out = work / "data", work / "out"
+        data.mkdir()
+        out.mkdir()
+        t = time.perf_counter()
+        make_batch_files(data, a.warmup + a.steps, a.batch_size, a.shrink)
+        print(f"e2e_bench: batches generated in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        runs: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}
+        order = list(variants)
+        shuffle = random.Random(0)
+        for rnd in range(a.rounds):
+            shuffle.shuffle(order)
+            for v in order:
+                if v in failures:
+                    continue
+                t = time.perf_counter()
+                err = run_variant(v, a, data, out)
+                if err:
+                    failures[v] = " ".join(err.split())[-400:].replace("|", "/")
+                    print(f"e2e_bench: {v} failed: {err}", file=sys.stderr)
+                    runs[v] = []
+                    continue
+                results = [read_result(f) for f in sorted(out.glob(f"{v}.rank*.json"))]
+                runs[v].append(results)
+                if a.keep is not None:
+                    a.keep.mkdir(parents=True, exist_ok=True)
+                    for f in out.glob(f"{v}.rank*.json"):
+                        shutil.copy(f, a.keep / f"round{rnd}.{f.name}")
+                print(
+                    f"e2e_bench: round {rnd} {v}: {whole(results):,.0f} samples/s "
+                    f"({time.perf_counter() - t:.1f} s wall)",
+                    file=sys.stderr,
+                )
+        profile = None
+        if not a.no_profile and "shardrec" in variants and "shardrec" not in failures:
+            prof_path = work / "profile.json"
+            err = run_variant("shardrec", a, data, out, profile=prof_path)
+            if err:
+                print(f"e2e_bench: profiled run failed: {err}", file=sys.stderr)
+            else:
+                profile = json.loads(prof_path.read_text())
+                if a.keep is not None:
+                    a.keep.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(prof_path, a.keep / "profile.json")
+                    for name in ("slowest", "median"):
+                        (a.keep / f"profile_{name}.txt").write_text(profile[name]["table"])
+        plot = a.plot if a.plot is not None and make_plot(a.plot, a, runs) else None
+        cmd = "python benchmarks/e2e_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        text = report(a, runs, failures, profile, cmd.strip(), plot)
+        print(text)
+        if a.write_docs is not None:
+            write_section(a.write_docs, text)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
