@@ -6,6 +6,12 @@ cost: a table that fits whole goes table-wise to the fullest rank it still fits
 shards, row blocks, or row blocks inside one host, each sized in closed form to the
 rank's remaining time and memory (McNaughton's wrap-around rule), and the cut with
 the least total work wins. The best plan over all targets is kept.
+
+Best fit packs equal-cost tables onto as few ranks as it can, whatever their size. So
+once the fastest step time ``T*`` is known, one more pass spreads the tables instead
+(each whole table to the least-loaded rank, near-equal loads going to the rank with the
+most free memory) under ``T* * (1 + TIE_EPS)``; it replaces the best plan when it keeps
+to that time and leaves more memory free on the fullest rank.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from lightning_shardrec.planner.types import ShardingType
 
 _SEARCH_STEPS = 40
 _SEARCH_TOLERANCE = 1e-3
+# Step times within this relative margin count as a tie, broken by memory balance.
+TIE_EPS = 1e-3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +87,26 @@ class RankLoads:
                 return r
             i -= 1
         return None
+
+    def spread_fit(
+        self, cost: float, mem: int, limit: float, cands: Sequence[int] | None
+    ) -> int | None:
+        """The least-loaded rank where ``cost`` and ``mem`` fit; among ranks within
+        ``TIE_EPS`` of that load, the one with the most free memory (lowest id on ties)."""
+        pool = self.order if cands is None else sorted((self.load[r], r) for r in cands)
+        best: int | None = None
+        ceiling = math.inf
+        for load, r in pool:
+            if load + cost > limit or load > ceiling:
+                break
+            if self.free[r] < mem:
+                continue
+            if best is None:
+                ceiling = load + TIE_EPS * (load + cost)
+                best = r
+            elif self.free[r] > self.free[best]:
+                best = r
+        return best
 
     def emptiest(self, cands: Iterable[int] | None) -> list[int]:
         if cands is None:
@@ -241,13 +269,23 @@ def _fill_host_rows(
 
 
 def place_table(
-    opt: TableOptions, work: Workload, ranks: RankLoads, limit: float, level: bool = True
+    opt: TableOptions,
+    work: Workload,
+    ranks: RankLoads,
+    limit: float,
+    level: bool = True,
+    spread: bool = False,
 ) -> Placement | None:
-    """Where ``opt``'s table goes under step-time ``limit``, or None if it cannot go anywhere."""
+    """Where ``opt``'s table goes under step-time ``limit``, or None if it cannot go anywhere.
+
+    A whole table goes to the fullest rank it fits (best fit), or with ``spread`` to the
+    least-loaded one, near-ties broken by free memory.
+    """
     t = opt.table
     cands = t.ranks
     if opt.allows(ShardingType.TABLE_WISE):
-        r = ranks.best_fit(opt.tw_cost, opt.tw_mem, limit, cands)
+        fit = ranks.spread_fit if spread else ranks.best_fit
+        r = fit(opt.tw_cost, opt.tw_mem, limit, cands)
         if r is not None:
             piece = Piece(
                 rank=r,
@@ -275,8 +313,11 @@ def place_table(
 
 
 def _order(options: Sequence[TableOptions]) -> list[TableOptions]:
-    """Pinned tables first (least freedom), then by decreasing cost; ties by key (deterministic)."""
-    return sorted(options, key=lambda o: (o.table.ranks is None, -o.tw_cost, o.table.key))
+    """Pinned tables first (least freedom), then by decreasing cost, then decreasing memory;
+    ties by key (deterministic)."""
+    return sorted(
+        options, key=lambda o: (o.table.ranks is None, -o.tw_cost, -o.tw_mem, o.table.key)
+    )
 
 
 def pack(
@@ -287,13 +328,14 @@ def pack(
     limit: float,
     keep_going: bool = False,
     level: bool = True,
+    spread: bool = False,
 ) -> tuple[list[Placement], list[TableOptions], RankLoads]:
     """Place every table under ``limit``; returns (placements, tables that did not fit, loads)."""
     ranks = RankLoads(base_load, free)
     placed: list[Placement] = []
     failed: list[TableOptions] = []
     for opt in _order(options):
-        placement = place_table(opt, work, ranks, limit, level)
+        placement = place_table(opt, work, ranks, limit, level, spread)
         if placement is None:
             failed.append(opt)
             if not keep_going:
@@ -352,4 +394,22 @@ def partition(
         found = _search(options, work, base_load, free, lo, max(best_ranks.load), level)
         if found is not None and max(found[1].load) < max(best_ranks.load):
             best, best_ranks = found
+    return _spread(options, work, base_load, free, best, best_ranks)
+
+
+def _spread(
+    options: Sequence[TableOptions],
+    work: Workload,
+    base_load: Sequence[float],
+    free: Sequence[float],
+    best: list[Placement],
+    best_ranks: RankLoads,
+) -> tuple[list[Placement], list[TableOptions], RankLoads]:
+    """Break a step-time tie by memory: keep the spread plan if it is within ``TIE_EPS``
+    of the best step time and leaves more memory free on its fullest rank."""
+    limit = max(best_ranks.load) * (1 + TIE_EPS)
+    for level in (True, False):
+        placed, failed, ranks = pack(options, work, base_load, free, limit, level=level, spread=True)
+        if not failed and max(ranks.load) <= limit and min(ranks.free) > min(best_ranks.free):
+            best, best_ranks = placed, ranks
     return best, [], best_ranks
