@@ -16,8 +16,7 @@ Variants (each in fresh processes; one intra-op thread per rank):
 - ``shardrec``: ``Trainer(strategy=ShardRecStrategy(...), accelerator="cpu", devices=2)``,
   the full Lightning loop (its own popen launcher), steps timed inside the loop by a
   callback (start of a batch to start of the next), process start and warm-up excluded.
-- ``shardrec_pipeline``: slot for the same run with ``pipeline=True`` (not built yet:
-  reported as skipped until ``ShardRecStrategy`` accepts it).
+- ``shardrec_pipeline``: the same run with ``ShardRecStrategy(pipeline=True)``.
 - ``dmp_plain``: our ``DistributedModelParallel`` in a plain loop, 2 ranks (gloo).
 - ``torchrec_dmp``: TorchRec 1.8.0's ``DistributedModelParallel``, its default planner,
   2 ranks (gloo), run by ``benchmarks/.venv-torchrec/bin/python`` (made by
@@ -767,9 +766,6 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         p.error(f"unknown variants {unknown}; available: {', '.join(VARIANTS)}")
     failures: dict[str, str] = {}
-    if "shardrec_pipeline" in variants:
-        failures["shardrec_pipeline"] = "pipeline not built yet (slot kept)"
-        variants.remove("shardrec_pipeline")
     if "torchrec_dmp" in variants and not (TORCHREC_VENV / "bin" / "python").exists():
         failures["torchrec_dmp"] = "no benchmarks/.venv-torchrec (run benchmarks/setup_torchrec_venv.sh)"
         variants.remove("torchrec_dmp")
