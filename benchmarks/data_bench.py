@@ -22,7 +22,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
+from _docs import replace_section  # noqa: E402
 
 from lightning_shardrec.data import (
     CriteoBinary,
@@ -138,18 +140,8 @@ def table(
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace (or append) the ``## Data reader`` section, leaving other sections alone."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    start = old.find(SECTION + "\n")
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text + ("" if end < 0 else "\n" + old[end + 1 :])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new)
-
-
+    """Replace (or append) this script's section of ``docs/benchmarks.md``; keep a ``Reading:``."""
+    replace_section(path, SECTION, text)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=200_000)

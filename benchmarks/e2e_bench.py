@@ -63,6 +63,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _docs import replace_section  # noqa: E402
 from _e2e_common import (  # noqa: E402
     DIM,
     EPS,
@@ -719,21 +720,8 @@ def make_plot(path: Path, a: argparse.Namespace, runs: dict[str, list[list[dict[
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace (or append) this script's section, leaving the others alone; keep a trailing ``Reading:``."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    start = old.find(SECTION + "\n")
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = old.find("\n## ", start + len(SECTION))
-        section = old[start:] if end < 0 else old[start : end + 1]
-        reading = section.find("\nReading:")
-        if reading >= 0:
-            text = text.rstrip("\n") + "\n" + section[reading:].rstrip("\n") + "\n"
-        new = old[:start] + text + ("" if end < 0 else "\n" + old[end + 1 :])
-    path.write_text(new)
-
-
+    """Replace (or append) this script's section of ``docs/benchmarks.md``; keep a ``Reading:``."""
+    replace_section(path, SECTION, text)
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")

@@ -44,7 +44,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
+from _docs import replace_section  # noqa: E402
 
 from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimConfig
 from lightning_shardrec.configs import EmbOptimType
@@ -339,25 +341,8 @@ def report(r: dict[str, Any], cmd: str) -> str:
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace (or append) the ``## Kernels`` section, leaving other sections alone.
-
-    A hand-written ``Reading:`` paragraph at the end of the old section is kept (after
-    the new figures): re-check it against them.
-    """
-    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    start = old.find(SECTION + "\n")
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = old.find("\n## ", start + len(SECTION))
-        section = old[start:] if end < 0 else old[start : end + 1]
-        reading = section.find("\nReading:")
-        if reading >= 0:
-            text = text.rstrip("\n") + "\n" + section[reading:].rstrip("\n") + "\n"
-        new = old[:start] + text + ("" if end < 0 else "\n" + old[end + 1 :])
-    path.write_text(new)
-
-
+    """Replace (or append) this script's section of ``docs/benchmarks.md``; keep a ``Reading:``."""
+    replace_section(path, SECTION, text)
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch-size", type=int, default=1024)

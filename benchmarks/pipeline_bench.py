@@ -31,6 +31,7 @@ from typing import Any
 
 SECTION = "## Pipeline"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _docs import replace_section  # noqa: E402
 
 
 def _identity(x: Any) -> Any:
@@ -189,16 +190,8 @@ def report(results: list[dict[str, list[float]]], cfg: dict[str, Any], command: 
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace (or append) the ``## Pipeline`` section, leaving the others alone."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    start = old.find(SECTION + "\n")
-    if start < 0:
-        path.write_text(old.rstrip("\n") + "\n\n" + text)
-        return
-    end = old.find("\n## ", start + len(SECTION))
-    path.write_text(old[:start] + text + ("" if end < 0 else "\n" + old[end + 1 :]))
-
-
+    """Replace (or append) this script's section of ``docs/benchmarks.md``; keep a ``Reading:``."""
+    replace_section(path, SECTION, text)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="200000,20000", help="rows of the 4 big and the 4 small tables")

@@ -43,10 +43,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _docs import replace_section  # noqa: E402
 from torchmetrics.classification import BinaryAUROC
 
 from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, SyntheticRecDataModule, _fbgemm
@@ -305,20 +307,8 @@ def report(acc: dict[str, Any], crit: dict[str, Any] | None, thr: dict[str, Any]
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace (or append) the ``## Quantized inference`` section; keeps a ``Reading:`` paragraph."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    start = old.find(SECTION + "\n")
-    if start < 0:
-        path.write_text(old.rstrip("\n") + "\n\n" + text)
-        return
-    end = old.find("\n## ", start + len(SECTION))
-    section = old[start:] if end < 0 else old[start : end + 1]
-    reading = section.find("\nReading:")
-    if reading >= 0:
-        text = text.rstrip("\n") + "\n" + section[reading:].rstrip("\n") + "\n"
-    path.write_text(old[:start] + text + ("" if end < 0 else "\n" + old[end + 1 :]))
-
-
+    """Replace (or append) this script's section of ``docs/benchmarks.md``; keep a ``Reading:``."""
+    replace_section(path, SECTION, text)
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)

@@ -30,7 +30,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from typing_extensions import override
 
 import lightning_shardrec  # noqa: F401  (registers strategy="shardrec")
-from lightning_shardrec.curves import TrainingCurves
+from lightning_shardrec.lightning.curves import TrainingCurves
 
 
 def default_loggers(root_dir: str) -> list[Logger]:

@@ -25,7 +25,7 @@ from lightning_shardrec.inference.rowwise import (
 
 def __getattr__(name: str) -> object:
     if name == "QuantizedPredictor":
-        from lightning_shardrec.inference.predictor import QuantizedPredictor
+        from lightning_shardrec.lightning.predictor import QuantizedPredictor
 
         return QuantizedPredictor
     raise AttributeError(f"module 'lightning_shardrec.inference' has no attribute {name!r}")

@@ -1,0 +1,26 @@
+"""Writing one benchmark's section of ``docs/benchmarks.md`` without touching the others."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def replace_section(path: Path, heading: str, text: str) -> None:
+    """Replace (or append) the section that starts with ``heading`` by ``text``.
+
+    A hand-written ``Reading:`` paragraph at the end of the old section is kept, after
+    the new figures (re-check it against them), unless ``text`` brings its own.
+    """
+    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
+    start = old.find(heading + "\n")
+    if start < 0:
+        new = old.rstrip("\n") + "\n\n" + text
+    else:
+        end = old.find("\n## ", start + len(heading))
+        section = old[start:] if end < 0 else old[start : end + 1]
+        reading = section.find("\nReading:")
+        if reading >= 0 and "\nReading:" not in text and not text.startswith("Reading:"):
+            text = text.rstrip("\n") + "\n" + section[reading:].rstrip("\n") + "\n"
+        new = old[:start] + text + ("" if end < 0 else "\n" + old[end + 1 :])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new)
