@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from _docs import replace_section  # noqa: E402
+from _report import replace_section  # noqa: E402
 
 from lightning_shardrec.data import (
     CriteoBinary,

@@ -63,7 +63,6 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _docs import replace_section  # noqa: E402
 from _e2e_common import (  # noqa: E402
     DIM,
     EPS,
@@ -79,6 +78,7 @@ from _e2e_common import (  # noqa: E402
     table_rows,
     worker_env,
 )
+from _report import Stat, replace_section  # noqa: E402
 
 SECTION = "## End-to-end training"
 VARIANTS = ["shardrec", "shardrec_pipeline", "dmp_plain", "torchrec_dmp", "ddp_sparse", "kernel_floor"]
@@ -557,23 +557,6 @@ def whole(results: list[dict[str, Any]]) -> float:
     n = min(len(r["step_seconds"]) for r in results)
     global_batch = sum(r["batch_size"] for r in results)
     return global_batch * n / max(sum(r["step_seconds"][:n]) for r in results)
-
-
-@dataclass
-class Stat:
-    values: list[float]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.values)
-
-    @property
-    def lo(self) -> float:
-        return min(self.values)
-
-    @property
-    def hi(self) -> float:
-        return max(self.values)
 
 
 def machine() -> str:

@@ -40,13 +40,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from _docs import replace_section  # noqa: E402
+from _report import Stat, replace_section  # noqa: E402
 
 from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimConfig
 from lightning_shardrec.configs import EmbOptimType
@@ -72,23 +72,6 @@ CASES = [
     ("torch", "rowwise_adagrad"),
     ("torch", "adam"),
 ]
-
-
-@dataclass
-class Stat:
-    values: list[float]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.values)
-
-    @property
-    def lo(self) -> float:
-        return min(self.values)
-
-    @property
-    def hi(self) -> float:
-        return max(self.values)
 
 
 def workload_tables(shrink: int = 1) -> list[EmbeddingBagConfig]:

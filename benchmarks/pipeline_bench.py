@@ -31,7 +31,7 @@ from typing import Any
 
 SECTION = "## Pipeline"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _docs import replace_section  # noqa: E402
+from _report import replace_section  # noqa: E402
 
 
 def _identity(x: Any) -> Any:

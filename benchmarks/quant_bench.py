@@ -48,7 +48,7 @@ import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _docs import replace_section  # noqa: E402
+from _report import replace_section  # noqa: E402
 from torchmetrics.classification import BinaryAUROC
 
 from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, SyntheticRecDataModule, _fbgemm

@@ -18,6 +18,7 @@ from lightning_shardrec.configs import BaseEmbeddingConfig
 from lightning_shardrec.distributed.batch_dist import DistContext, PrefetchHandle, Split, start_input_dist
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharding import EmbeddingSharding
+from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.kernels import BatchedEmbeddingKernel
 from lightning_shardrec.planner import ShardMetadata
 from lightning_shardrec.sparse import KeyedJaggedTensor
@@ -103,6 +104,13 @@ class ShardedCollection(nn.Module):
                 self._prefetched = self._prefetched[:i] + self._prefetched[i + 1 :]
                 return h.wait()
         return None
+
+    def _take_tables(self, configs: list, plan: dict) -> None:  # type: ignore[type-arg]
+        """Keep ``configs``; every table must have an entry in ``plan``."""
+        missing = [t.name for t in configs if t.name not in plan]
+        if missing:
+            raise ShardingError(f"the sharding plan has no entry for tables {missing}")
+        self._configs = configs
 
     def table_configs(self) -> list[BaseEmbeddingConfig]:
         return self._configs

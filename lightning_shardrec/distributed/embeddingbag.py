@@ -17,7 +17,6 @@ from lightning_shardrec.distributed.batch_dist import DistContext, distribute_in
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharding import SHARDINGS, EmbeddingSharding, KernelSetup, TableSharding
-from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.modules import EmbeddingBagCollection
 from lightning_shardrec.modules.features import FeatureArranger, check_ids
 from lightning_shardrec.planner import ParameterSharding
@@ -39,10 +38,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     ) -> None:
         super().__init__()
         configs = module.embedding_bag_configs()
-        missing = [t.name for t in configs if t.name not in plan]
-        if missing:
-            raise ShardingError(f"the sharding plan has no entry for tables {missing}")
-        self._configs = configs
+        self._take_tables(configs, plan)
         self._is_weighted = module.is_weighted()
         self.validate_ids = module.validate_ids
         self.env = env

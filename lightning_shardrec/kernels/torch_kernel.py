@@ -99,6 +99,7 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
         self._feature_group = [self._group_of[t] for t in self.feature_table]
         self._feature_row_offset = [self._group_of[t].row_offset[t] for t in self.feature_table]
         self._single = len(self._groups) == 1
+        self._offset_cache: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
 
     # --- state views ----------------------------------------------------------------
     def _state(self, g: _DimGroup) -> dict[str, Tensor]:
@@ -140,7 +141,10 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
     def _lookup(self, g: _DimGroup, kjt: KeyedJaggedTensor, row_offsets: list[int]) -> Tensor:
         ids = kjt.values().long()
         if any(row_offsets):
-            per_bag = torch.tensor(row_offsets, device=ids.device).repeat_interleave(kjt.stride())
+            key = (tuple(row_offsets), ids.device)
+            if key not in self._offset_cache:  # built once per feature set, not per batch
+                self._offset_cache[key] = torch.tensor(row_offsets, device=ids.device)
+            per_bag = self._offset_cache[key].repeat_interleave(kjt.stride())
             ids = ids + per_bag.repeat_interleave(kjt.lengths().long(), output_size=ids.numel())
         offsets = kjt.offsets().long() if self.pooled else None
         psw = kjt.weights_or_none()

@@ -1,8 +1,29 @@
-"""Writing one benchmark's section of ``docs/benchmarks.md`` without touching the others."""
+"""What every benchmark reports with: a sample statistic, and its section of ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
+
+
+@dataclass
+class Stat:
+    """Repeated measurements: median and spread (min..max)."""
+
+    values: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def lo(self) -> float:
+        return min(self.values)
+
+    @property
+    def hi(self) -> float:
+        return max(self.values)
 
 
 def replace_section(path: Path, heading: str, text: str) -> None:
