@@ -25,12 +25,33 @@ import sys
 from typing import Any
 
 import lightning as L
+from jsonargparse.typing import get_registered_type, register_type
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from typing_extensions import override
 
 import lightning_shardrec  # noqa: F401  (registers strategy="shardrec")
 from lightning_shardrec.lightning.curves import TrainingCurves
+from lightning_shardrec.planner.types import EmbeddingComputeKernel, ShardingType, parse_enum
+
+
+def _register_plan_enums() -> None:
+    """Parse ``ShardingType`` / ``EmbeddingComputeKernel`` from their values, as the Python API does.
+
+    jsonargparse alone takes only member names (``ROW_WISE``), not the documented ``row_wise``,
+    and its error does not list the values; this makes ``sharding_types: [row_wise]`` work in
+    YAML and ``[diagonal]`` fail with "unknown sharding type 'diagonal'; available: ...".
+    """
+    for kind, what in ((ShardingType, "sharding type"), (EmbeddingComputeKernel, "compute kernel")):
+        if get_registered_type(kind) is None:
+            register_type(
+                kind,
+                serializer=lambda member: member.value,
+                deserializer=lambda value, kind=kind, what=what: parse_enum(kind, value, what),
+            )
+
+
+_register_plan_enums()
 
 
 def default_loggers(root_dir: str) -> list[Logger]:

@@ -11,6 +11,7 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -40,6 +41,25 @@ class DataType(enum.Enum):
         return {"FP32": 32, "FP16": 16, "BF16": 16, "INT8": 8, "INT4": 4, "INT2": 2}[self.value]
 
 
+_M = TypeVar("_M", bound=enum.Enum)
+
+
+def _parse_member(kind: type[_M], value: object, what: str) -> _M:
+    """``value`` as a member of ``kind`` (a member, or its value/name in any case), else list the choices."""
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str):
+        for member in kind:
+            if value.upper() in (str(member.value).upper(), member.name):
+                return member
+    raise ValueError(f"{what} must be one of {', '.join(str(m.value) for m in kind)}; got {value!r}")
+
+
+def _finite_real(value: object) -> bool:
+    """A real number (not a bool, not a string) that is neither nan nor inf."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True)
 class BaseEmbeddingConfig:
     """One embedding table: ``num_embeddings`` rows of ``embedding_dim`` floats.
@@ -65,6 +85,9 @@ class BaseEmbeddingConfig:
         label = f"{kind}(name={self.name!r})"
         if not self.name:
             raise ValueError(f"{kind} needs a table name (got name={self.name!r})")
+        if not isinstance(self.name, str):
+            raise ValueError(f"{kind}: name must be a str, got {self.name!r}")
+        object.__setattr__(self, "data_type", _parse_member(DataType, self.data_type, f"{label}: data_type"))
         for name in ("num_embeddings", "embedding_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
@@ -74,8 +97,25 @@ class BaseEmbeddingConfig:
             raise ValueError(
                 f"{label}: feature_names must be a non-empty list of feature names, got {self.feature_names!r}"
             )
+        bad = [f for f in self.feature_names if not isinstance(f, str) or not f]
+        if bad:
+            raise ValueError(f"{label}: feature_names must be non-empty strings, got {bad} in {self.feature_names}")
         if len(set(self.feature_names)) != len(self.feature_names):
             raise ValueError(f"{label}: feature_names repeat a name: {self.feature_names}")
+        for name in ("weight_init_min", "weight_init_max"):
+            value = getattr(self, name)
+            if value is not None and not _finite_real(value):
+                raise ValueError(f"{label}: {name} must be a finite number or None, got {value!r}")
+        pruned = self.num_embeddings_post_pruning
+        if pruned is not None and (
+            isinstance(pruned, bool)
+            or not isinstance(pruned, numbers.Integral)
+            or not 0 < pruned <= self.num_embeddings
+        ):
+            raise ValueError(
+                f"{label}: num_embeddings_post_pruning must be an int in [1, {self.num_embeddings}] or None, "
+                f"got {pruned!r}"
+            )
         lo, hi = self.init_range()
         if lo > hi:
             raise ValueError(f"{label}: weight_init_min {lo} is above weight_init_max {hi}")
@@ -109,6 +149,8 @@ class EmbeddingBagConfig(BaseEmbeddingConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        pooling = _parse_member(PoolingType, self.pooling, f"EmbeddingBagConfig(name={self.name!r}): pooling")
+        object.__setattr__(self, "pooling", pooling)
         if self.pooling is PoolingType.NONE:
             raise ValueError(
                 f"EmbeddingBagConfig(name={self.name!r}): pooling NONE is not a pooled table; "
@@ -167,6 +209,9 @@ class FusedOptimConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optimizer", EmbOptimType.parse(self.optimizer))
+        for name in ("lr", "eps", "beta1", "beta2", "weight_decay"):
+            if not _finite_real(getattr(self, name)):
+                raise ValueError(f"FusedOptimConfig: {name} must be a finite number, got {getattr(self, name)!r}")
         for name in ("lr", "eps", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"FusedOptimConfig: {name} must be >= 0, got {getattr(self, name)}")

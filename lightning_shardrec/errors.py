@@ -27,3 +27,7 @@ class CheckpointError(ShardRecError, ValueError):
 def unknown_name(kind: str, name: object, available: list[str]) -> ValueError:
     """``ValueError`` for a lookup by name that failed, listing what is available."""
     return ValueError(f"unknown {kind} {name!r}; available: {', '.join(available)}")
+
+
+class NonFiniteError(ShardRecError, FloatingPointError):
+    """A NaN/inf reached (or came out of) a fused embedding update; the message names the table."""

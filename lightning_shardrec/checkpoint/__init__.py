@@ -1,6 +1,12 @@
-"""Checkpoints of sharded models: full (gathered) files and sharded DCP directories."""
+"""Checkpoints of sharded models: full (gathered) files and sharded DCP directories.
 
-from lightning_shardrec.checkpoint.full_state import gather_full_state, load_full_state
+Saves are atomic (:mod:`.atomic`), loads check the checkpoint against the model
+before writing anything (:mod:`.validate`) and run no pickled code (:mod:`.safe_load`).
+"""
+
+from lightning_shardrec.checkpoint.atomic import agree_failures, discard, recover_interrupted, save_file
+from lightning_shardrec.checkpoint.full_state import dense_problems, gather_full_state, load_full_state
+from lightning_shardrec.checkpoint.safe_load import load_file, read_metadata
 from lightning_shardrec.checkpoint.sharded_state import (
     META_FILE,
     convert_to_full,
@@ -12,10 +18,17 @@ from lightning_shardrec.checkpoint.sharded_state import (
 
 __all__ = [
     "META_FILE",
+    "agree_failures",
     "convert_to_full",
+    "dense_problems",
+    "discard",
     "gather_full_state",
+    "load_file",
     "load_full_state",
     "load_sharded",
+    "read_metadata",
+    "recover_interrupted",
+    "save_file",
     "save_sharded",
     "saved_keys",
     "sharded_state_dict",

@@ -11,12 +11,14 @@ Every rank gathers every table, so this suits tables that fit in host memory.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_shardrec.checkpoint.validate import pooled
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
 
@@ -103,44 +105,111 @@ def load_full_state(
     sharded: Mapping[str, ShardedCollection],
     weights: Mapping[str, Tensor] | None = None,
     states: Mapping[str, Mapping[str, Tensor]] | None = None,
+    also: Sequence[str] = (),
 ) -> None:
-    """Copy this rank's slices of full ``weights`` and/or fused ``states`` into its shards."""
-    problems = []
+    """Copy this rank's slices of full ``weights`` and/or fused ``states`` into its shards.
+
+    Collective when a process group is up: every rank checks everything first (missing
+    and unexpected tables, shapes, optimizer states; plus the problems ``also`` found
+    elsewhere, e.g. :func:`dense_problems`), and all raise the same
+    :class:`CheckpointError` before anything is copied.
+    """
+    problems: list[str] = list(also)
+    copies: list[tuple[Tensor, Tensor]] = []
     for path, module in sharded.items():
         configs = {c.name: c for c in module.table_configs()}
-        for table, shards in (module.local_shards() if weights is not None else {}).items():
-            key = _key(module, path, table)
-            if key not in weights:
-                problems.append(f"'{key}': missing from the checkpoint")
-                continue
-            expected = (configs[table].num_embeddings, configs[table].embedding_dim)
-            if tuple(weights[key].shape) != expected:
-                problems.append(f"'{key}': checkpoint has shape {tuple(weights[key].shape)}, model expects {expected}")
-                continue
-            with torch.no_grad():
-                for meta, w in shards:
-                    (r0, c0), (rows, cols) = meta.shard_offsets, meta.shard_sizes
-                    w.copy_(weights[key][r0 : r0 + rows, c0 : c0 + cols])
+        if weights is not None:
+            problems += _weight_problems(module, path, weights)
+            for table, shards in module.local_shards().items():
+                key = _key(module, path, table)
+                if key in weights and tuple(weights[key].shape) == _size(configs[table]):
+                    for meta, w in shards:
+                        (r0, c0), (rows, cols) = meta.shard_offsets, meta.shard_sizes
+                        copies.append((w, weights[key][r0 : r0 + rows, c0 : c0 + cols]))
         if states is None:
             continue
-        for table, shards in module.local_states().items():
-            saved = states.get(_key(module, path, table), {})
-            for meta, state in shards:
-                (r0, c0), (rows, cols) = meta.shard_offsets, meta.shard_sizes
+        for table, state_shards in module.local_states().items():
+            key, cfg = _key(module, path, table), configs[table]
+            saved = states.get(key, {})
+            for meta, state in state_shards:
                 for name, t in state.items():
-                    if not any(k == name or k.startswith(f"{name}@") for k in saved):
-                        problems.append(
-                            f"'{_key(module, path, table)}': optimizer state '{name}' missing from the checkpoint"
-                        )
+                    source = _state_source(saved, name, t, meta.shard_offsets[1], cfg)
+                    if isinstance(source, str):
+                        problems.append(f"optimizer state '{key}/{name}': {source}")
                         continue
+                    (r0, c0), (rows, cols) = meta.shard_offsets, meta.shard_sizes
                     if t.dim() == 0:
-                        t.copy_(saved[name].reshape(()))
+                        copies.append((t, source.reshape(())))
                     elif t.dim() == 1:
-                        t.copy_(_row_state(saved, name, c0)[r0 : r0 + rows])
+                        copies.append((t, source[r0 : r0 + rows]))
                     else:
-                        t.copy_(saved[name][r0 : r0 + rows, c0 : c0 + cols])
+                        copies.append((t, source[r0 : r0 + rows, c0 : c0 + cols]))
+    problems = pooled(list(dict.fromkeys(problems)))
     if problems:
-        raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(problems))
+        raise CheckpointError("checkpoint does not match the model; nothing was loaded:\n  " + "\n  ".join(problems))
+    with torch.no_grad():
+        for dest, source in copies:
+            dest.copy_(source)
+
+
+def dense_problems(model: Mapping[str, Any], saved: Mapping[str, Any], strict: bool = True) -> list[str]:
+    """Shape mismatches between ``saved`` and ``model`` state; with ``strict``, missing and unexpected keys."""
+    problems = []
+    for key, value in saved.items():
+        if key not in model:
+            if strict:
+                problems.append(f"'{key}': in the checkpoint, not in the model")
+        elif isinstance(value, Tensor) and isinstance(model[key], Tensor) and value.shape != model[key].shape:
+            problems.append(
+                f"'{key}': checkpoint has shape {tuple(value.shape)}, model expects {tuple(model[key].shape)}"
+            )
+    if strict:
+        problems += [f"'{key}': in the model, missing from the checkpoint" for key in model if key not in saved]
+    return problems
+
+
+def _size(cfg: Any) -> tuple[int, int]:
+    return (cfg.num_embeddings, cfg.embedding_dim)
+
+
+def _weight_problems(module: ShardedCollection, path: str, weights: Mapping[str, Tensor]) -> list[str]:
+    """Every table of ``module`` missing from ``weights`` or of another shape; tables the module lacks."""
+    problems = []
+    known = set()
+    for cfg in module.table_configs():
+        key = _key(module, path, cfg.name)
+        known.add(key)
+        if key not in weights:
+            problems.append(f"'{key}': in the model, missing from the checkpoint")
+        elif tuple(weights[key].shape) != _size(cfg):
+            problems.append(f"'{key}': checkpoint has shape {tuple(weights[key].shape)}, model expects {_size(cfg)}")
+    prefix = _key(module, path, "")[: -len(".weight")]
+    problems += [f"'{k}': in the checkpoint, not in the model" for k in sorted(weights) if _under(k, prefix, known)]
+    return problems
+
+
+def _under(key: str, prefix: str, known: set[str]) -> bool:
+    return key.startswith(prefix) and key.endswith(".weight") and key not in known
+
+
+def _state_source(saved: Mapping[str, Tensor], name: str, t: Tensor, col: int, cfg: Any) -> Tensor | str:
+    """The saved full tensor a shard's state ``name`` is sliced from, or why there is none."""
+    expected: tuple[int, ...]
+    found: tuple[int, ...]
+    if t.dim() == 1:  # per row of a column piece, saved as ``name@<first column>``
+        starts = [int(k.split("@", 1)[1]) for k in saved if k.startswith(f"{name}@")]
+        if not any(c <= col for c in starts):
+            return "missing from the checkpoint"
+        source, expected = _row_state(saved, name, col), (cfg.num_embeddings,)
+        found = tuple(source.shape)
+    else:
+        if name not in saved:
+            return "missing from the checkpoint"
+        source = saved[name]
+        expected, found = ((1,), (source.numel(),)) if t.dim() == 0 else (_size(cfg), tuple(source.shape))
+    if found != expected:
+        return f"checkpoint has shape {found}, model expects {expected}"
+    return source
 
 
 def _row_state(saved: Mapping[str, Tensor], name: str, col: int) -> Tensor:

@@ -24,7 +24,35 @@ from torch import Tensor
 from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from lightning_shardrec.checkpoint.atomic import (
+    agree_failures,
+    agree_token,
+    clean_stale,
+    commit,
+    describe,
+    remove_path,
+    save_file,
+    staging_path,
+    sync,
+)
+from lightning_shardrec.checkpoint.safe_load import (
+    SafeEmptyLoadPlanner,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    load_file,
+    read_metadata,
+)
+from lightning_shardrec.checkpoint.validate import (
+    expected_sizes,
+    file_problems,
+    metadata_problems,
+    pooled,
+    raise_if_any,
+    undecodable,
+)
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.planner import ShardingType, ShardMetadata
@@ -122,8 +150,8 @@ def _saved_piece(saved_keys: set[str], prefix: str, col: int) -> str:
 
 
 def saved_keys(path: str | Path) -> set[str]:
-    """Every key a DCP checkpoint holds (flattened, as DCP names them)."""
-    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    """Every key a DCP checkpoint holds (flattened, as DCP names them); its metadata is read by an allow-list."""
+    return set(read_metadata(path).state_dict_metadata)
 
 
 def save_sharded(
@@ -134,29 +162,79 @@ def save_sharded(
     rank: int,
 ) -> None:
     """Collective: tables, fused state and ``dense`` entries via DCP into directory ``path``;
-    ``meta`` (loops, dense optimizers, plan: all replicated) as ``path/meta.pt`` from rank 0."""
+    ``meta`` (loops, dense optimizers, plan: all replicated) as ``path/meta.pt`` from rank 0.
+
+    Atomic (see :mod:`~lightning_shardrec.checkpoint.atomic`): written beside ``path`` and
+    swapped in once every rank has finished. A failure on any rank raises
+    :class:`CheckpointError` on every rank and leaves whatever was at ``path`` untouched.
+    """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    staging = staging_path(path, agree_token())
     tables, fused, _ = sharded_state_dict(sharded, rank)
-    dcp.save(_non_empty({"state_dict": {**dense, **tables}, "fused": fused}), checkpoint_id=path)
-    if rank == 0:
-        torch.save(meta, path / META_FILE)
+    error: BaseException | None = None
+    try:
+        if rank == 0:
+            clean_stale(path, keep=staging)
+        staging.mkdir(parents=True, exist_ok=True)
+        dcp.save(_non_empty({"state_dict": {**dense, **tables}, "fused": fused}), checkpoint_id=staging)
+        if rank == 0:
+            torch.save(meta, staging / META_FILE)
+    except (Exception, CheckpointException) as e:  # agreed on below, so no rank waits for one that gave up
+        error = e
+    failures = agree_failures(error)
+    if not failures and rank == 0:
+        try:
+            commit(staging, path)
+        except OSError as e:
+            error = e
+    failures = failures or agree_failures(error)
+    if failures:
+        if rank == 0:
+            remove_path(staging)
+        sync()  # every rank returns with the staging directory gone
+        raise CheckpointError(
+            f"saving checkpoint '{path}' failed; what was there before is untouched:\n  " + "\n  ".join(failures)
+        ) from error
 
 
 def load_sharded(
     path: str | Path, sharded: Mapping[str, ShardedCollection], dense: dict[str, Tensor], rank: int
 ) -> dict[str, Any]:
-    """Collective: read ``path`` into this rank's shards and ``dense`` tensors in place; return meta."""
+    """Collective: read ``path`` into this rank's shards and ``dense`` tensors in place; return meta.
+
+    Everything is checked first (metadata, ``meta.pt``, keys, shapes, shard files; see
+    :mod:`~lightning_shardrec.checkpoint.validate`): a checkpoint that does not fit raises
+    :class:`CheckpointError` on every rank before anything is written. No pickled code runs.
+    """
     path = Path(path)
-    keys = {k.split(".", 1)[1] for k in saved_keys(path) if k.startswith("fused.")}
-    tables, fused, more = sharded_state_dict(sharded, rank, saved_keys=keys)
-    missing = sorted(k for k in tables if f"state_dict.{k}" not in saved_keys(path))
-    if missing:
-        raise CheckpointError(f"checkpoint {path} has no tables {missing}; it was saved from another model")
-    dcp.load(_non_empty({"state_dict": {**dense, **tables}, "fused": fused}), checkpoint_id=path)
-    for extra in more:
-        dcp.load({"fused": extra}, checkpoint_id=path)
-    return torch.load(path / META_FILE, weights_only=True)
+    problems: list[str] = []
+    meta: dict[str, Any] = {}
+    state: dict[str, Any] = {}
+    more: list[dict[str, Any]] = []
+    try:
+        metadata = read_metadata(path)
+        meta = load_file(path / META_FILE, "checkpoint file")
+    except CheckpointError as e:
+        problems.append(str(e))
+    else:
+        keys = {k.split(".", 1)[1] for k in metadata.state_dict_metadata if k.startswith("fused.")}
+        tables, fused, more = sharded_state_dict(sharded, rank, saved_keys=keys)
+        state = _non_empty({"state_dict": {**dense, **tables}, "fused": fused})
+        expected = expected_sizes(state)
+        for extra in more:
+            expected.update(expected_sizes({"fused": extra}))
+        problems += metadata_problems(metadata, expected) + file_problems(path, metadata)
+    raise_if_any(path, pooled(problems))
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+        for extra in more:
+            dcp.load({"fused": extra}, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(
+            f"reading checkpoint '{path}' failed although its metadata matches the model; the model is partly "
+            "loaded and must not be used:\n  " + "\n  ".join(undecodable(path, metadata) or describe(e))
+        ) from e
+    return meta
 
 
 def _non_empty(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -168,16 +246,21 @@ def convert_to_full(checkpoint_dir: str | Path, out_file: str | Path) -> None:
     """Turn a sharded checkpoint directory into one full checkpoint file (one process, no group).
 
     The result has the unsharded model's keys, so ``LightningModule.load_from_checkpoint`` and
-    inference code read it directly.
+    inference code read it directly. The checkpoint is read without running pickled code and
+    ``out_file`` is replaced atomically.
     """
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    checkpoint_dir, out_file = Path(checkpoint_dir), Path(out_file)
-    dcp_to_torch_save(checkpoint_dir, out_file)
-    full = torch.load(out_file, weights_only=True)
-    meta = torch.load(checkpoint_dir / META_FILE, weights_only=True)
+    checkpoint_dir = Path(checkpoint_dir)
+    metadata = read_metadata(checkpoint_dir)
+    raise_if_any(checkpoint_dir, file_problems(checkpoint_dir, metadata))
+    meta = load_file(checkpoint_dir / META_FILE, "checkpoint file")
+    full: dict[str, Any] = {}
+    reader = SafeFileSystemReader(checkpoint_dir)
+    try:
+        _load_state_dict(full, storage_reader=reader, planner=SafeEmptyLoadPlanner(), no_dist=True)
+    except CheckpointException as e:
+        raise CheckpointError(f"reading checkpoint '{checkpoint_dir}' failed:\n  " + "\n  ".join(describe(e))) from None
     meta["state_dict"] = full["state_dict"]
-    torch.save(meta, out_file)
+    save_file(meta, Path(out_file))
 
 
 META_FILE = "meta.pt"

@@ -211,6 +211,9 @@ class CriteoReader:
         self.rows = self.bad_lines = 0
         lineno = 0  # lines read so far
         lines: list[bytes] = []
+        if self.path.suffix == ".gz" and self.path.stat().st_size == 0:  # gzip reads b"" as an empty stream
+            self._bad(1, "compressed data is truncated or corrupt (an empty .gz file; a gzip stream has a header)")
+            return
         with _open(self.path) as f:
             try:
                 for raw in f:

@@ -71,9 +71,39 @@ class CriteoMeta:
 
     @staticmethod
     def load(path: Path) -> CriteoMeta:
-        d = json.loads(path.read_text())
-        files = tuple(SourceFile(**f) for f in d.pop("files"))
-        return CriteoMeta(num_embeddings=tuple(d.pop("num_embeddings")), files=files, **d)
+        """Read ``meta.json``; a corrupt or foreign file is a ``ValueError`` naming it."""
+        try:
+            d = json.loads(path.read_text())
+            if not isinstance(d.get("files"), list):
+                raise ValueError(f"files is {d.get('files')!r}, not a list")
+            files = tuple(SourceFile(**f) for f in d.pop("files"))
+            meta = CriteoMeta(num_embeddings=tuple(d.pop("num_embeddings")), files=files, **d)
+            problem = meta._problem()
+        except (ValueError, TypeError, KeyError, AttributeError) as e:  # JSON, fields, types
+            problem = f"{type(e).__name__}: {e}"
+        if problem:
+            raise ValueError(
+                f"criteo {path} is not a preprocess_criteo meta.json ({problem}); "
+                "delete the directory and preprocess again"
+            )
+        return meta
+
+    def _problem(self) -> str | None:
+        """What is wrong with the recorded fields (types and ranges), or ``None``."""
+
+        def count(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+        if not isinstance(self.version, int) or isinstance(self.version, bool):
+            return f"version {self.version!r} is not an int"
+        if self.sparse_dtype not in ("int32", "int64"):
+            return f"sparse_dtype {self.sparse_dtype!r} is not int32 or int64"
+        if len(self.num_embeddings) != NUM_SPARSE or not all(count(n) and n > 0 for n in self.num_embeddings):
+            return f"num_embeddings {list(self.num_embeddings)} are not {NUM_SPARSE} positive ints"
+        for f in self.files:
+            if not (isinstance(f.stem, str) and f.stem and "/" not in f.stem and count(f.rows) and count(f.bad_lines)):
+                return f"file entry {f} needs a plain stem and row counts >= 0"
+        return None
 
 
 def _npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
@@ -186,14 +216,31 @@ class CriteoBinary:
                 f"criteo processed_dir {str(root)!r} has format version {self.meta.version}, "
                 f"this reader reads {FORMAT_VERSION}; preprocess again"
             )
-        self.parts = [
-            tuple(
-                np.load(root / f"{f.stem}.{kind}.npy", mmap_mode="r")
-                for kind in ("dense", "sparse", "labels")
-            )
-            for f in self.meta.files
-        ]
+        self.parts = [self._map(f) for f in self.meta.files]
         self.starts = np.cumsum([0] + [f.rows for f in self.meta.files])
+
+    def _map(self, f: SourceFile) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Memory-map one file's arrays, checking their shapes and dtypes against ``meta.json``."""
+        want = {
+            "dense": ((f.rows, NUM_DENSE), np.dtype(np.float32)),
+            "sparse": ((f.rows, NUM_SPARSE), np.dtype(self.meta.sparse_dtype)),
+            "labels": ((f.rows,), np.dtype(np.uint8)),
+        }
+        out = []
+        for kind, (shape, dtype) in want.items():
+            path = self.root / f"{f.stem}.{kind}.npy"
+            try:
+                a = np.load(path, mmap_mode="r")
+            except Exception as e:  # numpy's header parser fails in many ways (OSError, ValueError, TokenError ...)
+                raise ValueError(
+                    f"criteo {path} is missing or corrupt ({type(e).__name__}: {e}); preprocess again"
+                ) from None
+            if a.shape != shape or a.dtype != dtype:
+                raise ValueError(
+                    f"criteo {path} holds {a.dtype} {a.shape}, meta.json says {dtype} {shape}; preprocess again"
+                )
+            out.append(a)
+        return out[0], out[1], out[2]
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -215,6 +262,11 @@ class CriteoBinary:
             a, b = lo - s, min(hi, e) - s
             pieces.append(tuple(np.array(m[a:b]) for m in self.parts[k]))
             lo, k = s + b, k + 1
+        if not pieces:  # lo == hi: no rows
+            sparse = np.dtype(self.meta.sparse_dtype)
+            return CriteoChunk(
+                np.zeros((0, NUM_DENSE), np.float32), np.zeros((0, NUM_SPARSE), sparse), np.zeros(0, np.uint8)
+            )
         if len(pieces) == 1:
             return CriteoChunk(*pieces[0])
         return CriteoChunk(*(np.concatenate(ps) for ps in zip(*pieces, strict=True)))

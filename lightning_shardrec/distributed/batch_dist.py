@@ -179,14 +179,10 @@ def _header(
     kjt: KeyedJaggedTensor, routed: list[Routed | None], error: Exception | None, world: int, num_groups: int
 ) -> Tensor:
     """``[W, 2 + G]`` int64: row ``d`` = (failed, batch size, ids for ``d`` per group)."""
-    header = torch.zeros(world, 2 + num_groups, dtype=torch.long)
-    header[:, 0] = error is not None
-    if error is None:
-        header[:, 1] = kjt.stride()
-        for i, r in enumerate(routed):
-            if r is not None:
-                header[:, 2 + i] = torch.tensor(r.value_splits)
-    return header
+    if error is not None:
+        return torch.tensor([[1] + [0] * (1 + num_groups)] * world, dtype=torch.long)
+    splits = [[0] * world if r is None else r.value_splits for r in routed]
+    return torch.tensor([[0, kjt.stride(), *(s[d] for s in splits)] for d in range(world)], dtype=torch.long)
 
 
 def _read_header(
@@ -195,12 +191,13 @@ def _read_header(
     """Every rank's batch size and, per group, the ids each source sends; raises if any rank failed."""
     if error is not None:
         raise error
-    failed = recv[:, 0].nonzero().flatten().tolist()
+    rows = recv.tolist()  # one read of the small header
+    failed = [s for s, row in enumerate(rows) if row[0]]
     if failed:
         raise ShardingError(
             f"rank {env.rank}: ranks {failed} rejected their batch (see their error); stopping all ranks"
         )
-    return recv[:, 1].tolist(), [recv[:, 2 + i].tolist() for i in range(num_groups)]
+    return [row[1] for row in rows], [[row[2 + i] for row in rows] for i in range(num_groups)]
 
 
 

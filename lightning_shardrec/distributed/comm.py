@@ -7,8 +7,10 @@ reduce-scatter (backward: all-gather).
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -33,10 +35,11 @@ class ShardingEnv:
         return ShardingEnv(dist.get_rank(pg), dist.get_world_size(pg), pg)
 
 
-def new_group_like(env: ShardingEnv) -> ShardingEnv:
+def new_group_like(env: ShardingEnv, timeout: timedelta | None = None) -> ShardingEnv:
     """Collective: a new process group over ``env``'s ranks (same backend), e.g. for prefetched input dist."""
     ranks = dist.get_process_group_ranks(env.pg or dist.group.WORLD)
-    return ShardingEnv.from_process_group(dist.new_group(ranks=ranks, backend=dist.get_backend(env.pg)))
+    group = dist.new_group(ranks=ranks, backend=dist.get_backend(env.pg), timeout=timeout)
+    return ShardingEnv.from_process_group(group)
 
 
 def all_to_all(tensor: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv) -> Tensor:
@@ -64,6 +67,90 @@ def all_to_all_grad(tensor: Tensor, out_splits: list[int], in_splits: list[int],
     if env.world_size == 1:
         return tensor
     return _AllToAllV.apply(tensor, out_splits, in_splits, env)
+
+
+@dataclass(frozen=True)
+class ColumnBlocks:
+    """Where the columns received from each source go in a pooled output, in blocks of ``block`` columns.
+
+    The received rows of source ``s`` are ``[B, widths[s]]``; output block ``index[s][j]``
+    (``[B, block]``) is their block ``j``. Together the sources fill every output block once::
+
+        widths [8, 8], block 4, index [[0, 2], [1, 3]]:  out = [s0[:, 0:4], s1[:, 0:4], s0[:, 4:8], s1[:, 4:8]]
+    """
+
+    block: int
+    widths: list[int]
+    index: list[Tensor]  # per source, [widths[s] // block] output blocks
+
+    @staticmethod
+    def from_columns(columns: list[int], widths: list[int], device: torch.device | None = None) -> ColumnBlocks:
+        """From ``columns``: output column ``j`` is column ``columns[j]`` of the sources' rows side by side."""
+        if sorted(columns) != list(range(sum(widths))):
+            raise ValueError(f"columns must be a permutation of range({sum(widths)}), got {len(columns)} entries")
+        # the widest block that keeps every run of consecutive columns and every source edge whole
+        block = 0
+        for j, c in enumerate(columns):
+            if j == 0 or c != columns[j - 1] + 1:
+                block = math.gcd(block, j, c)
+        block = math.gcd(block, len(columns), *widths) or 1
+        starts = [0]
+        for w in widths:
+            starts.append(starts[-1] + w)
+        out_block = {columns[j] // block: j // block for j in range(0, len(columns), block)}
+        index = [
+            torch.tensor(
+                [out_block[b] for b in range(starts[s] // block, starts[s + 1] // block)], dtype=torch.long, device=device
+            )
+            for s in range(len(widths))
+        ]
+        return ColumnBlocks(block, list(widths), index)
+
+
+def all_to_all_pooled(
+    x: Tensor, batch_sizes: list[int], layout: ColumnBlocks, grad_scale: float, env: ShardingEnv
+) -> Tensor:
+    """Pooled rows home in one step: ``x [sum_s B_s, w]`` (rows for source ``s`` in order) -> ``[B_r, D]``.
+
+    Source ``s`` sends this rank ``[B_r, layout.widths[s]]``; the columns land in
+    ``layout`` order with one copy (no cat, no column gather). Backward gathers the
+    gradient straight into the send buffer, times ``grad_scale``, and sends it back.
+    """
+    return _PooledAllToAll.apply(x, batch_sizes, layout, grad_scale, env)
+
+
+class _PooledAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, batch_sizes: list[int], layout: ColumnBlocks, scale: float, env: ShardingEnv) -> Tensor:  # type: ignore[override]
+        b, width, g = batch_sizes[env.rank], x.shape[1], layout.block
+        recv_splits = [b * w for w in layout.widths]
+        send_splits = [bs * width for bs in batch_sizes]
+        ctx.args = (b, layout, scale, env, recv_splits, send_splits, x.shape)
+        if env.world_size == 1:
+            recv = x.reshape(-1)
+        else:
+            recv = x.new_empty(sum(recv_splits))
+            dist.all_to_all_single(recv, x.contiguous().reshape(-1), recv_splits, send_splits, group=env.pg)
+        out = x.new_empty(b, sum(layout.widths) // g, g)
+        for part, w, index in zip(recv.split(recv_splits), layout.widths, layout.index, strict=True):
+            out.index_copy_(1, index, part.view(b, w // g, g))
+        return out.view(b, -1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
+        b, layout, scale, env, recv_splits, send_splits, shape = ctx.args
+        g = layout.block
+        grad = grad.reshape(b, -1, g)  # a view, also of a column slice of a wider gradient
+        back = grad.new_empty(sum(recv_splits))
+        for part, w, index in zip(back.split(recv_splits), layout.widths, layout.index, strict=True):
+            torch.index_select(grad, 1, index, out=part.view(b, w // g, g))
+        if scale != 1.0:
+            back.mul_(scale)
+        if env.world_size == 1:
+            return back.view(shape), None, None, None, None
+        out = back.new_empty(sum(send_splits))
+        dist.all_to_all_single(out, back, send_splits, recv_splits, group=env.pg)
+        return out.view(shape), None, None, None, None
 
 
 def reduce_scatter_grad(parts: list[Tensor], env: ShardingEnv) -> Tensor:

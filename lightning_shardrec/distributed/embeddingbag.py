@@ -90,7 +90,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         return [g.compute(x) for g, x in zip(self.groups, ctx.inputs, strict=True)]
 
     def output_dist(self, outs: list[Tensor], ctx: DistContext) -> KeyedTensor:
-        pooled = torch.cat([g.output_dist(o, ctx.batch_sizes) for g, o in zip(self.groups, outs, strict=True)], dim=1)
+        parts = [g.output_dist(o, ctx.batch_sizes) for g, o in zip(self.groups, outs, strict=True)]
+        pooled = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # cat would copy even one part
         if self._mean_features is not None:
             b = ctx.local.stride()
             lengths = ctx.local.lengths().view(len(self._rows), b).t().clamp(min=1).to(pooled.dtype)  # [B, F]

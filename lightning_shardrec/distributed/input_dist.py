@@ -11,6 +11,7 @@ turns that (source, key, sample) layout into the key-major KJT the kernel reads:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all, all_to_all_async
 from lightning_shardrec.sparse import KeyedJaggedTensor
-from lightning_shardrec.sparse.ops import complete_cumsum, gather_index, segment_ids
+from lightning_shardrec.sparse.ops import complete_cumsum, gather_index, permute_2d, segment_ids
 
 
 @dataclass
@@ -149,6 +150,16 @@ def regroup(
     if sources == 1 or num_keys <= 1:
         return KeyedJaggedTensor._trusted(keys, values, weights, lengths, total_batch)
     device = lengths.device
+    batch = batch_per_source[0]
+    if batch > 0 and batch_per_source.count(batch) == sources:  # one batch size: [S * K, B] rows, reordered in one op
+        new_lengths, new_values, new_weights = permute_2d(
+            _key_major_rows(sources, num_keys, device),
+            lengths.view(sources * num_keys, batch),
+            values,
+            weights,
+            permuted_values_numel=values.numel(),
+        )
+        return KeyedJaggedTensor._trusted(keys, new_values, new_weights, new_lengths.view(-1), total_batch)
     seg_len = torch.tensor(batch_per_source, device=device).repeat_interleave(num_keys)  # [S*K]
     seg_start = complete_cumsum(seg_len)
     order = torch.arange(sources * num_keys, device=device).view(sources, num_keys).t().reshape(-1)
@@ -160,6 +171,12 @@ def regroup(
     new_values = values.index_select(0, index)
     new_weights = None if weights is None else weights.index_select(0, index)
     return KeyedJaggedTensor._trusted(keys, new_values, new_weights, new_lengths, total_batch)
+
+
+@functools.lru_cache(maxsize=64)
+def _key_major_rows(sources: int, num_keys: int, device: torch.device) -> Tensor:
+    """Row order taking ``[S * K, B]`` (source, key) rows to (key, source): ``[K * S]`` int32."""
+    return torch.arange(sources * num_keys, dtype=torch.int32, device=device).view(sources, num_keys).t().reshape(-1)
 
 
 def source_major(

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
+import signal
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -27,14 +31,26 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_shardrec.checkpoint import gather_full_state, load_full_state, load_sharded, save_sharded
+from lightning_shardrec.checkpoint import (
+    agree_failures,
+    dense_problems,
+    discard,
+    gather_full_state,
+    load_full_state,
+    load_sharded,
+    recover_interrupted,
+    save_file,
+    save_sharded,
+)
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.distributed.comm import ShardingEnv, new_group_like
+from lightning_shardrec.distributed.health import RankMonitor, default_store, is_comm_failure
 from lightning_shardrec.distributed.model_parallel import find_collections, shard_modules
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.kernels import parse_backend
+from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning.optimizers import derive_fused_config, find_group, remove_params
 from lightning_shardrec.lightning.pipeline import TrainPipeline
 from lightning_shardrec.optim import FusedOptimizer
@@ -68,6 +84,13 @@ class ShardRecStrategy(DDPStrategy):
         checkpoint_format: ``"sharded"`` (a DCP directory: each rank writes its shards;
             loads on any world size) or ``"full"`` (one file with gathered tables, for
             tables that fit in host memory; loads into the plain model).
+        check_finite: raise ``NonFiniteError`` naming the table when the loss, a gradient
+            reaching a fused table, or an updated row is NaN/inf (one device sync per check).
+        heartbeat_timeout: seconds without a heartbeat after which a rank counts as dead (or
+            hung) and every rank exits naming it; ``None`` turns the watchdog off. Failed
+            collectives are explained (which rank went away) either way.
+        timeout: the process groups' collective timeout (default 10 minutes: long enough
+            for a rank writing a large checkpoint while the others wait at the barrier).
     """
 
     strategy_name = "shardrec"
@@ -83,13 +106,27 @@ class ShardRecStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         planner_batch_size: int = 512,
         checkpoint_format: str = "sharded",
+        check_finite: bool = False,
+        heartbeat_timeout: float | None = 60.0,
+        timeout: timedelta | None = timedelta(minutes=10),
         **kwargs: Any,
     ) -> None:
-        super().__init__(process_group_backend=process_group_backend, **kwargs)
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
+        if heartbeat_timeout is not None and heartbeat_timeout <= 1.0:
+            raise ValueError(f"heartbeat_timeout must be > 1 second (or None to disable), got {heartbeat_timeout}")
+        self._heartbeat_timeout = heartbeat_timeout
+        self.monitor: RankMonitor | None = None
+        self._failing = False
+        self._check_finite = check_finite
+        self._finite: FiniteGuard | None = None
         self._pipeline_on = pipeline
         self.pipeline: TrainPipeline | None = None
         if isinstance(embedding_optimizer, str):
             embedding_optimizer = FusedOptimConfig(optimizer=embedding_optimizer)  # validates the name
+        if embedding_lr is not None and not (isinstance(embedding_lr, (int, float)) and embedding_lr >= 0):
+            raise ValueError(f"ShardRecStrategy: embedding_lr must be a number >= 0, got {embedding_lr!r}")
+        if not (isinstance(planner_batch_size, int) and planner_batch_size > 0):
+            raise ValueError(f"ShardRecStrategy: planner_batch_size must be an int > 0, got {planner_batch_size!r}")
         self._embedding_optimizer = embedding_optimizer
         self._embedding_lr = embedding_lr
         self._constraints = dict(constraints or {})
@@ -105,6 +142,28 @@ class ShardRecStrategy(DDPStrategy):
         self.fused_optimizer: FusedOptimizer | None = None
 
     # --- setup --------------------------------------------------------------------------------
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        store = default_store()
+        if self.monitor is None and store is not None and self.world_size > 1:
+            self.monitor = RankMonitor(
+                store, self.global_rank, self.world_size, dead_after=self._heartbeat_timeout, on_dead=self._on_dead_rank
+            )
+
+    def _on_dead_rank(self, rank: int, what: str) -> None:
+        """The watchdog found a dead or hung rank while this one may be blocked in a collective: exit."""
+        if self._failing:
+            return  # the main thread is already reporting a failure
+        print(
+            f"lightning_shardrec: rank {rank} {what}. Rank {self.global_rank} exits. "
+            "Restart the job and resume with trainer.fit(model, ckpt_path='last')",
+            flush=True,
+        )
+        if self.launcher is not None:  # the ranks this process launched (Lightning's subprocess launcher)
+            self.launcher.kill(signal.SIGKILL)
+        os._exit(1)
+
     @override
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
@@ -145,8 +204,10 @@ class ShardRecStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if fitting and self._check_finite and self._finite is None:
+            self._finite = FiniteGuard(kernels)
         if fitting and self._pipeline_on and self.sharded and self.pipeline is None:
-            env = new_group_like(next(iter(self.sharded.values())).env)  # collective: the prefetch group
+            env = new_group_like(next(iter(self.sharded.values())).env, self._timeout)  # collective
             self.pipeline = TrainPipeline(self.sharded, env, self.root_device)
 
     def _fused_config(self, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> FusedOptimConfig:
@@ -189,7 +250,7 @@ class ShardRecStrategy(DDPStrategy):
             return model
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, fused)
         # Its own group: DDP's hook-driven all-reduces never interleave with the tables' collectives.
-        dense_pg = dist.new_group(backend=self._get_process_group_backend())
+        dense_pg = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
         return DistributedDataParallel(
             model, device_ids=self.determine_ddp_device_ids(), process_group=dense_pg, **self._ddp_kwargs
         )
@@ -208,9 +269,17 @@ class ShardRecStrategy(DDPStrategy):
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        if self._finite is not None:
+            check_loss(closure_loss, self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
         if self.pipeline is not None:
             self.pipeline.progress()
         super().pre_backward(closure_loss)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self._finite is not None:
+            self._finite.check_rows()
 
     @override
     def on_train_end(self) -> None:
@@ -256,23 +325,67 @@ class ShardRecStrategy(DDPStrategy):
         checkpoint["shardrec_plan"] = self.plan.to_json() if self.plan is not None else None
         if self._checkpoint_format == "full":
             checkpoint[_FUSED_KEY] = {"states": self._fused_states, "param_group": group}
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+            return self._save_full(checkpoint, filepath, storage_options)
         checkpoint[_FUSED_KEY] = {"param_group": group}
         path = Path(self.broadcast(str(filepath)))
-        if path.is_file():
-            path.unlink()
         dense = checkpoint.pop("state_dict")
-        save_sharded(path, self.sharded, dense, checkpoint, self.global_rank)
+        save_sharded(path, self.sharded, dense, checkpoint, self.global_rank)  # atomic; raises on every rank
+
+    def _save_full(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
+        """Rank 0 writes one file beside ``filepath`` and renames it into place; a failure raises on every rank."""
+        if type(self.checkpoint_io) is not TorchCheckpointIO or storage_options is not None or _remote(filepath):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # a custom or remote writer
+        error: BaseException | None = None
+        if self.is_global_zero:
+            try:
+                save_file(checkpoint, Path(filepath))
+            except Exception as e:  # agreed on below, so no rank waits in a barrier for rank 0
+                error = e
+        failures = agree_failures(error)
+        if failures:
+            failed = "\n  ".join(failures)
+            raise CheckpointError(
+                f"saving checkpoint '{filepath}' failed; what was there before is untouched:\n  {failed}"
+            ) from error
+        return None
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Rank 0 deletes a checkpoint file, link or directory, renaming it aside first (never half-deleted)."""
+        if _remote(filepath):
+            return super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            discard(Path(filepath))
+        return None
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
+        if not _remote(checkpoint_path):
+            if self.is_global_zero:
+                try:
+                    recover_interrupted(path)  # a save that died between its two renames
+                except OSError as e:
+                    log.warning("could not restore checkpoint %s from a half-finished save: %s", path, e)
+            self.barrier("shardrec_load_checkpoint")
         if not (self.sharded and path.is_dir()):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            return self._load_file(checkpoint_path, True if weights_only is None else weights_only)
         meta = load_sharded(path, self.sharded, self._dense_state(), self.global_rank)
         meta["state_dict"] = {}  # already loaded in place
         self._loaded_in_place = True
         return meta
+
+    def _load_file(self, checkpoint_path: Any, weights_only: bool) -> dict[str, Any]:
+        """Lightning's loader (``weights_only=True`` unless the caller trusts the file), errors made clear."""
+        try:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(
+                f"checkpoint '{checkpoint_path}' holds objects other than tensors and plain containers; refusing to "
+                f"load it (it could run code). Pass weights_only=False only for a file you trust. {e}"
+            ) from None
+        except (RuntimeError, EOFError) as e:
+            raise CheckpointError(f"checkpoint '{checkpoint_path}' is truncated or corrupt: {e}") from None
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -283,14 +396,11 @@ class ShardRecStrategy(DDPStrategy):
             return None
         prefixes = tuple(f"{p}." for p in self.sharded)
         state = checkpoint["state_dict"]
-        load_full_state(self.sharded, {k: v for k, v in state.items() if k.startswith(prefixes)})
         rest = {k: v for k, v in state.items() if not k.startswith(prefixes)}
-        result = self.lightning_module.load_state_dict(rest, strict=False)  # type: ignore[union-attr]
-        missing = [k for k in result.missing_keys if not k.startswith(prefixes)]
-        if strict and (missing or result.unexpected_keys):
-            raise CheckpointError(
-                f"checkpoint does not match the model: missing {missing}, unexpected {result.unexpected_keys}"
-            )
+        tables = {k: v for k, v in state.items() if k.startswith(prefixes)}
+        # every table and dense tensor is checked (on every rank) before anything is copied
+        load_full_state(self.sharded, tables, also=dense_problems(self._dense_state(), rest, strict))
+        self.lightning_module.load_state_dict(rest, strict=False)  # type: ignore[union-attr]
         return None
 
     @override
@@ -303,9 +413,33 @@ class ShardRecStrategy(DDPStrategy):
             if self.fused_optimizer is not None:
                 self.fused_optimizer.param_groups[0].update(fused["param_group"])
 
-    # --- teardown -------------------------------------------------------------------------------
+    # --- failures and teardown ------------------------------------------------------------------
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._failing = True
+        if self.monitor is None:
+            return
+        if not is_comm_failure(exception):
+            self.monitor.report_failure(exception)  # the other ranks name this rank and its error
+            return
+        lost = self.monitor.explain()
+        if lost is not None:
+            message = (
+                f"lightning_shardrec: {lost}. Rank {self.global_rank} stops too. Restart the job and resume "
+                "with trainer.fit(model, ckpt_path='last')"
+            )
+            print(message, flush=True)  # before anything can kill this process
+            exception.args = (f"{message}\n{exception.args[0] if exception.args else ''}", *exception.args[1:])
+
     @override
     def teardown(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
+        if self._finite is not None:
+            self._finite.remove()
+            self._finite = None
         if not self.sharded:
             return super().teardown()
         if isinstance(self.model, DistributedDataParallel):
@@ -323,6 +457,10 @@ class ShardRecStrategy(DDPStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="Sharded embedding tables (TorchRec-style) + DDP for dense layers"
             )
+
+
+def _remote(path: Any) -> bool:
+    return "://" in str(path)
 
 
 @rank_zero_only

@@ -24,6 +24,11 @@ class FeatureArranger:
         self._cache: dict[tuple[str, ...], list[int] | None] = {}
 
     def __call__(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(
+                f"{self._owner}.forward takes a KeyedJaggedTensor of features {self.feature_names}, "
+                f"got {type(features).__name__}"
+            )
         keys = tuple(features.keys())
         if keys not in self._cache:
             self._cache[keys] = self._permutation(list(keys))
@@ -53,9 +58,18 @@ def check_ids(features: KeyedJaggedTensor, num_embeddings: list[int], table_name
     if values.numel() == 0:
         return
     low, high = torch.aminmax(values)
-    if int(low) >= 0 and int(high) < min(num_embeddings):  # one pass settles the common case
+    low, high = int(low), int(high)
+    if low >= 0 and high < min(num_embeddings):  # one pass settles the common case
         return
     lpk = features.length_per_key()
+    if low >= 0:  # only keys whose table is smaller than the largest id can hold a bad one: their maxima
+        starts = features.offset_per_key()
+        small = [k for k, n in enumerate(num_embeddings) if n <= high and lpk[k]]
+        if not small:
+            return
+        maxima = torch.stack([values[starts[k] : starts[k + 1]].max() for k in small])
+        if bool((maxima < torch.tensor([num_embeddings[k] for k in small], device=values.device)).all()):
+            return
     limits = torch.tensor(num_embeddings, device=values.device).repeat_interleave(
         torch.tensor(lpk, device=values.device), output_size=values.numel()
     )

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_shardrec.errors import PlannerError
 from lightning_shardrec.planner.planner import EmbeddingShardingPlanner, FixedPlan
 from lightning_shardrec.planner.sharding_plan import ShardingPlan
 from lightning_shardrec.planner.tables import TablesInput
@@ -26,11 +27,16 @@ def collective_plan(
     """
     if not (dist.is_available() and dist.is_initialized()):
         return planner.plan(module, fixed)
-    box: list[ShardingPlan | None] = [
-        planner.plan(module, fixed) if dist.get_rank() == src else None
-    ]
+    box: list[ShardingPlan | Exception | None] = [None]
+    if dist.get_rank() == src:
+        try:
+            box[0] = planner.plan(module, fixed)
+        except (PlannerError, ValueError, KeyError) as e:  # every rank raises it, none waits in the broadcast
+            box[0] = e
     dist.broadcast_object_list(box, src=src, group=pg)
     plan = box[0]
+    if isinstance(plan, Exception):
+        raise plan
     if not isinstance(plan, ShardingPlan):
         raise RuntimeError(
             f"collective_plan: rank {src} broadcast {type(plan).__name__}, not a ShardingPlan"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from lightning_shardrec.planner.perf import Workload, shard_perf
 from lightning_shardrec.planner.storage import STORAGE, shard_storage
-from lightning_shardrec.planner.tables import TableSpec
+from lightning_shardrec.planner.tables import COLUMN_ALIGN, TableSpec
 from lightning_shardrec.planner.types import EmbeddingComputeKernel, ShardingType
 
 # data_parallel is chosen automatically only for tables this small (share of one rank's memory).
@@ -22,6 +22,7 @@ _FUSED_TYPES = (
     ShardingType.COLUMN_WISE,
     ShardingType.ROW_WISE,
     ShardingType.TABLE_ROW_WISE,
+    ShardingType.GRID_SHARD,
 )
 
 
@@ -43,6 +44,16 @@ class Affine:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GridPiece:
+    """One column piece of a grid cut: ``width`` columns from ``col0``, row-blocked in one host."""
+
+    col0: int
+    width: int
+    cost: Affine  # x = rows of a block
+    mem: Affine
+
+
+@dataclass(frozen=True, kw_only=True)
 class TableOptions:
     """A table, the sharding types it may use, and their cost curves."""
 
@@ -56,6 +67,7 @@ class TableOptions:
     col_mem: Affine
     row_cost: dict[ShardingType, Affine]  # row_wise / table_row_wise block, x = rows
     row_mem: dict[ShardingType, Affine]
+    grid_cuts: tuple[tuple[GridPiece, ...], ...]  # column cuts a grid_shard may use
     world_size: int
 
     def allows(self, kind: ShardingType) -> bool:
@@ -71,15 +83,55 @@ class TableOptions:
 
 
 def _affine(
-    fn: object, table: TableSpec, work: Workload, kind: ShardingType, by_rows: bool
+    fn: object, table: TableSpec, work: Workload, kind: ShardingType, by_rows: bool, width: int = 0
 ) -> Affine:
+    """``fn`` as an affine function of a shard's rows (``width`` columns, default all) or columns."""
+    width = width or table.dim
+
     def at(x: int) -> float:
-        rows, cols = (x, table.dim) if by_rows else (table.rows, x)
+        rows, cols = (x, width) if by_rows else (table.rows, x)
         return fn(table, work, kind, rows, cols)  # type: ignore[operator]
 
     one = table.rows if by_rows else table.dim
     fixed = at(0)
     return Affine(fixed=fixed, slope=(at(one) - fixed) / one)
+
+
+def column_cuts(dim: int, min_partition: int) -> list[list[int]]:
+    """Widths of grid column cuts: the most pieces ``min_partition`` allows, then halving, down to 2.
+
+    Pieces are near-equal and multiples of 4 when ``dim`` is (``[32, 32, 32, 32]`` for 128 / 32).
+    """
+    unit = COLUMN_ALIGN if dim % COLUMN_ALIGN == 0 and min_partition % COLUMN_ALIGN == 0 else 1
+    units = dim // unit
+    most = min(dim // min_partition, units)
+    cuts: list[list[int]] = []
+    k = most
+    while k >= 2:
+        base, extra = divmod(units, k)
+        cuts.append([(base + (i < extra)) * unit for i in range(k)])
+        k //= 2
+    return cuts
+
+
+def _grid_cuts(table: TableSpec, work: Workload) -> tuple[tuple[GridPiece, ...], ...]:
+    cuts = []
+    for widths in column_cuts(table.dim, table.min_partition):
+        affines = {
+            w: (
+                _affine(shard_perf, table, work, ShardingType.GRID_SHARD, True, w),
+                _affine(_storage_float, table, work, ShardingType.GRID_SHARD, True, w),
+            )
+            for w in set(widths)
+        }
+        offsets = [sum(widths[:i]) for i in range(len(widths))]
+        cuts.append(
+            tuple(
+                GridPiece(col0=c, width=w, cost=affines[w][0], mem=affines[w][1])
+                for c, w in zip(offsets, widths, strict=True)
+            )
+        )
+    return tuple(cuts)
 
 
 def _storage_float(
@@ -97,6 +149,9 @@ def table_options(table: TableSpec, work: Workload) -> TableOptions:
         table.ranks is not None and len(table.ranks) < work.topology.world_size
     ):
         kinds = [k for k in kinds if k is not ShardingType.DATA_PARALLEL]
+    grid_cuts = _grid_cuts(table, work) if ShardingType.GRID_SHARD in kinds else ()
+    if not grid_cuts:  # fewer than 2 * min_partition columns: no column cut to row-block
+        kinds = [k for k in kinds if k is not ShardingType.GRID_SHARD]
     rows, dim = table.rows, table.dim
     row_kinds = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
     return TableOptions(
@@ -110,6 +165,7 @@ def table_options(table: TableSpec, work: Workload) -> TableOptions:
         col_mem=_affine(_storage_float, table, work, ShardingType.COLUMN_WISE, by_rows=False),
         row_cost={k: _affine(shard_perf, table, work, k, by_rows=True) for k in row_kinds},
         row_mem={k: _affine(_storage_float, table, work, k, by_rows=True) for k in row_kinds},
+        grid_cuts=grid_cuts,
         world_size=work.topology.world_size,
     )
 

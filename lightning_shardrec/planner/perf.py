@@ -7,12 +7,19 @@ a shard of ``rows x cols`` holding the share ``f = rows / table_rows``:
   ``B*P*cols`` elements on the owner, pooled ``[B*Q, cols]`` all-to-all out; backward
   sends the same gradient back and updates the rows (weights + optimizer state).
 - row_wise: ids bucketized to row owners (``f`` of them, uniform ids), lookup ``f`` of
-  the work, and every owner sends a full ``[B*Q, cols]`` partial (reduce-scatter).
-- table_row_wise: as row_wise, the partial reduced inside the host (intra-host link),
-  the host's reduced result sent across hosts in proportion to ``f``.
+  the work, and every owner reduce-scatters a full ``[B*Q, cols]`` partial over all
+  ranks (``(W-1)/W`` of it leaves the rank; charged at one NIC per GPU).
+- table_row_wise: as row_wise, but the partial is reduce-scattered inside the host
+  (``1 - f`` of it leaves the rank over the intra-host link: the reduce-scatter hands
+  each rank the share of the batch that matches its share of the rows), and each rank
+  sends its reduced share, ``f`` of ``[B*Q, cols]``, to the sources.
+- grid_shard: each column piece is table_row_wise over ranks of one host; a shard is a
+  block of rows of a piece ``cols`` wide, costed as table_row_wise (``f`` of all rows).
 - data_parallel: local lookups only; backward all-reduces the whole table gradient
   (``rows*dim*4`` bytes) and the dense optimizer updates the whole table.
 
+All-to-all bytes are split by destination: ``1/W`` stay on the rank, ``(L-1)/W`` go to
+the other ranks of its host (intra-host link), the rest cross hosts (``L`` ranks per host).
 Sequence tables (``EmbeddingConfig``) output one row per id instead of one per bag,
 so for them every output term scales with ``f``.
 """
@@ -61,37 +68,51 @@ def _update_bytes(t: TableSpec, w: Workload, ids: float, cols: int) -> float:
     return ids * per_id
 
 
-def _a2a_perf(t: TableSpec, w: Workload, frac: float, cols: int, partial_out: bool) -> float:
-    topo = w.topology
-    ids = w.global_batch * t.ids_per_sample * frac
-    if t.sequence:
-        out_rows = ids
-    else:
-        out_rows = w.global_batch * t.bags_per_sample * (1.0 if partial_out else frac)
-    comm = ids * ID_BYTES + 2 * out_rows * cols * OUT_BYTES
-    compute = ids * cols * t.elem_bytes + _update_bytes(t, w, ids, cols)
-    return comm / topo.comm_bw + compute / topo.memory_bw
+def _over(nbytes: float, bandwidth: float) -> float:
+    return 0.0 if nbytes == 0 else nbytes / bandwidth
+
+
+def a2a_seconds(nbytes: float, topo: Topology) -> float:
+    """An all-to-all of ``nbytes`` from (or to) one rank, spread evenly over all ranks."""
+    world, local = topo.world_size, int(topo.local_world_size)  # type: ignore[arg-type]
+    inter = nbytes * (world - local) / world
+    intra = nbytes * (local - 1) / world
+    return _over(inter, float(topo.inter_host_bw)) + _over(intra, float(topo.intra_host_bw))  # type: ignore[arg-type]
+
+
+def _compute(t: TableSpec, w: Workload, ids: float, cols: int) -> float:
+    return (ids * cols * t.elem_bytes + _update_bytes(t, w, ids, cols)) / w.topology.memory_bw
 
 
 def _table_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
-    return _a2a_perf(t, w, rows / t.rows, cols, partial_out=False)
+    frac = rows / t.rows
+    ids = w.global_batch * t.ids_per_sample * frac
+    out_rows = ids if t.sequence else w.global_batch * t.bags_per_sample * frac
+    comm = a2a_seconds(ids * ID_BYTES + 2 * out_rows * cols * OUT_BYTES, w.topology)
+    return comm + _compute(t, w, ids, cols)
 
 
 def _row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
-    return _a2a_perf(t, w, rows / t.rows, cols, partial_out=True)
+    if t.sequence:  # every id to one owner, its row straight back: an all-to-all
+        return _table_wise(t, w, rows, cols)
+    topo = w.topology
+    frac = rows / t.rows
+    ids = w.global_batch * t.ids_per_sample * frac
+    partial = w.global_batch * t.bags_per_sample * cols * OUT_BYTES
+    scatter = 2 * partial * (topo.world_size - 1) / topo.world_size
+    return a2a_seconds(ids * ID_BYTES, topo) + _over(scatter, topo.comm_bw) + _compute(t, w, ids, cols)
 
 
 def _table_row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
-    topo = w.topology
-    intra = float(topo.intra_host_bw or 0.0)
-    frac = rows / t.rows
     if t.sequence:
-        return _a2a_perf(t, w, frac, cols, partial_out=False)
+        return _table_wise(t, w, rows, cols)
+    topo = w.topology
+    frac = rows / t.rows
     ids = w.global_batch * t.ids_per_sample * frac
-    out = w.global_batch * t.bags_per_sample * cols * OUT_BYTES
-    comm = ids * ID_BYTES / topo.comm_bw + 2 * out / intra + 2 * out * frac / topo.comm_bw
-    compute = ids * cols * t.elem_bytes + _update_bytes(t, w, ids, cols)
-    return comm + compute / topo.memory_bw
+    partial = w.global_batch * t.bags_per_sample * cols * OUT_BYTES
+    inside = _over(2 * partial * (1 - frac), float(topo.intra_host_bw))  # type: ignore[arg-type]
+    comm = a2a_seconds(ids * ID_BYTES + 2 * partial * frac, topo) + inside
+    return comm + _compute(t, w, ids, cols)
 
 
 def _data_parallel(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
@@ -109,6 +130,7 @@ PERF: dict[ShardingType, Callable[[TableSpec, Workload, int, int], float]] = {
     ShardingType.COLUMN_WISE: _table_wise,
     ShardingType.ROW_WISE: _row_wise,
     ShardingType.TABLE_ROW_WISE: _table_row_wise,
+    ShardingType.GRID_SHARD: _table_row_wise,
     ShardingType.DATA_PARALLEL: _data_parallel,
 }
 

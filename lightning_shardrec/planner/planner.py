@@ -77,11 +77,17 @@ class EmbeddingShardingPlanner:
                 continue
             opt = table_options(spec, work)
             if not opt.kinds:
+                grid = (
+                    f"; grid_shard needs at least 2 x min_partition columns (the table has {spec.dim}, "
+                    f"min_partition {spec.min_partition})"
+                    if ShardingType.GRID_SHARD in spec.sharding_types
+                    else ""
+                )
                 raise PlannerError(
                     f"table {spec.label}: no sharding type fits its constraints (sharding_types "
                     f"{[k.value for k in spec.sharding_types]}, compute_kernels "
                     f"{[k.value for k in spec.compute_kernels]}, ranks {spec.ranks}); data_parallel "
-                    "needs the 'dense' kernel and every rank, the others need 'fused'"
+                    f"needs the 'dense' kernel and every rank, the others need 'fused'{grid}"
                 )
             lower += opt.cheapest_total
             if prefers_data_parallel(opt, cap):
@@ -164,10 +170,17 @@ class EmbeddingShardingPlanner:
         used: list[int],
         owners: dict[int, list[str]],
     ) -> None:
+        costs: dict[tuple[int, int], tuple[float, int]] = {}  # shard size -> (seconds, bytes)
         for s in ps.shards:
             rows, cols = s.shard_sizes
-            load[s.rank] += shard_perf(spec, self.work, ps.sharding_type, rows, cols)
-            used[s.rank] += shard_storage(spec, self.work, ps.sharding_type, rows, cols)
+            if (rows, cols) not in costs:
+                costs[(rows, cols)] = (
+                    shard_perf(spec, self.work, ps.sharding_type, rows, cols),
+                    shard_storage(spec, self.work, ps.sharding_type, rows, cols),
+                )
+            seconds, nbytes = costs[(rows, cols)]
+            load[s.rank] += seconds
+            used[s.rank] += nbytes
             owners.setdefault(s.rank, []).append(spec.name)
 
     def _too_big(self, opt: TableOptions, ranks: RankLoads) -> str:

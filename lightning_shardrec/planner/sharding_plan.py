@@ -71,11 +71,17 @@ class ShardingPlan:
 
     @classmethod
     def from_json(cls, text: str) -> ShardingPlan:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"ShardingPlan.from_json: not valid JSON ({e})") from None
         if not isinstance(data, dict) or not isinstance(data.get("plan"), dict):
             raise ValueError('ShardingPlan.from_json: expected an object with a "plan" key')
+        bad = [path for path, tables in data["plan"].items() if not isinstance(tables, dict)]
+        if bad:
+            raise ValueError(f"ShardingPlan.from_json: module {bad[0]!r} must map table names to shardings")
         plan = {
-            path: {name: ParameterSharding.from_dict(ps) for name, ps in tables.items()}
+            path: {name: ParameterSharding.from_dict(ps, name) for name, ps in tables.items()}
             for path, tables in data["plan"].items()
         }
         stats = data.get("stats")

@@ -2,7 +2,7 @@
 
 weights (``rows*cols*elem``) + optimizer state (``rows*state_per_row(cols)*4``) +
 buffers: the ids it receives (``*8``), and its output and output gradient (``*4`` each,
-full ``[B*Q, cols]`` partials for row_wise / table_row_wise). data_parallel also keeps
+full ``[B*Q, cols]`` partials for row_wise / table_row_wise / grid_shard). data_parallel also keeps
 a dense gradient of the whole table and only the local batch's buffers.
 """
 
@@ -44,6 +44,7 @@ STORAGE: dict[ShardingType, Callable[[TableSpec, Workload, int, int], float]] = 
     ShardingType.COLUMN_WISE: _table_wise,
     ShardingType.ROW_WISE: _row_wise,
     ShardingType.TABLE_ROW_WISE: _row_wise,
+    ShardingType.GRID_SHARD: _row_wise,
     ShardingType.DATA_PARALLEL: _data_parallel,
 }
 

@@ -3,11 +3,16 @@
 A table of ``rows x dim`` is cut into shards; each shard is a rectangle
 ``[row_offset : row_offset + rows, col_offset : col_offset + cols]`` on one rank::
 
-    table_wise      column_wise (2)      row_wise (3)
-    +--------+      +----+----+          +--------+ rank 0  rows [0, 4)
-    | rank 0 |      | r0 | r5 |          +--------+ rank 1  rows [4, 7)
-    |        |      |    |    |          +--------+ rank 2  rows [7, 10)
-    +--------+      +----+----+
+    table_wise      column_wise (2)      row_wise (3)                        grid_shard (2 x 2)
+    +--------+      +----+----+          +--------+ rank 0  rows [0, 4)       +----+----+
+    | rank 0 |      | r0 | r5 |          +--------+ rank 1  rows [4, 7)       | r0 | r2 |
+    |        |      |    |    |          +--------+ rank 2  rows [7, 10)      +----+----+
+    +--------+      +----+----+                                               | r1 | r3 |
+                                                                              +----+----+
+
+table_row_wise is row_wise with every block on one host; grid_shard cuts the columns
+first and each column piece table-row-wise (its row blocks on one host; shards listed
+piece by piece, each piece's blocks in row order).
 
 ``ShardMetadata``, ``ParameterSharding`` and ``ShardingPlan`` keep TorchRec's field
 names and positional order (they are the contract the sharded modules consume).
@@ -16,6 +21,7 @@ names and positional order (they are the contract the sharded modules consume).
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -32,6 +38,7 @@ class ShardingType(str, enum.Enum):
     ROW_WISE = "row_wise"
     COLUMN_WISE = "column_wise"
     TABLE_ROW_WISE = "table_row_wise"
+    GRID_SHARD = "grid_shard"
     DATA_PARALLEL = "data_parallel"
 
 
@@ -115,12 +122,21 @@ class ParameterSharding:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, object]) -> ParameterSharding:
+    def from_dict(cls, data: dict[str, object], table: str = "?") -> ParameterSharding:
+        """From :meth:`to_dict`'s JSON form; ``table`` names the entry in errors."""
+        fields = ("sharding_type", "compute_kernel", "ranks", "shards")
+        missing = [f for f in fields if not isinstance(data, dict) or f not in data]
+        if missing:
+            raise ValueError(f"plan entry for table '{table}' lacks {', '.join(missing)}; it needs {', '.join(fields)}")
+        try:
+            shards = [ShardMetadata(**s) for s in data["shards"]]  # type: ignore[attr-defined,union-attr]
+        except TypeError as e:
+            raise ValueError(f"plan entry for table '{table}': bad shards {data['shards']!r} ({e})") from None
         return cls(
             sharding_type=data["sharding_type"],  # type: ignore[arg-type]
             compute_kernel=data["compute_kernel"],  # type: ignore[arg-type]
             ranks=data["ranks"],  # type: ignore[arg-type]
-            shards=[ShardMetadata(**s) for s in data["shards"]],  # type: ignore[attr-defined,union-attr]
+            shards=shards,
         )
 
 
@@ -160,8 +176,11 @@ class ParameterConstraints:
                     "ParameterConstraints: compute_kernels is empty; use None to allow all"
                 )
             object.__setattr__(self, "compute_kernels", kernels)
-        factors = [float(p) for p in self.pooling_factors]
-        if not factors or any(p <= 0 for p in factors):
+        try:
+            factors = [float(p) for p in self.pooling_factors]
+        except (TypeError, ValueError):
+            factors = []
+        if not factors or not all(math.isfinite(p) and p > 0 for p in factors):
             raise ValueError(
                 f"ParameterConstraints: pooling_factors must be a non-empty list of positive numbers, "
                 f"got {self.pooling_factors!r}"

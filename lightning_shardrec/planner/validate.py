@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from lightning_shardrec.planner.tables import TableSpec
 from lightning_shardrec.planner.topology import Topology
-from lightning_shardrec.planner.types import EmbeddingComputeKernel, ParameterSharding, ShardingType
+from lightning_shardrec.planner.types import (
+    EmbeddingComputeKernel,
+    ParameterSharding,
+    ShardingType,
+    ShardMetadata,
+)
 
 
 def _one_full_shard(t: TableSpec, ps: ParameterSharding, topo: Topology) -> list[str]:
@@ -34,35 +39,66 @@ def _columns(t: TableSpec, ps: ParameterSharding, topo: Topology) -> list[str]:
     return []
 
 
-def _rows(t: TableSpec, ps: ParameterSharding, topo: Topology) -> list[str]:
+def _row_blocks(
+    t: TableSpec, shards: Sequence[ShardMetadata], kind: str, col0: int, width: int
+) -> list[str]:
+    """Blocks that tile all rows of columns ``[col0, col0 + width)`` in order, on distinct ranks."""
     row = 0
-    for i, s in enumerate(ps.shards):
-        if s.shard_offsets != (row, 0) or s.shard_sizes[1] != t.dim or s.shard_sizes[0] <= 0:
+    for i, s in enumerate(shards):
+        if s.shard_offsets != (row, col0) or s.shard_sizes[1] != width or s.shard_sizes[0] <= 0:
             return [
-                f"{ps.sharding_type.value} shard {i} must start at ({row}, 0) with > 0 rows and all "
-                f"{t.dim} columns, got offsets {s.shard_offsets} sizes {s.shard_sizes}"
+                f"{kind} shard {i} must start at ({row}, {col0}) with > 0 rows and {width} "
+                f"columns, got offsets {s.shard_offsets} sizes {s.shard_sizes}"
             ]
         row += s.shard_sizes[0]
-    problems = (
-        []
-        if row == t.rows
-        else [f"{ps.sharding_type.value} shards cover {row} rows, the table has {t.rows}"]
-    )
-    if len(set(ps.ranks)) != len(ps.ranks):
-        problems.append(
-            f"{ps.sharding_type.value} puts two row blocks on one rank: ranks {list(ps.ranks)}"
-        )
+    problems = [] if row == t.rows else [f"{kind} shards cover {row} rows, the table has {t.rows}"]
+    ranks = [s.rank for s in shards]
+    if len(set(ranks)) != len(ranks):
+        problems.append(f"{kind} puts two row blocks on one rank: ranks {ranks}")
     return problems
 
 
+def _one_host(ranks: Sequence[int], topo: Topology, what: str) -> list[str]:
+    hosts = sorted({topo.host_of(r) for r in ranks})
+    if len(hosts) <= 1:
+        return []
+    return [
+        f"{what} ranks {list(ranks)} span hosts {hosts} "
+        f"(local_world_size {topo.local_world_size}); all must be on one host"
+    ]
+
+
+def _rows(t: TableSpec, ps: ParameterSharding, topo: Topology) -> list[str]:
+    return _row_blocks(t, ps.shards, ps.sharding_type.value, 0, t.dim)
+
+
 def _host_rows(t: TableSpec, ps: ParameterSharding, topo: Topology) -> list[str]:
-    problems = _rows(t, ps, topo)
-    hosts = sorted({topo.host_of(r) for r in ps.ranks})
-    if len(hosts) > 1:
-        problems.append(
-            f"table_row_wise ranks {list(ps.ranks)} span hosts {hosts} "
-            f"(local_world_size {topo.local_world_size}); all must be on one host"
-        )
+    return _rows(t, ps, topo) + _one_host(ps.ranks, topo, "table_row_wise")
+
+
+def _grid(t: TableSpec, ps: ParameterSharding, topo: Topology) -> list[str]:
+    """Column pieces left to right; each piece's row blocks in row order, on one host."""
+    pieces: list[list[ShardMetadata]] = []
+    for s in ps.shards:
+        if pieces and pieces[-1][0].shard_offsets[1] == s.shard_offsets[1]:
+            pieces[-1].append(s)
+        else:
+            pieces.append([s])
+    problems: list[str] = []
+    col = 0
+    for j, piece in enumerate(pieces):
+        width = piece[0].shard_sizes[1]
+        if piece[0].shard_offsets[1] != col or width <= 0:
+            return [
+                f"grid_shard column piece {j} must start at column {col} with > 0 columns, "
+                f"got offsets {piece[0].shard_offsets} sizes {piece[0].shard_sizes}"
+            ]
+        kind = f"grid_shard column piece {j} (columns [{col}, {col + width}))"
+        problems += _row_blocks(t, piece, kind, col, width)
+        problems += _one_host([s.rank for s in piece], topo, kind)
+        col += width
+    if col != t.dim:
+        problems.append(f"grid_shard column pieces cover {col} columns, the table has {t.dim}")
     return problems
 
 
@@ -89,6 +125,7 @@ VALIDATORS: dict[ShardingType, Callable[[TableSpec, ParameterSharding, Topology]
     ShardingType.COLUMN_WISE: _columns,
     ShardingType.ROW_WISE: _rows,
     ShardingType.TABLE_ROW_WISE: _host_rows,
+    ShardingType.GRID_SHARD: _grid,
     ShardingType.DATA_PARALLEL: _every_rank,
 }
 

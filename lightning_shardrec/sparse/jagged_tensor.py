@@ -16,6 +16,9 @@ from torch import Tensor
 
 from lightning_shardrec.sparse import ops
 
+#: dtypes of lengths and offsets (what fbgemm's jagged operators take; narrower ints overflow)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
 
 def _lengths_from_offsets(offsets: Tensor) -> Tensor:
     return offsets[1:] - offsets[:-1]
@@ -25,7 +28,9 @@ class JaggedTensor:
     """Variable-length bags: ``JaggedTensor(values, weights=None, lengths=None, offsets=None)``.
 
     Same argument order and semantics as TorchRec. Give ``lengths`` or ``offsets``
-    (or both); cheap shape checks run here, :meth:`validate` checks the data.
+    (or both). Shapes are checked here, and so is the data of CPU tensors (negative
+    lengths, offsets that disagree); for device tensors :meth:`validate` checks the data
+    (reading it would sync with the device).
     """
 
     def __init__(
@@ -37,11 +42,13 @@ class JaggedTensor:
     ) -> None:
         if lengths is None and offsets is None:
             raise ValueError("JaggedTensor needs lengths or offsets (got neither)")
+        _check_shapes(values, weights, lengths, offsets, where="JaggedTensor")
         self._values = values
         self._weights = weights
         self._lengths = lengths
         self._offsets = offsets
-        _check_shapes(values, weights, lengths, offsets, where="JaggedTensor")
+        if values.device.type == "cpu":  # host data: the full check is one cheap pass
+            _check_data(self.lengths(), offsets, values.shape[0], keys=None, stride=None, where="JaggedTensor")
 
     # --- construction -------------------------------------------------------------
     @staticmethod
@@ -158,7 +165,7 @@ class JaggedTensor:
     # --- checks -------------------------------------------------------------------
     def validate(self) -> None:
         """Full data checks (a pass over lengths/offsets): raises ``ValueError``."""
-        _check_data(self.lengths(), self._offsets, self._values.shape[0], keys=None, stride=None)
+        _check_data(self.lengths(), self._offsets, self._values.shape[0], keys=None, stride=None, where="JaggedTensor")
 
     def __repr__(self) -> str:
         parts = [f"values={self._values}"]
@@ -177,11 +184,14 @@ def _check_shapes(
     where: str,
 ) -> None:
     """Checks that read at most one number from host tensors and nothing from devices."""
+    for name, t in (("values", values), ("weights", weights), ("lengths", lengths), ("offsets", offsets)):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if values.dim() == 0:
         raise ValueError(f"{where}: values must have one entry per value, got a 0-d tensor")
     for name, t in (("lengths", lengths), ("offsets", offsets)):
-        if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
-            raise ValueError(f"{where}: {name} must be an integer tensor, got dtype {t.dtype}")
+        if t is not None and t.dtype not in INDEX_DTYPES:
+            raise ValueError(f"{where}: {name} must be an integer tensor, got dtype {t.dtype} (use int32 or int64)")
     if lengths is not None and lengths.dim() != 1:
         raise ValueError(f"{where}: lengths must be 1-D, got shape {tuple(lengths.shape)}")
     if offsets is not None:
@@ -214,6 +224,7 @@ def _check_data(
     *,
     keys: list[str] | None,
     stride: int | None,
+    where: str,
 ) -> None:
     """Negative lengths, offsets that disagree with lengths, totals: names the key."""
 
@@ -223,21 +234,20 @@ def _check_data(
         return f"key '{keys[i // stride]}' (bag {i % stride} of {stride})"
 
     lengths = lengths.cpu()
-    negative = (lengths < 0).nonzero()
-    if negative.numel():
-        i = int(negative[0])
-        raise ValueError(f"negative length {int(lengths[i])} at {locate(i)}")
+    if lengths.numel() and int(lengths.min()) < 0:
+        i = int((lengths < 0).nonzero()[0])
+        raise ValueError(f"{where}: negative length {int(lengths[i])} at {locate(i)}; lengths must be >= 0")
     if offsets is not None:
         offsets = offsets.cpu()
         if int(offsets[0]) != 0:
-            raise ValueError(f"offsets must start at 0, got {int(offsets[0])}")
+            raise ValueError(f"{where}: offsets must start at 0, got {int(offsets[0])}")
         diff = (offsets[1:] - offsets[:-1]) != lengths
         if diff.any():
             i = int(diff.nonzero()[0])
             raise ValueError(
-                f"offsets disagree with lengths at {locate(i)}: offsets give "
+                f"{where}: offsets disagree with lengths at {locate(i)}: offsets give "
                 f"{int(offsets[i + 1] - offsets[i])}, lengths give {int(lengths[i])}"
             )
     total = int(lengths.sum())
     if total != num_values:
-        raise ValueError(f"lengths sum to {total} but there are {num_values} values")
+        raise ValueError(f"{where}: lengths sum to {total} but there are {num_values} values")

@@ -13,7 +13,8 @@ Lengths are key-major, exactly as TorchRec: all of key 0's bags, then key 1's::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -26,8 +27,9 @@ class KeyedJaggedTensor:
     """Jagged bags for several keys: ``KeyedJaggedTensor(keys, values, weights, lengths, offsets, stride)``.
 
     Positional order matches TorchRec. ``stride`` (batch size) defaults to
-    ``len(lengths) // len(keys)``. Cheap shape checks run here; :meth:`validate`
-    checks the data.
+    ``len(lengths) // len(keys)``. Shapes and dtypes are checked here, and so is the
+    data of CPU tensors (negative lengths, offsets that disagree); for device tensors
+    :meth:`validate` checks the data (reading it would sync with the device).
     """
 
     def __init__(
@@ -42,18 +44,29 @@ class KeyedJaggedTensor:
         length_per_key: list[int] | None = None,
         offset_per_key: list[int] | None = None,
     ) -> None:
-        keys = list(keys)
+        keys = _check_keys(keys)
+        where = f"KeyedJaggedTensor(keys={keys})"
         if lengths is None and offsets is None:
-            raise ValueError(f"KeyedJaggedTensor(keys={keys}) needs lengths or offsets (got neither)")
+            raise ValueError(f"{where} needs lengths or offsets (got neither)")
+        if not isinstance(values, Tensor):
+            raise TypeError(f"{where}: values must be a torch.Tensor of ids, got {type(values).__name__}")
         if values.dim() != 1:
             raise ValueError(f"KeyedJaggedTensor values must be 1-D ids, got shape {tuple(values.shape)}")
         if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
             raise ValueError(f"KeyedJaggedTensor ids must be integers, got dtype {values.dtype} for keys {keys}")
-        _check_shapes(values, weights, lengths, offsets, where=f"KeyedJaggedTensor(keys={keys})")
+        _check_shapes(values, weights, lengths, offsets, where=where)
+        if weights is not None and (weights.dim() != 1 or not weights.is_floating_point()):
+            raise ValueError(
+                f"{where}: weights must be a 1-D float tensor (one per id), "
+                f"got shape {tuple(weights.shape)} dtype {weights.dtype}"
+            )
         num_bags = lengths.numel() if lengths is not None else offsets.numel() - 1  # type: ignore[union-attr]
         if len(set(keys)) != len(keys):
             dup = sorted({k for k in keys if keys.count(k) > 1})
             raise ValueError(f"KeyedJaggedTensor keys must be unique, repeated: {dup}")
+        int_like = isinstance(stride, (numbers.Integral, torch.SymInt)) and not isinstance(stride, bool)
+        if stride is not None and (not int_like or stride < 0):
+            raise ValueError(f"{where}: stride (batch size) must be an int >= 0, got {stride!r}")
         if stride is None:
             if not keys:
                 if num_bags:
@@ -70,6 +83,16 @@ class KeyedJaggedTensor:
             raise ValueError(
                 f"stride {stride} x {len(keys)} keys {keys} needs {stride * len(keys)} lengths, got {num_bags}"
             )
+        stride = int(stride)
+        if values.device.type == "cpu":  # host data: the full check is one cheap pass
+            host_lengths = lengths if lengths is not None else offsets[1:] - offsets[:-1]  # type: ignore[index]
+            _check_data(host_lengths, offsets, values.numel(), keys=keys, stride=stride, where=where)
+            if length_per_key is not None and keys:
+                actual = host_lengths.view(len(keys), stride).sum(1).tolist()
+                if list(length_per_key) != actual:
+                    raise ValueError(f"{where}: length_per_key {list(length_per_key)} but the lengths give {actual}")
+        if length_per_key is not None or offset_per_key is not None:
+            _check_per_key(keys, values.numel(), length_per_key, offset_per_key, where)
         self._init(keys, values, weights, lengths, offsets, stride, length_per_key, offset_per_key)
 
     def _init(
@@ -358,9 +381,10 @@ class KeyedJaggedTensor:
         """Full data checks: negative lengths, offsets vs lengths, totals, named by key."""
         lengths = self._lengths if self._lengths is not None else self.lengths()
         offsets = self._offsets if self._lengths is not None else None
-        _check_data(lengths, offsets, self._values.numel(), keys=self._keys, stride=self._stride)
+        where = f"KeyedJaggedTensor(keys={self._keys})"
+        _check_data(lengths, offsets, self._values.numel(), keys=self._keys, stride=self._stride, where=where)
         if self._weights is not None and self._weights.numel() != self._values.numel():
-            raise ValueError(f"{self._weights.numel()} weights for {self._values.numel()} values")
+            raise ValueError(f"{where}: {self._weights.numel()} weights for {self._values.numel()} values")
 
     def __repr__(self) -> str:
         if not self._keys:
@@ -375,3 +399,36 @@ class KeyedJaggedTensor:
             bags = [b.tolist() for b in jt.to_dense()] if jt.values().numel() <= 64 else "..."
             lines.append(f"  '{k}': {bags}{w}")
         return "\n".join(lines)
+
+
+def _check_keys(keys: object) -> list[str]:
+    """``keys`` as a list of str; a bare string or non-str keys are a ``TypeError``."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+        raise TypeError(f"KeyedJaggedTensor keys must be a list of feature names, got {keys!r}")
+    out = list(keys)
+    bad = [k for k in out if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"KeyedJaggedTensor keys must be str, got {bad} in {out}")
+    return out
+
+
+def _check_per_key(
+    keys: list[str], num_values: int, length_per_key: list[int] | None, offset_per_key: list[int] | None, where: str
+) -> None:
+    """Caller-given per-key totals must match the keys and the number of ids."""
+    if length_per_key is not None:
+        lpk = list(length_per_key)
+        if len(lpk) != len(keys) or any(n < 0 for n in lpk) or sum(lpk) != num_values:
+            raise ValueError(
+                f"{where}: length_per_key {lpk} needs one count >= 0 per key ({len(keys)}) "
+                f"summing to the {num_values} ids"
+            )
+    if offset_per_key is not None:
+        opk = list(offset_per_key)
+        ok = len(opk) == len(keys) + 1 and opk[0] == 0 and opk[-1] == num_values
+        if not ok or any(b < a for a, b in zip(opk, opk[1:], strict=False)):
+            raise ValueError(
+                f"{where}: offset_per_key {opk} needs {len(keys) + 1} non-decreasing entries from 0 to {num_values}"
+            )
+        if length_per_key is not None and [b - a for a, b in zip(opk, opk[1:], strict=False)] != list(length_per_key):
+            raise ValueError(f"{where}: offset_per_key {opk} disagrees with length_per_key {list(length_per_key)}")

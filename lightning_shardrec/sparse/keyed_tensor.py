@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -19,7 +20,14 @@ class KeyedTensor:
     """``KeyedTensor(keys, length_per_key, values, key_dim=1)``: ``values`` is ``[B, sum(dims)]``."""
 
     def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: Tensor, key_dim: int = 1) -> None:
+        if not isinstance(values, Tensor):
+            raise TypeError(f"KeyedTensor: values must be a torch.Tensor, got {type(values).__name__}")
         keys, length_per_key = list(keys), list(length_per_key)
+        if not _is_int(key_dim) or key_dim < 0:
+            raise ValueError(f"KeyedTensor: key_dim must be an int >= 0, got {key_dim!r}")
+        bad = {k: n for k, n in zip(keys, length_per_key, strict=False) if not _is_int(n) or n < 0}
+        if bad:
+            raise ValueError(f"KeyedTensor: length_per_key must be ints >= 0, got {bad}")
         if len(keys) != len(length_per_key):
             raise ValueError(f"KeyedTensor: {len(keys)} keys but {len(length_per_key)} lengths")
         if len(set(keys)) != len(keys):
@@ -110,3 +118,8 @@ class KeyedTensor:
             f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, "
             f"values=[{', '.join(map(str, self._values.shape))}])"
         )
+
+
+def _is_int(n: object) -> bool:
+    """An int (numpy and symbolic ints included, as traced shapes are), not a bool."""
+    return isinstance(n, (numbers.Integral, torch.SymInt)) and not isinstance(n, bool)

@@ -31,6 +31,15 @@ def complete_cumsum(lengths: Tensor, *, use_fbgemm: bool | None = None) -> Tenso
     return out
 
 
+def _permute_dtypes_ok(lengths: Tensor, values: Tensor, weights: Tensor | None) -> bool:
+    """Dtypes fbgemm's ``permute_2D_sparse_data`` has kernels for (others take the torch path)."""
+    return (
+        lengths.dtype in (torch.int32, torch.int64)
+        and values.dtype in (torch.int32, torch.int64, torch.float32)
+        and (weights is None or weights.dtype in (torch.float32, torch.float16, torch.float64))
+    )
+
+
 def permute_2d(
     permute: Tensor,
     lengths: Tensor,
@@ -46,7 +55,7 @@ def permute_2d(
     dropped or repeated). Returns ``(lengths [K', B], values, weights)``.
     """
     if use_fbgemm is None:
-        use_fbgemm = _fbgemm_for(values)
+        use_fbgemm = _fbgemm_for(values) and _permute_dtypes_ok(lengths, values, weights)
     if use_fbgemm:
         out_lengths, out_values, out_weights = torch.ops.fbgemm.permute_2D_sparse_data(
             permute.int(), lengths, values, weights, permuted_values_numel

@@ -31,6 +31,8 @@ from lightning_shardrec.testing import run_ranks
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 TYPES = [t.value for t in ShardingType]
+# A mixed plan: a grid table and a row-wise table share one mechanism (one group).
+MIXED = {"grid_and_rows": {"t_big": "grid_shard", "t_small": "row_wise"}}
 GLOBAL_BATCH = 12
 STEPS = 3
 LR = 0.1
@@ -94,28 +96,43 @@ def kjt_of(bags, wts, lo: int, hi: int) -> KeyedJaggedTensor:
     )
 
 
+def row_blocks(rows: int, n: int) -> list[tuple[int, int]]:
+    """``n`` uneven row blocks ``(start, end)`` covering ``[0, rows)``."""
+    bounds = [0] + sorted({max(1, rows * (k + 1) // (n + 1) + k) for k in range(n - 1)}) + [rows]
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
+def shards_for(st: ShardingType, i: int, rows: int, dim: int, world: int) -> list[ShardMetadata]:
+    """Table ``i``'s shards under ``st``, cut unevenly where the type allows."""
+    cuts = [(0, 4), (4, 4)] if dim == 8 else [(0, 8), (8, 4)]  # 12 = 8 + 4: not divisible by 8
+    if st is ShardingType.TABLE_WISE:
+        return [ShardMetadata((0, 0), (rows, dim), (i + 1) % world)]
+    if st is ShardingType.COLUMN_WISE:
+        return [ShardMetadata((0, c), (rows, w), (i + j) % world) for j, (c, w) in enumerate(cuts)]
+    if st is ShardingType.DATA_PARALLEL:
+        return [ShardMetadata((0, 0), (rows, dim), r) for r in range(world)]
+    if st is ShardingType.GRID_SHARD:  # each column piece in its own row blocks (a rank may hold two pieces)
+        return [
+            ShardMetadata((a, c), (b - a, w), (k + i + j) % world)
+            for j, (c, w) in enumerate(cuts)
+            for k, (a, b) in enumerate(row_blocks(rows, min(max(world - j, 1), rows)))
+        ]
+    # row-wise, table-row-wise: uneven blocks; fewer blocks than ranks when rows < world
+    return [
+        ShardMetadata((a, 0), (b - a, dim), (k + i) % world)
+        for k, (a, b) in enumerate(row_blocks(rows, min(world, rows)))
+    ]
+
+
 def plan_for(kind: str, world: int) -> dict[str, ParameterSharding]:
-    """Every table with sharding type ``kind``, cut unevenly where the type allows."""
-    st = ShardingType(kind)
-    fused = EmbeddingComputeKernel.FUSED
+    """Every table with sharding type ``kind`` (or the types of a ``MIXED`` plan)."""
     shapes = {"t_big": (40, 8), "t_small": (2, 12)}
+    types = MIXED.get(kind) or {name: kind for name in shapes}
     out = {}
     for i, (name, (rows, dim)) in enumerate(shapes.items()):
-        if st is ShardingType.TABLE_WISE:
-            shards = [ShardMetadata((0, 0), (rows, dim), (i + 1) % world)]
-        elif st is ShardingType.COLUMN_WISE:  # 8 -> 4+4, 12 -> 8+4 (not divisible by the shard size 8)
-            cuts = [(0, 4), (4, 4)] if dim == 8 else [(0, 8), (8, 4)]
-            shards = [ShardMetadata((0, c), (rows, w), (i + j) % world) for j, (c, w) in enumerate(cuts)]
-        elif st is ShardingType.DATA_PARALLEL:
-            shards = [ShardMetadata((0, 0), (rows, dim), r) for r in range(world)]
-        else:  # row-wise, table-row-wise: uneven blocks; fewer blocks than ranks when rows < world
-            n = min(world, rows)
-            bounds = [0] + sorted({max(1, rows * (k + 1) // (n + 1) + k) for k in range(n - 1)}) + [rows]
-            shards = [
-                ShardMetadata((a, 0), (b - a, dim), (k + i) % world)
-                for k, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
-            ]
-        kernel = EmbeddingComputeKernel.DENSE if st is ShardingType.DATA_PARALLEL else fused
+        st = ShardingType(types[name])
+        shards = shards_for(st, i, rows, dim, world)
+        kernel = EmbeddingComputeKernel.DENSE if st is ShardingType.DATA_PARALLEL else EmbeddingComputeKernel.FUSED
         out[name] = ParameterSharding(st, kernel, [s.rank for s in shards], shards)
     return out
 
@@ -203,7 +220,7 @@ def check(case, world, results):
 def matrix(optim):
     return [
         (kind, pooling, weighted, optim, False, 7)
-        for kind in TYPES
+        for kind in [*TYPES, *MIXED]
         for pooling in ("SUM", "MEAN")
         for weighted in (False, True)
     ]

@@ -2,9 +2,9 @@
 
 Sharded training on W ranks, each with its slice of a global batch, must equal the
 unsharded EmbeddingCollection trained with ``torch.optim`` on the whole batch. For
-every sharding type (and two mixed plans) x W in {1, 2, 3, 4} x {sgd, adagrad}:
+every sharding type (and three mixed plans) x W in {1, 2, 3, 4} x {sgd, adagrad}:
 forward rows and lengths equal, and every table weight equal after 3 steps.
-Uneven shapes ride along: tables of different dims (8, 12), a column-wise table cut
+Uneven shapes ride along: tables of different dims (8, 12), a column-wise or grid table cut
 into pieces of different widths (12 = 8 + 4), a table with fewer rows than ranks,
 empty bags, and (W > 1) batches split unevenly with one rank getting none.
 Tolerance: float32, only the summation order differs (rtol 1e-5, atol 1e-6).
@@ -32,6 +32,7 @@ TYPES = [t.value for t in ShardingType]
 MIXED = {
     "mixed_a": {"t_big": "row_wise", "t_mid": "table_wise", "t_small": "column_wise"},
     "mixed_b": {"t_big": "column_wise", "t_mid": "data_parallel", "t_small": "table_row_wise"},
+    "mixed_c": {"t_big": "grid_shard", "t_mid": "row_wise", "t_small": "grid_shard"},
 }
 GLOBAL_BATCH = 12
 STEPS = 3
@@ -80,20 +81,32 @@ def kjt_of(bags, lo: int, hi: int) -> KeyedJaggedTensor:
     )
 
 
+def row_blocks(rows: int, n: int) -> list[tuple[int, int]]:
+    """``n`` uneven row blocks ``(start, end)`` covering ``[0, rows)``."""
+    bounds = [0] + sorted({max(1, rows * (k + 1) // (n + 1) + k) for k in range(n - 1)}) + [rows]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
 def shards_for(st: ShardingType, i: int, rows: int, dim: int, world: int) -> list[ShardMetadata]:
     """Table ``i``'s shards under ``st``, cut unevenly where the type allows."""
+    cuts = [(0, 4), (4, 4)] if dim == 8 else [(0, 8), (8, 4)]  # 12 = 8 + 4: pieces of two widths
     if st is ShardingType.TABLE_WISE:
         return [ShardMetadata((0, 0), (rows, dim), (i + 1) % world)]
-    if st is ShardingType.COLUMN_WISE:  # 8 -> 4+4, 12 -> 8+4 (pieces of two widths)
-        cuts = [(0, 4), (4, 4)] if dim == 8 else [(0, 8), (8, 4)]
+    if st is ShardingType.COLUMN_WISE:
         return [ShardMetadata((0, c), (rows, w), (i + j) % world) for j, (c, w) in enumerate(cuts)]
     if st is ShardingType.DATA_PARALLEL:
         return [ShardMetadata((0, 0), (rows, dim), r) for r in range(world)]
+    if st is ShardingType.GRID_SHARD:  # each column piece in its own row blocks (a rank may hold two pieces)
+        return [
+            ShardMetadata((a, c), (b - a, w), (k + i + j) % world)
+            for j, (c, w) in enumerate(cuts)
+            for k, (a, b) in enumerate(row_blocks(rows, min(max(world - j, 1), rows)))
+        ]
     # row-wise, table-row-wise: uneven blocks; fewer blocks than ranks when rows < world
-    n = min(world, rows)
-    bounds = [0] + sorted({max(1, rows * (k + 1) // (n + 1) + k) for k in range(n - 1)}) + [rows]
-    blocks = zip(bounds[:-1], bounds[1:], strict=True)
-    return [ShardMetadata((a, 0), (b - a, dim), (k + i) % world) for k, (a, b) in enumerate(blocks)]
+    return [
+        ShardMetadata((a, 0), (b - a, dim), (k + i) % world)
+        for k, (a, b) in enumerate(row_blocks(rows, min(world, rows)))
+    ]
 
 
 def plan_for(kind: str, world: int) -> dict[str, ParameterSharding]:

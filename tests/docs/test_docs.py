@@ -34,7 +34,8 @@ def test_site_builds_strict(tmp_path):
     pytest.importorskip("mkdocs", reason="docs extra not installed (make test installs it)")
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"},
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"},
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "KeyedJaggedTensor" in (tmp_path / "site" / "reference" / "index.html").read_text()

@@ -257,7 +257,8 @@ def test_choose_backend():
     expected = KernelBackend.FBGEMM if fbgemm_available() else KernelBackend.TORCH
     assert choose_backend("auto", cpu, FusedOptimConfig(optimizer="adagrad"), [8]) is expected
     assert choose_backend("torch", cpu, FusedOptimConfig(optimizer="sgd"), [8]) is KernelBackend.TORCH
-    assert choose_backend("TORCH", cpu, FusedOptimConfig(optimizer="sgd"), [8]) is KernelBackend.TORCH  # YAML enum names
+    # YAML writes enum names
+    assert choose_backend("TORCH", cpu, FusedOptimConfig(optimizer="sgd"), [8]) is KernelBackend.TORCH
 
 
 def test_kernel_errors_list_choices():

@@ -82,3 +82,59 @@ def test_accumulation_and_underivable_optimizer_are_refused_at_setup():
 
 def test_model_without_tables_trains_as_ddp():
     assert run_ranks(fit_with, 2, "plain") == ["ok", "ok"]
+
+
+class _PoisonGrad(torch.autograd.Function):
+    """Identity forward; backward hands the tables a NaN gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+class Poisoned(Rec):
+    """From step 2 on, a NaN loss (``where="loss"``) or a NaN gradient into the tables (``"grad"``)."""
+
+    def __init__(self, where):
+        super().__init__("sgd")
+        self.where = where
+
+    def training_step(self, batch, i):
+        if i < 2:
+            return super().training_step(batch, i)
+        if self.where == "loss":
+            return super().training_step(batch, i) * float("nan")
+        pooled = _PoisonGrad.apply(self.ebc(batch.sparse).values())
+        out = self.mlp(torch.cat([batch.dense, pooled], 1)).squeeze(1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(out, batch.labels)
+
+
+def fit_poisoned(rank, world, where):
+    from lightning_shardrec import ParameterConstraints, ShardRecStrategy
+    from lightning_shardrec.errors import NonFiniteError
+
+    external_launch(rank, world)
+    kinds = {"t_big": "row_wise", "t_mid": "table_wise", "t_tiny": "table_wise"}
+    constraints = {t: ParameterConstraints(sharding_types=[k]) for t, k in kinds.items()}
+    strategy = ShardRecStrategy(check_finite=True, constraints=constraints)
+    t = trainer(strategy=strategy, devices=world, max_steps=4)
+    try:
+        t.fit(Poisoned(where), data(4, 4))
+    except NonFiniteError as e:
+        tables = {k: v for k, v in strategy.full_state_dict().items() if k.startswith("ebc.")}
+        return str(e), t.global_step, all(bool(torch.isfinite(v).all()) for v in tables.values())
+    return "no error", t.global_step, None
+
+
+def test_check_finite_stops_before_a_table_is_poisoned():
+    for rank, (msg, step, clean) in enumerate(run_ranks(fit_poisoned, 2, "loss")):
+        assert msg == "the loss is nan at step 2; stopped before backward, so no embedding table was updated with it"
+        assert (step, clean) == (2, True), rank
+    for msg, step, clean in run_ranks(fit_poisoned, 2, "grad"):
+        assert "the gradient reaching its fused update holds nan; the table was not updated" in msg
+        assert msg.startswith("table 't_")
+        assert (step, clean) == (2, True)

@@ -88,7 +88,8 @@ def test_infeasible_names_every_table_and_capacity() -> None:
     topo = Topology(2, hbm_cap=GiB)
     with pytest.raises(
         PlannerError,
-        match=r"(?s)table 'huge' \(module 'ebc'\) needs \d+ bytes \(4\.\d+ GiB.*largest free capacity \d+ bytes.*\n  table 'huge2'",
+        match=r"(?s)table 'huge' \(module 'ebc'\) needs \d+ bytes \(4\.\d+ GiB"
+        r".*largest free capacity \d+ bytes.*\n  table 'huge2'",
     ):
         EmbeddingShardingPlanner(topo, batch_size=8).plan(tables)
 
@@ -98,7 +99,8 @@ def test_table_wise_only_too_big_for_one_rank() -> None:
     cons = {"wide": ParameterConstraints(sharding_types=["table_wise"])}
     with pytest.raises(
         PlannerError,
-        match=r"table 'wide' needs \d+ bytes .* with sharding types \['table_wise'\]; largest free capacity 1073741824 bytes",
+        match=r"table 'wide' needs \d+ bytes .* with sharding types \['table_wise'\]; "
+        r"largest free capacity 1073741824 bytes",
     ):
         EmbeddingShardingPlanner(Topology(8, hbm_cap=GiB), batch_size=8, constraints=cons).plan(
             tables
@@ -257,3 +259,22 @@ def test_equal_cost_tables_spread_storage_issue_10() -> None:
     assert max(storage) <= 1.2 * min(storage), storage
     assert plan.stats.vs_lower_bound < 1.01
     assert plan == planner.plan(tables)
+
+
+def plan_infeasible_on_every_rank(rank: int, world: int) -> str:
+    from lightning_shardrec.planner import collective_plan
+
+    tables = {"ebc": [bag("huge", 4 * 2**20, 128)]}
+    try:
+        collective_plan(EmbeddingShardingPlanner(Topology(world, hbm_cap=GiB), batch_size=8), tables)
+    except PlannerError as e:
+        return str(e)
+    return "planned"
+
+
+def test_collective_plan_failure_raises_on_every_rank() -> None:
+    """Rank 0 plans; its PlannerError reaches rank 1 too, which would otherwise wait in the broadcast."""
+    from lightning_shardrec.testing import run_ranks
+
+    errors = run_ranks(plan_infeasible_on_every_rank, 2)
+    assert errors[0] == errors[1] and "table 'huge' (module 'ebc') needs" in errors[0]

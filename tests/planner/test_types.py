@@ -17,6 +17,7 @@ def test_enum_values_are_torchrec_strings() -> None:
         "row_wise",
         "column_wise",
         "table_row_wise",
+        "grid_shard",
         "data_parallel",
     ]
     assert EmbeddingComputeKernel.FUSED.value == "fused"

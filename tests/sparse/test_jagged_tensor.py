@@ -260,20 +260,31 @@ def test_validate_accepts_good_data(jt: JaggedTensor) -> None:
     jt.validate()
 
 
-def test_validate_negative_length() -> None:
-    # sums to the value count, so construction lets it through; validate() must not
-    jt = JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([3, -1]))
+def test_negative_length_rejected_at_construction_and_by_validate() -> None:
+    # sums to the value count; on CPU the constructor checks the data, validate() re-checks
+    # it after in-place edits (and is the only check for device tensors)
+    with pytest.raises(ValueError, match=re.escape("JaggedTensor: negative length -1 at bag 1; lengths must be >= 0")):
+        JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([3, -1]))
+    jt = JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([2, 0]))
+    jt.lengths()[:] = torch.tensor([3, -1])
     with pytest.raises(ValueError, match="negative length -1 at bag 1"):
         jt.validate()
 
 
-def test_validate_offsets_disagree_with_lengths() -> None:
-    jt = JaggedTensor(torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 2]), offsets=torch.tensor([0, 2, 3]))
-    with pytest.raises(ValueError, match="offsets disagree with lengths at bag 0: offsets give 2, lengths give 1"):
+def test_offsets_disagree_with_lengths() -> None:
+    msg = "offsets disagree with lengths at bag 0: offsets give 2, lengths give 1"
+    with pytest.raises(ValueError, match=msg):
+        JaggedTensor(torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 2]), offsets=torch.tensor([0, 2, 3]))
+    jt = JaggedTensor(torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]), offsets=torch.tensor([0, 2, 3]))
+    jt.lengths()[:] = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match=msg):
         jt.validate()
 
 
-def test_validate_offsets_must_start_at_zero() -> None:
-    jt = JaggedTensor(torch.tensor([1, 2]), offsets=torch.tensor([1, 2, 3]))
+def test_offsets_must_start_at_zero() -> None:
+    with pytest.raises(ValueError, match="offsets must start at 0, got 1"):
+        JaggedTensor(torch.tensor([1, 2]), offsets=torch.tensor([1, 2, 3]))
+    jt = JaggedTensor(torch.tensor([1, 2]), offsets=torch.tensor([0, 1, 2]))
+    jt.offsets()[:] = torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match="offsets must start at 0, got 1"):
         jt.validate()

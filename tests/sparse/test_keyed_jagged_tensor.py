@@ -411,27 +411,40 @@ def test_validate_accepts_good_data(kjt: KeyedJaggedTensor, weighted: KeyedJagge
     weighted.validate()
 
 
-def test_validate_negative_length_names_key() -> None:
-    # lengths sum to 3 = number of values, so construction accepts them
-    kjt = KeyedJaggedTensor(["product", "user"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 0, -1, 1, 1]))
-    with pytest.raises(ValueError, match=re.escape("negative length -1 at key 'user' (bag 0 of 3)")):
-        kjt.validate()
-
-
-def test_validate_offsets_disagree_with_lengths_names_key() -> None:
-    kjt = KeyedJaggedTensor(
-        ["a", "b"],
-        torch.tensor([1, 2, 3]),
-        lengths=torch.tensor([1, 0, 1, 1]),
-        offsets=torch.tensor([0, 1, 1, 3, 3]),
-    )
-    msg = re.escape("offsets disagree with lengths at key 'b' (bag 0 of 2): offsets give 2, lengths give 1")
+def test_negative_length_names_key_at_construction_and_in_validate() -> None:
+    # lengths sum to 3 = number of values; on CPU the constructor checks the data, and
+    # validate() re-checks it after in-place edits (it is the only check for device tensors)
+    msg = re.escape("negative length -1 at key 'user' (bag 0 of 3); lengths must be >= 0")
+    with pytest.raises(ValueError, match=msg):
+        KeyedJaggedTensor(["product", "user"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 0, -1, 1, 1]))
+    kjt = KeyedJaggedTensor(["product", "user"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 0, 0, 1, 0]))
+    kjt.lengths()[:] = torch.tensor([1, 1, 0, -1, 1, 1])
     with pytest.raises(ValueError, match=msg):
         kjt.validate()
 
 
-def test_validate_offsets_only_must_start_at_zero() -> None:
-    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3]), offsets=torch.tensor([1, 2, 2, 3, 4]))
+def test_offsets_disagree_with_lengths_names_key() -> None:
+    msg = re.escape("offsets disagree with lengths at key 'b' (bag 0 of 2): offsets give 2, lengths give 1")
+    with pytest.raises(ValueError, match=msg):
+        KeyedJaggedTensor(
+            ["a", "b"],
+            torch.tensor([1, 2, 3]),
+            lengths=torch.tensor([1, 0, 1, 1]),
+            offsets=torch.tensor([0, 1, 1, 3, 3]),
+        )
+    kjt = KeyedJaggedTensor(
+        ["a", "b"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 0, 2, 0]), offsets=torch.tensor([0, 1, 1, 3, 3])
+    )
+    kjt.lengths()[:] = torch.tensor([1, 0, 1, 1])
+    with pytest.raises(ValueError, match=msg):
+        kjt.validate()
+
+
+def test_offsets_only_must_start_at_zero() -> None:
+    with pytest.raises(ValueError, match="offsets must start at 0, got 1"):
+        KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3]), offsets=torch.tensor([1, 2, 2, 3, 4]))
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3]), offsets=torch.tensor([0, 1, 1, 2, 3]))
+    kjt.offsets()[:] = torch.tensor([1, 2, 2, 3, 4])
     with pytest.raises(ValueError, match="offsets must start at 0, got 1"):
         kjt.validate()
 

@@ -13,6 +13,7 @@ SHARDINGS: dict[ShardingType, type[EmbeddingSharding]] = {
     ShardingType.COLUMN_WISE: PiecewiseSharding,
     ShardingType.ROW_WISE: RowBlockSharding,
     ShardingType.TABLE_ROW_WISE: RowBlockSharding,
+    ShardingType.GRID_SHARD: RowBlockSharding,
     ShardingType.DATA_PARALLEL: DataParallelSharding,
 }
 

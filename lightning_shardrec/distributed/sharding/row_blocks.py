@@ -1,4 +1,4 @@
-"""Row-wise and table-row-wise sharding: a table's rows cut into contiguous blocks.
+"""Row-wise, table-row-wise and grid sharding: row blocks of a table, or of its column pieces.
 
 Each id is sent only to the rank owning its row block, rebased to the block's
 first row (weights travel along). Every rank pools its partial sums for the global
@@ -6,11 +6,19 @@ batch, ``[sum_s B_s, D]``, and a reduce-scatter adds the partials of source ``s`
 bags onto ``s``. Pooling is linear, so the sum of partial sums is the full sum;
 MEAN divides by the whole bag's length afterwards, on the source rank.
 
-Table-row-wise is the same mechanism with every block of a table on one host.
+Table-row-wise is the same mechanism with every block of a table on one host. Grid
+tables are cut into column pieces first, and each piece is row-blocked: the piece
+is a sub-table, and each feature of a grid table becomes one *lane* per piece (its
+ids sent once per piece, to that piece's block). A lane's partial fills only its
+piece's columns of the feature, so the reduce-scatter assembles the full width::
 
-Sequence tables: every id went to exactly one rank, so each rank sends the rows
-of source ``s``'s ids back to ``s`` by the reverse all-to-all, and ``s`` undoes the
-sort by destination of :func:`route_by_row` to restore its ids' order.
+    feature f of a 2 x 2 grid table (dim 8):  lanes (f, cols 0:4) and (f, cols 4:8)
+    id 7 of f -> the block of piece 0 holding row 7, and the block of piece 1 holding row 7
+
+Sequence tables: every id went to exactly one rank per lane, so each rank sends
+the rows of source ``s``'s ids back to ``s`` by the reverse all-to-all, and ``s``
+undoes the sort by destination of :func:`route_by_row` to restore its ids' order
+and puts each feature's pieces side by side.
 """
 
 from __future__ import annotations
@@ -26,28 +34,44 @@ from lightning_shardrec.distributed.sharding.base import (
     SequenceDist,
     TableSharding,
 )
+from lightning_shardrec.planner import ShardMetadata
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 
 class RowBlockSharding(EmbeddingSharding):
-    """Row-wise and table-row-wise tables of one collection."""
+    """Row-wise, table-row-wise and grid tables of one collection."""
 
     def __init__(self, tables: list[TableSharding], env: ShardingEnv, setup: KernelSetup) -> None:
         super().__init__(tables, env, setup)
-        base, starts, row_start, ranks = [], [], [], []
-        local, local_block_of_table = [], {}
-        total = 0
+        # Sub-tables: (table, column piece) with the piece's shards in row order.
+        subs: list[tuple[int, list[ShardMetadata]]] = []
         for t_idx, t in enumerate(tables):
+            pieces: dict[int, list[ShardMetadata]] = {}
+            for shard in t.plan.shards:
+                pieces.setdefault(shard.shard_offsets[1], []).append(shard)
+            for col0 in sorted(pieces):
+                subs.append((t_idx, sorted(pieces[col0], key=lambda s: s.shard_offsets[0])))
+        # Lanes: one per (group feature, piece of its table), piece-major (a kernel's features
+        # of one table stay contiguous), pieces of a table by column.
+        lanes = [(f, i) for i, (t, _) in enumerate(subs) for f, ft in enumerate(self.feature_table) if t == ft]
+        self._expand = [f for f, _ in lanes]
+        base: list[int] = []
+        starts: list[int] = []
+        row_start: list[int] = []
+        ranks: list[int] = []
+        local: list[tuple[TableSharding, ShardMetadata]] = []
+        local_block_of_sub: dict[int, int] = {}
+        total = 0
+        for i, (t_idx, shards) in enumerate(subs):
             base.append(total)
-            for shard in sorted(t.plan.shards, key=lambda s: s.shard_offsets[0]):
-                r0 = shard.shard_offsets[0]
-                starts.append(total + r0)
-                row_start.append(r0)
+            for shard in shards:
+                starts.append(total + shard.shard_offsets[0])
+                row_start.append(shard.shard_offsets[0])
                 ranks.append(shard.rank)
                 if shard.rank == env.rank:
-                    local_block_of_table[t_idx] = len(local)
-                    local.append((t, shard))
-            total += t.config.num_embeddings
+                    local_block_of_sub[i] = len(local)
+                    local.append((tables[t_idx], shard))
+            total += tables[t_idx].config.num_embeddings
         device = setup.device
         self.blocks = RowBlocks(
             table_base=torch.tensor(base, device=device),
@@ -55,20 +79,29 @@ class RowBlockSharding(EmbeddingSharding):
             row_start=torch.tensor(row_start, device=device),
             rank=torch.tensor(ranks, device=device),
         )
-        self._feature_table_t = torch.tensor(self.feature_table, device=device)
-        # Features whose table has a block here, and where their columns go in the group output.
-        self.local_features = [f for f, t in enumerate(self.feature_table) if t in local_block_of_table]
-        self.build_kernel(local, [local_block_of_table[self.feature_table[f]] for f in self.local_features])
+        self._lane_sub_t = torch.tensor([i for _, i in lanes], device=device)
+        # Lanes whose piece has a block here, and where their columns go in the group output.
+        self.local_lanes = [j for j, (_, i) in enumerate(lanes) if i in local_block_of_sub]
+        self.build_kernel(local, [local_block_of_sub[lanes[j][1]] for j in self.local_lanes])
         offsets = [0]
         for d in self.feature_dims:
             offsets.append(offsets[-1] + d)
         self.width = offsets[-1]
-        cols = [c for f in self.local_features for c in range(offsets[f], offsets[f + 1])]
-        self._all_local = self.local_features == list(range(len(self.feature_names)))
+        cols: list[int] = []
+        for j in self.local_lanes:
+            f, i = lanes[j]
+            first = subs[i][1][0]
+            c0 = offsets[f] + first.shard_offsets[1]
+            cols.extend(range(c0, c0 + first.shard_sizes[1]))
+        self._lanes = lanes
+        self._identity = self._expand == list(range(len(self.feature_names)))
+        self._every_lane = self.local_lanes == list(range(len(lanes)))
+        self._all_local = self._every_lane and cols == list(range(self.width))
         self.register_buffer("_columns", torch.tensor(cols, dtype=torch.long, device=device), persistent=False)
 
     def route(self, kjt: KeyedJaggedTensor) -> Routed:
-        return route_by_row(kjt, self._feature_table_t, self.blocks, self.env.world_size)
+        lanes = kjt if self._identity else kjt.permute(self._expand)
+        return route_by_row(lanes, self._lane_sub_t, self.blocks, self.env.world_size)
 
     def input_dist(
         self, kjt: KeyedJaggedTensor, routed: Routed | None, recv_values: list[int], batch_sizes: list[int]
@@ -77,12 +110,12 @@ class RowBlockSharding(EmbeddingSharding):
         return self.after_exchange(received)
 
     def received_keys(self) -> int:
-        return len(self.feature_names)
+        return len(self._lanes)
 
     def after_exchange(self, received: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        if self._all_local or self.kernel is None:
+        if self.kernel is None or self._every_lane:
             return received
-        return received.permute(self.local_features)
+        return received.permute(self.local_lanes)
 
     def compute(self, kjt: KeyedJaggedTensor) -> Tensor:
         if not self.setup.pooled:  # one row per id; a rank without blocks received none
@@ -112,4 +145,11 @@ class RowBlockSharding(EmbeddingSharding):
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         back = scale_grad(back.index_select(0, inverse), 1.0 / self.env.world_size)
-        return list(back.split(ctx.local.length_per_key()))
+        lpk = ctx.local.length_per_key()
+        blocks = back.split([lpk[f] for f in self._expand])
+        if self._identity:
+            return list(blocks)
+        per_feature: list[list[Tensor]] = [[] for _ in self.feature_names]
+        for (f, _), block in zip(self._lanes, blocks, strict=True):
+            per_feature[f].append(block)
+        return [b[0] if len(b) == 1 else torch.cat(b, dim=1) for b in per_feature]

@@ -1,0 +1,69 @@
+"""A rank that dies (SIGKILL) or hangs (SIGSTOP) mid-epoch: the others exit promptly naming it,
+and ``fit(ckpt_path="last")`` continues with no update lost or applied twice.
+
+Each run is a real 2-rank job started by Lightning's own subprocess launcher
+(``_fault_run.py``); every run is bounded by a subprocess timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("_fault_run.py")
+BOUND_S = 240
+
+
+def run(out: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    out.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    started = time.time()
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S,
+        env=env,
+        cwd=SCRIPT.parent,
+    )
+    return proc, time.time() - started
+
+
+def detect_seconds(out: Path, ended: float) -> float:
+    return ended - float((out / "fault_at").read_text())
+
+
+@pytest.mark.slow
+def test_dead_rank_is_named_and_resume_loses_nothing(tmp_path):
+    killed, _ = run(tmp_path / "a", "--fault", "kill", "--rank", "1", "--step", "7")
+    ended = time.time()
+    assert killed.returncode != 0
+    assert "lightning_shardrec: rank 1 died" in killed.stdout + killed.stderr, killed.stderr[-3000:]
+    assert detect_seconds(tmp_path / "a", ended) < 30  # the gloo timeout alone would be 10 minutes
+    assert not (tmp_path / "a" / "final.pt").exists()
+
+    resumed, _ = run(tmp_path / "a", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (tmp_path / "a" / "ran").read_text() == "5"  # steps 5..9 from the step-5 checkpoint, none redone
+    straight, _ = run(tmp_path / "b")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    got = torch.load(tmp_path / "a" / "final.pt", weights_only=True)
+    want = torch.load(tmp_path / "b" / "final.pt", weights_only=True)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.slow
+def test_hung_rank_is_named_by_the_heartbeat_watchdog(tmp_path):
+    hung, _ = run(tmp_path, "--fault", "stop", "--rank", "1", "--step", "3", "--heartbeat-timeout", "8")
+    ended = time.time()
+    assert hung.returncode != 0
+    assert "lightning_shardrec: rank 1 stopped (no heartbeat for" in hung.stdout + hung.stderr, hung.stdout[-3000:]
+    assert detect_seconds(tmp_path, ended) < 30

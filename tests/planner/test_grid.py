@@ -1,0 +1,166 @@
+"""grid_shard in the planner: column cuts, cost, validation of given plans, JSON, the
+printed table, and the plans it makes (Criteo-1TB on 128 GPUs)."""
+
+from __future__ import annotations
+
+import pytest
+from planner_helpers import bag, check_plan
+
+from lightning_shardrec.errors import PlannerError
+from lightning_shardrec.planner import (
+    EmbeddingShardingPlanner,
+    ParameterConstraints,
+    ParameterSharding,
+    ShardingPlan,
+    ShardingType,
+    ShardMetadata,
+    Topology,
+    Workload,
+    shard_perf,
+)
+from lightning_shardrec.planner.enumerate import column_cuts
+from lightning_shardrec.planner.tables import table_specs
+
+ROWS = 1_000_000
+GRID = ShardingType.GRID_SHARD
+
+
+def grid(pieces: list[tuple[int, int, list[tuple[int, int, int]]]]) -> ParameterSharding:
+    """``[(col0, width, [(row0, rows, rank), ...]), ...]`` as a grid_shard sharding."""
+    shards = [ShardMetadata((r0, c0), (n, w), rank) for c0, w, blocks in pieces for r0, n, rank in blocks]
+    return ParameterSharding(GRID, "fused", [s.rank for s in shards], shards)
+
+
+HALF = ROWS // 2
+VALID = grid([(0, 64, [(0, HALF, 0), (HALF, HALF, 1)]), (64, 64, [(0, 300_000, 2), (300_000, 700_000, 3)])])
+
+
+@pytest.mark.parametrize(
+    ("dim", "min_partition", "cuts"),
+    [
+        (128, 32, [[32] * 4, [64, 64]]),
+        (256, 32, [[32] * 8, [64] * 4, [128, 128]]),
+        (100, 32, [[36, 32, 32]]),
+        (64, 64, []),
+        (12, 4, [[4, 4, 4]]),
+        (10, 3, [[4, 3, 3]]),
+    ],
+)
+def test_column_cuts(dim: int, min_partition: int, cuts: list[list[int]]) -> None:
+    assert column_cuts(dim, min_partition) == cuts
+
+
+def test_grid_block_costs_like_a_table_row_wise_block_of_its_piece() -> None:
+    topo = Topology(16, local_world_size=8)
+    work = Workload(topology=topo, batch_size=1024)
+    spec = table_specs({"": [bag("t", ROWS, 128)]}, {}, 16)[0]
+    narrow = table_specs({"": [bag("t", ROWS, 32)]}, {}, 16)[0]
+    assert shard_perf(spec, work, GRID, HALF, 32) == shard_perf(narrow, work, ShardingType.TABLE_ROW_WISE, HALF, 32)
+
+
+@pytest.mark.parametrize("frac", [0.25, 0.5, 1.0])
+def test_table_row_wise_intra_host_terms(frac: float) -> None:
+    """The intra-host link carries (1 - f) of the [B, cols] partial (reduce-scatter, forward and
+    backward) and the same-host share (L - 1) / W of the all-to-all (ids in, f of the partial out)."""
+    topo = Topology(16, local_world_size=8)
+    free_link = Topology(16, local_world_size=8, intra_host_bw=1e30)
+    spec = table_specs({"": [bag("t", ROWS, 128)]}, {}, 16)[0]
+    rows = int(ROWS * frac)
+
+    def cost(t: Topology) -> float:
+        return shard_perf(spec, Workload(topology=t, batch_size=1024), ShardingType.TABLE_ROW_WISE, rows, 128)
+
+    batch = 1024 * 16
+    partial = batch * 128 * 4
+    a2a = batch * frac * 8 + 2 * partial * frac
+    want = (2 * partial * (1 - frac) + a2a * 7 / 16) / 4.5e11
+    assert cost(topo) - cost(free_link) == pytest.approx(want, rel=1e-9)
+
+
+def test_given_grid_plan_is_kept_and_round_trips() -> None:
+    tables = {"ebc": [bag("big", ROWS, 128), bag("small", 1_000, 32)]}
+    topo = Topology(4, local_world_size=2)
+    plan = EmbeddingShardingPlanner(topo, batch_size=128).plan(tables, fixed={"big": VALID})
+    assert plan.plan["ebc"]["big"] == VALID
+    check_plan(plan, tables, topo)
+    again = ShardingPlan.from_json(plan.to_json())
+    assert again == plan and again.plan["ebc"]["big"].sharding_type is GRID
+    assert "grid_shard" in str(plan) and "r3:[300000,64]+[700000,64]" in str(plan)
+
+
+@pytest.mark.parametrize(
+    ("sharding", "match"),
+    [
+        (
+            grid([(0, 64, [(0, ROWS, 0)]), (96, 32, [(0, ROWS, 1)])]),
+            r"grid_shard column piece 1 must start at column 64 with > 0 columns, got offsets \(0, 96\)",
+        ),
+        (
+            grid([(0, 64, [(0, HALF, 1), (HALF, HALF, 2)]), (64, 64, [(0, ROWS, 3)])]),
+            r"grid_shard column piece 0 \(columns \[0, 64\)\) ranks \[1, 2\] span hosts \[0, 1\] "
+            r"\(local_world_size 2\)",
+        ),
+        (
+            grid([(0, 64, [(0, ROWS, 0)]), (64, 64, [(0, HALF, 3), (HALF, HALF, 3)])]),
+            r"grid_shard column piece 1 \(columns \[64, 128\)\) puts two row blocks on one rank: ranks \[3, 3\]",
+        ),
+        (
+            grid([(0, 64, [(0, 600_000, 0)]), (64, 64, [(0, ROWS, 1)])]),
+            r"grid_shard column piece 0 \(columns \[0, 64\)\) shards cover 600000 rows, the table has 1000000",
+        ),
+        (
+            grid([(0, 64, [(0, HALF, 0), (HALF + 1, HALF - 1, 1)]), (64, 64, [(0, ROWS, 1)])]),
+            r"grid_shard column piece 0 \(columns \[0, 64\)\) shard 1 must start at \(500000, 0\) "
+            r"with > 0 rows and 64 columns",
+        ),
+        (
+            grid([(0, 64, [(0, ROWS, 0)]), (64, 32, [(0, ROWS, 1)])]),
+            "grid_shard column pieces cover 96 columns, the table has 128",
+        ),
+    ],
+)
+def test_invalid_grid_plan_rejected(sharding: ParameterSharding, match: str) -> None:
+    planner = EmbeddingShardingPlanner(Topology(4, local_world_size=2), batch_size=128)
+    with pytest.raises(PlannerError, match=match):
+        planner.plan({"ebc": [bag("big", ROWS, 128)]}, fixed={"big": sharding})
+
+
+def _pieces(ps: ParameterSharding) -> dict[int, list[ShardMetadata]]:
+    out: dict[int, list[ShardMetadata]] = {}
+    for s in ps.shards:
+        out.setdefault(s.shard_offsets[1], []).append(s)
+    return out
+
+
+def test_grid_when_pieces_must_be_cut_again() -> None:
+    """16 equal comm-bound tables on 128 ranks: 4 column pieces of 32, each in 2 row blocks on one host."""
+    tables = {"ebc": [bag(f"t{i}", 40_000_000, 128) for i in range(16)]}
+    topo = Topology(128, local_world_size=8)
+    plan = EmbeddingShardingPlanner(topo, batch_size=2048).plan(tables)
+    check_plan(plan, tables, topo)
+    for ps in plan.plan["ebc"].values():
+        assert ps.sharding_type is GRID
+        pieces = _pieces(ps)
+        assert sorted(pieces) == [0, 32, 64, 96]
+        assert all(len(blocks) == 2 and len({topo.host_of(b.rank) for b in blocks}) == 1 for blocks in pieces.values())
+    assert plan.stats is not None and plan.stats.vs_lower_bound < 1.13
+    no_grid = [t for t in ShardingType if t is not GRID]
+    cons = {f"t{i}": ParameterConstraints(sharding_types=no_grid) for i in range(16)}
+    narrower = EmbeddingShardingPlanner(topo, batch_size=2048, constraints=cons).plan(tables)
+    assert narrower.stats is not None and narrower.stats.max_cost > 1.3 * plan.stats.max_cost
+
+
+def test_grid_not_used_when_disallowed_or_too_narrow() -> None:
+    tables = {"ebc": [bag(f"t{i}", 40_000_000, 32) for i in range(16)]}  # 32 columns: no column cut
+    plan = EmbeddingShardingPlanner(Topology(128, local_world_size=8), batch_size=2048).plan(tables)
+    assert all(ps.sharding_type is not GRID for ps in plan.plan["ebc"].values())
+
+
+def test_grid_only_on_a_narrow_table_names_the_reason() -> None:
+    cons = {"t": ParameterConstraints(sharding_types=["grid_shard"], min_partition=16)}
+    with pytest.raises(
+        PlannerError,
+        match=r"table 't': no sharding type fits .* grid_shard needs at least 2 x min_partition columns "
+        r"\(the table has 24, min_partition 16\)",
+    ):
+        EmbeddingShardingPlanner(Topology(2), constraints=cons).plan({"": [bag("t", 100, 24)]})
