@@ -16,7 +16,8 @@ import os
 import queue
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -114,6 +115,25 @@ def run_ranks(
         pool.close()
         del _POOLS[key]
         raise
+
+
+@contextmanager
+def local_world_size(ranks_per_host: int | None) -> Iterator[None]:
+    """Pretend ``ranks_per_host`` ranks per host inside the block (sets ``LOCAL_WORLD_SIZE``; None: leave it).
+
+    In a rank of :func:`run_ranks`: ``ShardingEnv`` and ``Topology`` built inside then see
+    hosts ``0..W/L-1`` on one machine, so multi-host collectives run on CPU.
+    """
+    old = os.environ.get("LOCAL_WORLD_SIZE")
+    if ranks_per_host is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_host)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = old
 
 
 @atexit.register

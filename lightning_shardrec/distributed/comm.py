@@ -16,30 +16,51 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_shardrec.planner.topology import local_world_size_from_env
+
 
 @dataclass(frozen=True)
 class ShardingEnv:
-    """Where a sharded module lives: its process group, rank and world size."""
+    """Where a sharded module lives: its process group, rank, world size and ranks per host.
+
+    Ranks ``h*L .. h*L+L-1`` form host ``h`` (``L = local_world_size``), as the planner's
+    ``Topology`` assumes. ``local_world_size=0`` takes ``LOCAL_WORLD_SIZE`` (or the SLURM /
+    ``NUM_NODES`` equivalents) when it divides ``world_size``, else one host.
+    """
 
     rank: int
     world_size: int
     pg: dist.ProcessGroup | None = None
+    local_world_size: int = 0
+
+    def __post_init__(self) -> None:
+        local = self.local_world_size or local_world_size_from_env(self.world_size)
+        if not isinstance(local, int) or local <= 0 or self.world_size % local:
+            raise ValueError(
+                f"ShardingEnv: local_world_size (ranks per host) must be a positive int dividing "
+                f"world_size {self.world_size}, got {self.local_world_size!r}"
+            )
+        object.__setattr__(self, "local_world_size", local)
+
+    @property
+    def num_hosts(self) -> int:
+        return self.world_size // self.local_world_size
 
     @staticmethod
-    def from_process_group(pg: dist.ProcessGroup | None = None) -> ShardingEnv:
+    def from_process_group(pg: dist.ProcessGroup | None = None, local_world_size: int = 0) -> ShardingEnv:
         if not dist.is_initialized():
             raise RuntimeError(
                 "sharding needs an initialised process group: call torch.distributed.init_process_group "
                 "(or train with Trainer(strategy='shardrec'))"
             )
-        return ShardingEnv(dist.get_rank(pg), dist.get_world_size(pg), pg)
+        return ShardingEnv(dist.get_rank(pg), dist.get_world_size(pg), pg, local_world_size)
 
 
 def new_group_like(env: ShardingEnv, timeout: timedelta | None = None) -> ShardingEnv:
     """Collective: a new process group over ``env``'s ranks (same backend), e.g. for prefetched input dist."""
     ranks = dist.get_process_group_ranks(env.pg or dist.group.WORLD)
     group = dist.new_group(ranks=ranks, backend=dist.get_backend(env.pg), timeout=timeout)
-    return ShardingEnv.from_process_group(group)
+    return ShardingEnv.from_process_group(group, env.local_world_size)
 
 
 def all_to_all(tensor: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv) -> Tensor:
@@ -98,12 +119,8 @@ class ColumnBlocks:
         for w in widths:
             starts.append(starts[-1] + w)
         out_block = {columns[j] // block: j // block for j in range(0, len(columns), block)}
-        index = [
-            torch.tensor(
-                [out_block[b] for b in range(starts[s] // block, starts[s + 1] // block)], dtype=torch.long, device=device
-            )
-            for s in range(len(widths))
-        ]
+        blocks = [range(starts[s] // block, starts[s + 1] // block) for s in range(len(widths))]
+        index = [torch.tensor([out_block[b] for b in bs], dtype=torch.long, device=device) for bs in blocks]
         return ColumnBlocks(block, list(widths), index)
 
 
@@ -134,13 +151,13 @@ class _PooledAllToAll(torch.autograd.Function):
         out = x.new_empty(b, sum(layout.widths) // g, g)
         for part, w, index in zip(recv.split(recv_splits), layout.widths, layout.index, strict=True):
             out.index_copy_(1, index, part.view(b, w // g, g))
-        return out.view(b, -1)
+        return out.view(b, sum(layout.widths))
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
         b, layout, scale, env, recv_splits, send_splits, shape = ctx.args
         g = layout.block
-        grad = grad.reshape(b, -1, g)  # a view, also of a column slice of a wider gradient
+        grad = grad.reshape(b, sum(layout.widths) // g, g)  # a view, also of a column slice of a wider gradient
         back = grad.new_empty(sum(recv_splits))
         for part, w, index in zip(back.split(recv_splits), layout.widths, layout.index, strict=True):
             torch.index_select(grad, 1, index, out=part.view(b, w // g, g))

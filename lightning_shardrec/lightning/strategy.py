@@ -53,6 +53,7 @@ from lightning_shardrec.kernels import parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning.optimizers import derive_fused_config, find_group, remove_params
 from lightning_shardrec.lightning.pipeline import TrainPipeline
+from lightning_shardrec.lightning.sigterm import LaggedSigterm
 from lightning_shardrec.optim import FusedOptimizer
 from lightning_shardrec.planner import (
     EmbeddingShardingPlanner,
@@ -121,6 +122,7 @@ class ShardRecStrategy(DDPStrategy):
         self._finite: FiniteGuard | None = None
         self._pipeline_on = pipeline
         self.pipeline: TrainPipeline | None = None
+        self._sigterm: LaggedSigterm | None = None  # Lightning's per-batch SIGTERM broadcast, made async
         if isinstance(embedding_optimizer, str):
             embedding_optimizer = FusedOptimConfig(optimizer=embedding_optimizer)  # validates the name
         if embedding_lr is not None and not (isinstance(embedding_lr, (int, float)) and embedding_lr >= 0):
@@ -282,9 +284,20 @@ class ShardRecStrategy(DDPStrategy):
             self._finite.check_rows()
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.world_size > 1 and dist.is_initialized():
+            if self._sigterm is None:
+                group = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)  # collective
+                self._sigterm = LaggedSigterm(group, self.root_device)
+            self._sigterm.install(self.lightning_module.trainer)  # type: ignore[union-attr]
+
+    @override
     def on_train_end(self) -> None:
         if self.pipeline is not None:
             self.pipeline.drain()
+        if self._sigterm is not None:
+            self._sigterm.remove()
         super().on_train_end()
 
     # --- checkpoints ----------------------------------------------------------------------------
@@ -434,6 +447,8 @@ class ShardRecStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._sigterm is not None:  # after a failure too: give the loop its check back, wait for nobody
+            self._sigterm.remove(wait=False)
         if self.monitor is not None:
             self.monitor.stop()
             self.monitor = None

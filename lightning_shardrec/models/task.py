@@ -97,11 +97,14 @@ class DLRMTask(L.LightningModule):
         embedding_dim: default width of every table.
         num_dense: dense features per sample (``RecBatch.dense`` is ``[B, num_dense]``).
         arch: ``"dlrm"`` or ``"dcn"``.
-        dense_arch_layer_sizes / over_arch_layer_sizes: bottom and top MLPs (top ends in 1).
+        dense_arch_layer_sizes: the bottom MLP.
+        over_arch_layer_sizes: the top MLP (ends in 1).
         interaction: DLRM's ``"dot"`` or ``"concat"`` (ignored by ``"dcn"``).
-        dcn_num_layers / dcn_low_rank_dim: DCNv2's cross network.
-        optimizer / lr: one of :data:`OPTIMIZERS` for every parameter; the strategy
+        dcn_num_layers: DCNv2's cross layers.
+        dcn_low_rank_dim: the rank of DCNv2's cross weights.
+        optimizer: one of :data:`OPTIMIZERS` for every parameter; the strategy
             trains the tables with its fused counterpart.
+        lr: its learning rate.
         auroc_thresholds: bins of the AUROC (constant memory; ``None``: exact, keeps every prediction).
         seed: seed of the weight init.
         model: a ready ``nn.Module`` ``(dense, sparse) -> logits [B, 1]`` instead of building one.

@@ -13,10 +13,10 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_shardrec.planner.enumerate import Affine, TableOptions
-from lightning_shardrec.planner.perf import Workload, shard_perf
+from lightning_shardrec.planner.perf import Workload, holder_output_seconds, shard_perf
 from lightning_shardrec.planner.storage import shard_storage
 from lightning_shardrec.planner.tables import COLUMN_ALIGN, TableSpec
 from lightning_shardrec.planner.types import ShardingType
@@ -42,15 +42,27 @@ class Piece:
 
 @dataclass(frozen=True, kw_only=True)
 class Placement:
-    """A table's sharding type and its shards, in shard order."""
+    """A table's sharding type and its shards, in shard order.
+
+    ``charges``: seconds that fall on ranks besides their shards' own, ``(rank, seconds)``
+    (the holders' output of table_row_wise / grid pieces, :func:`~.perf.holder_output_seconds`).
+    """
 
     table: TableSpec
     kind: ShardingType
     pieces: tuple[Piece, ...]
+    charges: tuple[tuple[int, float], ...] = ()
 
     @property
     def total_cost(self) -> float:
-        return sum(p.cost for p in self.pieces)
+        return sum(p.cost for p in self.pieces) + sum(c for _, c in self.charges)
+
+    def charge(self, ranks: RankLoads) -> None:
+        """Add every shard's cost and memory, and the charges, to ``ranks``."""
+        for p in self.pieces:
+            ranks.add(p.rank, p.cost, p.mem)
+        for r, c in self.charges:
+            ranks.add(r, c, 0)
 
 
 class RankLoads:
@@ -226,8 +238,12 @@ def fill(
     limit: float,
     order: Sequence[int],
     level: bool,
+    count: int | None = None,
 ) -> Placement | None:
-    """Cut ``cut`` over the fewest ranks of ``order`` (emptiest first) that hold it under ``limit``."""
+    """Cut ``cut`` over the fewest ranks of ``order`` (emptiest first) that hold it under ``limit``.
+
+    ``count``: over exactly the first ``count`` ranks of ``order`` that can take a share (None if they cannot hold it).
+    """
     t = opt.table
     by_cols = cut.by_cols
     total = t.dim if by_cols else t.rows
@@ -245,8 +261,10 @@ def fill(
             continue
         chosen.append(r)
         caps.append(cap)
-        if sum(caps) >= total:
+        if sum(caps) >= total and (count is None or len(chosen) == count):
             break
+        if len(chosen) == count:
+            return None
     else:
         return None
     if len(chosen) > 1 and total < minimum * len(chosen):
@@ -281,13 +299,15 @@ def fill_host_rows(
     cands: Sequence[int] | None,
     level: bool,
 ) -> Placement | None:
-    """Row blocks of ``cut`` on the ranks of one host, trying hosts by their room under ``limit``.
+    """Row blocks of ``cut`` on ranks of one host, trying hosts by their room under ``limit``.
 
-    The hosts of the emptiest ranks go first (``_NEAR_HOSTS`` of them, most room first), then
-    the rest: a scan of every host per table would dominate planning on large clusters.
+    The hosts of the emptiest ranks go first (``_NEAR_HOSTS`` of them, most room first),
+    then the rest: a scan of every host per table would dominate planning on large clusters.
+    In a host, :func:`_fill_holders` sizes the blocks with their holders' output included.
     """
     topo = work.topology
-    needed = cut.cost.at(opt.table.rows)  # blocks cost at least one block of every row
+    # blocks cost at least one block of every row plus the output of one holder (k = 1 moves least)
+    needed = cut.cost.at(opt.table.rows) + holder_output_seconds(opt.table, work, cut.width, 1)
     allowed = None if cands is None else set(cands)
     near: list[int] = []
     for _, r in ranks.order:
@@ -305,7 +325,32 @@ def fill_host_rows(
             if members and gap >= needed:
                 tries.append((-gap, h, members))
         for _, _, members in sorted(tries):
-            placed = fill(opt, work, cut, ranks, limit, ranks.emptiest(members), level)
+            placed = _fill_holders(opt, work, cut, ranks, limit, ranks.emptiest(members), level)
             if placed is not None:
                 return placed
+    return None
+
+
+def _fill_holders(
+    opt: TableOptions,
+    work: Workload,
+    cut: Strip,
+    ranks: RankLoads,
+    limit: float,
+    members: list[int],
+    level: bool,
+) -> Placement | None:
+    """Blocks of ``cut`` on the fewest of ``members`` that hold it, each holder charged its output.
+
+    A holder's output depends on how many holders there are (``k``), and all of them together
+    pay more the larger ``k`` is: try ``k = 1, 2, ...`` and keep the first that fits, its
+    blocks sized with ``k``'s charge on exactly ``k`` ranks.
+    """
+    for k in range(1, min(len(members), opt.table.rows) + 1):
+        shared = holder_output_seconds(opt.table, work, cut.width, k)
+        charged = replace(cut, cost=replace(cut.cost, fixed=cut.cost.fixed + shared))
+        placed = fill(opt, work, charged, ranks, limit, members, level, count=k)
+        if placed is not None and len(placed.pieces) == k:
+            charges = tuple((p.rank, shared) for p in placed.pieces) if shared > 0 else ()
+            return Placement(table=placed.table, kind=placed.kind, pieces=placed.pieces, charges=charges)
     return None

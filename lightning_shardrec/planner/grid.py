@@ -4,7 +4,7 @@ The 2-D cut TorchRec calls ``grid_shard``. Each piece is placed like a table_row
 table (:func:`~lightning_shardrec.planner.fill.fill_host_rows`), after the pieces before
 it, so the pieces of one table spread over the emptiest ranks; different pieces may
 land on different hosts. Every column cut of :func:`~lightning_shardrec.planner.enumerate.column_cuts`
-is tried and the cheapest in total work wins::
+is tried and the cheapest in total work wins (each piece's output, charged to its holders, included)::
 
     dim 128, 4 pieces of 32 columns, each in 2 row blocks on one host:
     cols  0..31   32..63   64..95   96..127
@@ -52,6 +52,7 @@ def _place_cut(
 ) -> Placement | None:
     """Place the pieces in turn, each charged to ``ranks`` before the next; then undo the charges."""
     pieces: list[Piece] = []
+    charges: list[tuple[int, float]] = []
     saved: dict[int, tuple[float, float]] = {}
     try:
         for gp in cut:
@@ -66,11 +67,11 @@ def _place_cut(
             placed = fill_host_rows(opt, work, part, ranks, limit, cands, level)
             if placed is None:
                 return None
-            for p in placed.pieces:
-                if p.rank not in saved:
-                    saved[p.rank] = (ranks.load[p.rank], ranks.free[p.rank])
-                ranks.add(p.rank, p.cost, p.mem)
+            touched = [p.rank for p in placed.pieces] + [r for r, _ in placed.charges]
+            saved.update({r: v for r, v in ranks.snapshot(touched).items() if r not in saved})
+            placed.charge(ranks)
             pieces.extend(placed.pieces)
-        return Placement(table=opt.table, kind=ShardingType.GRID_SHARD, pieces=tuple(pieces))
+            charges.extend(placed.charges)
+        return Placement(table=opt.table, kind=ShardingType.GRID_SHARD, pieces=tuple(pieces), charges=tuple(charges))
     finally:
         ranks.restore(saved)

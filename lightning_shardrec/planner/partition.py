@@ -109,8 +109,7 @@ def pack(
             if not keep_going:
                 break
             continue
-        for p in placement.pieces:
-            ranks.add(p.rank, p.cost, p.mem)
+        placement.charge(ranks)
         placed.append(placement)
     return placed, failed, ranks
 

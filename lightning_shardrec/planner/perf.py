@@ -9,12 +9,13 @@ a shard of ``rows x cols`` holding the share ``f = rows / table_rows``:
 - row_wise: ids bucketized to row owners (``f`` of them, uniform ids), lookup ``f`` of
   the work, and every owner reduce-scatters a full ``[B*Q, cols]`` partial over all
   ranks (``(W-1)/W`` of it leaves the rank; charged at one NIC per GPU).
-- table_row_wise: as row_wise, but the partial is reduce-scattered inside the host
-  (``1 - f`` of it leaves the rank over the intra-host link: the reduce-scatter hands
-  each rank the share of the batch that matches its share of the rows), and each rank
-  sends its reduced share, ``f`` of ``[B*Q, cols]``, to the sources.
-- grid_shard: each column piece is table_row_wise over ranks of one host; a shard is a
-  block of rows of a piece ``cols`` wide, costed as table_row_wise (``f`` of all rows).
+- table_row_wise / grid_shard (a grid table's column pieces, each row-blocked inside one
+  host): a block costs its ids and lookup as row_wise. The pooled output is reduced among
+  the piece's ``k`` holders only (``distributed/hierarchy.py``),
+  :func:`holder_output_seconds` per holder: of its ``[B*Q, cols]`` partial, ``(k-1)/k``
+  goes to the other holders (intra-host link; each sums its chunk of the sources) and its
+  summed ``1/k`` goes to the sources as an all-to-all. Ranks of the host that hold no
+  block of the piece pay nothing for it.
 - data_parallel: local lookups only; backward all-reduces the whole table gradient
   (``rows*dim*4`` bytes) and the dense optimizer updates the whole table.
 
@@ -104,15 +105,49 @@ def _row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
 
 
 def _table_row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
+    """A block's ids and lookup; its output is :func:`holder_output_seconds`, charged per holder."""
     if t.sequence:
         return _table_wise(t, w, rows, cols)
+    ids = w.global_batch * t.ids_per_sample * rows / t.rows
+    return a2a_seconds(ids * ID_BYTES, w.topology) + _compute(t, w, ids, cols)
+
+
+def holder_output_seconds(t: TableSpec, w: Workload, cols: int, holders: int) -> float:
+    """What a pooled table_row_wise table or grid piece ``cols`` wide costs each of its ``holders`` (k).
+
+    Of the holder's ``[B*Q, cols]`` partial (``P`` bytes): ``2 (k-1)/k P`` over the intra-host
+    link (step 1 and its backward), then ``2 P/k`` as an all-to-all split by destination
+    (:func:`a2a_seconds`; step 2 and the gradient back). Sequence tables: 0 (their rows go
+    straight back, costed per shard).
+    """
+    if t.sequence:
+        return 0.0
     topo = w.topology
-    frac = rows / t.rows
-    ids = w.global_batch * t.ids_per_sample * frac
     partial = w.global_batch * t.bags_per_sample * cols * OUT_BYTES
-    inside = _over(2 * partial * (1 - frac), float(topo.intra_host_bw))  # type: ignore[arg-type]
-    comm = a2a_seconds(ids * ID_BYTES + 2 * partial * frac, topo) + inside
-    return comm + _compute(t, w, ids, cols)
+    inside = 2 * partial * (holders - 1) / holders
+    return _over(inside, float(topo.intra_host_bw)) + a2a_seconds(2 * partial / holders, topo)  # type: ignore[arg-type]
+
+
+def host_charges(
+    t: TableSpec, w: Workload, kind: ShardingType, shards: list[tuple[int, int, int]]
+) -> dict[int, float]:
+    """Per rank, the :func:`holder_output_seconds` of a table's shards ``(rank, col0, cols)``.
+
+    A piece's holders on one host each pay once for it, ``k`` = how many ranks of that host
+    hold its blocks (table_row_wise and grid_shard; other types: none).
+    """
+    if kind not in HOST_OUTPUT:
+        return {}
+    topo = w.topology
+    pieces: dict[tuple[int, int, int], set[int]] = {}
+    for r, c0, cols in shards:
+        pieces.setdefault((topo.host_of(r), c0, cols), set()).add(r)
+    out: dict[int, float] = {}
+    for (_, _, cols), holders in sorted(pieces.items()):
+        seconds = holder_output_seconds(t, w, cols, len(holders))
+        for r in holders:
+            out[r] = out.get(r, 0.0) + seconds
+    return out
 
 
 def _data_parallel(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
@@ -135,6 +170,10 @@ PERF: dict[ShardingType, Callable[[TableSpec, Workload, int, int], float]] = {
 }
 
 
+#: sharding types whose pooled output is charged per holder (:func:`host_charges`)
+HOST_OUTPUT = frozenset({ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD})
+
+
 def shard_perf(table: TableSpec, work: Workload, kind: ShardingType, rows: int, cols: int) -> float:
-    """Seconds per step a ``rows x cols`` shard of ``table`` costs its rank."""
+    """Seconds per step a ``rows x cols`` shard of ``table`` costs its rank (plus :func:`host_charges`)."""
     return PERF[kind](table, work, rows, cols)

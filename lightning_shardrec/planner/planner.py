@@ -13,7 +13,7 @@ from lightning_shardrec.configs import EmbOptimType
 from lightning_shardrec.errors import PlannerError
 from lightning_shardrec.planner.enumerate import TableOptions, prefers_data_parallel, table_options
 from lightning_shardrec.planner.partition import Placement, RankLoads, partition
-from lightning_shardrec.planner.perf import Workload, shard_perf
+from lightning_shardrec.planner.perf import Workload, host_charges, shard_perf
 from lightning_shardrec.planner.sharding_plan import GiB, PlanStats, ShardingPlan
 from lightning_shardrec.planner.storage import resident_bytes, shard_storage
 from lightning_shardrec.planner.tables import TablesInput, TableSpec, find_tables, table_specs
@@ -182,6 +182,9 @@ class EmbeddingShardingPlanner:
             load[s.rank] += seconds
             used[s.rank] += nbytes
             owners.setdefault(s.rank, []).append(spec.name)
+        shards = [(s.rank, s.shard_offsets[1], s.shard_sizes[1]) for s in ps.shards]
+        for rank, seconds in host_charges(spec, self.work, ps.sharding_type, shards).items():
+            load[rank] += seconds
 
     def _too_big(self, opt: TableOptions, ranks: RankLoads) -> str:
         spec, cap = opt.table, self.topology.memory_cap

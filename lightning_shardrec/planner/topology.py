@@ -167,8 +167,16 @@ class Topology:
         return cls(world, **overrides)
 
 
+def local_world_size_from_env(world: int, environ: Mapping[str, str] | None = None) -> int:
+    """Ranks per host from LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE / NUM_NODES; else one host.
+
+    The one default both the planner (:meth:`Topology.from_process_group`) and the runtime
+    (``ShardingEnv``) use, so the hosts they assume agree. Values not dividing ``world`` are skipped.
+    """
+    return _local_world_size(world, os.environ if environ is None else environ)
+
+
 def _local_world_size(world: int, environ: Mapping[str, str]) -> int:
-    """Ranks per host from LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE / NUM_NODES; else one host."""
     for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
         value = environ.get(key, "")
         if value.isdigit() and int(value) > 0 and world % int(value) == 0:

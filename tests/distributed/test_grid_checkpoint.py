@@ -40,11 +40,21 @@ def blocks(rows: int, n: int, shift: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
-def plan_of(kind: str, world: int) -> dict[str, ParameterSharding]:
+def plan_of(kind: str, world: int, local: int | None = None) -> dict[str, ParameterSharding]:
+    """With ``local`` ranks per host, table-row-wise tables and grid pieces go inside hosts."""
     st = ShardingType(kind)
     out = {}
+    hosts = world // (local or world)
     for i, (name, (rows, dim)) in enumerate(TABLES.items()):
-        if st is ShardingType.GRID_SHARD:  # pieces cut into different row blocks, ranks rotated
+        if local is not None and st in (ShardingType.GRID_SHARD, ShardingType.TABLE_ROW_WISE):
+            cuts = CUTS[name] if st is ShardingType.GRID_SHARD else [(0, dim)]
+            shards = []
+            for j, (c, w) in enumerate(cuts):  # piece j of table i on host (i + j) % hosts, ranks reversed
+                host = (i + j) % hosts
+                ranks = list(range((host + 1) * local - 1, host * local - 1, -1))
+                cut = blocks(rows, min(local, rows), j)
+                shards += [ShardMetadata((a, c), (b - a, w), ranks[k]) for k, (a, b) in enumerate(cut)]
+        elif st is ShardingType.GRID_SHARD:  # pieces cut into different row blocks, ranks rotated
             shards = [
                 ShardMetadata((a, c), (b - a, w), (i + j + k) % world)
                 for j, (c, w) in enumerate(CUTS[name])
@@ -58,16 +68,18 @@ def plan_of(kind: str, world: int) -> dict[str, ParameterSharding]:
     return out
 
 
-def make(world: int, kind: str, optim: str):
+def make(world: int, kind: str, optim: str, local: int | None = None):
     from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig
     from lightning_shardrec.distributed import DistributedModelParallel
+    from lightning_shardrec.testing import local_world_size
 
     configs = [
         EmbeddingBagConfig(name=t, embedding_dim=d, num_embeddings=n, feature_names=[t]) for t, (n, d) in TABLES.items()
     ]
     ebc = EmbeddingBagCollection(configs)
-    plan = ShardingPlan({"": plan_of(kind, world)})
-    return DistributedModelParallel(ebc, plan=plan, device="cpu", embedding_optimizer=optim).sharded
+    plan = ShardingPlan({"": plan_of(kind, world, local)})
+    with local_world_size(local):
+        return DistributedModelParallel(ebc, plan=plan, device="cpu", embedding_optimizer=optim).sharded
 
 
 def fill(sharded) -> None:
@@ -113,31 +125,31 @@ def held(sharded) -> list[tuple[str, tuple, tuple, torch.Tensor, dict[str, torch
     return out
 
 
-def save_run(rank, world, kind, optim, path):
+def save_run(rank, world, kind, optim, path, local=None):
     from lightning_shardrec.checkpoint import save_sharded
 
-    sharded = make(world, kind, optim)
+    sharded = make(world, kind, optim, local)
     fill(sharded)
     save_sharded(path, sharded, {}, {}, rank)
 
 
-def load_run(rank, world, kind, optim, path):
+def load_run(rank, world, kind, optim, path, local=None):
     from lightning_shardrec.checkpoint import load_sharded
 
-    sharded = make(world, kind, optim)
+    sharded = make(world, kind, optim, local)
     blank(sharded)
     load_sharded(path, sharded, {}, rank)
     return held(sharded)
 
 
-def full_run(rank, world, save_kind, load_kind, optim):
+def full_run(rank, world, save_kind, load_kind, optim, local=None):
     """Gather a filled ``save_kind`` model's full state, load it into a blank ``load_kind`` model."""
     from lightning_shardrec.checkpoint import gather_full_state, load_full_state
 
-    source = make(world, save_kind, optim)
+    source = make(world, save_kind, optim, local)
     fill(source)
     weights, states = gather_full_state(source)
-    target = make(world, load_kind, optim)
+    target = make(world, load_kind, optim, local)
     blank(target)
     load_full_state(target, weights, states)
     return held(target)
@@ -151,7 +163,7 @@ def check(per_rank, saved_kind: str) -> None:
             rows, cols = torch.arange(r0, r0 + n), torch.arange(c0, c0 + d)
             want_w = cell(table, 0, rows, cols)
             torch.testing.assert_close(w, want_w, rtol=0, atol=0, msg=f"{table} weight at {(r0, c0)}")
-            saved_cols = [c for c, _ in CUTS[table]] if saved_kind != "row_wise" else [0]
+            saved_cols = [0] if saved_kind in ("row_wise", "table_row_wise") else [c for c, _ in CUTS[table]]
             for k, (name, t) in enumerate(sorted(state.items())):
                 if t.dim() == 2:
                     want = cell(table, 1 + k, rows, cols)
@@ -164,10 +176,13 @@ def check(per_rank, saved_kind: str) -> None:
     assert covered == {t: n * d for t, (n, d) in TABLES.items()}, covered
 
 
+# (world, kind, ranks per host: None = one host)
 MOVES = [
-    ((2, "grid_shard"), (3, "row_wise")),
-    ((3, "column_wise"), (2, "grid_shard")),
-    ((2, "grid_shard"), (3, "grid_shard")),
+    ((2, "grid_shard", None), (3, "row_wise", None)),
+    ((3, "column_wise", None), (2, "grid_shard", None)),
+    ((2, "grid_shard", None), (3, "grid_shard", None)),
+    ((2, "grid_shard", None), (4, "grid_shard", 2)),  # into pieces on 2 hosts of 2 ranks
+    ((4, "table_row_wise", 2), (3, "column_wise", None)),  # out of tables on 2 hosts
 ]
 
 
@@ -175,10 +190,17 @@ MOVES = [
 @pytest.mark.parametrize(("save", "load"), MOVES)
 def test_sharded_checkpoint_reshards_grid(tmp_path: Path, optim: str, save, load) -> None:
     path = str(tmp_path / "ckpt")
-    run_ranks(save_run, save[0], save[1], optim, path)
-    check(run_ranks(load_run, load[0], load[1], optim, path), save[1])
+    run_ranks(save_run, save[0], save[1], optim, path, save[2])
+    check(run_ranks(load_run, load[0], load[1], optim, path, load[2]), save[1])
 
 
-@pytest.mark.parametrize(("save_kind", "load_kind"), [("grid_shard", "row_wise"), ("column_wise", "grid_shard")])
-def test_full_state_moves_into_and_out_of_grid(save_kind: str, load_kind: str) -> None:
-    check(run_ranks(full_run, 3, save_kind, load_kind, "rowwise_adagrad"), save_kind)
+@pytest.mark.parametrize(
+    ("world", "save_kind", "load_kind", "local"),
+    [
+        (3, "grid_shard", "row_wise", None),
+        (3, "column_wise", "grid_shard", None),
+        (4, "grid_shard", "table_row_wise", 2),
+    ],
+)
+def test_full_state_moves_into_and_out_of_grid(world: int, save_kind: str, load_kind: str, local: int | None) -> None:
+    check(run_ranks(full_run, world, save_kind, load_kind, "rowwise_adagrad", local), save_kind)

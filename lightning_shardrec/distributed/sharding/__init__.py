@@ -1,7 +1,13 @@
-"""Sharding types, each mapped to the mechanism that runs it (a registry, not if/elif)."""
+"""Sharding types, each mapped to the mechanism that runs it (a registry, not if/elif).
+
+Row-wise tables reduce their pooled partials over all ranks (:class:`RowBlockSharding`);
+table-row-wise and grid tables, whose blocks share a host, reduce inside the host and
+send each source its share across hosts (:class:`HostRowBlockSharding`).
+"""
 
 from lightning_shardrec.distributed.sharding.base import EmbeddingSharding, KernelSetup, TableSharding
 from lightning_shardrec.distributed.sharding.data_parallel import DataParallelSharding
+from lightning_shardrec.distributed.sharding.host_blocks import HostRowBlockSharding
 from lightning_shardrec.distributed.sharding.piecewise import PiecewiseSharding
 from lightning_shardrec.distributed.sharding.row_blocks import RowBlockSharding
 from lightning_shardrec.planner import ShardingType
@@ -12,8 +18,8 @@ SHARDINGS: dict[ShardingType, type[EmbeddingSharding]] = {
     ShardingType.TABLE_WISE: PiecewiseSharding,
     ShardingType.COLUMN_WISE: PiecewiseSharding,
     ShardingType.ROW_WISE: RowBlockSharding,
-    ShardingType.TABLE_ROW_WISE: RowBlockSharding,
-    ShardingType.GRID_SHARD: RowBlockSharding,
+    ShardingType.TABLE_ROW_WISE: HostRowBlockSharding,
+    ShardingType.GRID_SHARD: HostRowBlockSharding,
     ShardingType.DATA_PARALLEL: DataParallelSharding,
 }
 
@@ -21,6 +27,7 @@ __all__ = [
     "SHARDINGS",
     "DataParallelSharding",
     "EmbeddingSharding",
+    "HostRowBlockSharding",
     "KernelSetup",
     "PiecewiseSharding",
     "RowBlockSharding",

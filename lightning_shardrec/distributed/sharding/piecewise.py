@@ -20,7 +20,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_grad, scale_grad
+from lightning_shardrec.distributed.comm import (
+    ColumnBlocks,
+    ShardingEnv,
+    all_to_all_grad,
+    all_to_all_pooled,
+    scale_grad,
+)
 from lightning_shardrec.distributed.input_dist import Routed, exchange, route_by_key, source_major
 from lightning_shardrec.distributed.sharding.base import (
     EmbeddingSharding,
@@ -71,8 +77,8 @@ class PiecewiseSharding(EmbeddingSharding):
         for _feature_col, (d, slot) in sorted(where.items()):
             width = widths_per_dest[d][slot]
             index.extend(range(slot_start[(d, slot)], slot_start[(d, slot)] + width))
-        identity = index == list(range(len(index)))
-        self.register_buffer("_columns", None if identity else torch.tensor(index), persistent=False)
+        # received [B_r, width from rank d] blocks -> group feature order, in one copy
+        self._layout = ColumnBlocks.from_columns(index, self.recv_widths, setup.device)
         # Sequence: per feature, its pieces' blocks in the routed order, by column.
         first_block = [sum(len(k) for k in keys_per_dest[:d]) for d in range(world)]
         self._blocks_of: list[list[int]] = [[] for _ in self.feature_names]
@@ -98,22 +104,7 @@ class PiecewiseSharding(EmbeddingSharding):
         return self.kernel(kjt)
 
     def output_dist(self, out: Tensor, batch_sizes: list[int]) -> Tensor:
-        me = self.env.rank
-        b = batch_sizes[me]
-        width = out.shape[1]
-        recv = all_to_all_grad(
-            out.reshape(-1),
-            [b * w for w in self.recv_widths],
-            [bs * width for bs in batch_sizes],
-            self.env,
-        )
-        parts = [
-            p.view(b, w) for p, w in zip(recv.split([b * w for w in self.recv_widths]), self.recv_widths, strict=True)
-        ]
-        pooled = torch.cat(parts, dim=1)
-        if self._columns is not None:
-            pooled = pooled.index_select(1, self._columns)
-        return scale_grad(pooled, 1.0 / self.env.world_size)
+        return all_to_all_pooled(out, batch_sizes, self._layout, 1.0 / self.env.world_size, self.env)
 
     def output_dist_sequence(self, rows: Tensor, ctx: SequenceDist) -> list[Tensor]:
         received = ctx.received

@@ -6,11 +6,13 @@ batch, ``[sum_s B_s, D]``, and a reduce-scatter adds the partials of source ``s`
 bags onto ``s``. Pooling is linear, so the sum of partial sums is the full sum;
 MEAN divides by the whole bag's length afterwards, on the source rank.
 
-Table-row-wise is the same mechanism with every block of a table on one host. Grid
-tables are cut into column pieces first, and each piece is row-blocked: the piece
+Table-row-wise and grid tables (every block of a table, or of a column piece, on
+one host) route ids the same way; their pooled output is summed among the blocks' holders
+(:class:`~lightning_shardrec.distributed.sharding.host_blocks.HostRowBlockSharding`).
+Grid tables are cut into column pieces first, and each piece is row-blocked: the piece
 is a sub-table, and each feature of a grid table becomes one *lane* per piece (its
 ids sent once per piece, to that piece's block). A lane's partial fills only its
-piece's columns of the feature, so the reduce-scatter assembles the full width::
+piece's columns of the feature, so the reduction assembles the full width::
 
     feature f of a 2 x 2 grid table (dim 8):  lanes (f, cols 0:4) and (f, cols 4:8)
     id 7 of f -> the block of piece 0 holding row 7, and the block of piece 1 holding row 7
@@ -39,7 +41,7 @@ from lightning_shardrec.sparse import KeyedJaggedTensor
 
 
 class RowBlockSharding(EmbeddingSharding):
-    """Row-wise, table-row-wise and grid tables of one collection."""
+    """Row-wise tables of one collection (and the id routing of table-row-wise and grid)."""
 
     def __init__(self, tables: list[TableSharding], env: ShardingEnv, setup: KernelSetup) -> None:
         super().__init__(tables, env, setup)
@@ -87,12 +89,15 @@ class RowBlockSharding(EmbeddingSharding):
         for d in self.feature_dims:
             offsets.append(offsets[-1] + d)
         self.width = offsets[-1]
-        cols: list[int] = []
-        for j in self.local_lanes:
-            f, i = lanes[j]
+        #: per lane: its columns of the group output, and the ranks holding a block of its piece
+        self.lane_columns: list[list[int]] = []
+        self.lane_ranks: list[set[int]] = []
+        for f, i in lanes:
             first = subs[i][1][0]
             c0 = offsets[f] + first.shard_offsets[1]
-            cols.extend(range(c0, c0 + first.shard_sizes[1]))
+            self.lane_columns.append(list(range(c0, c0 + first.shard_sizes[1])))
+            self.lane_ranks.append({s.rank for s in subs[i][1]})
+        cols = [c for j in self.local_lanes for c in self.lane_columns[j]]
         self._lanes = lanes
         self._identity = self._expand == list(range(len(self.feature_names)))
         self._every_lane = self.local_lanes == list(range(len(lanes)))

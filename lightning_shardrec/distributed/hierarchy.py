@@ -1,0 +1,176 @@
+"""Holders-only reduction of row-blocked pooled outputs: summed inside a host, then sent home.
+
+``L`` ranks per host (``ShardingEnv.local_world_size``); rank ``r = h*L + j`` is local rank
+``j`` of host ``h``. A *unit* is a column piece of a table together with the ranks of one
+host that hold its row blocks, its *holders* ``H`` (``k = |H|``). Every holder pools a
+partial ``[sum_s B_s, cols]`` of the unit for the global batch (rows by source). The
+sources are dealt to the holders in ``k`` contiguous chunks (source ``s`` to holder
+``s*k // W``), and two all-to-alls with uneven splits bring every source its sums::
+
+    W = 4, L = 2, a unit on ranks {0, 1} of host 0 (k = 2): chunk 0 = sources {0, 1}, chunk 1 = {2, 3}
+      (1) host all-to-all: rank 0 sends rank 1 its rows of sources 2, 3 and gets rank 1's rows
+          of sources 0, 1; each adds them to its own: rank 0 holds the sums [B_0+B_1, cols]
+      (2) world all-to-all: rank 0 sends [B_0, cols] to itself and [B_1, cols] to rank 1;
+          rank 1 sends [B_2, cols] to rank 2 and [B_3, cols] to rank 3
+      -> each source puts every unit's columns in the group's lane order (adds them where
+         one piece has holders on several hosts)
+
+Ranks that hold no block of a unit send and receive nothing for it; a rank with no block
+at all joins both all-to-alls with empty splits. Per holder, step (1) sends ``(k-1)/k`` of
+its ``[B_global, cols]`` partial inside the host and step (2) ``1/k`` of it to the sources.
+Backward runs the same all-to-alls in reverse (the gradient of a sum: the chunk's gradient
+sent to each of its ``k`` contributors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_grad
+
+
+def host_group(env: ShardingEnv) -> ShardingEnv:
+    """Collective over ``env``'s ranks (every rank, same order): this rank's host (rank = local index).
+
+    One host reuses ``env``'s group; one rank per host needs none. Otherwise every rank
+    creates all ``H`` host groups (same backend, ``env``'s timeout).
+    """
+    local, hosts = env.local_world_size, env.num_hosts
+    if hosts == 1:
+        return env
+    if local == 1:
+        return ShardingEnv(0, 1, None, 1)
+    ranks = dist.get_process_group_ranks(env.pg or dist.group.WORLD)  # group rank -> global rank
+    backend, timeout = dist.get_backend(env.pg), _timeout(env.pg)
+    host, _ = dist.new_subgroups_by_enumeration(
+        [[ranks[h * local + j] for j in range(local)] for h in range(hosts)], timeout=timeout, backend=backend
+    )
+    out = ShardingEnv(dist.get_rank(host), local, host, local)
+    if out.rank != env.rank % local:
+        raise RuntimeError(
+            f"host_group: rank {env.rank} got local index {out.rank}, expected {env.rank % local}; "
+            "the process group's global ranks must increase with its group ranks"
+        )
+    return out
+
+
+def _timeout(pg: dist.ProcessGroup | None) -> timedelta | None:
+    """The collective timeout of ``pg``'s backend, when torch exposes it (else the default)."""
+    group = pg or dist.group.WORLD
+    device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
+    try:
+        return group._get_backend(device).options._timeout  # type: ignore[union-attr]
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece's blocks on one host: ``holders`` (ranks, ascending), its group output ``columns``,
+    and ``local``: its columns ``[a, b)`` of this rank's kernel output (None: not a holder)."""
+
+    holders: tuple[int, ...]
+    columns: tuple[int, ...]
+    local: tuple[int, int] | None
+
+    def owner(self, source: int, world: int) -> int:
+        """Index in ``holders`` of the holder that sums ``source``'s rows."""
+        return source * len(self.holders) // world
+
+    def chunk(self, c: int, world: int) -> range:
+        """The sources holder ``c`` sums: a contiguous range, ``W/k`` of them (+-1)."""
+        k = len(self.holders)
+        return range(-(-c * world // k), -(-(c + 1) * world // k))
+
+
+class HolderExchange:
+    """The two all-to-alls of the module docstring, planned once for this rank's ``units``."""
+
+    def __init__(
+        self, units: list[Unit], width: int, env: ShardingEnv, host: ShardingEnv, device: torch.device
+    ) -> None:
+        rank, world, local = env.rank, env.world_size, env.local_world_size
+        self.env, self.host, self.width = env, host, width
+        self.units = units
+        self.mine = [u for u, unit in enumerate(units) if rank in unit.holders]
+        self.index = {u: units[u].holders.index(rank) for u in self.mine}
+        self.h0 = h0 = rank - rank % local
+        # step (1): per local rank q, the units both hold (not to itself: its own rows stay)
+        self.pairs = [[u for u in self.mine if h0 + q in units[u].holders and h0 + q != rank] for q in range(local)]
+        self.host_active = host.world_size > 1 and any(
+            len(x.holders) > 1 and x.holders[0] // local == rank // local for x in units
+        )
+        # step (2): per source, my units whose chunk it is in; per sender, its units whose chunk I am in
+        self.send_to = [[u for u in self.mine if units[u].owner(s, world) == self.index[u]] for s in range(world)]
+        self.recv_from = [
+            [u for u, x in enumerate(units) if r in x.holders and x.owner(rank, world) == x.holders.index(r)]
+            for r in range(world)
+        ]
+        cols = [c for us in self.recv_from for u in us for c in units[u].columns]
+        self.exclusive = sorted(cols) == list(range(width))
+        if sorted(set(cols)) != list(range(width)):
+            missing = sorted(set(range(width)) - set(cols))
+            raise ValueError(f"HolderExchange: output columns {missing} of {width} come from no unit")
+        inverse = [0] * width
+        for p, c in enumerate(cols):
+            inverse[c] = p
+        self.gather = torch.tensor(inverse if self.exclusive else cols, dtype=torch.long, device=device)
+
+    def __call__(self, partial: Tensor, batch_sizes: list[int]) -> Tensor:
+        """``partial [sum_s B_s, D_local]`` (this rank's kernel output) -> ``[B_r, width]`` summed."""
+        world = self.env.world_size
+        offsets = [0]
+        for b in batch_sizes:
+            offsets.append(offsets[-1] + b)
+
+        def rows(u: int, c: int) -> tuple[int, int]:
+            chunk = self.units[u].chunk(c, world)
+            return offsets[chunk.start], offsets[chunk.stop]
+
+        def cols(u: int) -> int:
+            return len(self.units[u].columns)
+
+        own = {u: _slice(partial, rows(u, self.index[u]), self.units[u].local) for u in self.mine}
+        anchor = partial.reshape(-1)[:0]  # keeps every rank's collectives in the graph
+        if self.host_active:
+            send, in_splits, out_splits = [anchor], [], []
+            for q, us in enumerate(self.pairs):
+                theirs = [rows(u, self.units[u].holders.index(self.h0 + q)) for u in us]
+                send.extend(
+                    _slice(partial, span, self.units[u].local).reshape(-1) for u, span in zip(us, theirs, strict=True)
+                )
+                in_splits.append(sum(_n(span) * cols(u) for u, span in zip(us, theirs, strict=True)))
+                out_splits.append(sum(_n(rows(u, self.index[u])) * cols(u) for u in us))
+            recv = all_to_all_grad(torch.cat(send), out_splits, in_splits, self.host)
+            anchor = recv[:0]
+            parts = recv.split([_n(rows(u, self.index[u])) * cols(u) for us in self.pairs for u in us])
+            for u, part in zip([u for us in self.pairs for u in us], parts, strict=True):
+                own[u] = own[u] + part.view(-1, cols(u))
+        send, in_splits = [anchor], []
+        for s, us in enumerate(self.send_to):
+            for u in us:
+                lo = offsets[s] - rows(u, self.index[u])[0]
+                send.append(own[u][lo : lo + batch_sizes[s]].reshape(-1))
+            in_splits.append(batch_sizes[s] * sum(cols(u) for u in us))
+        b = batch_sizes[self.env.rank]
+        out_splits = [b * sum(cols(u) for u in us) for us in self.recv_from]
+        recv = all_to_all_grad(torch.cat(send), out_splits, in_splits, self.env)
+        widths = [cols(u) for us in self.recv_from for u in us]
+        got = torch.cat([p.view(b, w) for p, w in zip(recv.split([b * w for w in widths]), widths, strict=True)], 1)
+        if self.exclusive:
+            return got.index_select(1, self.gather)
+        return got.new_zeros(b, self.width).index_add(1, self.gather, got)
+
+
+def _n(span: tuple[int, int]) -> int:
+    return span[1] - span[0]
+
+
+def _slice(partial: Tensor, span: tuple[int, int], local: tuple[int, int] | None) -> Tensor:
+    a, b = local  # type: ignore[misc]
+    return partial[span[0] : span[1], a:b]
