@@ -113,8 +113,10 @@ def main() -> None:
             )
             named["hung"] += code != 0 and "lightning_shardrec: rank 1 stopped (no heartbeat" in text
             hung.append(ended - fault_at(base / "hung", text))
-            assert job(base / "dead", "--resume")[0] == 0
-            assert job(base / "straight")[0] == 0
+            for out, extra in ((base / "dead", ["--resume"]), (base / "straight", [])):
+                code, text, _ = job(out, *extra)
+                if code != 0:
+                    raise RuntimeError(f"{out.name} {' '.join(extra)} failed:\n{text[-4000:]}")
             got = torch.load(base / "dead" / "final.pt", weights_only=True)
             want = torch.load(base / "straight" / "final.pt", weights_only=True)
             exact += all(torch.equal(got[k], want[k]) for k in want) and (base / "dead" / "ran").read_text() == "5"

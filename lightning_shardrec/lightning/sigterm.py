@@ -74,3 +74,8 @@ class LaggedSigterm:
         if self._loop is not None and _LOOP_CHECK in vars(self._loop):
             delattr(self._loop, _LOOP_CHECK)
         self._trainer = self._loop = None
+
+    def close(self) -> None:
+        """Destroy the group (after :meth:`remove`): a gloo group left to interpreter exit can abort it."""
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(self._group)

@@ -449,6 +449,8 @@ class ShardRecStrategy(DDPStrategy):
     def teardown(self) -> None:
         if self._sigterm is not None:  # after a failure too: give the loop its check back, wait for nobody
             self._sigterm.remove(wait=False)
+            self._sigterm.close()
+            self._sigterm = None
         if self.monitor is not None:
             self.monitor.stop()
             self.monitor = None
