@@ -1,0 +1,182 @@
+"""Checkpoints of a sharded model, as the Lightning strategy writes and reads them.
+
+Sharded (default): a DCP directory, each rank writing its shards, swapped into place
+atomically once every rank has finished. Full (``checkpoint_format="full"``): one file
+with gathered tables, written beside the target and renamed in. Both hold the fused
+optimizer state, are checked against the model before anything is loaded, never run
+pickled code, and load into any world size and plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.strategies import DDPStrategy
+from typing_extensions import override
+
+from lightning_shardrec.checkpoint import (
+    agree_failures,
+    dense_problems,
+    discard,
+    gather_full_state,
+    load_full_state,
+    load_sharded,
+    recover_interrupted,
+    save_file,
+    save_sharded,
+)
+from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.errors import CheckpointError
+from lightning_shardrec.lightning.pipeline import TrainPipeline
+from lightning_shardrec.optim import FusedOptimizer
+from lightning_shardrec.planner import ShardingPlan
+
+log = logging.getLogger(__name__)
+_FUSED_KEY = "shardrec_fused_optimizer"
+
+
+class ShardedCheckpointing(DDPStrategy):
+    """The checkpoint half of :class:`~lightning_shardrec.lightning.ShardRecStrategy`."""
+
+    sharded: dict[str, ShardedCollection]
+    plan: ShardingPlan | None
+    fused_optimizer: FusedOptimizer | None
+    pipeline: TrainPipeline | None
+    _checkpoint_format: str
+    _loaded_in_place: bool
+    _fused_states: Any
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # tables are restored into their shards, so the sharded model must exist
+
+    def _dense_state(self) -> dict[str, torch.Tensor]:
+        prefixes = tuple(f"{p}." for p in self.sharded)
+        state = self.lightning_module.state_dict()  # type: ignore[union-attr]
+        return {k: v for k, v in state.items() if not k.startswith(prefixes)}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the unsharded model's state dict (tables gathered), on every rank."""
+        if not self.sharded:
+            return self.lightning_module.state_dict()  # type: ignore[union-attr]
+        weights, _ = gather_full_state(self.sharded)
+        return {**self._dense_state(), **weights}
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self.sharded:
+            return super().lightning_module_state_dict()
+        if self._checkpoint_format == "sharded":
+            return self._dense_state()  # tables go to DCP in save_checkpoint
+        weights, self._fused_states = gather_full_state(self.sharded)
+        return {**self._dense_state(), **weights}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if not self.sharded or "state_dict" not in checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        assert self.fused_optimizer is not None
+        if self.pipeline is not None:
+            self.pipeline.patch_loader_states(checkpoint)
+        group = {k: v for k, v in self.fused_optimizer.param_groups[0].items() if k != "params"}
+        checkpoint["shardrec_plan"] = self.plan.to_json() if self.plan is not None else None
+        if self._checkpoint_format == "full":
+            checkpoint[_FUSED_KEY] = {"states": self._fused_states, "param_group": group}
+            return self._save_full(checkpoint, filepath, storage_options)
+        checkpoint[_FUSED_KEY] = {"param_group": group}
+        path = Path(self.broadcast(str(filepath)))
+        dense = checkpoint.pop("state_dict")
+        save_sharded(path, self.sharded, dense, checkpoint, self.global_rank)  # atomic; raises on every rank
+
+    def _save_full(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
+        """Rank 0 writes one file beside ``filepath`` and renames it into place; a failure raises on every rank."""
+        if type(self.checkpoint_io) is not TorchCheckpointIO or storage_options is not None or _remote(filepath):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # a custom or remote writer
+        error: BaseException | None = None
+        if self.is_global_zero:
+            try:
+                save_file(checkpoint, Path(filepath))
+            except Exception as e:  # agreed on below, so no rank waits in a barrier for rank 0
+                error = e
+        failures = agree_failures(error)
+        if failures:
+            failed = "\n  ".join(failures)
+            raise CheckpointError(
+                f"saving checkpoint '{filepath}' failed; what was there before is untouched:\n  {failed}"
+            ) from error
+        return None
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Rank 0 deletes a checkpoint file, link or directory, renaming it aside first (never half-deleted)."""
+        if _remote(filepath):
+            return super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            discard(Path(filepath))
+        return None
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not _remote(checkpoint_path):
+            if self.is_global_zero:
+                try:
+                    recover_interrupted(path)  # a save that died between its two renames
+                except OSError as e:
+                    log.warning("could not restore checkpoint %s from a half-finished save: %s", path, e)
+            self.barrier("shardrec_load_checkpoint")
+        if not (self.sharded and path.is_dir()):
+            return self._load_file(checkpoint_path, True if weights_only is None else weights_only)
+        meta = load_sharded(path, self.sharded, self._dense_state(), self.global_rank)
+        meta["state_dict"] = {}  # already loaded in place
+        self._loaded_in_place = True
+        return meta
+
+    def _load_file(self, checkpoint_path: Any, weights_only: bool) -> dict[str, Any]:
+        """Lightning's loader (``weights_only=True`` unless the caller trusts the file), errors made clear."""
+        try:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(
+                f"checkpoint '{checkpoint_path}' holds objects other than tensors and plain containers; refusing to "
+                f"load it (it could run code). Pass weights_only=False only for a file you trust. {e}"
+            ) from None
+        except (RuntimeError, EOFError) as e:
+            raise CheckpointError(f"checkpoint '{checkpoint_path}' is truncated or corrupt: {e}") from None
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self.sharded:
+            return super().load_model_state_dict(checkpoint, strict)
+        if self._loaded_in_place:
+            self._loaded_in_place = False
+            return None
+        prefixes = tuple(f"{p}." for p in self.sharded)
+        state = checkpoint["state_dict"]
+        rest = {k: v for k, v in state.items() if not k.startswith(prefixes)}
+        tables = {k: v for k, v in state.items() if k.startswith(prefixes)}
+        # every table and dense tensor is checked (on every rank) before anything is copied
+        load_full_state(self.sharded, tables, also=dense_problems(self._dense_state(), rest, strict))
+        self.lightning_module.load_state_dict(rest, strict=False)  # type: ignore[union-attr]
+        return None
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        fused = checkpoint.get(_FUSED_KEY)
+        if fused is not None and self.sharded:
+            if "states" in fused:
+                load_full_state(self.sharded, states=fused["states"])
+            if self.fused_optimizer is not None:
+                self.fused_optimizer.param_groups[0].update(fused["param_group"])
+
+
+def _remote(path: Any) -> bool:
+    return "://" in str(path)
