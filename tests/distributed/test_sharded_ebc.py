@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _plans import GLOBAL_BATCH, plan_of, splits
 from torch import nn
 
 from lightning_shardrec import (
@@ -21,11 +22,9 @@ from lightning_shardrec import (
     PoolingType,
 )
 from lightning_shardrec.planner import (
-    EmbeddingComputeKernel,
     ParameterSharding,
     ShardingPlan,
     ShardingType,
-    ShardMetadata,
 )
 from lightning_shardrec.testing import run_ranks
 
@@ -33,7 +32,6 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 TYPES = [t.value for t in ShardingType]
 # A mixed plan: a grid table and a row-wise table share one mechanism (one group).
 MIXED = {"grid_and_rows": {"t_big": "grid_shard", "t_small": "row_wise"}}
-GLOBAL_BATCH = 12
 STEPS = 3
 LR = 0.1
 FEATURES = ["f0", "f1", "f2"]
@@ -96,55 +94,18 @@ def kjt_of(bags, wts, lo: int, hi: int) -> KeyedJaggedTensor:
     )
 
 
-def row_blocks(rows: int, n: int) -> list[tuple[int, int]]:
-    """``n`` uneven row blocks ``(start, end)`` covering ``[0, rows)``."""
-    bounds = [0] + sorted({max(1, rows * (k + 1) // (n + 1) + k) for k in range(n - 1)}) + [rows]
-    return list(zip(bounds, bounds[1:], strict=False))
 
 
-def shards_for(st: ShardingType, i: int, rows: int, dim: int, world: int) -> list[ShardMetadata]:
-    """Table ``i``'s shards under ``st``, cut unevenly where the type allows."""
-    cuts = [(0, 4), (4, 4)] if dim == 8 else [(0, 8), (8, 4)]  # 12 = 8 + 4: not divisible by 8
-    if st is ShardingType.TABLE_WISE:
-        return [ShardMetadata((0, 0), (rows, dim), (i + 1) % world)]
-    if st is ShardingType.COLUMN_WISE:
-        return [ShardMetadata((0, c), (rows, w), (i + j) % world) for j, (c, w) in enumerate(cuts)]
-    if st is ShardingType.DATA_PARALLEL:
-        return [ShardMetadata((0, 0), (rows, dim), r) for r in range(world)]
-    if st is ShardingType.GRID_SHARD:  # each column piece in its own row blocks (a rank may hold two pieces)
-        return [
-            ShardMetadata((a, c), (b - a, w), (k + i + j) % world)
-            for j, (c, w) in enumerate(cuts)
-            for k, (a, b) in enumerate(row_blocks(rows, min(max(world - j, 1), rows)))
-        ]
-    # row-wise, table-row-wise: uneven blocks; fewer blocks than ranks when rows < world
-    return [
-        ShardMetadata((a, 0), (b - a, dim), (k + i) % world)
-        for k, (a, b) in enumerate(row_blocks(rows, min(world, rows)))
-    ]
+
+
+
+
 
 
 def plan_for(kind: str, world: int) -> dict[str, ParameterSharding]:
     """Every table with sharding type ``kind`` (or the types of a ``MIXED`` plan)."""
     shapes = {"t_big": (40, 8), "t_small": (2, 12)}
-    types = MIXED.get(kind) or {name: kind for name in shapes}
-    out = {}
-    for i, (name, (rows, dim)) in enumerate(shapes.items()):
-        st = ShardingType(types[name])
-        shards = shards_for(st, i, rows, dim, world)
-        kernel = EmbeddingComputeKernel.DENSE if st is ShardingType.DATA_PARALLEL else EmbeddingComputeKernel.FUSED
-        out[name] = ParameterSharding(st, kernel, [s.rank for s in shards], shards)
-    return out
-
-
-def splits(world: int, uneven: bool) -> list[int]:
-    if uneven and world > 1:  # a rank with batch 0, the rest uneven
-        sizes = [0] + [GLOBAL_BATCH // (world - 1)] * (world - 1)
-        sizes[-1] += GLOBAL_BATCH - sum(sizes)
-        return sizes
-    base = [GLOBAL_BATCH // world] * world
-    base[-1] += GLOBAL_BATCH - sum(base)
-    return base
+    return plan_of(MIXED.get(kind) or {name: kind for name in shapes}, shapes, world)
 
 
 def loss_fn(logits, label, world):

@@ -1,0 +1,57 @@
+"""Hand-made plans and batch splits shared by the sharded EBC/EC exactness tests."""
+
+from __future__ import annotations
+
+from lightning_shardrec.planner import EmbeddingComputeKernel, ParameterSharding, ShardingType, ShardMetadata
+
+GLOBAL_BATCH = 12
+
+
+def row_blocks(rows: int, n: int) -> list[tuple[int, int]]:
+    """``n`` uneven row blocks ``(start, end)`` covering ``[0, rows)``."""
+    bounds = [0] + sorted({max(1, rows * (k + 1) // (n + 1) + k) for k in range(n - 1)}) + [rows]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def shards_for(st: ShardingType, i: int, rows: int, dim: int, world: int) -> list[ShardMetadata]:
+    """Table ``i``'s shards under ``st``, cut unevenly where the type allows."""
+    cuts = [(0, 4), (4, 4)] if dim == 8 else [(0, 8), (8, 4)]  # 12 = 8 + 4: pieces of two widths
+    if st is ShardingType.TABLE_WISE:
+        return [ShardMetadata((0, 0), (rows, dim), (i + 1) % world)]
+    if st is ShardingType.COLUMN_WISE:
+        return [ShardMetadata((0, c), (rows, w), (i + j) % world) for j, (c, w) in enumerate(cuts)]
+    if st is ShardingType.DATA_PARALLEL:
+        return [ShardMetadata((0, 0), (rows, dim), r) for r in range(world)]
+    if st is ShardingType.GRID_SHARD:  # each column piece in its own row blocks (a rank may hold two pieces)
+        return [
+            ShardMetadata((a, c), (b - a, w), (k + i + j) % world)
+            for j, (c, w) in enumerate(cuts)
+            for k, (a, b) in enumerate(row_blocks(rows, min(max(world - j, 1), rows)))
+        ]
+    # row-wise, table-row-wise: uneven blocks; fewer blocks than ranks when rows < world
+    return [
+        ShardMetadata((a, 0), (b - a, dim), (k + i) % world)
+        for k, (a, b) in enumerate(row_blocks(rows, min(world, rows)))
+    ]
+
+
+def plan_of(types: dict[str, str], shapes: dict[str, tuple[int, int]], world: int) -> dict[str, ParameterSharding]:
+    """Table name -> its sharding under ``types[name]``, for tables of ``shapes`` (rows, dim)."""
+    out = {}
+    for i, (name, (rows, dim)) in enumerate(shapes.items()):
+        st = ShardingType(types[name])
+        shards = shards_for(st, i, rows, dim, world)
+        kernel = EmbeddingComputeKernel.DENSE if st is ShardingType.DATA_PARALLEL else EmbeddingComputeKernel.FUSED
+        out[name] = ParameterSharding(st, kernel, [s.rank for s in shards], shards)
+    return out
+
+
+def splits(world: int, uneven: bool) -> list[int]:
+    """Every rank's share of ``GLOBAL_BATCH``; ``uneven``: rank 0 gets none, the rest uneven."""
+    if uneven and world > 1:
+        sizes = [0] + [GLOBAL_BATCH // (world - 1)] * (world - 1)
+        sizes[-1] += GLOBAL_BATCH - sum(sizes)
+        return sizes
+    base = [GLOBAL_BATCH // world] * world
+    base[-1] += GLOBAL_BATCH - sum(base)
+    return base
