@@ -5,11 +5,16 @@ from __future__ import annotations
 import torch
 
 from lightning_shardrec._fbgemm import fbgemm_available
-from lightning_shardrec.configs import FusedOptimConfig
+from lightning_shardrec.configs import EmbOptimType, FusedOptimConfig
 from lightning_shardrec.errors import unknown_name
 from lightning_shardrec.kernels.base import BatchedEmbeddingKernel, KernelBackend, TableSpec
 from lightning_shardrec.kernels.fbgemm_kernel import FbgemmBatchedEmbedding, fbgemm_unsupported_reason
 from lightning_shardrec.kernels.torch_kernel import TorchBatchedEmbedding
+
+# Where the portable kernel trains faster than fbgemm 1.8's CPU TBE (benchmarks/kernel_bench.py,
+# docs/benchmarks.md "Kernels"): row-wise Adagrad, 1.6-1.7x. fbgemm stays faster for SGD and level
+# for Adagrad.
+TORCH_FASTER_ON_CPU = frozenset({EmbOptimType.ROWWISE_ADAGRAD})
 
 _BACKENDS: dict[KernelBackend, type[BatchedEmbeddingKernel]] = {
     KernelBackend.FBGEMM: FbgemmBatchedEmbedding,
@@ -30,10 +35,13 @@ def parse_backend(kernel: str | KernelBackend) -> KernelBackend:
 def choose_backend(
     kernel: str | KernelBackend, device: torch.device, optim: FusedOptimConfig, dims: list[int]
 ) -> KernelBackend:
-    """``auto`` -> fbgemm where it is installed and can run this optimizer/device/dims, else torch."""
+    """``auto`` -> fbgemm where it is installed, can run this optimizer/device/dims and is the
+    faster of the two there; else torch."""
     backend = parse_backend(kernel)
     if backend is not KernelBackend.AUTO:
         return backend
+    if device.type == "cpu" and optim.optimizer in TORCH_FASTER_ON_CPU:
+        return KernelBackend.TORCH
     if fbgemm_available() and fbgemm_unsupported_reason(device, optim, dims) is None:
         return KernelBackend.FBGEMM
     return KernelBackend.TORCH

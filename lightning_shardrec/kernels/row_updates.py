@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_shardrec.configs import EmbOptimType
@@ -33,6 +34,31 @@ def init_state(optimizer: EmbOptimType, rows: int, dim: int, device: torch.devic
     }[optimizer]()
 
 
+def write_rows(table: Tensor, rows: Tensor, values: Tensor) -> None:
+    """``table[rows] = values`` for a ``[R, D]`` table and unique ``rows [U]``.
+
+    On CPU ``index_copy_`` costs per element, not per byte, so fp32 rows whose
+    width is a multiple of 16 bytes are copied as complex128 words (bit-exact, 4x
+    fewer elements, about 1.5x faster on scattered rows).
+    """
+    if _wide_ok(table) and _wide_ok(values):
+        table.view(torch.complex128).index_copy_(0, rows, values.view(torch.complex128))
+    else:
+        table.index_copy_(0, rows, values)
+
+
+def _wide_ok(t: Tensor) -> bool:
+    return (
+        t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and t.dim() == 2
+        and t.shape[1] % 4 == 0
+        and t.stride(1) == 1
+        and t.stride(0) % 4 == 0
+        and t.storage_offset() % 4 == 0
+    )
+
+
 def _with_l2(weight: Tensor, rows: Tensor, grad: Tensor, hp: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
     w = weight.index_select(0, rows)
     wd = hp["weight_decay"]
@@ -41,22 +67,23 @@ def _with_l2(weight: Tensor, rows: Tensor, grad: Tensor, hp: Mapping[str, Any]) 
 
 def _sgd(weight: Tensor, rows: Tensor, grad: Tensor, state: State, hp: Mapping[str, Any]) -> None:
     w, g = _with_l2(weight, rows, grad, hp)
-    weight.index_copy_(0, rows, w - hp["lr"] * g)
+    write_rows(weight, rows, w - hp["lr"] * g)
 
 
 def _adagrad(weight: Tensor, rows: Tensor, grad: Tensor, state: State, hp: Mapping[str, Any]) -> None:
     w, g = _with_l2(weight, rows, grad, hp)
     s = state["sum"].index_select(0, rows).addcmul_(g, g)
-    state["sum"].index_copy_(0, rows, s)
-    weight.index_copy_(0, rows, w.addcdiv_(g, s.sqrt_().add_(hp["eps"]), value=-hp["lr"]))
+    write_rows(state["sum"], rows, s)
+    write_rows(weight, rows, w.addcdiv_(g, s.sqrt_().add_(hp["eps"]), value=-hp["lr"]))
 
 
 def _rowwise_adagrad(weight: Tensor, rows: Tensor, grad: Tensor, state: State, hp: Mapping[str, Any]) -> None:
     w, g = _with_l2(weight, rows, grad, hp)
-    s = state["sum"].index_select(0, rows) + g.pow(2).mean(1)
+    # mean(g**2) per row as |g|**2 / D: one fused pass over [U, D] instead of two
+    s = state["sum"].index_select(0, rows).add_(torch.linalg.vector_norm(g, dim=1).square_().div_(g.shape[1]))
     state["sum"].index_copy_(0, rows, s)
-    scale = hp["lr"] / (s.sqrt() + hp["eps"])
-    weight.index_copy_(0, rows, w - scale.unsqueeze(1) * g)
+    scale = s.sqrt_().add_(hp["eps"]).reciprocal_().mul_(hp["lr"])
+    write_rows(weight, rows, w.addcmul_(g, scale.unsqueeze(1), value=-1))
 
 
 def _adam_like(decoupled: bool) -> Rule:
@@ -72,11 +99,11 @@ def _adam_like(decoupled: bool) -> Rule:
         step = float(state["step"])  # incremented once per backward, before the rules run
         m = state["exp_avg"].index_select(0, rows).mul_(b1).add_(g, alpha=1 - b1)
         v = state["exp_avg_sq"].index_select(0, rows).mul_(b2).addcmul_(g, g, value=1 - b2)
-        state["exp_avg"].index_copy_(0, rows, m)
-        state["exp_avg_sq"].index_copy_(0, rows, v)
+        write_rows(state["exp_avg"], rows, m)
+        write_rows(state["exp_avg_sq"], rows, v)
         bias1, bias2 = 1 - b1**step, 1 - b2**step
         denom = (v.sqrt() / bias2**0.5).add_(eps)
-        weight.index_copy_(0, rows, w.addcdiv_(m, denom, value=-lr / bias1))
+        write_rows(weight, rows, w.addcdiv_(m, denom, value=-lr / bias1))
 
     return rule
 
@@ -92,8 +119,32 @@ RULES: dict[EmbOptimType, Rule] = {
 USES_STEP = frozenset({EmbOptimType.ADAM, EmbOptimType.ADAMW})
 
 
-def accumulate_rows(ids: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
-    """Sum per-id gradients ``[N, D]`` into unique rows: ``(rows [U], grad [U, D])``."""
-    rows, inverse = torch.unique(ids, return_inverse=True)
-    summed = grad.new_zeros(rows.numel(), grad.shape[1]).index_add_(0, inverse, grad)
+def accumulate_rows(
+    ids: Tensor,
+    grad: Tensor,
+    source: Tensor | None = None,
+    weights: Tensor | None = None,
+    *,
+    num_rows: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Sum per-id gradients into unique rows: ``(rows [U], grad [U, D])``.
+
+    Id ``i`` contributes ``grad[source[i]] * weights[i]`` (``source`` defaults to
+    ``i``): a pooled lookup passes its bag gradient ``[bags, D]`` and each id's bag,
+    so the ``[N, D]`` per-id gradient is never built. The ids are sorted (int32
+    keys where they fit: a radix sort with half the passes), and each row's
+    contributions are summed by one ``embedding_bag`` over the sorted order; the
+    stable sort keeps the batch order within a row, so the sum is deterministic.
+    ``num_rows`` (the table's rows) lets ids below 2**31 sort as int32.
+    """
+    narrow = num_rows is not None and num_rows <= torch.iinfo(torch.int32).max
+    _, order = (ids.int() if narrow else ids).sort(stable=True)
+    rows, counts = torch.unique_consecutive(ids.index_select(0, order), return_counts=True)
+    offsets = torch.zeros(rows.numel() + 1, dtype=torch.long, device=ids.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    index = order if source is None else source.long().index_select(0, order)
+    psw = None if weights is None else weights.to(grad.dtype).index_select(0, order)
+    summed = F.embedding_bag(
+        index, grad.contiguous(), offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
+    )
     return rows, summed

@@ -58,12 +58,10 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:  # type: ignore[override]
         ids, offsets, psw = ctx.saved_tensors
-        if offsets is not None:  # pooled: each id gets its bag's gradient
+        bag = None  # pooled: each id gets its bag's gradient
+        if offsets is not None:
             bag = ops.segment_ids(offsets[1:] - offsets[:-1], total=ids.numel())
-            grad = grad.index_select(0, bag)
-        if psw is not None:
-            grad = grad * psw.unsqueeze(1)
-        ctx.kernel.apply_update(ctx.group, ids, grad)
+        ctx.kernel.apply_update(ctx.group, ids, grad, bag, psw)
         return (None,) * 6
 
 
@@ -130,8 +128,11 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
 
     # --- update ---------------------------------------------------------------------
     @torch.no_grad()
-    def apply_update(self, g: _DimGroup, ids: Tensor, grad: Tensor) -> None:
-        rows, row_grad = row_updates.accumulate_rows(ids, grad)
+    def apply_update(
+        self, g: _DimGroup, ids: Tensor, grad: Tensor, source: Tensor | None = None, weights: Tensor | None = None
+    ) -> None:
+        """Apply the rule to the rows of ``ids``; id ``i``'s gradient is ``grad[source[i]] * weights[i]``."""
+        rows, row_grad = row_updates.accumulate_rows(ids, grad, source, weights, num_rows=g.rows)
         state = self._state(g)
         if "step" in state:
             state["step"].add_(1)

@@ -256,6 +256,8 @@ def test_choose_backend():
     assert choose_backend("auto", cpu, FusedOptimConfig(optimizer="sgd"), [6]) is KernelBackend.TORCH
     expected = KernelBackend.FBGEMM if fbgemm_available() else KernelBackend.TORCH
     assert choose_backend("auto", cpu, FusedOptimConfig(optimizer="adagrad"), [8]) is expected
+    # the portable kernel trains row-wise Adagrad faster than fbgemm's CPU TBE (docs/benchmarks.md)
+    assert choose_backend("auto", cpu, FusedOptimConfig(optimizer="rowwise_adagrad"), [8]) is KernelBackend.TORCH
     assert choose_backend("torch", cpu, FusedOptimConfig(optimizer="sgd"), [8]) is KernelBackend.TORCH
     # YAML writes enum names
     assert choose_backend("TORCH", cpu, FusedOptimConfig(optimizer="sgd"), [8]) is KernelBackend.TORCH
