@@ -1,7 +1,7 @@
 """End-to-end training throughput, side by side with the peers, in one run (issue 10).
 
     python benchmarks/e2e_bench.py [--rounds 3] [--warmup 10] [--steps 60] [--window 10]
-        [--variants shardrec,dmp_plain,torchrec_dmp,ddp_sparse,kernel_floor]
+        [--variants shardrec,dmp_plain,torchrec_dmp,ddp_sparse,kernel_floor,kernel_floor_torch]
         [--quick] [--no-profile] [--plot docs/e2e_throughput.png]
         [--write-docs docs/benchmarks.md]
 
@@ -25,6 +25,9 @@ Variants (each in fresh processes; one intra-op thread per rank):
   everything (element-wise on the tables: torch has no row-wise Adagrad).
 - ``kernel_floor``: one fbgemm TBE holding all 8 tables (exact row-wise Adagrad) + the
   MLPs, one process, one core, no framework. Two ranks on two cores reach 2x at best.
+- ``kernel_floor_torch``: the same job on our portable torch kernel, which
+  ``kernel="auto"`` picks for row-wise Adagrad on CPU (faster there than fbgemm's CPU
+  TBE): the floor for the kernel the ``shardrec`` variants actually run.
 
 Batches are generated once by this process (``SyntheticRecGenerator``, seed 0), saved
 as plain tensors, and every variant trains on the same ones (rank ``r`` of 2 takes rows
@@ -69,6 +72,7 @@ from _e2e_common import (  # noqa: E402
     LR,
     RankResult,
     StepTimer,
+    feature_names,
     load_batches,
     make_dense_arch,
     offsets_of,
@@ -81,8 +85,13 @@ from _e2e_common import (  # noqa: E402
 from _report import Stat, replace_section  # noqa: E402
 
 SECTION = "## End-to-end training"
-VARIANTS = ["shardrec", "shardrec_pipeline", "dmp_plain", "torchrec_dmp", "ddp_sparse", "kernel_floor"]
-WORLD = {"shardrec": 2, "shardrec_pipeline": 2, "dmp_plain": 2, "torchrec_dmp": 2, "ddp_sparse": 2, "kernel_floor": 1}
+VARIANTS = [
+    "shardrec", "shardrec_pipeline", "dmp_plain", "torchrec_dmp", "ddp_sparse", "kernel_floor", "kernel_floor_torch",
+]  # fmt: skip
+WORLD = {
+    "shardrec": 2, "shardrec_pipeline": 2, "dmp_plain": 2, "torchrec_dmp": 2, "ddp_sparse": 2,
+    "kernel_floor": 1, "kernel_floor_torch": 1,
+}  # fmt: skip
 TORCHREC_VENV = HERE / ".venv-torchrec"
 TORCHREC_WORKER = HERE / "_e2e_torchrec_worker.py"
 
@@ -228,6 +237,8 @@ def worker_shardrec(a: WorkerArgs) -> None:
             self.timer = StepTimer(a.warmup)
             self.losses: list[float] = []
             self.profiler = StepProfiler(a.warmup) if a.profile is not None else None
+            if self.profiler is not None:
+                _trace_collectives()
 
         def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
             self.timer.tick()
@@ -307,8 +318,12 @@ class StepProfiler:
     @staticmethod
     def _summarise(prof: Any) -> dict[str, Any]:
         top: dict[str, float] = {}
-        for e in prof.key_averages():  # self times partition the profiled time
-            key = _category(e.key)
+        for e in prof.events():  # self times partition the profiled time
+            key = _category(e.name)
+            parent = e.cpu_parent  # an op inside a kernel or a collective counts as that
+            while parent is not None and key not in (KERNELS, COLLECTIVES):
+                key = _SCOPES.get(parent.name, key)
+                parent = parent.cpu_parent
             top[key] = top.get(key, 0.0) + e.self_cpu_time_total / 1e3
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
         return {"top_ms": top, "table": table}
@@ -322,12 +337,48 @@ class StepProfiler:
         path.write_text(json.dumps(out))
 
 
+KERNELS = "embedding kernels (lookup, backward + row-wise adagrad; torch backend or fbgemm TBE)"
+COLLECTIVES = "collectives (gloo all-to-all / all-reduce / broadcast, incl. waiting for the peer)"
+# Scopes whose every nested op (and own self time) belongs to one kind: the torch kernel's
+# autograd Function, fbgemm's, and the collective calls and waits ``_trace_collectives`` marks.
+_SCOPES = {
+    "_FusedLookup": KERNELS,
+    "_FusedLookupBackward": KERNELS,
+    "_PooledAllToAll": COLLECTIVES,
+    "_PooledAllToAllBackward": COLLECTIVES,
+    "shardrec_bench::collective": COLLECTIVES,
+}
+
+
+def _trace_collectives() -> None:
+    """Mark every blocking collective call and ``Work.wait()`` as a profiler scope (profiled rank only),
+    so the time spent waiting inside them is not counted as the caller's Python."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    def traced(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with torch.profiler.record_function("shardrec_bench::collective"):
+                return fn(*args, **kwargs)
+
+        return call
+
+    for name in ("all_to_all_single", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"):
+        setattr(dist, name, traced(getattr(dist, name)))
+    dist.Work.wait = traced(dist.Work.wait)  # type: ignore[method-assign]
+
+
 def _category(name: str) -> str:
     """Group ops by their *self* time into what a reader can act on."""
-    if name.startswith("fbgemm::"):
-        return "embedding kernels (fbgemm TBE fwd, bwd + row-wise adagrad)"
+    if name in _SCOPES:
+        return _SCOPES[name]
+    if name.startswith("fbgemm::") or name.startswith("SplitLookupFunction"):
+        return KERNELS
     if name.startswith(("c10d::", "gloo:", "record_param_comms")) or "AllToAll" in name or "all_to_all" in name:
-        return "collectives (gloo all-to-all / all-reduce / broadcast, incl. waiting for the peer)"
+        return COLLECTIVES
     if name in ("aten::sqrt", "aten::addcmul_", "aten::addcdiv_", "aten::div", "aten::add_") or "_foreach" in name:
         return "element-wise math (mostly dense Adagrad: sqrt, addcmul_, addcdiv_)"
     if name in ("aten::mm", "aten::addmm", "aten::relu", "aten::threshold_backward", "aten::cat", "aten::sum"):
@@ -437,12 +488,53 @@ def worker_kernel_floor(a: WorkerArgs) -> None:
     ).write(a.out)
 
 
+def worker_kernel_floor_torch(a: WorkerArgs) -> None:
+    """The floor on our own kernel: the portable torch kernel (what ``kernel="auto"`` runs for
+    row-wise Adagrad on CPU) with all 8 tables, plus the MLPs, one process, no framework."""
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_shardrec import FusedOptimConfig, KeyedJaggedTensor
+    from lightning_shardrec.kernels import TableSpec, make_kernel
+
+    import_rss = rss_mib()
+    worker_env()
+    raw = load_batches(a.batches / "rank0.pt")[: a.warmup + a.steps]
+    keys = feature_names()
+    batches = [
+        (b["dense"], KeyedJaggedTensor(keys, b["values"], lengths=b["lengths"], stride=len(b["dense"])), b["labels"])
+        for b in raw
+    ]
+    specs = [TableSpec(name=f"t{i}", num_embeddings=n, embedding_dim=DIM) for i, n in enumerate(table_rows(a.shrink))]
+    optim = FusedOptimConfig(optimizer="rowwise_adagrad", lr=LR, eps=EPS)
+    kernel = make_kernel(specs, list(range(len(specs))), optim, pooled=True, device="cpu", kernel="torch")
+    with torch.no_grad():
+        for w in kernel.split_weights():
+            w.uniform_(-0.01, 0.01)
+    arch = make_dense_arch()
+    opt = torch.optim.Adagrad(arch.parameters(), lr=LR)
+    timer, losses = StepTimer(a.warmup), []
+    for dense, kjt, labels in batches:
+        timer.tick()
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(arch(dense, kernel(kjt)), labels)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    timer.tick()
+    RankResult(
+        a.variant, 0, 1, int(batches[0][0].shape[0]), timer.seconds, import_rss, peak_rss_mib(), losses,
+        "torch kernel, all 8 tables",
+    ).write(a.out)
+
+
 WORKERS = {
     "shardrec": worker_shardrec,
     "shardrec_pipeline": worker_shardrec,
     "dmp_plain": worker_dmp_plain,
     "ddp_sparse": worker_ddp_sparse,
     "kernel_floor": worker_kernel_floor,
+    "kernel_floor_torch": worker_kernel_floor_torch,
 }
 
 
@@ -633,6 +725,10 @@ def report(
         f"- shardrec / dmp_plain = {ratio('shardrec', 'dmp_plain')} (Lightning overhead target: >= 0.95)",
         f"- dmp_plain / torchrec_dmp = {ratio('dmp_plain', 'torchrec_dmp')}",
         f"- ddp_sparse / kernel_floor = {ratio('ddp_sparse', 'kernel_floor')}",
+        f"- kernel_floor_torch / kernel_floor = {ratio('kernel_floor_torch', 'kernel_floor')} "
+        "(our portable kernel vs fbgemm's CPU TBE, same one-core job)",
+        f"- shardrec / kernel_floor_torch = {ratio('shardrec', 'kernel_floor_torch')} "
+        "(against the floor on the kernel shardrec runs; 2.0 = two cores' ideal)",
         "",
     ]
     if plot is not None:

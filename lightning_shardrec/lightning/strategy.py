@@ -58,7 +58,8 @@ class ShardRecStrategy(ShardedCheckpointing):
         embedding_lr: the tables' lr, when it should differ from the derived one.
         constraints: per table name, what the planner may do with it.
         plan: a whole or partial plan (table name -> ``ParameterSharding``) to pin.
-        kernel: ``"auto"`` (fbgemm where it runs), ``"fbgemm"`` or ``"torch"``.
+        kernel: ``"auto"`` (fbgemm where it runs and is the faster; torch for rowwise_adagrad
+            on CPU), ``"fbgemm"`` or ``"torch"``.
         pipeline: overlap the next batch's input distribution (id all-to-alls, host-to-device copy)
             with this batch's forward/backward (see :mod:`lightning_shardrec.lightning.pipeline`);
             results are identical to ``pipeline=False``.

@@ -59,7 +59,7 @@ def test_e2e_bench_quick_runs_every_local_variant(tmp_path):
             str(BENCH / "e2e_bench.py"),
             "--quick",
             "--variants",
-            "shardrec,shardrec_pipeline,dmp_plain,ddp_sparse,kernel_floor",
+            "shardrec,shardrec_pipeline,dmp_plain,ddp_sparse,kernel_floor,kernel_floor_torch",
             "--plot",
             str(plot),
         ],
@@ -71,11 +71,12 @@ def test_e2e_bench_quick_runs_every_local_variant(tmp_path):
     assert out.returncode == 0, out.stderr[-4000:]
     text = out.stdout
     assert text.startswith("## End-to-end training")
-    for v in ("shardrec", "dmp_plain", "ddp_sparse", "kernel_floor"):
+    for v in ("shardrec", "dmp_plain", "ddp_sparse", "kernel_floor", "kernel_floor_torch"):
         row = next(ln for ln in text.splitlines() if ln.startswith(f"| {v} |"))
         assert "not run" not in row, row
     assert "| shardrec_pipeline |" in text  # the slot is kept
     assert "shardrec / kernel_floor = " in text
+    assert "shardrec / kernel_floor_torch = " in text
     try:
         import matplotlib  # noqa: F401
     except ImportError:
