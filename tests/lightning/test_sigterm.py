@@ -14,7 +14,7 @@ class _Loop:
         return "lightning's own check"
 
 
-def _batches(rank, world, signal_at):
+def _batches(rank, world, signal_at, every=1):
     import torch
     import torch.distributed as dist
     from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -23,10 +23,10 @@ def _batches(rank, world, signal_at):
 
     trainer = SimpleNamespace(received_sigterm=False, fit_loop=SimpleNamespace(epoch_loop=_Loop()))
     loop = trainer.fit_loop.epoch_loop
-    check = LaggedSigterm(dist.new_group(), torch.device("cpu"))
+    check = LaggedSigterm(dist.new_group(), torch.device("cpu"), every=every)
     assert check.install(trainer)
     stopped_at = None
-    for i in range(6):
+    for i in range(8):
         if rank == 0 and i == signal_at:
             trainer.received_sigterm = True  # only rank 0 got the signal
         try:
@@ -43,6 +43,23 @@ def test_every_rank_stops_one_batch_after_rank_0_got_sigterm(world):
     for rank, (stopped_at, restored) in enumerate(run_ranks(_batches, world, 2)):
         assert stopped_at == 3, f"rank {rank} stopped at batch {stopped_at}, expected 3"
         assert restored == "lightning's own check"
+
+
+@pytest.mark.parametrize(("signal_at", "expected"), [(0, 1), (1, 5), (4, 5)])
+def test_flag_sent_every_4_batches_stops_within_4(signal_at, expected):
+    # sent before batches 0, 4, 8, ...; read one batch after it was sent
+    for rank, (stopped_at, _) in enumerate(run_ranks(_batches, 2, signal_at, 4)):
+        assert stopped_at == expected, f"rank {rank} stopped at batch {stopped_at}, expected {expected}"
+        assert stopped_at - signal_at <= 4
+
+
+def test_every_must_be_positive():
+    import torch
+
+    from lightning_shardrec.lightning.sigterm import LaggedSigterm
+
+    with pytest.raises(ValueError, match="every must be >= 1 batch, got 0"):
+        LaggedSigterm(None, torch.device("cpu"), every=0)  # type: ignore[arg-type]
 
 
 def test_no_sigterm_no_stop_and_the_loop_gets_its_check_back():
