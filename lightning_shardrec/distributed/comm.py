@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -103,6 +103,13 @@ class ColumnBlocks:
     block: int
     widths: list[int]
     index: list[Tensor]  # per source, [widths[s] // block] output blocks
+    # per source, the same blocks as a slice when they are evenly spaced (a strided copy is
+    # about 2x an index_copy_ along dim 1 on CPU); None otherwise
+    slices: list[slice | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.slices:
+            object.__setattr__(self, "slices", [_as_slice(i.tolist()) for i in self.index])
 
     @staticmethod
     def from_columns(columns: list[int], widths: list[int], device: torch.device | None = None) -> ColumnBlocks:
@@ -122,6 +129,16 @@ class ColumnBlocks:
         blocks = [range(starts[s] // block, starts[s + 1] // block) for s in range(len(widths))]
         index = [torch.tensor([out_block[b] for b in bs], dtype=torch.long, device=device) for bs in blocks]
         return ColumnBlocks(block, list(widths), index)
+
+
+def _as_slice(blocks: list[int]) -> slice | None:
+    """``[2, 5, 8] -> slice(2, 9, 3)``; None unless the blocks are evenly spaced and ascending."""
+    if not blocks:
+        return None
+    step = blocks[1] - blocks[0] if len(blocks) > 1 else 1
+    if step <= 0 or any(b - a != step for a, b in zip(blocks, blocks[1:], strict=False)):
+        return None
+    return slice(blocks[0], blocks[-1] + 1, step)
 
 
 def all_to_all_pooled(
@@ -149,8 +166,11 @@ class _PooledAllToAll(torch.autograd.Function):
             recv = x.new_empty(sum(recv_splits))
             dist.all_to_all_single(recv, x.contiguous().reshape(-1), recv_splits, send_splits, group=env.pg)
         out = x.new_empty(b, sum(layout.widths) // g, g)
-        for part, w, index in zip(recv.split(recv_splits), layout.widths, layout.index, strict=True):
-            out.index_copy_(1, index, part.view(b, w // g, g))
+        for part, w, index, sl in zip(recv.split(recv_splits), layout.widths, layout.index, layout.slices, strict=True):
+            if sl is None:
+                out.index_copy_(1, index, part.view(b, w // g, g))
+            else:
+                out[:, sl].copy_(part.view(b, w // g, g))
         return out.view(b, sum(layout.widths))
 
     @staticmethod
@@ -159,8 +179,11 @@ class _PooledAllToAll(torch.autograd.Function):
         g = layout.block
         grad = grad.reshape(b, sum(layout.widths) // g, g)  # a view, also of a column slice of a wider gradient
         back = grad.new_empty(sum(recv_splits))
-        for part, w, index in zip(back.split(recv_splits), layout.widths, layout.index, strict=True):
-            torch.index_select(grad, 1, index, out=part.view(b, w // g, g))
+        for part, w, index, sl in zip(back.split(recv_splits), layout.widths, layout.index, layout.slices, strict=True):
+            if sl is None:
+                torch.index_select(grad, 1, index, out=part.view(b, w // g, g))
+            else:
+                part.view(b, w // g, g).copy_(grad[:, sl])
         if scale != 1.0:
             back.mul_(scale)
         if env.world_size == 1:

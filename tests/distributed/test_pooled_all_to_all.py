@@ -21,6 +21,10 @@ def test_column_blocks_finds_the_widest_block():
     assert identity.block == 4 and [i.tolist() for i in identity.index] == [[0], [1, 2]]
     odd = ColumnBlocks.from_columns([1, 0, 2], [2, 1])
     assert odd.block == 1 and [i.tolist() for i in odd.index] == [[1, 0], [2]]
+    # evenly spaced blocks are copied through a strided slice, the rest by index
+    assert layout.slices == [slice(0, 3, 2), slice(1, 4, 2)]
+    assert identity.slices == [slice(0, 1, 1), slice(1, 3, 1)]
+    assert odd.slices == [None, slice(2, 3, 1)]
 
 
 def test_column_blocks_rejects_a_non_permutation():
