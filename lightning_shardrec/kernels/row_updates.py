@@ -138,8 +138,9 @@ def accumulate_rows(
     ``num_rows`` (the table's rows) lets ids below 2**31 sort as int32.
     """
     narrow = num_rows is not None and num_rows <= torch.iinfo(torch.int32).max
-    _, order = (ids.int() if narrow else ids).sort(stable=True)
-    rows, counts = torch.unique_consecutive(ids.index_select(0, order), return_counts=True)
+    keys, order = (ids.int() if narrow else ids).sort(stable=True)
+    rows, counts = torch.unique_consecutive(keys, return_counts=True)
+    rows = rows.long()
     offsets = torch.zeros(rows.numel() + 1, dtype=torch.long, device=ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
     index = order if source is None else source.long().index_select(0, order)
