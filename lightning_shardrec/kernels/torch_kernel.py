@@ -145,8 +145,9 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
             key = (tuple(row_offsets), ids.device)
             if key not in self._offset_cache:  # built once per feature set, not per batch
                 self._offset_cache[key] = torch.tensor(row_offsets, device=ids.device)
-            per_bag = self._offset_cache[key].repeat_interleave(kjt.stride())
-            ids = ids + per_bag.repeat_interleave(kjt.lengths().long(), output_size=ids.numel())
+            if kjt.stride():  # each feature's ids, [F] counts from its first and last bag's offsets
+                per_key = kjt.offsets()[:: kjt.stride()].diff().long()
+                ids = ids + self._offset_cache[key].repeat_interleave(per_key, output_size=ids.numel())
         offsets = kjt.offsets().long() if self.pooled else None
         psw = kjt.weights_or_none()
         placeholder = torch.empty(0, device=ids.device, requires_grad=torch.is_grad_enabled())
