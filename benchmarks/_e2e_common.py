@@ -109,6 +109,28 @@ class StepTimer:
         self._last = now
 
 
+def train_timed(
+    batches: list[tuple[Any, ...]], forward: Any, opt: Any, warmup: int
+) -> tuple[list[float], list[float]]:
+    """The plain loop every non-Lightning variant times: ``(*inputs, labels)`` per batch,
+    BCE-with-logits of ``forward(*inputs)``, backward, ``opt`` step.
+
+    Returns ``(step seconds after warmup, losses)``.
+    """
+    import torch.nn.functional as F
+
+    timer, losses = StepTimer(warmup), []
+    for *inputs, labels in batches:
+        timer.tick()
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(forward(*inputs), labels)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    timer.tick()
+    return timer.seconds, losses
+
+
 @dataclass
 class RankResult:
     variant: str

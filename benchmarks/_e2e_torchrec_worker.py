@@ -21,20 +21,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import torchrec  # noqa: E402
 from _e2e_common import (  # noqa: E402
     DIM,
     EPS,
     LR,
     RankResult,
-    StepTimer,
     feature_names,
     load_batches,
     make_dense_arch,
     peak_rss_mib,
     rss_mib,
     table_rows,
+    train_timed,
     worker_env,
 )
 from torch import nn  # noqa: E402
@@ -97,17 +96,9 @@ def main() -> None:
     dense_opt = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.Adagrad(ps, lr=LR)
     )
-    timer, losses = StepTimer(a.warmup), []
-    for dense, kjt, labels in batches:
-        timer.tick()
-        dense_opt.zero_grad()
-        loss = F.binary_cross_entropy_with_logits(dmp(dense, kjt), labels)
-        loss.backward()
-        dense_opt.step()
-        losses.append(loss.item())
-    timer.tick()
+    seconds, losses = train_timed(batches, dmp, dense_opt, a.warmup)
     RankResult(
-        "torchrec_dmp", rank, world, int(batches[0][0].shape[0]), timer.seconds, IMPORT_RSS, peak_rss_mib(), losses,
+        "torchrec_dmp", rank, world, int(batches[0][0].shape[0]), seconds, IMPORT_RSS, peak_rss_mib(), losses,
         plan_summary(dmp.plan),
     ).write(a.out)  # fmt: skip
     dist.destroy_process_group()
