@@ -12,7 +12,7 @@ from lightning_shardrec.kernels.fbgemm_kernel import FbgemmBatchedEmbedding, fbg
 from lightning_shardrec.kernels.torch_kernel import TorchBatchedEmbedding
 
 # Where the portable kernel trains faster than fbgemm 1.8's CPU TBE (benchmarks/kernel_bench.py,
-# docs/benchmarks.md "Kernels"): row-wise Adagrad, 1.6-1.7x. fbgemm stays faster for SGD and level
+# docs/benchmarks.md "Kernels"): row-wise Adagrad, 1.5-1.8x. fbgemm stays faster for SGD and level
 # for Adagrad.
 TORCH_FASTER_ON_CPU = frozenset({EmbOptimType.ROWWISE_ADAGRAD})
 
