@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+
+from lightning_shardrec import KeyedJaggedTensor
 from lightning_shardrec.planner import EmbeddingComputeKernel, ParameterSharding, ShardingType, ShardMetadata
 
 GLOBAL_BATCH = 12
@@ -55,3 +58,40 @@ def splits(world: int, uneven: bool) -> list[int]:
     base = [GLOBAL_BATCH // world] * world
     base[-1] += GLOBAL_BATCH - sum(base)
     return base
+
+
+def random_steps(seed: int, weighted: bool, rows: dict[str, int], steps: int) -> list[tuple]:
+    """``steps`` global batches ``(bags, weights, dense [G, 3], labels [G])`` as plain lists, so every
+    rank can slice its part; 0-3 ids per bag, and feature ``f1`` empty in half the samples."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        bags = {
+            f: [
+                torch.randint(0, n_rows, (int(n),), generator=g).tolist()
+                for n in torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)
+            ]
+            for f, n_rows in rows.items()
+        }
+        for i in range(GLOBAL_BATCH // 2):
+            bags["f1"][i] = []
+        wts = (
+            {f: [torch.rand(len(b), generator=g).add(0.5).tolist() for b in bags[f]] for f in rows}
+            if weighted
+            else None
+        )
+        dense = torch.randn(GLOBAL_BATCH, 3, generator=g)
+        label = torch.rand(GLOBAL_BATCH, generator=g).round()
+        out.append((bags, wts, dense, label))
+    return out
+
+
+def kjt_of(bags: dict, wts: dict | None, lo: int, hi: int) -> KeyedJaggedTensor:
+    """Samples ``[lo, hi)`` of one of :func:`random_steps`' batches, features in ``bags``' order."""
+    features = list(bags)
+    lengths = [len(bags[f][i]) for f in features for i in range(lo, hi)]
+    values = [v for f in features for i in range(lo, hi) for v in bags[f][i]]
+    weights = None if wts is None else torch.tensor([w for f in features for i in range(lo, hi) for w in wts[f][i]])
+    return KeyedJaggedTensor(
+        features, torch.tensor(values, dtype=torch.long), weights, torch.tensor(lengths, dtype=torch.long)
+    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _plans import GLOBAL_BATCH, kjt_of, random_steps
 from torch import nn
 
 from lightning_shardrec import (
@@ -34,7 +35,6 @@ from lightning_shardrec.planner import (
 from lightning_shardrec.testing import local_world_size, run_ranks
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-GLOBAL_BATCH = 12
 STEPS = 3
 LR = 0.1
 # name: (rows, dim, features); t_c has fewer rows than some hosts have ranks
@@ -154,36 +154,7 @@ def plan_for(kind: str, world: int, local: int) -> dict[str, ParameterSharding]:
 
 
 def make_data(seed: int, weighted: bool) -> list[tuple]:
-    g = torch.Generator().manual_seed(seed)
-    steps = []
-    for _ in range(STEPS):
-        bags = {
-            f: [
-                torch.randint(0, ROWS[f], (int(n),), generator=g).tolist()
-                for n in torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)
-            ]
-            for f in FEATURES
-        }
-        for i in range(GLOBAL_BATCH // 2):  # a feature empty in half the samples
-            bags["f1"][i] = []
-        wts = (
-            {f: [torch.rand(len(b), generator=g).add(0.5).tolist() for b in bags[f]] for f in FEATURES}
-            if weighted
-            else None
-        )
-        steps.append(
-            (bags, wts, torch.randn(GLOBAL_BATCH, 3, generator=g), torch.rand(GLOBAL_BATCH, generator=g).round())
-        )
-    return steps
-
-
-def kjt_of(bags: dict, wts: dict | None, lo: int, hi: int) -> KeyedJaggedTensor:
-    lengths = [len(bags[f][i]) for f in FEATURES for i in range(lo, hi)]
-    values = [v for f in FEATURES for i in range(lo, hi) for v in bags[f][i]]
-    weights = None if wts is None else torch.tensor([w for f in FEATURES for i in range(lo, hi) for w in wts[f][i]])
-    return KeyedJaggedTensor(
-        FEATURES, torch.tensor(values, dtype=torch.long), weights, torch.tensor(lengths, dtype=torch.long)
-    )
+    return random_steps(seed, weighted, ROWS, STEPS)
 
 
 def splits(world: int, uneven: bool) -> list[int]:

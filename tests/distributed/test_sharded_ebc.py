@@ -11,14 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _plans import GLOBAL_BATCH, plan_of, splits
+from _plans import GLOBAL_BATCH, kjt_of, plan_of, random_steps, splits
 from torch import nn
 
 from lightning_shardrec import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     FusedOptimConfig,
-    KeyedJaggedTensor,
     PoolingType,
 )
 from lightning_shardrec.planner import (
@@ -60,38 +59,8 @@ class Rec(nn.Module):
         return self.top(torch.cat([dense, pooled], 1)).squeeze(1), pooled
 
 
-def make_data(seed: int, weighted: bool):
-    """STEPS global batches as plain lists, so every rank can slice its part."""
-    g = torch.Generator().manual_seed(seed)
-    steps = []
-    for _ in range(STEPS):
-        bags = {
-            f: [
-                torch.randint(0, ROWS[f], (int(n),), generator=g).tolist()
-                for n in torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)
-            ]
-            for f in FEATURES
-        }
-        for i in range(GLOBAL_BATCH // 2):  # a feature empty in half the samples
-            bags["f1"][i] = []
-        wts = (
-            {f: [torch.rand(len(b), generator=g).add(0.5).tolist() for b in bags[f]] for f in FEATURES}
-            if weighted
-            else None
-        )
-        dense = torch.randn(GLOBAL_BATCH, 3, generator=g)
-        label = torch.rand(GLOBAL_BATCH, generator=g).round()
-        steps.append((bags, wts, dense, label))
-    return steps
-
-
-def kjt_of(bags, wts, lo: int, hi: int) -> KeyedJaggedTensor:
-    lengths = [len(bags[f][i]) for f in FEATURES for i in range(lo, hi)]
-    values = [v for f in FEATURES for i in range(lo, hi) for v in bags[f][i]]
-    weights = None if wts is None else torch.tensor([w for f in FEATURES for i in range(lo, hi) for w in wts[f][i]])
-    return KeyedJaggedTensor(
-        FEATURES, torch.tensor(values, dtype=torch.long), weights, torch.tensor(lengths, dtype=torch.long)
-    )
+def make_data(seed: int, weighted: bool) -> list[tuple]:
+    return random_steps(seed, weighted, ROWS, STEPS)
 
 
 
