@@ -58,9 +58,8 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:  # type: ignore[override]
         ids, offsets, psw = ctx.saved_tensors
-        bag = None  # pooled: each id gets its bag's gradient
-        if offsets is not None:
-            bag = ops.segment_ids(offsets[1:] - offsets[:-1], total=ids.numel())
+        # pooled: each id reads its bag's gradient row; sequence: its own
+        bag = None if offsets is None else ops.segment_ids(offsets[1:] - offsets[:-1], total=ids.numel())
         ctx.kernel.apply_update(ctx.group, ids, grad, bag, psw)
         return (None,) * 6
 
