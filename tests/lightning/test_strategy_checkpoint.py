@@ -21,7 +21,7 @@ STEPS = 8
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def fit(rank, world, steps, ckpt_in, ckpt_out, sharding_type, embedding_optimizer=None, fmt="sharded"):
+def fit(rank, world, steps, ckpt_in, ckpt_out, sharding_type, embedding_optimizer=None, fmt="sharded", kernel="auto"):
     import lightning_shardrec  # noqa: F401
     from lightning_shardrec import ParameterConstraints, ShardRecStrategy
 
@@ -37,10 +37,16 @@ def fit(rank, world, steps, ckpt_in, ckpt_out, sharding_type, embedding_optimize
 
         plan = {"t_big": pieces(120, [(0, 4), (4, 4)]), "t_mid": pieces(30, [(0, 8), (8, 4)])}
     strategy = ShardRecStrategy(
-        constraints=constraints, plan=plan, embedding_optimizer=embedding_optimizer, checkpoint_format=fmt
+        constraints=constraints,
+        plan=plan,
+        embedding_optimizer=embedding_optimizer,
+        checkpoint_format=fmt,
+        kernel=kernel,
     )
     t = trainer(strategy=strategy, devices=world, max_steps=steps)
     t.fit(Rec("adagrad"), data(GLOBAL_BATCH // world, STEPS), ckpt_path=ckpt_in)
+    if kernel != "auto":
+        assert {k.backend.value for s in strategy.sharded.values() for k in s.kernels()} == {kernel}
     if ckpt_out:
         t.save_checkpoint(ckpt_out)
     pieces = {t: len(p.shards) for t, p in strategy.plan.get_plan_for_module("ebc").items()}
@@ -115,6 +121,21 @@ def test_rowwise_state_of_column_pieces_survives_resume(tmp_path, fmt):
     half = str(tmp_path / "half.ckpt")
     run_ranks(fit, 2, STEPS // 2, None, half, "column_wise", "rowwise_adagrad", fmt)
     resumed, _ = run_ranks(fit, 2, STEPS, half, None, "column_wise", "rowwise_adagrad", fmt)[0]
+    for k in straight:
+        torch.testing.assert_close(resumed[k], straight[k], **TOL, msg=k)
+
+
+def test_rowwise_checkpoint_moves_from_fbgemm_to_the_torch_kernel(tmp_path):
+    """A checkpoint trained on fbgemm's TBE (kernel="auto" on CPU before the torch kernel became
+    the faster rowwise_adagrad) resumes on the torch kernel as if it had run there throughout."""
+    from lightning_shardrec._fbgemm import fbgemm_available
+
+    if not fbgemm_available():
+        pytest.skip("fbgemm not installed")
+    straight, _ = run_ranks(fit, 2, STEPS, None, None, "column_wise", "rowwise_adagrad", "sharded", "torch")[0]
+    half = str(tmp_path / "half.ckpt")
+    run_ranks(fit, 2, STEPS // 2, None, half, "column_wise", "rowwise_adagrad", "sharded", "fbgemm")
+    resumed, _ = run_ranks(fit, 2, STEPS, half, None, "column_wise", "rowwise_adagrad", "sharded", "auto")[0]
     for k in straight:
         torch.testing.assert_close(resumed[k], straight[k], **TOL, msg=k)
 
