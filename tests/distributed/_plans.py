@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from lightning_shardrec import KeyedJaggedTensor
 from lightning_shardrec.planner import EmbeddingComputeKernel, ParameterSharding, ShardingType, ShardMetadata
 
 GLOBAL_BATCH = 12
+TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def row_blocks(rows: int, n: int) -> list[tuple[int, int]]:
@@ -95,3 +97,29 @@ def kjt_of(bags: dict, wts: dict | None, lo: int, hi: int) -> KeyedJaggedTensor:
     return KeyedJaggedTensor(
         features, torch.tensor(values, dtype=torch.long), weights, torch.tensor(lengths, dtype=torch.long)
     )
+
+
+def assert_matches_unsharded(case, model, opt, steps: list[tuple], sizes: list[int], results: list, tables) -> None:
+    """Train the unsharded ``model`` (``model(dense, kjt) -> (logits, pooled)``, head ``model.top``,
+    tables ``model.ebc``) on whole :func:`random_steps` batches; every rank's ``(first pooled, shards,
+    top state)`` must match: its slice of the first forward, the head and each table assembled from shards."""
+    pooled_first = None
+    for bags, wts, dense, label in steps:
+        logits, pooled = model(dense, kjt_of(bags, wts, 0, GLOBAL_BATCH))
+        pooled_first = pooled.detach() if pooled_first is None else pooled_first
+        opt.zero_grad()
+        F.binary_cross_entropy_with_logits(logits, label, reduction="mean").backward()
+        opt.step()
+    lo = 0
+    for rank, ((first, _, top), size) in enumerate(zip(results, sizes, strict=True)):
+        torch.testing.assert_close(first, pooled_first[lo : lo + size], **TOL, msg=f"{case} rank {rank} forward")
+        for k, v in model.top.state_dict().items():
+            torch.testing.assert_close(top[k], v, **TOL, msg=f"{case} rank {rank} dense {k}")
+        lo += size
+    for table in tables:
+        want = model.ebc.embedding_bags[table].weight.detach()
+        got = torch.full_like(want, float("nan"))
+        for _, shards, _ in results:
+            for (r0, c0), w in shards.get(f"ebc.embedding_bags.{table}.weight", []):
+                got[r0 : r0 + w.shape[0], c0 : c0 + w.shape[1]] = w
+        torch.testing.assert_close(got, want, **TOL, msg=f"{case} table {table}")

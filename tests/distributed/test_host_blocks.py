@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _plans import GLOBAL_BATCH, kjt_of, random_steps
+from _plans import GLOBAL_BATCH, assert_matches_unsharded, kjt_of, random_steps
 from torch import nn
 
 from lightning_shardrec import (
@@ -34,7 +34,6 @@ from lightning_shardrec.planner import (
 )
 from lightning_shardrec.testing import local_world_size, run_ranks
 
-TOL = {"rtol": 1e-5, "atol": 1e-6}
 STEPS = 3
 LR = 0.1
 # name: (rows, dim, features); t_c has fewer rows than some hosts have ranks
@@ -203,26 +202,7 @@ def check(case: tuple, world: int, results: list[tuple]) -> None:
     kind, pooling, weighted, optim, uneven, seed = case
     model = Rec(PoolingType(pooling), weighted)
     opt = optimizer(model.parameters(), optim)
-    pooled_first = None
-    for bags, wts, dense, label in make_data(seed, weighted):
-        logits, pooled = model(dense, kjt_of(bags, wts, 0, GLOBAL_BATCH))
-        pooled_first = pooled.detach() if pooled_first is None else pooled_first
-        opt.zero_grad()
-        F.binary_cross_entropy_with_logits(logits, label, reduction="mean").backward()
-        opt.step()
-    lo = 0
-    for rank, ((first, _, top), size) in enumerate(zip(results, splits(world, uneven), strict=True)):
-        torch.testing.assert_close(first, pooled_first[lo : lo + size], **TOL, msg=f"{case} rank {rank} forward")
-        for k, v in model.top.state_dict().items():
-            torch.testing.assert_close(top[k], v, **TOL, msg=f"{case} rank {rank} dense {k}")
-        lo += size
-    for table in TABLES:
-        want = model.ebc.embedding_bags[table].weight.detach()
-        got = torch.full_like(want, float("nan"))
-        for _, shards, _ in results:
-            for (r0, c0), w in shards.get(f"ebc.embedding_bags.{table}.weight", []):
-                got[r0 : r0 + w.shape[0], c0 : c0 + w.shape[1]] = w
-        torch.testing.assert_close(got, want, **TOL, msg=f"{case} table {table}")
+    assert_matches_unsharded(case, model, opt, make_data(seed, weighted), splits(world, uneven), results, TABLES)
 
 
 VARIANTS = [("SUM", False, "sgd"), ("MEAN", True, "adagrad"), ("SUM", True, "adagrad"), ("MEAN", False, "sgd")]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _plans import GLOBAL_BATCH, kjt_of, plan_of, random_steps, splits
+from _plans import GLOBAL_BATCH, assert_matches_unsharded, kjt_of, plan_of, random_steps, splits
 from torch import nn
 
 from lightning_shardrec import (
@@ -27,7 +27,6 @@ from lightning_shardrec.planner import (
 )
 from lightning_shardrec.testing import run_ranks
 
-TOL = {"rtol": 1e-5, "atol": 1e-6}
 TYPES = [t.value for t in ShardingType]
 # A mixed plan: a grid table and a row-wise table share one mechanism (one group).
 MIXED = {"grid_and_rows": {"t_big": "grid_shard", "t_small": "row_wise"}}
@@ -115,36 +114,12 @@ def train_sharded(rank, world, cases, kernel="auto"):
     return results
 
 
-def reference(case, world):
+def check(case, world, results):
     kind, pooling, weighted, optim, uneven, seed = case
     model = Rec(PoolingType(pooling), weighted)
     opt = make_optimizers(model.parameters(), optim)
-    sizes = splits(world, uneven)
-    pooled_first = None
-    for bags, wts, dense, label in make_data(seed, weighted):
-        logits, pooled = model(dense, kjt_of(bags, wts, 0, GLOBAL_BATCH))
-        pooled_first = pooled.detach() if pooled_first is None else pooled_first
-        opt.zero_grad()
-        F.binary_cross_entropy_with_logits(logits, label, reduction="mean").backward()
-        opt.step()
-    return pooled_first, model, sizes
-
-
-def check(case, world, results):
-    pooled, model, sizes = reference(case, world)
-    lo = 0
-    for rank, (first, _, top) in enumerate(results):
-        torch.testing.assert_close(first, pooled[lo : lo + sizes[rank]], **TOL, msg=f"{case} rank {rank} forward")
-        for k, v in model.top.state_dict().items():
-            torch.testing.assert_close(top[k], v, **TOL, msg=f"{case} rank {rank} dense {k}")
-        lo += sizes[rank]
-    for table in ("t_big", "t_small"):
-        want = model.ebc.embedding_bags[table].weight.detach()
-        got = torch.full_like(want, float("nan"))
-        for _, shards, _ in results:
-            for (r0, c0), w in shards.get(f"ebc.embedding_bags.{table}.weight", []):
-                got[r0 : r0 + w.shape[0], c0 : c0 + w.shape[1]] = w
-        torch.testing.assert_close(got, want, **TOL, msg=f"{case} table {table}")
+    steps = make_data(seed, weighted)
+    assert_matches_unsharded(case, model, opt, steps, splits(world, uneven), results, ("t_big", "t_small"))
 
 
 def matrix(optim):
