@@ -1,6 +1,11 @@
 """Plan on paper: ``python -m lightning_shardrec.plan --tables tables.yaml --world-size 512``.
 
-Sizes a cluster you do not have: no process group, no GPU. ``tables.yaml``::
+Sizes a cluster you do not have: no process group, no GPU. It prints every assumption
+(hosts: 8 GPUs per host by default on cuda; memory per rank: the visible GPU's, else a
+named default; the reserve kept free for what is not a table; bandwidths; optimizer
+state), the plan, the estimated embedding step (ms/step and samples/s; lookups, their
+update and their communication only) and a verdict line (max rank GiB / capacity /
+headroom). ``tables.yaml``::
 
     modules:                       # module path -> tables (or a top-level `tables:` list)
       sparse.ebc:
@@ -33,11 +38,16 @@ from lightning_shardrec.configs import (
 )
 from lightning_shardrec.errors import PlannerError, unknown_name
 from lightning_shardrec.planner import (
+    DEVICE_DEFAULTS,
+    ComputeDevice,
     EmbeddingShardingPlanner,
     ParameterConstraints,
     ShardingPlan,
     Topology,
 )
+from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, cuda_capacity
+from lightning_shardrec.planner.storage import resident_bytes
+from lightning_shardrec.planner.tables import TRAIN_WEIGHT_BYTES, table_specs
 
 CONFIG_KEYS = ("name", "num_embeddings", "embedding_dim", "feature_names", "data_type")
 CONSTRAINT_KEYS = (
@@ -50,6 +60,7 @@ CONSTRAINT_KEYS = (
 )
 KINDS = {"bag": EmbeddingBagConfig, "sequence": EmbeddingConfig}
 GiB = 1024**3
+GPUS_PER_HOST = 8  # cuda default: real GPU machines have 8 per host
 
 
 def _table(entry: Any, where: str) -> tuple[BaseEmbeddingConfig, ParameterConstraints | None]:
@@ -105,17 +116,31 @@ def load_tables(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m lightning_shardrec.plan", description="Plan embedding sharding on paper."
+        prog="python -m lightning_shardrec.plan",
+        description="Plan embedding sharding on paper. Prints every assumption, the plan, the "
+        "estimated embedding step time and a memory verdict.",
     )
     p.add_argument("--tables", required=True, help="YAML file of tables (see module docstring)")
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument(
-        "--local-world-size", type=int, default=None, help="ranks per host (default: one host)"
+        "--local-world-size",
+        type=int,
+        default=None,
+        help=f"ranks per host (default: {GPUS_PER_HOST} for cuda, as on 8-GPU machines; one host for cpu)",
     )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--batch-size", type=int, required=True, help="per rank")
     p.add_argument(
-        "--memory-gib", type=float, default=None, help="table memory per rank (default: per device)"
+        "--memory-gib",
+        type=float,
+        default=None,
+        help="memory per rank (default: the visible GPU's total memory, else the device default)",
+    )
+    p.add_argument(
+        "--reserve",
+        type=float,
+        default=DEFAULT_RESERVE,
+        help=f"fraction of each rank's memory kept free for {RESERVED_FOR} (default {DEFAULT_RESERVE})",
     )
     p.add_argument("--optimizer", default="adagrad", choices=[o.value for o in EmbOptimType])
     p.add_argument("--fixed", default=None, help="JSON plan whose tables are kept as given")
@@ -123,30 +148,128 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def hosts(world_size: int, device: str, local_world_size: int | None) -> tuple[int, str]:
+    """Ranks per host and where that number comes from."""
+    if local_world_size is not None:
+        return local_world_size, "--local-world-size"
+    if device == "cpu":
+        return world_size, "default for cpu: one host"
+    if world_size <= GPUS_PER_HOST:
+        return world_size, f"default for cuda: one host of up to {GPUS_PER_HOST} GPUs"
+    if world_size % GPUS_PER_HOST:
+        raise ValueError(
+            f"--world-size {world_size} is not a multiple of the default {GPUS_PER_HOST} GPUs per host; "
+            "give --local-world-size (ranks per host)"
+        )
+    return GPUS_PER_HOST, f"default for cuda: {GPUS_PER_HOST} GPUs per host"
+
+
+def capacity(device: str, memory_gib: float | None) -> tuple[dict[str, int], str]:
+    """Topology overrides for the per-rank memory and where the figure comes from."""
+    key = "hbm_cap" if device == "cuda" else "ddr_cap"
+    if memory_gib is not None:
+        return {key: int(memory_gib * GiB)}, "--memory-gib"
+    if device == "cuda":
+        found = cuda_capacity(0)
+        if found is not None:
+            return {key: found[0]}, f"total memory of the visible {found[1]}"
+    defaults = DEVICE_DEFAULTS[ComputeDevice(device)]
+    return {}, f"default for {defaults.label}; set --memory-gib for yours"
+
+
+def _state_text(optimizer: EmbOptimType) -> str:
+    per_row = {
+        EmbOptimType.SGD: "none",
+        EmbOptimType.ADAGRAD: "dim fp32 values per row (4 x dim bytes)",
+        EmbOptimType.ROWWISE_ADAGRAD: "1 fp32 value per row (4 bytes)",
+        EmbOptimType.ADAM: "2 x dim fp32 values per row (8 x dim bytes)",
+        EmbOptimType.ADAMW: "2 x dim fp32 values per row (8 x dim bytes)",
+    }[optimizer]
+    return f"{optimizer.value}, state {per_row}"
+
+
+def assumptions(
+    planner: EmbeddingShardingPlanner,
+    tables: dict[str, list[BaseEmbeddingConfig]],
+    hosts_from: str,
+    memory_from: str,
+) -> list[str]:
+    """Every number the estimate rests on, one per line."""
+    topo, work = planner.topology, planner.work
+    gpu = topo.compute_device is ComputeDevice.CUDA
+    unit = "GPU" if gpu else "rank"
+    mem = "HBM" if gpu else "DDR"
+    specs = table_specs(tables, planner.constraints, topo.world_size)
+    weights = state = 0
+    for spec in specs:
+        w, st = resident_bytes(spec, work)
+        weights, state = weights + w, state + st
+    lines = [
+        "assumptions:",
+        f"  ranks: {topo.world_size} = {topo.num_hosts} host(s) x {topo.local_world_size} {unit}(s) per host "
+        f"({hosts_from})",
+        f"  memory per rank: {mem} {topo.memory_cap / GiB:.2f} GiB ({memory_from}); "
+        f"{planner.budget.describe()} (--reserve)",
+        f"  bandwidths: {mem} {topo.memory_bw / 1e9:.0f} GB/s, inside a host {_bw(topo.intra_host_bw)}, "
+        f"between hosts {_bw(topo.inter_host_bw)} per {unit}",
+        f"  batch: {work.batch_size} per rank, {work.global_batch} global",
+        f"  optimizer: {_state_text(work.optimizer)}",
+        f"  tables: {len(specs)}, weights {weights / GiB:.2f} GiB (fp32 rows, {TRAIN_WEIGHT_BYTES} bytes per "
+        f"element, as the training kernels allocate them) + optimizer state {state / GiB:.2f} GiB",
+    ]
+    narrow = sorted(c.name for cs in tables.values() for c in cs if c.data_type is not DataType.FP32)
+    if narrow:
+        lines.append(
+            f"  note: {narrow} declare a data_type other than FP32; training keeps fp32 rows, "
+            "so they are planned at 4 bytes per element"
+        )
+    lines.append(
+        "  the estimate covers embedding lookups, their fused optimizer update and their "
+        "communication only (not the dense model, data loading or framework overhead)"
+    )
+    return lines
+
+
+def _bw(value: float | None) -> str:
+    return f"{float(value or 0.0) / 1e9:.1f} GB/s"
+
+
+def estimate_line(plan: ShardingPlan, global_batch: int) -> str:
+    """Slowest rank's ms/step and the samples/s it allows."""
+    assert plan.stats is not None
+    seconds = plan.stats.max_cost
+    rate = f"{global_batch / seconds:,.0f} samples/s" if seconds > 0 else "no estimate"
+    return (
+        f"estimated embedding step: {seconds * 1e3:.4f} ms/step (slowest rank) = {rate} "
+        f"at a global batch of {global_batch}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         tables, constraints = load_tables(args.tables)
-        cap = (
-            {}
-            if args.memory_gib is None
-            else {("hbm_cap" if args.device == "cuda" else "ddr_cap"): int(args.memory_gib * GiB)}
-        )
-        topo = Topology(
-            args.world_size,
-            compute_device=args.device,
-            local_world_size=args.local_world_size,
-            **cap,
-        )
+        local, hosts_from = hosts(args.world_size, args.device, args.local_world_size)
+        cap, memory_from = capacity(args.device, args.memory_gib)
+        topo = Topology(args.world_size, compute_device=args.device, local_world_size=local, **cap)
         planner = EmbeddingShardingPlanner(
-            topo, batch_size=args.batch_size, constraints=constraints, optimizer=args.optimizer
+            topo,
+            batch_size=args.batch_size,
+            constraints=constraints,
+            optimizer=args.optimizer,
+            reserve=args.reserve,
         )
+        print("\n".join(assumptions(planner, tables, hosts_from, memory_from)), end="\n\n")
         fixed = ShardingPlan.from_json(Path(args.fixed).read_text()) if args.fixed else None
         plan = planner.plan(tables, fixed=fixed)
     except (PlannerError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(plan)
+    print(estimate_line(plan, planner.work.global_batch))
+    assert plan.stats is not None
+    if plan.stats.tight:
+        print(f"warning: {plan.stats.verdict()}", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(plan.to_json())
         print(f"\nplan written to {args.json}")

@@ -104,6 +104,7 @@ The fuzz tests behind the KJT and Criteo rows: ``tests/sparse/test_kjt_fuzz.py``
 | Topology | unknown compute_device | ValueError | tests/planner/test_topology.py::test_bad_topology |
 | Topology | local_world_size not dividing world_size | ValueError | tests/planner/test_topology.py::test_bad_topology |
 | planner | batch_size 0 | ValueError | tests/planner/test_planner.py::test_bad_batch_size |
+| planner | reserve 1.0 (no memory left for tables) | ValueError | tests/planner/test_memory.py::test_bad_reserve |
 | planner | tables too big for every rank | PlannerError | tests/planner/test_planner.py::test_infeasible_names_every_table_and_capacity |
 | kernels | unknown kernel backend name | ValueError | tests/kernels/test_kernels.py::test_kernel_errors_list_choices |
 | kernels | fbgemm on CPU asked for adam | ValueError | tests/kernels/test_kernels.py::test_kernel_errors_list_choices |
@@ -112,6 +113,7 @@ The fuzz tests behind the KJT and Criteo rows: ``tests/sparse/test_kjt_fuzz.py``
 | strategy | unknown embedding_optimizer | ValueError | tests/lightning/test_strategy_errors.py::test_bad_settings_fail_with_choices |
 | strategy | negative embedding_lr | ValueError |  |
 | strategy | planner_batch_size 0 | ValueError |  |
+| strategy | planner_reserve 1.5 | ValueError |  |
 | strategy | accumulate_grad_batches=2 | ValueError | tests/lightning/test_strategy_errors.py::test_accumulation_and_underivable_optimizer_are_refused_at_setup |
 | strategy | optimizer with no fused form (SGD momentum) | ValueError | tests/lightning/test_strategy_errors.py::test_derived_optimizers |
 | Criteo TSV | wrong column count | ValueError | tests/data/test_criteo_reader.py::test_bad_line_errors_name_file_and_line |
@@ -533,6 +535,9 @@ CASES: list[Case] = [
          _PLAN + "test_topology.py::test_bad_topology"),
     Case("planner", "batch_size 0", lambda: EmbeddingShardingPlanner(Topology(2), batch_size=0),
          ValueError, r"batch_size must be a positive int, got 0", _PLAN + "test_planner.py::test_bad_batch_size"),
+    Case("planner", "reserve 1.0 (no memory left for tables)", lambda: EmbeddingShardingPlanner(Topology(2), reserve=1.0),
+         ValueError, r"reserve is the fraction of each rank's memory kept free .* in \[0, 1\), got 1\.0",
+         _PLAN + "test_memory.py::test_bad_reserve"),
     Case("planner", "tables too big for every rank", None, PlannerError, "largest free capacity",
          _PLAN + "test_planner.py::test_infeasible_names_every_table_and_capacity"),
     # --- kernels and strategy -----------------------------------------------------------------------
@@ -552,6 +557,8 @@ CASES: list[Case] = [
          ValueError, r"embedding_lr.*-1"),
     Case("strategy", "planner_batch_size 0", lambda: _strategy(planner_batch_size=0),
          ValueError, r"planner_batch_size.*0"),
+    Case("strategy", "planner_reserve 1.5", lambda: _strategy(planner_reserve=1.5),
+         ValueError, r"ShardRecStrategy: planner_reserve is the fraction .* got 1\.5"),
     Case("strategy", "accumulate_grad_batches=2", None, ValueError, "accumulate_grad_batches=2 is not supported",
          "tests/lightning/test_strategy_errors.py::test_accumulation_and_underivable_optimizer_are_refused_at_setup"),
     Case("strategy", "optimizer with no fused form (SGD momentum)", None, ValueError, "has no fused row-sparse form",

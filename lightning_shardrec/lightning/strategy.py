@@ -47,6 +47,7 @@ from lightning_shardrec.planner import (
     Topology,
     collective_plan,
 )
+from lightning_shardrec.planner.memory import DEFAULT_RESERVE, check_reserve
 
 
 class ShardRecStrategy(ShardedCheckpointing):
@@ -64,6 +65,9 @@ class ShardRecStrategy(ShardedCheckpointing):
             with this batch's forward/backward (see :mod:`lightning_shardrec.lightning.pipeline`);
             results are identical to ``pipeline=False``.
         planner_batch_size: per-rank batch size the planner's cost model assumes.
+        planner_reserve: fraction of each device's memory the planner keeps free for the dense
+            model, activations, communication buffers, the CUDA context and allocator slack
+            (default 0.15); plans whose tables need more are refused with the arithmetic.
         checkpoint_format: ``"sharded"`` (a DCP directory: each rank writes its shards;
             loads on any world size) or ``"full"`` (one file with gathered tables, for
             tables that fit in host memory; loads into the plain model).
@@ -88,6 +92,7 @@ class ShardRecStrategy(ShardedCheckpointing):
         pipeline: bool = False,
         process_group_backend: str | None = None,
         planner_batch_size: int = 512,
+        planner_reserve: float = DEFAULT_RESERVE,
         checkpoint_format: str = "sharded",
         check_finite: bool = False,
         heartbeat_timeout: float | None = 60.0,
@@ -117,6 +122,7 @@ class ShardRecStrategy(ShardedCheckpointing):
         self._fixed_plan = plan
         self._kernel = parse_backend(kernel)
         self._planner_batch_size = planner_batch_size
+        self._planner_reserve = check_reserve(planner_reserve, "ShardRecStrategy: planner_reserve")
         if checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"checkpoint_format must be 'sharded' or 'full', got {checkpoint_format!r}")
         self._checkpoint_format = checkpoint_format
@@ -214,7 +220,11 @@ class ShardRecStrategy(ShardedCheckpointing):
         env = ShardingEnv.from_process_group()
         topology = Topology.from_process_group(compute_device=self.root_device.type)
         planner = EmbeddingShardingPlanner(
-            topology, batch_size=self._planner_batch_size, constraints=self._constraints, optimizer=config.optimizer
+            topology,
+            batch_size=self._planner_batch_size,
+            constraints=self._constraints,
+            optimizer=config.optimizer,
+            reserve=self._planner_reserve,
         )
         self.plan = collective_plan(planner, module, self._fixed_plan)  # type: ignore[arg-type]
         _print_plan(self.plan)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from lightning_shardrec.configs import EmbOptimType
 from lightning_shardrec.errors import PlannerError
 from lightning_shardrec.planner.enumerate import TableOptions, prefers_data_parallel, table_options
+from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, check_reserve
 from lightning_shardrec.planner.partition import Placement, RankLoads, partition
 from lightning_shardrec.planner.perf import Workload, host_charges, shard_perf
 from lightning_shardrec.planner.sharding_plan import GiB, PlanStats, ShardingPlan
@@ -32,7 +33,13 @@ Key = tuple[str, str]
 
 
 class EmbeddingShardingPlanner:
-    """Plans how to shard embedding tables over ``topology`` (``batch_size`` is per rank)."""
+    """Plans how to shard embedding tables over ``topology`` (``batch_size`` is per rank).
+
+    ``reserve`` (default 0.15) is the fraction of each rank's memory kept free for what the
+    planner cannot see (dense model, activations, communication buffers, CUDA context,
+    allocator slack; see :mod:`~lightning_shardrec.planner.memory`): tables, their optimizer
+    state and buffers get ``memory_cap * (1 - reserve)`` per rank.
+    """
 
     def __init__(
         self,
@@ -40,6 +47,7 @@ class EmbeddingShardingPlanner:
         batch_size: int = 512,
         constraints: Mapping[str, ParameterConstraints] | None = None,
         optimizer: EmbOptimType | str = EmbOptimType.ADAGRAD,
+        reserve: float = DEFAULT_RESERVE,
     ) -> None:
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(
@@ -48,6 +56,8 @@ class EmbeddingShardingPlanner:
         self.topology = topology
         self.batch_size = batch_size
         self.constraints = dict(constraints or {})
+        self.reserve = check_reserve(reserve, "EmbeddingShardingPlanner: reserve")
+        self.budget = MemoryBudget(topology.memory_cap, self.reserve)
         self.work = Workload(
             topology=topology, batch_size=batch_size, optimizer=EmbOptimType.parse(optimizer)
         )
@@ -62,7 +72,7 @@ class EmbeddingShardingPlanner:
         specs = table_specs(find_tables(module), self.constraints, topo.world_size)
         by_key = {s.key: s for s in specs}
         given = self._fixed(fixed, specs)
-        cap = topo.memory_cap
+        cap = self.budget.tables
         load = [0.0] * topo.world_size
         used = [0] * topo.world_size
         result: dict[Key, ParameterSharding] = {}
@@ -102,9 +112,10 @@ class EmbeddingShardingPlanner:
                 "the given and data-parallel tables do not fit in memory:\n  "
                 + "\n  ".join(
                     f"rank {r} needs {used[r]} bytes ({used[r] / GiB:.2f} GiB) for tables "
-                    f"{sorted(set(owners[r]))}; capacity {cap} bytes ({cap / GiB:.2f} GiB)"
+                    f"{sorted(set(owners[r]))}; {cap} bytes ({cap / GiB:.2f} GiB) allowed"
                     for r in over
                 )
+                + f"\n  per rank: {self._budget_text()}"
             )
         free = [cap - u for u in used]
         placed, failed, ranks = partition(free_opts, work, load, free, lower / topo.world_size)
@@ -112,6 +123,7 @@ class EmbeddingShardingPlanner:
             raise PlannerError(
                 "no sharding plan fits in memory:\n  "
                 + "\n  ".join(self._too_big(o, ranks) for o in failed)
+                + f"\n  per rank: {self._budget_text()}"
             )
         for p in placed:
             result[p.table.key] = _sharding(p)
@@ -119,10 +131,11 @@ class EmbeddingShardingPlanner:
         for spec in specs:
             plan.setdefault(spec.path, {})[spec.name] = result[spec.key]
         stats = PlanStats(
-            rank_storage=[cap - f for f in ranks.free],
+            rank_storage=[cap - f for f in ranks.free],  # bytes the tables use
             rank_cost=ranks.load,
-            storage_cap=cap,
+            storage_cap=topo.memory_cap,
             lower_bound=lower / topo.world_size,
+            reserve=self.reserve,
         )
         return ShardingPlan(plan, stats=stats)
 
@@ -187,7 +200,7 @@ class EmbeddingShardingPlanner:
             load[rank] += seconds
 
     def _too_big(self, opt: TableOptions, ranks: RankLoads) -> str:
-        spec, cap = opt.table, self.topology.memory_cap
+        spec = opt.table
         weights, state = resident_bytes(spec, self.work)
         buffers = opt.tw_mem - weights - state
         best = max(range(len(ranks.free)), key=lambda r: (ranks.free[r], -r))
@@ -197,8 +210,14 @@ class EmbeddingShardingPlanner:
             f"table {spec.label} needs {opt.tw_mem} bytes ({opt.tw_mem / GiB:.2f} GiB: weights "
             f"{weights / GiB:.2f} + optimizer state {state / GiB:.2f} + buffers {buffers / GiB:.2f}) "
             f"with sharding types {[k.value for k in opt.kinds]}; largest free capacity {largest} bytes "
-            f"({largest / GiB:.2f} GiB, rank {best} of {cap / GiB:.2f} GiB), "
+            f"({largest / GiB:.2f} GiB, rank {best}), "
             f"{total} bytes ({total / GiB:.2f} GiB) free over {len(ranks.free)} ranks"
+        )
+
+    def _budget_text(self) -> str:
+        return (
+            f"{self.budget.describe()}; the reserve is kept for {RESERVED_FOR} "
+            "(lower it with reserve=, or --reserve in plan on paper)"
         )
 
 

@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget
 from lightning_shardrec.planner.types import ParameterSharding, ShardingType
 
 GiB = 1024**3
@@ -13,12 +14,17 @@ GiB = 1024**3
 
 @dataclass(frozen=True, kw_only=True)
 class PlanStats:
-    """The planner's estimates for a plan: per-rank bytes and step seconds."""
+    """The planner's estimates for a plan: per-rank bytes and step seconds.
+
+    ``storage_cap`` is each rank's memory capacity; the planner kept ``reserve`` of it
+    (a fraction) free, so every rank's tables fit in ``storage_cap * (1 - reserve)``.
+    """
 
     rank_storage: Sequence[float]  # bytes, stored as a tuple of ints
     rank_cost: Sequence[float]  # seconds per step, stored as a tuple
     storage_cap: int
     lower_bound: float
+    reserve: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rank_storage", tuple(int(x) for x in self.rank_storage))
@@ -39,12 +45,44 @@ class PlanStats:
         """max-rank cost / lower bound (total of each table's cheapest arrangement / world size)."""
         return self.max_cost / self.lower_bound if self.lower_bound > 0 else 1.0
 
+    @property
+    def max_storage(self) -> int:
+        return int(max(self.rank_storage))
+
+    @property
+    def headroom(self) -> int:
+        """Bytes left on the fullest rank: capacity - its tables."""
+        return self.storage_cap - self.max_storage
+
+    @property
+    def tight(self) -> bool:
+        """The fullest rank leaves less than the default reserve free (a plan made with a lower reserve)."""
+        return self.headroom < DEFAULT_RESERVE * self.storage_cap
+
+    def verdict(self) -> str:
+        """One line: max rank GiB / capacity / headroom, and whether that leaves the reserve free."""
+        budget = MemoryBudget(self.storage_cap, self.reserve)
+        cap, peak, head = self.storage_cap, self.max_storage, self.headroom
+        line = (
+            f"verdict: max rank {peak / GiB:.2f} GiB / capacity {cap / GiB:.2f} GiB / "
+            f"headroom {head / GiB:.2f} GiB ({head / cap if cap else 0.0:.0%})"
+        )
+        if peak > budget.tables:
+            return f"{line}: DOES NOT FIT the {self.reserve:.0%} reserve ({budget.describe()})"
+        if self.tight:
+            return (
+                f"{line}: WARNING, less than the default {DEFAULT_RESERVE:.0%} "
+                f"({DEFAULT_RESERVE * cap / GiB:.2f} GiB) left for {RESERVED_FOR}"
+            )
+        return f"{line}: fits, with the {self.reserve:.0%} reserve ({budget.reserved / GiB:.2f} GiB) kept free"
+
     def to_dict(self) -> dict[str, object]:
         return {
             "rank_storage": list(self.rank_storage),
             "rank_cost": list(self.rank_cost),
             "storage_cap": self.storage_cap,
             "lower_bound": self.lower_bound,
+            "reserve": self.reserve,
         }
 
 
@@ -147,4 +185,5 @@ def _stats_lines(stats: PlanStats) -> list[str]:
         f"max cost {stats.max_cost * 1e3:.4f} ms, imbalance (max/mean) {stats.imbalance:.3f}, "
         f"lower bound {stats.lower_bound * 1e3:.4f} ms (max/bound {stats.vs_lower_bound:.3f})"
     )
+    lines.append(stats.verdict())
     return lines

@@ -17,6 +17,10 @@ from lightning_shardrec.planner.types import (
 
 DEFAULT_MIN_PARTITION = 32
 COLUMN_ALIGN = 4  # column shards are multiples of 4 wide (fbgemm's row alignment)
+#: bytes per element of a table's rows as the training kernels allocate them: both the torch
+#: kernel and fbgemm's TBE keep fp32 rows whatever ``data_type`` says (``data_type`` does not
+#: change training storage); tests/planner/test_memory.py checks this against both kernels.
+TRAIN_WEIGHT_BYTES = 4
 
 TablesInput = nn.Module | Mapping[str, Sequence[BaseEmbeddingConfig]]
 
@@ -135,7 +139,7 @@ def table_specs(
                     name=config.name,
                     rows=config.num_embeddings,
                     dim=config.embedding_dim,
-                    elem_bytes=config.data_type.bits / 8,
+                    elem_bytes=TRAIN_WEIGHT_BYTES,
                     sequence=isinstance(config, EmbeddingConfig),
                     ids_per_sample=sum(p * n for p, n in zip(factors, counts, strict=True)),
                     bags_per_sample=float(sum(counts)),

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol
 
+from lightning_shardrec.planner.memory import cuda_capacity
 from lightning_shardrec.planner.types import parse_enum
 
 GiB = 1024**3
@@ -22,8 +23,9 @@ class ComputeDevice(str, enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceDefaults:
-    """Per-device defaults (bytes, bytes/s); one place for every number."""
+    """Per-device defaults (bytes, bytes/s); one place for every number. ``label`` names them."""
 
+    label: str
     hbm_cap: int
     ddr_cap: int
     hbm_bw: float
@@ -35,6 +37,7 @@ class DeviceDefaults:
 DEVICE_DEFAULTS: dict[ComputeDevice, DeviceDefaults] = {
     # H100-class: 80 GiB HBM, ~2 TB/s effective for row gathers, NVLink, 400 Gb/s NIC per GPU.
     ComputeDevice.CUDA: DeviceDefaults(
+        label="H100-class GPU",
         hbm_cap=80 * GiB,
         ddr_cap=256 * GiB,
         hbm_bw=2.0e12,
@@ -44,6 +47,7 @@ DEVICE_DEFAULTS: dict[ComputeDevice, DeviceDefaults] = {
     ),
     # CPU ranks: tables in DDR, gloo over shared memory / Ethernet.
     ComputeDevice.CPU: DeviceDefaults(
+        label="CPU rank",
         hbm_cap=0,
         ddr_cap=64 * GiB,
         hbm_bw=0.0,
@@ -138,7 +142,11 @@ class Topology:
 
     @classmethod
     def from_process_group(cls, pg: Any = None, **overrides: Any) -> Topology:
-        """The live default (or given) process group: its size, device from its backend."""
+        """The live default (or given) process group: its size, device from its backend.
+
+        On ``cuda`` with a visible GPU, ``hbm_cap`` is the current device's total memory
+        (``torch.cuda.get_device_properties``) unless given; else the named default.
+        """
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -148,6 +156,10 @@ class Topology:
             )
         backend = str(dist.get_backend(pg)).lower()
         overrides.setdefault("compute_device", "cuda" if "nccl" in backend else "cpu")
+        if parse_enum(ComputeDevice, overrides["compute_device"], "compute device") is ComputeDevice.CUDA:
+            found = cuda_capacity()
+            if found is not None:
+                overrides.setdefault("hbm_cap", found[0])
         world = dist.get_world_size(pg)
         overrides.setdefault("local_world_size", _local_world_size(world, os.environ))
         return cls(world, **overrides)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import lightning as L
 import pytest
 import torch
@@ -9,6 +11,7 @@ from _models import Rec, data, external_launch, trainer
 
 import lightning_shardrec  # noqa: F401
 from lightning_shardrec import FusedOptimConfig, ShardRecStrategy
+from lightning_shardrec.errors import PlannerError
 from lightning_shardrec.lightning.optimizers import derive_fused_config, find_group, remove_params
 from lightning_shardrec.testing import run_ranks
 
@@ -63,6 +66,16 @@ def fit_with(rank, world, what):
         t = trainer(strategy=ShardRecStrategy(), devices=world, max_steps=2)
         model = Rec("sgd")
         model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    elif what == "reserve":  # the CPU ranks' memory just above what the tables need: refused by the reserve
+        from dataclasses import replace
+
+        from lightning_shardrec.planner import DEVICE_DEFAULTS, ComputeDevice, EmbeddingShardingPlanner, Topology
+
+        need = EmbeddingShardingPlanner(Topology(world, compute_device="cpu"), reserve=0.0).plan(Rec()).stats
+        cpu = DEVICE_DEFAULTS[ComputeDevice.CPU]
+        DEVICE_DEFAULTS[ComputeDevice.CPU] = replace(cpu, ddr_cap=int(need.max_storage / 0.95))
+        t = trainer(strategy=ShardRecStrategy(planner_reserve=0.1), devices=world, max_steps=2)
+        model = Rec()
     else:  # no embedding collection: plain DDP
         t = trainer(strategy=ShardRecStrategy(), devices=world, max_steps=2)
         model = Rec()
@@ -70,9 +83,15 @@ def fit_with(rank, world, what):
         model.training_step = lambda batch, batch_idx: model.mlp(torch.nn.functional.pad(batch.dense, (0, 24))).mean()
     try:
         t.fit(model, data(4, 2))
-    except ValueError as e:
+    except (ValueError, PlannerError) as e:
         return str(e)
     return "ok"
+
+
+def test_strategy_planner_keeps_the_reserve():
+    msg = run_ranks(fit_with, 1, "reserve")[0]
+    assert "no sharding plan fits in memory" in msg
+    assert re.search(r"per rank: [\d.]+ MiB capacity - 10% reserve \([\d.]+ MiB\) = [\d.]+ MiB for tables", msg)
 
 
 def test_accumulation_and_underivable_optimizer_are_refused_at_setup():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lightning_shardrec.configs import EmbeddingBagConfig, EmbeddingConfig
 from lightning_shardrec.planner import ShardingPlan, Topology, sharding_problems
+from lightning_shardrec.planner.memory import MemoryBudget
 from lightning_shardrec.planner.tables import table_specs
 
 
@@ -27,4 +28,5 @@ def check_plan(plan: ShardingPlan, tables: dict, topology: Topology) -> None:
         problems = sharding_problems(spec, plan.plan[spec.path][spec.name], topology)
         assert not problems, (spec.name, problems)
     assert plan.stats is not None
-    assert max(plan.stats.rank_storage) <= topology.memory_cap
+    assert plan.stats.storage_cap == topology.memory_cap
+    assert max(plan.stats.rank_storage) <= MemoryBudget(topology.memory_cap, plan.stats.reserve).tables

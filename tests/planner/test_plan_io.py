@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from planner_helpers import check_plan
 
+from lightning_shardrec import plan as plan_cli
 from lightning_shardrec.errors import PlannerError
 from lightning_shardrec.plan import main
 from lightning_shardrec.planner import (
@@ -163,7 +164,8 @@ def test_fixed_plan_over_memory(small_tables: dict) -> None:
     planner = EmbeddingShardingPlanner(Topology(4, hbm_cap=GiB // 2), batch_size=8)
     with pytest.raises(
         PlannerError,
-        match=r"rank 0 needs \d+ bytes \(0\.\d+ GiB\) for tables \['big'\]; capacity 536870912 bytes",
+        match=r"rank 0 needs \d+ bytes \(0\.\d+ GiB\) for tables \['big'\]; 456340275 bytes \(0\.42 GiB\) "
+        r"allowed\n  per rank: 0\.50 GiB capacity - 15% reserve \(0\.08 GiB\) = 0\.42 GiB for tables",
     ):
         planner.plan(small_tables, fixed={"big": _tw(0, 1_000_000, 128)})
 
@@ -224,3 +226,67 @@ def test_cli_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         main(["--tables", str(tmp_path / "t.yaml"), "--world-size", "2", "--batch-size", "8"]) == 2
     )
     assert "expected a top-level 'modules' mapping or 'tables' list" in capsys.readouterr().err
+
+
+def _cli(tmp_path: Path, *extra: str, world: int = 64) -> list[str]:
+    (tmp_path / "t.yaml").write_text(YAML)
+    return ["--tables", str(tmp_path / "t.yaml"), "--world-size", str(world), "--batch-size", "1024", *extra]
+
+
+def test_cli_states_every_assumption(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(plan_cli, "cuda_capacity", lambda index: None)  # as on a machine without a GPU
+    out = tmp_path / "plan.json"
+    assert main(_cli(tmp_path, "--json", str(out))) == 0
+    text = capsys.readouterr().out
+    assert "ranks: 64 = 8 host(s) x 8 GPU(s) per host (default for cuda: 8 GPUs per host)" in text
+    assert "memory per rank: HBM 80.00 GiB (default for H100-class GPU; set --memory-gib for yours); " \
+        "80.00 GiB capacity - 15% reserve (12.00 GiB) = 68.00 GiB for tables (--reserve)" in text
+    assert "bandwidths: HBM 2000 GB/s, inside a host 450.0 GB/s, between hosts 50.0 GB/s per GPU" in text
+    assert "batch: 1024 per rank, 65536 global" in text
+    assert "optimizer: adagrad, state dim fp32 values per row (4 x dim bytes)" in text
+    assert "note: ['item_id'] declare a data_type other than FP32" in text
+    assert "covers embedding lookups, their fused optimizer update and their communication only" in text
+    stats = ShardingPlan.from_json(out.read_text()).stats
+    assert stats is not None
+    assert f"{stats.max_cost * 1e3:.4f} ms/step (slowest rank) = {65536 / stats.max_cost:,.0f} samples/s" in text
+    assert stats.verdict() in text and "fits, with the 15% reserve (12.00 GiB) kept free" in text
+
+
+def test_cli_capacity_from_the_visible_gpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(plan_cli, "cuda_capacity", lambda index: (40 * GiB, f"cuda:{index} FakeGPU"))
+    assert main(_cli(tmp_path, world=4)) == 0
+    text = capsys.readouterr().out
+    assert "ranks: 4 = 1 host(s) x 4 GPU(s) per host (default for cuda: one host of up to 8 GPUs)" in text
+    assert "HBM 40.00 GiB (total memory of the visible cuda:0 FakeGPU)" in text
+    assert main(_cli(tmp_path, "--memory-gib", "20", "--device", "cpu", world=4)) == 0
+    text = capsys.readouterr().out
+    assert "ranks: 4 = 1 host(s) x 4 rank(s) per host (default for cpu: one host)" in text
+    assert "DDR 20.00 GiB (--memory-gib)" in text
+
+
+def test_cli_warns_when_the_reserve_is_lowered_into(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 0.55 GiB, table-wise only, on one rank of 0.6 GiB: not with the default reserve, tightly without.
+    (tmp_path / "big.yaml").write_text(
+        "tables:\n  - {name: t, num_embeddings: 1150000, embedding_dim: 64, sharding_types: [table_wise]}\n"
+    )
+    argv = ["--tables", str(tmp_path / "big.yaml"), "--world-size", "1", "--batch-size", "8", "--memory-gib", "0.6"]
+    assert main(argv) == 2
+    assert "per rank: 0.60 GiB capacity - 15% reserve (0.09 GiB) = 0.51 GiB for tables" in capsys.readouterr().err
+    assert main([*argv, "--reserve", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "warning: verdict: max rank" in captured.err
+    assert "WARNING, less than the default 15% (0.09 GiB) left for the dense model" in captured.err
+
+
+def test_cli_host_and_reserve_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_cli(tmp_path, world=12)) == 2
+    assert (
+        "--world-size 12 is not a multiple of the default 8 GPUs per host; give --local-world-size"
+        in capsys.readouterr().err
+    )
+    assert main(_cli(tmp_path, "--reserve", "1.5")) == 2
+    assert "reserve is the fraction of each rank's memory kept free" in capsys.readouterr().err

@@ -100,7 +100,8 @@ def test_table_wise_only_too_big_for_one_rank() -> None:
     with pytest.raises(
         PlannerError,
         match=r"table 'wide' needs \d+ bytes .* with sharding types \['table_wise'\]; "
-        r"largest free capacity 1073741824 bytes",
+        r"largest free capacity 912680550 bytes \(0\.85 GiB, rank 0\).*"
+        r"\n  per rank: 1\.00 GiB capacity - 15% reserve \(0\.15 GiB\) = 0\.85 GiB for tables",
     ):
         EmbeddingShardingPlanner(Topology(8, hbm_cap=GiB), batch_size=8, constraints=cons).plan(
             tables
