@@ -1,9 +1,19 @@
 """Training curves: a callback that records loss, AUROC and NE and draws them as a PNG.
 
-``TrainingCurves`` keeps, on rank 0, every training step's ``train_{loss,auroc,ne}_step``
-and every validation's ``val_{loss,auroc,ne}``; at the end of ``fit`` it writes
-``curves.png`` (in the logger's directory unless ``path`` is given) and prints the
-last validation figures. Drawing needs matplotlib (imported only then).
+``TrainingCurves`` keeps, on rank 0, every training step's value of each panel's metric
+and every validation's; at the end of ``fit`` it writes ``curves.png`` (in the logger's
+directory unless ``path`` is given) and prints the last validation figures. Drawing needs
+matplotlib (imported only then).
+
+Names read (the first one logged wins; :data:`TRAIN_NAMES`, :data:`VAL_NAMES`)::
+
+    train  train_{loss,auroc,ne}_step   self.log(..., on_step=True, on_epoch=True)
+           train_{loss,auroc,ne}        self.log("train_loss", loss) in training_step
+           loss_step, loss              (loss panel only)
+    val    val_{loss,auroc,ne}, val_{loss,auroc,ne}_epoch
+
+A panel with nothing logged is left out, and the figure's title names it and the names
+that would draw it.
 """
 
 from __future__ import annotations
@@ -17,6 +27,9 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 PANELS = ("loss", "auroc", "ne")
+TRAIN_NAMES = {p: (f"train_{p}_step", f"train_{p}") for p in PANELS}
+TRAIN_NAMES["loss"] = (*TRAIN_NAMES["loss"], "loss_step", "loss")
+VAL_NAMES = {p: (f"val_{p}", f"val_{p}_epoch") for p in PANELS}
 
 
 @dataclass
@@ -36,12 +49,15 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 
 def plot_curves(history: CurveHistory, path: str | Path, title: str = "training curves") -> Path:
-    """Draw one panel per name in :data:`PANELS` (train per step, smoothed; val as dots) into ``path``."""
+    """Draw one panel per name in :data:`PANELS` that has values (train per step, smoothed; val as
+    dots) into ``path``; the title names the panels left out for want of values."""
     from matplotlib.figure import Figure  # object API: no pyplot, no GUI backend
 
-    fig = Figure(figsize=(4 * len(PANELS), 3.2), layout="constrained")
-    axes = fig.subplots(1, len(PANELS))
-    for ax, name in zip(axes, PANELS, strict=True):
+    drawn = [p for p in PANELS if history.train[p] or history.val[p]]
+    missing = [p for p in PANELS if p not in drawn]
+    fig = Figure(figsize=(4 * max(1, len(drawn)), 3.2), layout="constrained")
+    axes = fig.subplots(1, max(1, len(drawn)), squeeze=False)[0]
+    for ax, name in zip(axes, drawn, strict=False):
         train, val = history.train[name], history.val[name]
         if train:
             steps, values = zip(*train, strict=True)
@@ -53,13 +69,28 @@ def plot_curves(history: CurveHistory, path: str | Path, title: str = "training 
         ax.set_title(name.upper() if name != "loss" else "BCE loss")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if train or val:
-            ax.legend()
-    fig.suptitle(title)
+        ax.legend()
+    if not drawn:
+        axes[0].set_axis_off()
+        axes[0].text(0.5, 0.5, "nothing logged to draw", ha="center", va="center")
+    fig.suptitle(title + (f"\n{missing_note(missing)}" if missing else ""))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     return out
+
+
+def missing_note(missing: list[str]) -> str:
+    """Which panels are left out and what to log to draw them."""
+    names = ", ".join(f"{TRAIN_NAMES[p][1]}/{VAL_NAMES[p][0]}" for p in missing)
+    return f"not drawn (nothing logged): {', '.join(p.upper() for p in missing)}; log {names} to draw them"
+
+
+def _first(metrics: dict[str, Any], names: tuple[str, ...]) -> tuple[str, Any] | None:
+    for name in names:
+        if name in metrics:
+            return name, metrics[name]
+    return None
 
 
 class TrainingCurves(Callback):
@@ -74,6 +105,7 @@ class TrainingCurves(Callback):
         self.path, self.enabled = path, enabled
         self.history = CurveHistory()
         self.written: Path | None = None
+        self._seen: dict[str, Any] = {}  # name -> the value object last recorded (skips stale epoch values)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -81,9 +113,11 @@ class TrainingCurves(Callback):
             return
         metrics = trainer.callback_metrics
         for name in PANELS:
-            value = metrics.get(f"train_{name}_step")
-            if value is not None:
-                self.history.train[name].append((trainer.global_step, float(value)))
+            found = _first(metrics, TRAIN_NAMES[name])
+            if found is None or self._seen.get(found[0]) is found[1]:
+                continue  # not logged, or an epoch-level value already recorded
+            self._seen[found[0]] = found[1]
+            self.history.train[name].append((trainer.global_step, float(found[1])))
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -91,9 +125,9 @@ class TrainingCurves(Callback):
             return
         metrics = trainer.callback_metrics
         for name in PANELS:
-            value = metrics.get(f"val_{name}")
-            if value is not None:
-                self.history.val[name].append((trainer.global_step, float(value)))
+            found = _first(metrics, VAL_NAMES[name])
+            if found is not None:
+                self.history.val[name].append((trainer.global_step, float(found[1])))
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -108,4 +142,6 @@ class TrainingCurves(Callback):
         path = self.path or Path(log_dir or trainer.default_root_dir) / "curves.png"
         title = f"{type(pl_module).__name__}, {trainer.world_size} rank(s)"
         self.written = plot_curves(self.history, path, title=title)
-        print(f"training curves: {self.written}", flush=True)
+        missing = [p for p in PANELS if not (self.history.train[p] or self.history.val[p])]
+        note = f" ({missing_note(missing)})" if missing else ""
+        print(f"training curves: {self.written}{note}", flush=True)
