@@ -79,6 +79,17 @@ class ShardRecCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
 
+DESCRIPTION = (
+    "shardrec: Lightning's fit / validate / test / predict with strategy='shardrec' by default, "
+    "and export, which writes a quantized serving artifact."
+)
+EPILOG = (
+    "export: shardrec export --ckpt CKPT --out model.pt [--dtype int8|int4|fp16] [--model pkg.mod:Class] "
+    "[--dense]: a quantized serving artifact, loaded with "
+    "lightning_shardrec.inference.load (see shardrec export --help)"
+)
+
+
 def run_cli(args: list[str] | None = None, run: bool = True) -> ShardRecCLI:
     """The CLI on ``args`` (default ``sys.argv[1:]``); ``run=False`` only parses and builds (no subcommand)."""
     return ShardRecCLI(
@@ -88,6 +99,7 @@ def run_cli(args: list[str] | None = None, run: bool = True) -> ShardRecCLI:
         subclass_mode_data=True,
         trainer_defaults={"strategy": "shardrec"},
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": DESCRIPTION, "epilog": EPILOG},
         args=args,
         run=run,
     )
@@ -95,12 +107,12 @@ def run_cli(args: list[str] | None = None, run: bool = True) -> ShardRecCLI:
 
 def main(args: list[str] | None = None) -> None:
     """The ``shardrec`` console script: LightningCLI subcommands, plus ``shardrec export``."""
-    args = sys.argv[1:] if args is None else args
-    if args[:1] == ["export"]:  # quantized serving artifact: see lightning_shardrec.inference.export
+    given = sys.argv[1:] if args is None else args
+    if given[:1] == ["export"]:  # quantized serving artifact: see lightning_shardrec.inference.export
         from lightning_shardrec.inference.export import main as export_main
 
-        raise SystemExit(export_main(args[1:]))
-    run_cli(args)
+        raise SystemExit(export_main(given[1:]))
+    run_cli(args)  # None: LightningCLI reads sys.argv itself (and does not warn about both)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,18 @@ def test_console_script_on_one_device(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "sharding plan" in out.stdout and "final validation: val_loss=" in out.stdout
+
+
+def test_help_lists_export(monkeypatch, capsys):
+    from lightning_shardrec.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["shardrec", "--help"])
+    with warnings.catch_warnings(record=True) as warned, pytest.raises(SystemExit) as done:
+        warnings.simplefilter("always")
+        main()
+    assert done.value.code == 0
+    assert not [w for w in warned if "args parameter" in str(w.message)]  # no "both args and sys.argv" warning
+    out = capsys.readouterr().out
+    assert "{fit,validate,test,predict}" in out and "and export, which writes a quantized serving artifact" in out
+    assert "export: shardrec export --ckpt CKPT --out model.pt" in out
+    assert "lightning_shardrec.inference.load" in out
