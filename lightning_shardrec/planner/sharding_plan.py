@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget
+from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, size_text
 from lightning_shardrec.planner.types import ParameterSharding, ShardingType
 
 GiB = 1024**3
@@ -64,17 +64,17 @@ class PlanStats:
         budget = MemoryBudget(self.storage_cap, self.reserve)
         cap, peak, head = self.storage_cap, self.max_storage, self.headroom
         line = (
-            f"verdict: max rank {peak / GiB:.2f} GiB / capacity {cap / GiB:.2f} GiB / "
-            f"headroom {head / GiB:.2f} GiB ({head / cap if cap else 0.0:.0%})"
+            f"verdict: max rank {size_text(peak)} / capacity {size_text(cap)} / "
+            f"headroom {size_text(head)} ({head / cap if cap else 0.0:.0%})"
         )
         if peak > budget.tables:
             return f"{line}: DOES NOT FIT the {self.reserve:.0%} reserve ({budget.describe()})"
         if self.tight:
             return (
                 f"{line}: WARNING, less than the default {DEFAULT_RESERVE:.0%} "
-                f"({DEFAULT_RESERVE * cap / GiB:.2f} GiB) left for {RESERVED_FOR}"
+                f"({size_text(DEFAULT_RESERVE * cap)}) left for {RESERVED_FOR}"
             )
-        return f"{line}: fits, with the {self.reserve:.0%} reserve ({budget.reserved / GiB:.2f} GiB) kept free"
+        return f"{line}: fits, with the {self.reserve:.0%} reserve ({size_text(budget.reserved)}) kept free"
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -1,11 +1,18 @@
 """The README's example, as a user writes it: (dense, kjt, y) tuples from a plain DataLoader.
 
+The README's first snippet runs as written (2 processes started by Lightning's launcher).
 `devices=2` with `strategy="shardrec"` (each rank loading its half of every global batch)
 ends with the same weights as `devices=1` without the strategy on the global batches,
 with and without the pipeline.
 """
 
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -17,6 +24,21 @@ from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, Keyed
 from lightning_shardrec.testing import run_ranks
 
 GLOBAL, STEPS = 8, 5
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow  # two fresh Lightning processes: about a minute on a loaded 2-core machine
+def test_readme_first_snippet_runs_as_written(tmp_path):
+    snippet = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    assert snippet is not None and "devices=2" in snippet.group(1)
+    script = tmp_path / "readme_example.py"
+    script.write_text(snippet.group(1))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "`Trainer.fit` stopped: `max_steps=20` reached." in done.stdout + done.stderr
 
 
 class Rec(L.LightningModule):  # the README's module
