@@ -139,8 +139,9 @@ def section(cmd: str, batch_size: int, lws: int, table: list[str]) -> str:
     lines = [
         SECTION,
         "",
-        f"Command: `{cmd}` (per-rank batch {batch_size}, {lws} H100-class GPUs per host: 80 GiB HBM, "
-        "2 TB/s HBM, 450 GB/s NVLink, 50 GB/s per-GPU network; adagrad).  ",
+        f"Command: `{cmd}` (per-rank batch {batch_size}, {lws} H100-class GPUs per host: 80 GiB HBM "
+        "less the planner's 15% reserve = 68 GiB for tables, 2 TB/s HBM, 450 GB/s NVLink, 50 GB/s per-GPU "
+        "network; adagrad).  ",
         f"Machine: {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}, "
         "pure-Python planner, no GPU needed. Costs are the planner's own estimates "
         "(`lightning_shardrec/planner/perf.py`); plan time is CPU seconds (the machine is shared).",
