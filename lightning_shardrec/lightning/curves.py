@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 PANELS = ("loss", "auroc", "ne")
-TRAIN_NAMES = {p: (f"train_{p}_step", f"train_{p}") for p in PANELS}
+TRAIN_NAMES: dict[str, tuple[str, ...]] = {p: (f"train_{p}_step", f"train_{p}") for p in PANELS}
 TRAIN_NAMES["loss"] = (*TRAIN_NAMES["loss"], "loss_step", "loss")
 VAL_NAMES = {p: (f"val_{p}", f"val_{p}_epoch") for p in PANELS}
 

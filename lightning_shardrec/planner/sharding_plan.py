@@ -57,7 +57,7 @@ class PlanStats:
     @property
     def tight(self) -> bool:
         """The fullest rank leaves less than the default reserve free (a plan made with a lower reserve)."""
-        return self.headroom < DEFAULT_RESERVE * self.storage_cap
+        return self.headroom < MemoryBudget(self.storage_cap, DEFAULT_RESERVE).reserved
 
     def verdict(self) -> str:
         """One line: max rank GiB / capacity / headroom, and whether that leaves the reserve free."""
