@@ -45,7 +45,7 @@ from lightning_shardrec.planner import (
     ShardingPlan,
     Topology,
 )
-from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, cuda_capacity
+from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, cuda_capacity, size_text
 from lightning_shardrec.planner.storage import resident_bytes
 from lightning_shardrec.planner.tables import TRAIN_WEIGHT_BYTES, table_specs
 
@@ -210,12 +210,12 @@ def assumptions(
         f"({hosts_from})",
         f"  memory per rank: {mem} {topo.memory_cap / GiB:.2f} GiB ({memory_from}); "
         f"{planner.budget.describe()} (--reserve)",
-        f"  bandwidths: {mem} {topo.memory_bw / 1e9:.0f} GB/s, inside a host {_bw(topo.intra_host_bw)}, "
+        f"  bandwidths: {mem} {_bw(topo.memory_bw)}, inside a host {_bw(topo.intra_host_bw)}, "
         f"between hosts {_bw(topo.inter_host_bw)} per {unit}",
         f"  batch: {work.batch_size} per rank, {work.global_batch} global",
         f"  optimizer: {_state_text(work.optimizer)}",
-        f"  tables: {len(specs)}, weights {weights / GiB:.2f} GiB (fp32 rows, {TRAIN_WEIGHT_BYTES} bytes per "
-        f"element, as the training kernels allocate them) + optimizer state {state / GiB:.2f} GiB",
+        f"  tables: {len(specs)}, weights {size_text(weights)} (fp32 rows, {TRAIN_WEIGHT_BYTES} bytes per "
+        f"element, as the training kernels allocate them) + optimizer state {size_text(state)}",
     ]
     narrow = sorted(c.name for cs in tables.values() for c in cs if c.data_type is not DataType.FP32)
     if narrow:
@@ -231,7 +231,7 @@ def assumptions(
 
 
 def _bw(value: float | None) -> str:
-    return f"{float(value or 0.0) / 1e9:.1f} GB/s"
+    return f"{float(value or 0.0) / 1e9:g} GB/s"
 
 
 def estimate_line(plan: ShardingPlan, global_batch: int) -> str:

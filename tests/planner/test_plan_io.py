@@ -243,7 +243,7 @@ def test_cli_states_every_assumption(
     assert "ranks: 64 = 8 host(s) x 8 GPU(s) per host (default for cuda: 8 GPUs per host)" in text
     assert "memory per rank: HBM 80.00 GiB (default for H100-class GPU; set --memory-gib for yours); " \
         "80.00 GiB capacity - 15% reserve (12.00 GiB) = 68.00 GiB for tables (--reserve)" in text
-    assert "bandwidths: HBM 2000 GB/s, inside a host 450.0 GB/s, between hosts 50.0 GB/s per GPU" in text
+    assert "bandwidths: HBM 2000 GB/s, inside a host 450 GB/s, between hosts 50 GB/s per GPU" in text
     assert "batch: 1024 per rank, 65536 global" in text
     assert "optimizer: adagrad, state dim fp32 values per row (4 x dim bytes)" in text
     assert "note: ['item_id'] declare a data_type other than FP32" in text
