@@ -26,7 +26,7 @@ Shards = list[tuple[tuple[int, int], Tensor]]
 
 
 def _key(module: ShardedCollection, path: str, table: str) -> str:
-    name = f"{module.weight_prefix}.{table}.weight"
+    name = module.state_key(table)
     return f"{path}.{name}" if path else name
 
 
@@ -183,6 +183,8 @@ def _weight_problems(module: ShardedCollection, path: str, weights: Mapping[str,
             problems.append(f"'{key}': in the model, missing from the checkpoint")
         elif tuple(weights[key].shape) != _size(cfg):
             problems.append(f"'{key}': checkpoint has shape {tuple(weights[key].shape)}, model expects {_size(cfg)}")
+    if not module.weight_prefix:  # one table under the module's own key: nothing else can be "unexpected"
+        return problems
     prefix = _key(module, path, "")[: -len(".weight")]
     problems += [f"'{k}': in the checkpoint, not in the model" for k in sorted(weights) if _under(k, prefix, known)]
     return problems

@@ -109,7 +109,7 @@ def sharded_state_dict(
         local = module.local_shards()
         states = module.local_states()
         for table, cfg in configs.items():
-            key = f"{path}.{module.weight_prefix}.{table}.weight" if path else f"{module.weight_prefix}.{table}.weight"
+            key = f"{path}.{module.state_key(table)}" if path else module.state_key(table)
             size = (cfg.num_embeddings, cfg.embedding_dim)
             kind, plan = _plan_shards(module, table)
             mine = local.get(table, [])

@@ -112,6 +112,10 @@ class ShardedCollection(nn.Module):
             raise ShardingError(f"the sharding plan has no entry for tables {missing}")
         self._configs = configs
 
+    def state_key(self, table: str) -> str:
+        """``table``'s weight key in the unsharded module's state dict, relative to this module."""
+        return f"{self.weight_prefix}.{table}.weight"
+
     def table_configs(self) -> list[BaseEmbeddingConfig]:
         return self._configs
 

@@ -10,7 +10,7 @@ Plain PyTorch (no Lightning)::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,9 +21,20 @@ from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
 from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from lightning_shardrec.distributed.plain_embeddings import (
+    ShardedPlainEmbedding,
+    ShardedPlainEmbeddingBag,
+    ShardedPlainMaxEmbeddingBag,
+)
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
+from lightning_shardrec.modules.plain_embeddings import (
+    PlainEmbedding,
+    PlainEmbeddingBag,
+    PlainMaxEmbeddingBag,
+    swap_embedding_modules,
+)
 from lightning_shardrec.optim import FusedOptimizer
 from lightning_shardrec.planner import (
     EmbeddingShardingPlanner,
@@ -39,6 +50,9 @@ ShardedCollection = ShardedEmbeddingBagCollection | ShardedEmbeddingCollection
 _SHARDED: dict[type[nn.Module], type[ShardedCollection]] = {
     EmbeddingBagCollection: ShardedEmbeddingBagCollection,
     EmbeddingCollection: ShardedEmbeddingCollection,
+    PlainEmbeddingBag: ShardedPlainEmbeddingBag,
+    PlainMaxEmbeddingBag: ShardedPlainMaxEmbeddingBag,
+    PlainEmbedding: ShardedPlainEmbedding,
 }
 
 
@@ -84,6 +98,10 @@ class DistributedModelParallel(nn.Module):
     (default: an :class:`EmbeddingShardingPlanner` for the live process group). Tables
     train with ``embedding_optimizer`` inside backward; ``fused_optimizer`` exposes it
     as a ``torch.optim.Optimizer`` (for LR schedulers and checkpoints).
+
+    Plain ``nn.Embedding`` / ``nn.EmbeddingBag`` submodules are sharded too (same call and
+    result, see :mod:`lightning_shardrec.modules.plain_embeddings`): ``embedding_modules`` is
+    ``True`` (all with at least ``embedding_min_rows`` rows), ``False``, or a list of module paths.
     """
 
     def __init__(
@@ -96,8 +114,11 @@ class DistributedModelParallel(nn.Module):
         kernel: KernelBackend | str = KernelBackend.AUTO,
         pg: dist.ProcessGroup | None = None,
         batch_size: int = 512,
+        embedding_modules: bool | Sequence[str] = True,
+        embedding_min_rows: int = 0,
     ) -> None:
         super().__init__()
+        swap_embedding_modules(module, embedding_modules, embedding_min_rows)
         self.env = ShardingEnv.from_process_group(pg)
         self.device = torch.device(device) if device is not None else default_device(self.env)
         optim = embedding_optimizer
@@ -163,5 +184,5 @@ class DistributedModelParallel(nn.Module):
         for path, s in self.sharded.items():
             prefix = f"{path}." if path else ""
             for table, shards in s.local_shards().items():
-                out[f"{prefix}{s.weight_prefix}.{table}.weight"] = shards
+                out[f"{prefix}{s.state_key(table)}"] = shards
         return out

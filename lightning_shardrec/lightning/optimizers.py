@@ -61,6 +61,7 @@ _DERIVE = {
     torch.optim.Adagrad: _adagrad,
     torch.optim.Adam: _adam(EmbOptimType.ADAM),
     torch.optim.AdamW: _adam(EmbOptimType.ADAMW),
+    torch.optim.SparseAdam: _adam(EmbOptimType.ADAM),  # its rule is row-sparse ("lazy") Adam exactly
 }
 
 

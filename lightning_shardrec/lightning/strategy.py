@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -38,6 +38,7 @@ from lightning_shardrec.lightning.checkpointing import ShardedCheckpointing
 from lightning_shardrec.lightning.optimizers import derive_fused_config, find_group, remove_params
 from lightning_shardrec.lightning.pipeline import TrainPipeline
 from lightning_shardrec.lightning.sigterm import LaggedSigterm
+from lightning_shardrec.modules.plain_embeddings import swap_embedding_modules
 from lightning_shardrec.optim import FusedOptimizer
 from lightning_shardrec.planner import (
     EmbeddingShardingPlanner,
@@ -78,6 +79,10 @@ class ShardRecStrategy(ShardedCheckpointing):
             collectives are explained (which rank went away) either way.
         timeout: the process groups' collective timeout (default 10 minutes: long enough
             for a rank writing a large checkpoint while the others wait at the barrier).
+        embedding_modules: which plain ``nn.Embedding`` / ``nn.EmbeddingBag`` submodules to shard
+            in place (same call, same results, checkpoints under their own ``<path>.weight``):
+            ``True`` all, ``False`` none (they stay data-parallel), or a list of module paths.
+        embedding_min_rows: with ``embedding_modules=True``, modules with fewer rows stay data-parallel.
     """
 
     strategy_name = "shardrec"
@@ -97,6 +102,8 @@ class ShardRecStrategy(ShardedCheckpointing):
         check_finite: bool = False,
         heartbeat_timeout: float | None = 60.0,
         timeout: timedelta | None = timedelta(minutes=10),
+        embedding_modules: bool | Sequence[str] = True,
+        embedding_min_rows: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
@@ -126,6 +133,17 @@ class ShardRecStrategy(ShardedCheckpointing):
         if checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"checkpoint_format must be 'sharded' or 'full', got {checkpoint_format!r}")
         self._checkpoint_format = checkpoint_format
+        if not isinstance(embedding_modules, bool) and (
+            isinstance(embedding_modules, str) or not all(isinstance(p, str) for p in embedding_modules)
+        ):
+            raise TypeError(
+                f"ShardRecStrategy: embedding_modules must be True, False or a list of module paths, "
+                f"got {embedding_modules!r}"
+            )
+        if isinstance(embedding_min_rows, bool) or not isinstance(embedding_min_rows, int) or embedding_min_rows < 0:
+            raise ValueError(f"ShardRecStrategy: embedding_min_rows must be an int >= 0, got {embedding_min_rows!r}")
+        self._embedding_modules = embedding_modules if isinstance(embedding_modules, bool) else list(embedding_modules)
+        self._embedding_min_rows = embedding_min_rows
         self._loaded_in_place = False
         self.sharded: dict[str, ShardedCollection] = {}
         self.plan: ShardingPlan | None = None
@@ -158,6 +176,7 @@ class ShardRecStrategy(ShardedCheckpointing):
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
         assert module is not None and self.accelerator is not None
+        swap_embedding_modules(module, self._embedding_modules, self._embedding_min_rows)
         collections = find_collections(module)
         if not collections and not self.sharded:
             rank_zero_info("ShardRecStrategy: the LightningModule has no embedding collection; training as plain DDP")

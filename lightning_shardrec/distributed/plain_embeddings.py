@@ -1,0 +1,66 @@
+"""Sharded forms of the plain-module adapters (:mod:`lightning_shardrec.modules.plain_embeddings`).
+
+Each is a sharded one-table collection that keeps the torch module's call
+(``bag(input, offsets, per_sample_weights)``, ``emb(input)``) and saves its table under the
+module's own key, ``<path>.weight``, as the plain model does.
+"""
+
+from __future__ import annotations
+
+from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
+from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from lightning_shardrec.distributed.sharding import KernelSetup
+from lightning_shardrec.modules.plain_embeddings import (
+    EmbeddingBagCall,
+    EmbeddingCall,
+    PlainEmbedding,
+    PlainEmbeddingBag,
+    PlainMaxEmbeddingBag,
+)
+from lightning_shardrec.planner import ParameterSharding
+
+
+class ShardedPlainEmbeddingBag(EmbeddingBagCall, ShardedEmbeddingBagCollection):
+    """A sharded ``nn.EmbeddingBag`` (mode sum/mean): same call, same result, ``<path>.weight`` in checkpoints."""
+
+    weight_prefix = ""
+
+    def __init__(
+        self, module: PlainEmbeddingBag, plan: dict[str, ParameterSharding], env: ShardingEnv, setup: KernelSetup
+    ) -> None:
+        super().__init__(module, plan, env, setup)
+        self.spec = module.spec
+
+    def state_key(self, table: str) -> str:
+        return "weight"
+
+
+class ShardedPlainMaxEmbeddingBag(EmbeddingBagCall, ShardedEmbeddingCollection):
+    """A sharded ``nn.EmbeddingBag(mode="max")``: rows per id, max-pooled after the output distribution."""
+
+    weight_prefix = ""
+
+    def __init__(
+        self, module: PlainMaxEmbeddingBag, plan: dict[str, ParameterSharding], env: ShardingEnv, setup: KernelSetup
+    ) -> None:
+        super().__init__(module, plan, env, setup)
+        self.spec = module.spec
+
+    def state_key(self, table: str) -> str:
+        return "weight"
+
+
+class ShardedPlainEmbedding(EmbeddingCall, ShardedEmbeddingCollection):
+    """A sharded ``nn.Embedding``: same call (any input shape), same result."""
+
+    weight_prefix = ""
+
+    def __init__(
+        self, module: PlainEmbedding, plan: dict[str, ParameterSharding], env: ShardingEnv, setup: KernelSetup
+    ) -> None:
+        super().__init__(module, plan, env, setup)
+        self.spec = module.spec
+
+    def state_key(self, table: str) -> str:
+        return "weight"
