@@ -6,6 +6,11 @@ before writing anything (:mod:`.validate`) and run no pickled code (:mod:`.safe_
 
 from lightning_shardrec.checkpoint.atomic import agree_failures, discard, recover_interrupted, save_file
 from lightning_shardrec.checkpoint.full_state import dense_problems, gather_full_state, load_full_state
+from lightning_shardrec.checkpoint.plain_optimizer import (
+    replicated_keys,
+    split_plain_optimizer_states,
+    table_parameter_keys,
+)
 from lightning_shardrec.checkpoint.safe_load import load_file, read_metadata
 from lightning_shardrec.checkpoint.sharded_state import (
     META_FILE,
@@ -28,8 +33,11 @@ __all__ = [
     "load_sharded",
     "read_metadata",
     "recover_interrupted",
+    "replicated_keys",
     "save_file",
     "save_sharded",
     "saved_keys",
     "sharded_state_dict",
+    "split_plain_optimizer_states",
+    "table_parameter_keys",
 ]

@@ -28,8 +28,10 @@ from lightning_shardrec.checkpoint import (
     load_full_state,
     load_sharded,
     recover_interrupted,
+    replicated_keys,
     save_file,
     save_sharded,
+    split_plain_optimizer_states,
 )
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
@@ -51,6 +53,9 @@ class ShardedCheckpointing(DDPStrategy):
     _checkpoint_format: str
     _loaded_in_place: bool
     _fused_states: Any
+    #: per optimizer, per param group: its parameters before the tables left it (set in setup)
+    _groups_before: list[list[list[torch.nn.Parameter]]] | None = None
+    _table_keys: dict[int, str]
 
     @property
     @override
@@ -169,8 +174,21 @@ class ShardedCheckpointing(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)
         fused = checkpoint.get(_FUSED_KEY)
+        if fused is None and self.sharded and self._groups_before is not None and "optimizer_states" in checkpoint:
+            # written without the strategy: the tables' state sits in the user's optimizer state
+            now = [[list(g["params"]) for g in opt.param_groups] for opt in self.optimizers]
+            dense, states = split_plain_optimizer_states(
+                checkpoint["optimizer_states"],
+                self._groups_before,
+                now,
+                self._table_keys,
+                replicated_keys(self.sharded),
+            )
+            super().load_optimizer_state_dict({**checkpoint, "optimizer_states": dense})
+            load_full_state(self.sharded, states=states)
+            return
+        super().load_optimizer_state_dict(checkpoint)
         if fused is not None and self.sharded:
             if "states" in fused:
                 load_full_state(self.sharded, states=fused["states"])

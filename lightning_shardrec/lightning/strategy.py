@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_shardrec.checkpoint import table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.distributed.comm import ShardingEnv, new_group_like
@@ -196,6 +197,9 @@ class ShardRecStrategy(ShardedCheckpointing):
             self._shard(module, self._fused_config(holder))
             _save_plan(self.plan, getattr(trainer.checkpoint_callback, "dirpath", None))
         if fitting:
+            # as configure_optimizers built them: a plain run's optimizer state resumes through this
+            self._groups_before = [[list(g["params"]) for g in opt.param_groups] for opt in self.optimizers]
+            self._table_keys = table_parameter_keys(collections, self.sharded)
             remove_params(self.optimizers, table_params)
             dense_tables = [p for s in self.sharded.values() for g in s.groups if not g.fused for p in g.parameters()]
             if dense_tables and holder is not None:

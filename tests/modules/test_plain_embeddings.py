@@ -158,3 +158,35 @@ def test_bad_calls_name_the_module():
         model.emb(torch.tensor([1.0]))
     with pytest.raises(ValueError, match=r"feature 'emb' \(table 'emb'\): id 9 outside \[0, 5\)"):
         model.emb(torch.tensor([9]))
+
+
+def test_plain_optimizer_state_splits_by_parameter():
+    from lightning_shardrec.checkpoint import split_plain_optimizer_states
+    from lightning_shardrec.errors import CheckpointError
+
+    table, dense, replicated_new, replicated_old = (nn.Parameter(torch.zeros(2)) for _ in range(4))
+    saved = [
+        {
+            "state": {0: {"sum": torch.ones(1)}, 1: {"sum": torch.full((1,), 2.0)}, 2: {"sum": torch.full((1,), 3.0)}},
+            "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}],
+        }
+    ]
+    before = [[[table, dense, replicated_old]]]
+    now = [[[dense, replicated_new]]]
+    keys = {id(table): "emb.weight", id(replicated_old): "small.weight"}
+    out, fused = split_plain_optimizer_states(saved, before, now, keys, {id(replicated_new): "small.weight"})
+    assert out == [
+        {
+            "state": {0: {"sum": torch.full((1,), 2.0)}, 1: {"sum": torch.full((1,), 3.0)}},
+            "param_groups": [{"lr": 0.1, "params": [0, 1]}],
+        }
+    ]
+    assert list(fused) == ["emb.weight"] and torch.equal(fused["emb.weight"]["sum"], torch.ones(1))
+    with pytest.raises(
+        CheckpointError,
+        match=r"optimizer 0: the checkpoint's param groups hold \[3\] parameters, "
+        r"configure_optimizers' hold \[2\]",
+    ):
+        split_plain_optimizer_states(saved, [[[table, dense]]], now, keys, {})
+    with pytest.raises(CheckpointError, match="the checkpoint has 1 optimizer states, configure_optimizers returned 2"):
+        split_plain_optimizer_states(saved, before * 2, now, keys, {})
