@@ -197,9 +197,12 @@ def _jt_total(jt: JaggedTensor) -> int:
 def to_dict(kjt: KeyedJaggedTensor, compute_offsets: bool = True) -> dict[str, JaggedTensor]:
     """One JaggedTensor per key (offsets computed too unless ``compute_offsets=False``)."""
     out = {}
+    no_bags = kjt.lengths().numel() == 0
     for key in kjt.keys():  # noqa: SIM118 (a KJT, not a dict)
         jt = kjt[key]
-        if compute_offsets:
+        if no_bags:  # as TorchRec: a batch of no bags has empty offsets too
+            jt._offsets = jt.lengths()
+        elif compute_offsets:
             jt.offsets()
         out[key] = jt
     return out
