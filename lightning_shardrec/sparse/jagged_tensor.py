@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_shardrec.sparse import ops
+from lightning_shardrec.sparse import formatting, ops
 from lightning_shardrec.sparse.errors import JaggedAssertionError
 
 #: dtypes of lengths and offsets (what fbgemm's jagged operators take; narrower ints overflow)
@@ -194,6 +194,10 @@ class JaggedTensor:
         """Full data checks (a pass over lengths/offsets): raises ``ValueError``."""
         _check_data(self.lengths(), self._offsets, self._values.shape[0], keys=None, stride=None, where="JaggedTensor")
         _check_weights_count(self._weights, self.lengths(), where="JaggedTensor")
+
+    def __str__(self) -> str:
+        """TorchRec's layout: ``JaggedTensor({[[bag], ...]})``."""
+        return formatting.jagged_tensor_str(self)
 
     def __repr__(self) -> str:
         parts = [f"values={self._values}"]

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from lightning_shardrec.sparse import kjt_ops, ops
+from lightning_shardrec.sparse import formatting, kjt_ops, ops
 from lightning_shardrec.sparse.errors import JaggedAssertionError
 from lightning_shardrec.sparse.jagged_tensor import JaggedTensor, _check_data, _check_weights_count
 from lightning_shardrec.sparse.kjt_checks import check_kjt_args, check_per_key, segment_sums, stride_per_key_of
@@ -64,17 +64,8 @@ class KeyedJaggedTensor:
         if length_per_key is not None or offset_per_key is not None:
             check_per_key(keys, values.shape[0], length_per_key, offset_per_key, where)
         self._init(keys, values, weights, lengths, offsets, stride, length_per_key, offset_per_key, spkpr, inverse)
-        if stride_per_key is not None and list(stride_per_key) != self.stride_per_key():
-            raise ValueError(
-                f"{where}: stride_per_key {list(stride_per_key)} but the batch gives {self.stride_per_key()}"
-            )
-        if lengths_offset_per_key is not None and list(lengths_offset_per_key) != self.lengths_offset_per_key():
-            raise ValueError(
-                f"{where}: lengths_offset_per_key {list(lengths_offset_per_key)} "
-                f"but the batch gives {self.lengths_offset_per_key()}"
-            )
-        if index_per_key is not None and dict(index_per_key) != self.index_per_key():
-            raise ValueError(f"{where}: index_per_key {dict(index_per_key)} but the keys give {self.index_per_key()}")
+        given = {"stride_per_key": stride_per_key, "lengths_offset_per_key": lengths_offset_per_key}
+        kjt_ops.check_given_caches(self, {**given, "index_per_key": index_per_key})
         del jt_dict  # a cache TorchRec's scripted code passes; recomputed on demand here
 
     def _init(
@@ -197,19 +188,7 @@ class KeyedJaggedTensor:
     @staticmethod
     def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """No keys, on ``kjt``'s device with its dtypes and batch size (its per-key strides if VBE)."""
-        weights = kjt.weights_or_none()
-        vbe = kjt.variable_stride_per_key()
-        device = kjt.device()
-        out = KeyedJaggedTensor._trusted(
-            [],
-            torch.empty(0, dtype=kjt.values().dtype, device=device),
-            None if weights is None else torch.empty(0, dtype=weights.dtype, device=device),
-            torch.empty(0, dtype=kjt.lengths().dtype, device=device),
-            kjt.stride(),
-            None,
-            stride_per_key_per_rank=kjt.stride_per_key_per_rank() if vbe else None,
-        )
-        return out
+        return kjt_ops.empty_like(kjt)
 
     # --- accessors ----------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -350,6 +329,18 @@ class KeyedJaggedTensor:
         """New key order: key ``j`` of the result is key ``indices[j]`` (keys may repeat or drop)."""
         return kjt_ops.permute(self, indices, indices_tensor)
 
+    def flatten_lengths(self) -> KeyedJaggedTensor:
+        """The same KJT with 1-D lengths (lengths are always stored 1-D here)."""
+        return KeyedJaggedTensor._trusted(
+            self._keys,
+            self._values,
+            self._weights,
+            self.lengths().reshape(-1),
+            self._stride,
+            self.length_per_key(),
+            stride_per_key_per_rank=self._stride_per_key_per_rank,
+        )
+
     # --- movement -----------------------------------------------------------------
     def _map(
         self, fn: Callable[[Tensor], Tensor], weights_fn: Callable[[Tensor], Tensor] | None = None
@@ -409,16 +400,9 @@ class KeyedJaggedTensor:
         _check_data(lengths, offsets, self._values.shape[0], keys=self._keys, stride=stride, where=where)
         _check_weights_count(self._weights, lengths, where=where)
 
+    def __str__(self) -> str:
+        """TorchRec's layout: ``KeyedJaggedTensor({"key": [[bag], ...], ...})``."""
+        return formatting.keyed_jagged_tensor_str(self)
+
     def __repr__(self) -> str:
-        if not self._keys:
-            return f"KeyedJaggedTensor(keys=[], stride={self._stride})"
-        lines = [f"KeyedJaggedTensor(stride={self._stride}, keys={self._keys})"]
-        if self._values.device.type == "meta":  # no data to show
-            lines.append(f"  values={self._values}, lengths={self.lengths()}")
-            return "\n".join(lines)
-        for k in self._keys:
-            jt = self[k]
-            w = f", weights={jt.weights().tolist()}" if self._weights is not None else ""
-            bags = [b.tolist() for b in jt.to_dense()] if jt.values().numel() <= 64 else "..."
-            lines.append(f"  '{k}': {bags}{w}")
-        return "\n".join(lines)
+        return formatting.keyed_jagged_tensor_repr(self)

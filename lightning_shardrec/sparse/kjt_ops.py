@@ -206,3 +206,33 @@ def to_dict(kjt: KeyedJaggedTensor, compute_offsets: bool = True) -> dict[str, J
             jt.offsets()
         out[key] = jt
     return out
+
+
+def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """No keys, on ``kjt``'s device with its dtypes and batch size (its per-key strides if VBE)."""
+    weights, device = kjt.weights_or_none(), kjt.device()
+    return type(kjt)._trusted(
+        [],
+        torch.empty(0, dtype=kjt.values().dtype, device=device),
+        None if weights is None else torch.empty(0, dtype=weights.dtype, device=device),
+        torch.empty(0, dtype=kjt.lengths().dtype, device=device),
+        kjt.stride(),
+        None,
+        stride_per_key_per_rank=kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None,
+    )
+
+
+def check_given_caches(kjt: KeyedJaggedTensor, given: dict[str, object]) -> None:
+    """Caches TorchRec's scripted code passes to the constructor must agree with the KJT."""
+    actual: dict[str, object] = {
+        "stride_per_key": kjt.stride_per_key,
+        "lengths_offset_per_key": kjt.lengths_offset_per_key,
+        "index_per_key": kjt.index_per_key,
+    }
+    for name, value in given.items():
+        if value is None:
+            continue
+        want = actual[name]()  # type: ignore[operator]
+        got = dict(value) if isinstance(value, dict) else list(value)  # type: ignore[call-overload]
+        if got != want:
+            raise ValueError(f"KeyedJaggedTensor(keys={kjt.keys()}): {name} {got} but the batch gives {want}")
