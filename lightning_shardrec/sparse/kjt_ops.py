@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.sparse import ops
-from lightning_shardrec.sparse.errors import JaggedAssertionError
+from lightning_shardrec.sparse.errors import JaggedAssertionError, JaggedIndexError
 from lightning_shardrec.sparse.jagged_tensor import JaggedTensor
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ def split(kjt: KeyedJaggedTensor, segments: Sequence[int]) -> list[KeyedJaggedTe
     """Consecutive groups of keys: ``segments`` are key counts summing to ``len(keys)``."""
     keys = kjt.keys()
     if sum(segments) != len(keys) or any(s < 0 for s in segments):
-        raise ValueError(f"split segments {list(segments)} must be non-negative and sum to {len(keys)} keys")
+        raise JaggedIndexError(f"split segments {list(segments)} must be non-negative and sum to {len(keys)} keys")
     opk, lpk, lopk = kjt.offset_per_key(), kjt.length_per_key(), kjt.lengths_offset_per_key()
     spkpr = kjt._stride_per_key_per_rank
     weights, values, lengths = kjt.weights_or_none(), kjt.values(), kjt.lengths()
@@ -54,7 +54,7 @@ def permute(kjt: KeyedJaggedTensor, indices: Sequence[int], indices_tensor: Tens
     keys = kjt.keys()
     bad = [i for i in indices if not 0 <= i < len(keys)]
     if bad:
-        raise ValueError(f"permute indices {bad} outside [0, {len(keys)}) for keys {keys}")
+        raise JaggedIndexError(f"permute indices {bad} outside [0, {len(keys)}) for keys {keys}")
     new_keys = [keys[i] for i in indices]
     lpk = kjt.length_per_key()
     new_lpk = [lpk[i] for i in indices]

@@ -159,3 +159,10 @@ def test_kt_device_and_torchrec_caches() -> None:
         ValueError, match=re.escape("KeyedTensor: index_per_key {'x': 1} disagrees with keys ['x', 'y']")
     ):
         KeyedTensor(["x", "y"], [1, 2], torch.zeros(2, 3), index_per_key={"x": 1})
+
+
+def test_out_of_range_key_indices_raise_index_error_as_torchrec(kjt: KeyedJaggedTensor) -> None:
+    with pytest.raises(IndexError, match=re.escape("permute indices [2] outside [0, 2) for keys ['a', 'b']")):
+        kjt.permute([0, 2])
+    with pytest.raises(IndexError, match=re.escape("split segments [3] must be non-negative and sum to 2 keys")):
+        kjt.split([3])
