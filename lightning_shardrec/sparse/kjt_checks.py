@@ -120,11 +120,10 @@ def check_inverse_indices(value: object, where: str) -> tuple[list[str], Tensor]
     """``(keys, tensor [len(keys), batch])`` as TorchRec takes it."""
     if value is None:
         return None
-    ok = isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[1], Tensor)
-    if not ok:
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[1], Tensor)):
         raise TypeError(f"{where}: inverse_indices must be a (keys, tensor) pair, got {type(value).__name__}")
-    keys, tensor = value  # type: ignore[misc]
-    keys = check_keys(keys)
+    keys = check_keys(value[0])
+    tensor: Tensor = value[1]
     if tensor.is_floating_point() or tensor.is_complex():
         raise ValueError(f"{where}: inverse_indices tensor must hold integer rows, got dtype {tensor.dtype}")
     return keys, tensor

@@ -13,6 +13,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
@@ -29,8 +32,8 @@ def _jt_flatten(jt: JaggedTensor) -> tuple[list[Tensor | None], None]:
     return [jt._values, jt._weights, jt._lengths, jt._offsets], None
 
 
-def _jt_unflatten(leaves: list[Tensor | None], context: None) -> JaggedTensor:
-    return JaggedTensor(*leaves)  # type: ignore[arg-type]
+def _jt_unflatten(leaves: Iterable[Any], context: Any) -> JaggedTensor:
+    return JaggedTensor(*leaves)
 
 
 def _kjt_leaves(kjt: KeyedJaggedTensor) -> list[Tensor | None]:
@@ -50,12 +53,14 @@ def _kjt_flatten(kjt: KeyedJaggedTensor) -> tuple[list[Tensor | None], list[str]
     return _kjt_leaves(kjt), kjt.keys()
 
 
-def _kjt_unflatten(leaves: list[Tensor | None], context: list[str]) -> KeyedJaggedTensor:
+def _kjt_unflatten(leaves: Iterable[Any], context: Any) -> KeyedJaggedTensor:
+    leaves = list(leaves)
     if len(leaves) > len(_KJT_LEAVES):
         raise ValueError(
             f"KeyedJaggedTensor takes at most {len(_KJT_LEAVES)} pytree leaves {list(_KJT_LEAVES)}, got {len(leaves)}"
         )
-    values, weights, lengths, offsets, spkpr, inverse = [*leaves, *[None] * (len(_KJT_LEAVES) - len(leaves))]
+    padded: list[Tensor | None] = [*leaves, *[None] * (len(_KJT_LEAVES) - len(leaves))]
+    values, weights, lengths, offsets, spkpr, inverse = padded
     return KeyedJaggedTensor(
         context,
         values,  # type: ignore[arg-type]
@@ -71,9 +76,9 @@ def _kt_flatten(kt: KeyedTensor) -> tuple[list[Tensor], tuple[list[str], list[in
     return [kt.values()], (kt.keys(), kt.length_per_key(), kt.key_dim())
 
 
-def _kt_unflatten(leaves: list[Tensor], context: tuple) -> KeyedTensor:  # type: ignore[type-arg]
+def _kt_unflatten(leaves: Iterable[Any], context: Any) -> KeyedTensor:
     keys, length_per_key, *rest = context
-    return KeyedTensor(keys, length_per_key, leaves[0], *rest)
+    return KeyedTensor(keys, length_per_key, next(iter(leaves)), *rest)
 
 
 def _kt_flatten_spec(kt: KeyedTensor, spec: pytree.TreeSpec) -> list[Tensor]:
