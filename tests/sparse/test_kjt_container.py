@@ -129,3 +129,30 @@ def test_jagged_tensor_general_values() -> None:
     jt = JaggedTensor(torch.arange(6.0).view(3, 2), offsets=T([0, 2, 2, 3], dtype=torch.int32))
     assert jt.lengths().tolist() == [2, 0, 1]
     assert [b.shape for b in jt.to_dense()] == [(2, 2), (0, 2), (1, 2)]
+
+
+# --- caller-given per-key totals and 0-d weights ---------------------------------------------------
+def test_length_and_offset_per_key_must_fit_the_values() -> None:
+    values, lengths = T([1, 2, 3]), T([1, 2])
+    on_meta = values.to("meta"), lengths.to("meta")  # no data to compare: the counts alone are checked
+    with pytest.raises(ValueError, match=re.escape("length_per_key [1] needs one count >= 0 per key (2)")):
+        KeyedJaggedTensor(["a", "b"], on_meta[0], lengths=on_meta[1], length_per_key=[1])
+    with pytest.raises(ValueError, match=re.escape("length_per_key [1, 2] but the lengths give [1, 1]")):
+        KeyedJaggedTensor(["a", "b"], values, lengths=T([1, 1]), length_per_key=[1, 2])
+    msg = "offset_per_key [0, 2] needs 3 non-decreasing entries from 0 to at most 3"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        KeyedJaggedTensor(["a", "b"], values, lengths=lengths, offset_per_key=[0, 2])
+    msg = "offset_per_key [0, 2, 3] disagrees with length_per_key [1, 2]"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        KeyedJaggedTensor(["a", "b"], values, lengths=lengths, length_per_key=[1, 2], offset_per_key=[0, 2, 3])
+    ok = KeyedJaggedTensor(
+        ["a", "b"], T([1, 2, 3, 9]), lengths=lengths, length_per_key=[1, 2], offset_per_key=[0, 1, 3]
+    )
+    assert ok.offset_per_key() == [0, 1, 3]  # values may run past the last bag
+
+
+def test_0d_weights_rejected() -> None:
+    with pytest.raises(
+        ValueError, match=re.escape("KeyedJaggedTensor(keys=['a']): weights must have one entry per value")
+    ):
+        KeyedJaggedTensor(["a"], T([1]), T(1.0), T([1]))
