@@ -51,7 +51,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         kinds = list(dict.fromkeys(SHARDINGS.values()))
         self.groups = nn.ModuleList([k(by_kind[k], env, setup) for k in kinds if k in by_kind])
         grouped = [f for g in self.groups for f in g.feature_names]
-        self._arrange = FeatureArranger(grouped, "ShardedEmbeddingBagCollection")
+        self._arrange = FeatureArranger(grouped, "ShardedEmbeddingBagCollection", is_weighted=self._is_weighted)
         table_of = {f: t for t in configs for f in t.feature_names}
         self._rows = [table_of[f].num_embeddings for f in grouped]
         self._table_names = [table_of[f].name for f in grouped]
