@@ -60,9 +60,8 @@ The fuzz tests behind the KJT and Criteo rows: ``tests/sparse/test_kjt_fuzz.py``
 | modules | KJT lacks a feature the collection needs | KeyError | tests/modules/test_embedding_bag_collection.py::test_missing_feature_is_named |
 | modules | is_weighted=True but KJT has no weights | ValueError | tests/modules/test_embedding_bag_collection.py::test_weighted_needs_weights |
 | modules | forward given a Tensor, not a KJT | TypeError |  |
-| modules | two tables with one name | ValueError | tests/modules/test_embedding_bag_collection.py::test_duplicate_tables_and_features_rejected |
-| modules | one feature read by two tables | ValueError | tests/modules/test_embedding_bag_collection.py::test_duplicate_tables_and_features_rejected |
-| modules | no tables | ValueError | tests/modules/test_embedding_bag_collection.py::test_duplicate_tables_and_features_rejected |
+| modules | two tables with one name | ValueError | tests/modules/test_embedding_bag_collection.py::test_duplicate_tables_rejected |
+| modules | no tables | ValueError | tests/modules/test_embedding_bag_collection.py::test_duplicate_tables_rejected |
 | modules | EmbeddingConfig given to EmbeddingBagCollection's sibling | TypeError | tests/modules/test_embedding_collection.py::test_rejects_bag_configs |
 | table config | embedding_dim 0 | ValueError | tests/test_configs.py::test_non_positive_dim |
 | table config | num_embeddings not an int | ValueError | tests/test_configs.py::test_non_positive_rows |
@@ -428,12 +427,10 @@ CASES: list[Case] = [
          r"got Tensor"),
     Case("modules", "two tables with one name", lambda: EmbeddingBagCollection([_bag(), _bag(feature_names=["x"])]),
          ValueError, r"EmbeddingBagCollection: table names repeat: \['t_user'\]",
-         _EBC + "test_duplicate_tables_and_features_rejected"),
-    Case("modules", "one feature read by two tables", lambda: EmbeddingBagCollection([_bag(), _bag(name="t2")]),
-         ValueError, r"feature 'user' is read by tables 't_user' and 't2'", _EBC + "test_duplicate_tables_and_features_rejected"),
+         _EBC + "test_duplicate_tables_rejected"),
     Case("modules", "no tables", lambda: EmbeddingBagCollection([]),
          ValueError, r"EmbeddingBagCollection needs at least one EmbeddingBagConfig",
-         _EBC + "test_duplicate_tables_and_features_rejected"),
+         _EBC + "test_duplicate_tables_rejected"),
     Case("modules", "EmbeddingConfig given to EmbeddingBagCollection's sibling", None, TypeError, "takes EmbeddingConfig",
          "tests/modules/test_embedding_collection.py::test_rejects_bag_configs"),
     # --- table configs ------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharding import SHARDINGS, EmbeddingSharding, KernelSetup, TableSharding
 from lightning_shardrec.distributed.sharding.base import SequenceDist
 from lightning_shardrec.modules import EmbeddingCollection
-from lightning_shardrec.modules.features import FeatureArranger, check_ids
+from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names, unshare_features
 from lightning_shardrec.planner import ParameterSharding
 from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor
 
@@ -52,8 +52,10 @@ class ShardedEmbeddingCollection(ShardedCollection):
         self.env = env
         self._device = setup.device
         setup = replace(setup, pooled=False)
+        # Inside, features carry their embedding names (feature@table when shared): unique keys.
+        inner = unshare_features(configs)
         by_group: dict[tuple[type[EmbeddingSharding], int], list[TableSharding]] = {}
-        for t in configs:
+        for t in inner:
             weight = module.embeddings[t.name].weight
             real = None if weight.device.type == "meta" else weight
             for width, part in _split_by_width(plan[t.name]):
@@ -65,19 +67,21 @@ class ShardedEmbeddingCollection(ShardedCollection):
         self.groups = nn.ModuleList([kind(by_group[(kind, w)], env, setup) for kind, w in order])
 
         self._feature_names = module.feature_names()
-        self._arrange = FeatureArranger(self._feature_names, "ShardedEmbeddingCollection")
-        table_of = {f: t for t in configs for f in t.feature_names}
-        self._rows = [table_of[f].num_embeddings for f in self._feature_names]
-        self._table_names = [table_of[f].name for f in self._feature_names]
+        self._embedding_names = embedding_names(configs)
+        names = self._embedding_names
+        self._arrange = FeatureArranger(self._feature_names, "ShardedEmbeddingCollection", names)
+        table_of = {f: t for t in inner for f in t.feature_names}
+        self._rows = [table_of[f].num_embeddings for f in names]
+        self._table_names = [table_of[f].name for f in names]
         # Each group reads its features from one KJT (a feature may feed several groups).
-        position = {f: i for i, f in enumerate(self._feature_names)}
+        position = {f: i for i, f in enumerate(names)}
         grouped = [position[f] for g in self.groups for f in g.feature_names]
         self._grouped = None if grouped == list(range(len(grouped))) else grouped
         self._group_sizes = [len(g.feature_names) for g in self.groups]
         # Per feature: the (group, group feature) parts holding its columns, and the column
         # index that puts their concatenation in table order (None: already in order).
-        self._parts: list[list[tuple[int, int]]] = [[] for _ in self._feature_names]
-        cols: list[list[int]] = [[] for _ in self._feature_names]
+        self._parts: list[list[tuple[int, int]]] = [[] for _ in names]
+        cols: list[list[int]] = [[] for _ in names]
         for gi, g in enumerate(self.groups):
             for j, f in enumerate(g.feature_names):
                 self._parts[position[f]].append((gi, j))
@@ -118,7 +122,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
             )
         ]
         out: dict[str, JaggedTensor] = {}
-        for f, name in enumerate(self._feature_names):
+        for f, name in enumerate(self._embedding_names):
             parts = [per_group[gi][j] for gi, j in self._parts[f]]
             rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             index = self._col_index[f]
