@@ -274,7 +274,8 @@ def test_torchrec_field_positions() -> None:
 def test_unimplemented_torchrec_fields_are_refused(field: str, value: object) -> None:
     from lightning_shardrec.errors import UnsupportedFeatureError
 
-    with pytest.raises(UnsupportedFeatureError, match=rf"EmbeddingBagConfig\(name='t_user'\): {field}=.* is not supported"):
+    msg = rf"EmbeddingBagConfig\(name='t_user'\): {field}=.* is not supported"
+    with pytest.raises(UnsupportedFeatureError, match=msg):
         bag(**{field: value})
     with pytest.raises(NotImplementedError):  # what TorchRec-era callers may catch
         EmbeddingConfig(10, 4, "t", feature_names=["f"], **{field: value})
