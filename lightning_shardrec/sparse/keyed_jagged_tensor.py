@@ -9,27 +9,42 @@ Lengths are key-major, exactly as TorchRec: all of key 0's bags, then key 1's::
     lengths  [2, 0, 1, 1, 1, 1]            [K * B]
     offsets  [0, 2, 2, 3, 4, 5, 6]         [K * B + 1]
     length_per_key  [3, 3]                 ids per key
+
+With a variable batch per key (VBE, ``stride_per_key_per_rank``) key ``k`` has
+``stride_per_key()[k]`` bags instead of ``stride`` (see :mod:`.kjt_checks`).
 """
 
 from __future__ import annotations
 
-import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_shardrec.sparse import ops
+from lightning_shardrec.sparse import kjt_ops, ops
+from lightning_shardrec.sparse.errors import JaggedAssertionError
 from lightning_shardrec.sparse.jagged_tensor import JaggedTensor, _check_data, _check_shapes
+from lightning_shardrec.sparse.kjt_checks import (
+    check_inverse_indices,
+    check_keys,
+    check_per_key,
+    check_stride_per_key_per_rank,
+    infer_stride,
+    segment_sums,
+    stride_per_key_of,
+)
 
 
 class KeyedJaggedTensor:
-    """Jagged bags for several keys: ``KeyedJaggedTensor(keys, values, weights, lengths, offsets, stride)``.
+    """Jagged bags for several keys: ``KeyedJaggedTensor(keys, values, weights, lengths, offsets, stride, ...)``.
 
     Positional order matches TorchRec. ``stride`` (batch size) defaults to
-    ``len(lengths) // len(keys)``. Shapes and dtypes are checked here, and so is the
-    data of CPU tensors (negative lengths, offsets that disagree); for device tensors
-    :meth:`validate` checks the data (reading it would sync with the device).
+    ``len(lengths) // len(keys)``. ``stride_per_key_per_rank`` (``[K][R]``) makes the
+    batch variable per key; ``inverse_indices=(keys, tensor [len(keys), B])`` maps
+    each of the ``B`` samples to its (deduplicated) bag, for expanding outputs.
+    Shapes and dtypes are checked here, and so is the data of CPU tensors (negative
+    lengths, offsets that disagree); for device tensors :meth:`validate` checks the
+    data (reading it would sync with the device).
     """
 
     def __init__(
@@ -40,11 +55,16 @@ class KeyedJaggedTensor:
         lengths: Tensor | None = None,
         offsets: Tensor | None = None,
         stride: int | None = None,
-        *,
+        stride_per_key_per_rank: list[list[int]] | Tensor | None = None,
+        stride_per_key: list[int] | None = None,
         length_per_key: list[int] | None = None,
+        lengths_offset_per_key: list[int] | None = None,
         offset_per_key: list[int] | None = None,
+        index_per_key: dict[str, int] | None = None,
+        jt_dict: dict[str, JaggedTensor] | None = None,
+        inverse_indices: tuple[list[str], Tensor] | None = None,
     ) -> None:
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         where = f"KeyedJaggedTensor(keys={keys})"
         if lengths is None and offsets is None:
             raise ValueError(f"{where} needs lengths or offsets (got neither)")
@@ -64,36 +84,36 @@ class KeyedJaggedTensor:
         if len(set(keys)) != len(keys):
             dup = sorted({k for k in keys if keys.count(k) > 1})
             raise ValueError(f"KeyedJaggedTensor keys must be unique, repeated: {dup}")
-        int_like = isinstance(stride, (numbers.Integral, torch.SymInt)) and not isinstance(stride, bool)
-        if stride is not None and (not int_like or stride < 0):
-            raise ValueError(f"{where}: stride (batch size) must be an int >= 0, got {stride!r}")
-        if stride is None:
-            if not keys:
-                if num_bags:
-                    raise ValueError(f"KeyedJaggedTensor has no keys but {num_bags} lengths")
-                stride = 0
-            elif num_bags % len(keys):
-                raise ValueError(
-                    f"{num_bags} lengths do not divide into {len(keys)} keys {keys} "
-                    "(lengths are key-major: len(keys) * batch_size entries)"
-                )
-            else:
-                stride = num_bags // len(keys)
-        elif stride * len(keys) != num_bags:
-            raise ValueError(
-                f"stride {stride} x {len(keys)} keys {keys} needs {stride * len(keys)} lengths, got {num_bags}"
-            )
-        stride = int(stride)
+        spkpr = check_stride_per_key_per_rank(stride_per_key_per_rank, keys, where)
+        inverse = check_inverse_indices(inverse_indices, where)
+        stride = infer_stride(keys, num_bags, stride, spkpr, inverse, where)
         if values.device.type == "cpu":  # host data: the full check is one cheap pass
             host_lengths = lengths if lengths is not None else offsets[1:] - offsets[:-1]  # type: ignore[index]
-            _check_data(host_lengths, offsets, values.numel(), keys=keys, stride=stride, where=where)
+            data_stride = None if spkpr is not None else stride
+            _check_data(host_lengths, offsets, values.numel(), keys=keys, stride=data_stride, where=where)
             if length_per_key is not None and keys:
-                actual = host_lengths.view(len(keys), stride).sum(1).tolist()
+                actual = (
+                    segment_sums(host_lengths, stride_per_key_of(keys, spkpr, where))
+                    if spkpr is not None
+                    else host_lengths.view(len(keys), stride).sum(1).tolist()
+                )
                 if list(length_per_key) != actual:
                     raise ValueError(f"{where}: length_per_key {list(length_per_key)} but the lengths give {actual}")
         if length_per_key is not None or offset_per_key is not None:
-            _check_per_key(keys, values.numel(), length_per_key, offset_per_key, where)
-        self._init(keys, values, weights, lengths, offsets, stride, length_per_key, offset_per_key)
+            check_per_key(keys, values.numel(), length_per_key, offset_per_key, where)
+        self._init(keys, values, weights, lengths, offsets, stride, length_per_key, offset_per_key, spkpr, inverse)
+        if stride_per_key is not None and list(stride_per_key) != self.stride_per_key():
+            raise ValueError(
+                f"{where}: stride_per_key {list(stride_per_key)} but the batch gives {self.stride_per_key()}"
+            )
+        if lengths_offset_per_key is not None and list(lengths_offset_per_key) != self.lengths_offset_per_key():
+            raise ValueError(
+                f"{where}: lengths_offset_per_key {list(lengths_offset_per_key)} "
+                f"but the batch gives {self.lengths_offset_per_key()}"
+            )
+        if index_per_key is not None and dict(index_per_key) != self.index_per_key():
+            raise ValueError(f"{where}: index_per_key {dict(index_per_key)} but the keys give {self.index_per_key()}")
+        del jt_dict  # a cache TorchRec's scripted code passes; recomputed on demand here
 
     def _init(
         self,
@@ -105,6 +125,8 @@ class KeyedJaggedTensor:
         stride: int,
         length_per_key: list[int] | None,
         offset_per_key: list[int] | None,
+        stride_per_key_per_rank: list[list[int]] | None = None,
+        inverse_indices: tuple[list[str], Tensor] | None = None,
     ) -> None:
         self._keys = keys
         self._values = values
@@ -114,7 +136,10 @@ class KeyedJaggedTensor:
         self._stride = stride
         self._length_per_key = length_per_key
         self._offset_per_key = offset_per_key
+        self._stride_per_key_per_rank = stride_per_key_per_rank
+        self._inverse_indices = inverse_indices
         self._index_per_key: dict[str, int] | None = None
+        self._stride_per_key: list[int] | None = None
 
     @classmethod
     def _trusted(
@@ -125,10 +150,15 @@ class KeyedJaggedTensor:
         lengths: Tensor,
         stride: int,
         length_per_key: list[int] | None = None,
+        *,
+        stride_per_key_per_rank: list[list[int]] | None = None,
+        inverse_indices: tuple[list[str], Tensor] | None = None,
     ) -> KeyedJaggedTensor:
         """Build from parts this library produced and already knows to be consistent."""
         kjt = cls.__new__(cls)
-        kjt._init(keys, values, weights, lengths, None, stride, length_per_key, None)
+        kjt._init(
+            keys, values, weights, lengths, None, stride, length_per_key, None, stride_per_key_per_rank, inverse_indices
+        )
         return kjt
 
     # --- alternative constructors ---------------------------------------------------
@@ -139,10 +169,18 @@ class KeyedJaggedTensor:
         lengths: Tensor,
         weights: Tensor | None = None,
         stride: int | None = None,
+        stride_per_key_per_rank: list[list[int]] | Tensor | None = None,
+        inverse_indices: tuple[list[str], Tensor] | None = None,
     ) -> KeyedJaggedTensor:
-        kjt = KeyedJaggedTensor(keys, values, weights, lengths=lengths, stride=stride)
-        kjt.length_per_key()
-        return kjt
+        return KeyedJaggedTensor(
+            keys,
+            values,
+            weights,
+            lengths=lengths,
+            stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank,
+            inverse_indices=inverse_indices,
+        ).sync()
 
     @staticmethod
     def from_offsets_sync(
@@ -151,71 +189,40 @@ class KeyedJaggedTensor:
         offsets: Tensor,
         weights: Tensor | None = None,
         stride: int | None = None,
+        stride_per_key_per_rank: list[list[int]] | Tensor | None = None,
+        inverse_indices: tuple[list[str], Tensor] | None = None,
     ) -> KeyedJaggedTensor:
-        kjt = KeyedJaggedTensor(keys, values, weights, offsets=offsets, stride=stride)
-        kjt.length_per_key()
-        return kjt
+        return KeyedJaggedTensor(
+            keys,
+            values,
+            weights,
+            offsets=offsets,
+            stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank,
+            inverse_indices=inverse_indices,
+        ).sync()
 
     @staticmethod
     def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
-        """Stack per-key JaggedTensors (same batch size each) into one KJT."""
-        if not jt_dict:
-            return KeyedJaggedTensor.empty()
-        batch = {k: jt.lengths().numel() for k, jt in jt_dict.items()}
-        if len(set(batch.values())) != 1:
-            raise ValueError(f"from_jt_dict needs one batch size for every key, got {batch}")
-        jts = list(jt_dict.values())
-        weighted = [jt.weights_or_none() is not None for jt in jts]
-        if any(weighted) and not all(weighted):
-            missing = [k for k, w in zip(jt_dict, weighted, strict=True) if not w]
-            raise ValueError(f"from_jt_dict: keys {missing} have no weights while others do")
-        weights = torch.cat([jt.weights() for jt in jts]) if all(weighted) else None
-        return KeyedJaggedTensor(
-            list(jt_dict),
-            torch.cat([jt.values() for jt in jts]),
-            weights,
-            lengths=torch.cat([jt.lengths() for jt in jts]),
-        )
+        """Stack per-key JaggedTensors; differing batch sizes give a variable-batch KJT."""
+        return kjt_ops.from_jt_dict(jt_dict)
 
     @staticmethod
     def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-        """Keys of every KJT, in order, over one shared batch."""
-        if not kjt_list:
-            raise ValueError("KeyedJaggedTensor.concat needs at least one KJT")
-        strides = {kjt.stride() for kjt in kjt_list if kjt.keys()}
-        if len(strides) > 1:
-            raise ValueError(f"KeyedJaggedTensor.concat needs one batch size, got strides {sorted(strides)}")
-        weighted = {kjt.weights_or_none() is not None for kjt in kjt_list if kjt.keys()}
-        if len(weighted) > 1:
-            raise ValueError("KeyedJaggedTensor.concat cannot mix weighted and unweighted KJTs")
-        keys = [k for kjt in kjt_list for k in kjt.keys()]  # noqa: SIM118 (a KJT, not a dict)
-        # KJTs without keys hold no values, so they add no weights (and may have none).
-        weights = None
-        if weighted == {True}:
-            weights = torch.cat([kjt.weights() for kjt in kjt_list if kjt.keys()])
-        lpk = (
-            [n for kjt in kjt_list for n in kjt.length_per_key()]
-            if all(kjt._length_per_key is not None for kjt in kjt_list)
-            else None
-        )
-        out = KeyedJaggedTensor(
-            keys,
-            torch.cat([kjt.values() for kjt in kjt_list]),
-            weights,
-            lengths=torch.cat([kjt.lengths() for kjt in kjt_list]),
-            stride=strides.pop() if strides else kjt_list[0].stride(),
-        )
-        out._length_per_key = lpk
-        return out
+        """Keys of every KJT, in order, over one shared batch (or all variable-batch)."""
+        return kjt_ops.concat(kjt_list)
 
     @staticmethod
     def empty(
         is_weighted: bool = False,
         device: torch.device | str | None = None,
-        values_dtype: torch.dtype = torch.int64,
-        weights_dtype: torch.dtype = torch.float32,
-        lengths_dtype: torch.dtype = torch.int64,
+        values_dtype: torch.dtype | None = None,
+        weights_dtype: torch.dtype | None = None,
+        lengths_dtype: torch.dtype = torch.int32,
     ) -> KeyedJaggedTensor:
+        """No keys, no values (TorchRec's dtypes: int64 values, float weights, int32 lengths)."""
+        values_dtype = torch.int64 if values_dtype is None else values_dtype
+        weights_dtype = torch.float32 if weights_dtype is None else weights_dtype
         weights = torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None
         return KeyedJaggedTensor(
             [],
@@ -224,6 +231,23 @@ class KeyedJaggedTensor:
             lengths=torch.empty(0, dtype=lengths_dtype, device=device),
             stride=0,
         )
+
+    @staticmethod
+    def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """No keys, on ``kjt``'s device with its dtypes and batch size (its per-key strides if VBE)."""
+        weights = kjt.weights_or_none()
+        vbe = kjt.variable_stride_per_key()
+        device = kjt.device()
+        out = KeyedJaggedTensor._trusted(
+            [],
+            torch.empty(0, dtype=kjt.values().dtype, device=device),
+            None if weights is None else torch.empty(0, dtype=weights.dtype, device=device),
+            torch.empty(0, dtype=kjt.lengths().dtype, device=device),
+            kjt.stride(),
+            None,
+            stride_per_key_per_rank=kjt.stride_per_key_per_rank() if vbe else None,
+        )
+        return out
 
     # --- accessors ----------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -234,7 +258,7 @@ class KeyedJaggedTensor:
 
     def weights(self) -> Tensor:
         if self._weights is None:
-            raise ValueError(f"KeyedJaggedTensor(keys={self._keys}) has no weights; use weights_or_none()")
+            raise JaggedAssertionError(f"KeyedJaggedTensor(keys={self._keys}) has no weights; use weights_or_none()")
         return self._weights
 
     def weights_or_none(self) -> Tensor | None:
@@ -257,22 +281,64 @@ class KeyedJaggedTensor:
         return self._offsets
 
     def stride(self) -> int:
-        """Batch size: bags per key."""
+        """Batch size: bags per key (with VBE: the batch the outputs expand to)."""
         return self._stride
+
+    def stride_per_key(self) -> list[int]:
+        """Bags of each key: ``[stride] * K``, or the per-rank sums with VBE."""
+        if self._stride_per_key is None:
+            spkpr = self._stride_per_key_per_rank
+            self._stride_per_key = (
+                [self._stride] * len(self._keys)
+                if spkpr is None
+                else stride_per_key_of(self._keys, spkpr, f"KeyedJaggedTensor(keys={self._keys})")
+            )
+        return self._stride_per_key
+
+    def stride_per_key_per_rank(self) -> list[list[int]]:
+        """``[K][R]`` bags per key per rank of a VBE KJT; ``[]`` for a fixed batch."""
+        spkpr = self._stride_per_key_per_rank
+        return [] if spkpr is None else [list(row) for row in spkpr]
+
+    def variable_stride_per_key(self) -> bool:
+        """Whether the batch varies per key (``stride_per_key_per_rank`` was given)."""
+        return self._stride_per_key_per_rank is not None
+
+    def inverse_indices(self) -> tuple[list[str], Tensor]:
+        if self._inverse_indices is None:
+            raise JaggedAssertionError(
+                f"KeyedJaggedTensor(keys={self._keys}) has no inverse_indices; use inverse_indices_or_none()"
+            )
+        return self._inverse_indices
+
+    def inverse_indices_or_none(self) -> tuple[list[str], Tensor] | None:
+        return self._inverse_indices
+
+    def lengths_offset_per_key(self) -> list[int]:
+        """Start of each key's lengths in ``lengths()``, plus the total: ``[K + 1]``."""
+        out = [0]
+        for n in self.stride_per_key():
+            out.append(out[-1] + n)
+        return out
 
     def device(self) -> torch.device:
         return self._values.device
-
-    def variable_stride_per_key(self) -> bool:
-        return False
 
     def length_per_key(self) -> list[int]:
         """Number of ids of each key (one host sync, cached)."""
         if self._length_per_key is None:
             if not self._keys:
                 self._length_per_key = []
+            elif self._values.device.type == "meta":  # no data: split the values evenly, as TorchRec
+                total, k = self._values.shape[0], len(self._keys)
+                self._length_per_key = [total // k + (total % k if i == 0 else 0) for i in range(k)]
+            elif self._stride_per_key_per_rank is not None:
+                self._length_per_key = segment_sums(self.lengths(), self.stride_per_key())
             else:
                 self._length_per_key = self.lengths().view(len(self._keys), self._stride).sum(1).tolist()
+        return self._length_per_key
+
+    def length_per_key_or_none(self) -> list[int] | None:
         return self._length_per_key
 
     def offset_per_key(self) -> list[int]:
@@ -284,84 +350,73 @@ class KeyedJaggedTensor:
             self._offset_per_key = out
         return self._offset_per_key
 
-    def _key_index(self, key: str) -> int:
+    def offset_per_key_or_none(self) -> list[int] | None:
+        return self._offset_per_key
+
+    def index_per_key(self) -> dict[str, int]:
+        """Position of each key (the last one where a permute repeated a key)."""
         if self._index_per_key is None:
             self._index_per_key = {k: i for i, k in enumerate(self._keys)}
+        return self._index_per_key
+
+    def _key_index(self, key: str) -> int:
         try:
-            return self._index_per_key[key]
+            return self.index_per_key()[key]
         except KeyError:
             raise KeyError(f"key '{key}' not in KeyedJaggedTensor keys {self._keys}") from None
 
     def __getitem__(self, key: str) -> JaggedTensor:
         i = self._key_index(key)
         start, end = self.offset_per_key()[i], self.offset_per_key()[i + 1]
-        lengths = self.lengths()[i * self._stride : (i + 1) * self._stride]
+        lopk = self.lengths_offset_per_key()
+        lengths = self.lengths()[lopk[i] : lopk[i + 1]]
         weights = None if self._weights is None else self._weights[start:end]
         out = JaggedTensor.__new__(JaggedTensor)
         out._values, out._weights, out._lengths, out._offsets = self._values[start:end], weights, lengths, None
         return out
 
-    def to_dict(self) -> dict[str, JaggedTensor]:
-        return {k: self[k] for k in self._keys}
+    def to_dict(self, compute_offsets: bool = True) -> dict[str, JaggedTensor]:
+        """One JaggedTensor per key."""
+        return kjt_ops.to_dict(self, compute_offsets)
 
     # --- reshaping ----------------------------------------------------------------
     def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
         """Consecutive groups of keys: ``segments`` are key counts summing to ``len(keys)``."""
-        if sum(segments) != len(self._keys) or any(s < 0 for s in segments):
-            raise ValueError(f"split segments {list(segments)} must be non-negative and sum to {len(self._keys)} keys")
-        opk, out, k = self.offset_per_key(), [], 0
-        lpk = self.length_per_key()
-        for seg in segments:
-            start, end = opk[k], opk[k + seg]
-            out.append(
-                KeyedJaggedTensor._trusted(
-                    self._keys[k : k + seg],
-                    self._values[start:end],
-                    None if self._weights is None else self._weights[start:end],
-                    self.lengths()[k * self._stride : (k + seg) * self._stride],
-                    self._stride,
-                    lpk[k : k + seg],
-                )
-            )
-            k += seg
-        return out
+        return kjt_ops.split(self, segments)
 
     def permute(self, indices: Sequence[int], indices_tensor: Tensor | None = None) -> KeyedJaggedTensor:
         """New key order: key ``j`` of the result is key ``indices[j]`` (keys may repeat or drop)."""
-        bad = [i for i in indices if not 0 <= i < len(self._keys)]
-        if bad:
-            raise ValueError(f"permute indices {bad} outside [0, {len(self._keys)}) for keys {self._keys}")
-        keys = [self._keys[i] for i in indices]
-        lpk = self.length_per_key()
-        new_lpk = [lpk[i] for i in indices]
-        if indices_tensor is None:
-            indices_tensor = torch.tensor(list(indices), dtype=torch.long, device=self.device())
-        lengths, values, weights = ops.permute_2d(
-            indices_tensor,
-            self.lengths().view(len(self._keys), self._stride),
-            self._values,
-            self._weights,
-            permuted_values_numel=sum(new_lpk),
-        )
-        return KeyedJaggedTensor._trusted(keys, values, weights, lengths.reshape(-1), self._stride, new_lpk)
+        return kjt_ops.permute(self, indices, indices_tensor)
 
     # --- movement -----------------------------------------------------------------
-    def _map(self, fn) -> KeyedJaggedTensor:  # type: ignore[no-untyped-def]
+    def _map(
+        self, fn: Callable[[Tensor], Tensor], weights_fn: Callable[[Tensor], Tensor] | None = None
+    ) -> KeyedJaggedTensor:
+        inverse = self._inverse_indices
         out = KeyedJaggedTensor.__new__(KeyedJaggedTensor)
         out._init(
             self._keys,
             fn(self._values),
-            None if self._weights is None else fn(self._weights),
+            None if self._weights is None else (weights_fn or fn)(self._weights),
             None if self._lengths is None else fn(self._lengths),
             None if self._offsets is None else fn(self._offsets),
             self._stride,
             self._length_per_key,
             self._offset_per_key,
+            self._stride_per_key_per_rank,
+            None if inverse is None else (inverse[0], fn(inverse[1])),
         )
         return out
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+    def to(
+        self, device: torch.device | str, non_blocking: bool = False, dtype: torch.dtype | None = None
+    ) -> KeyedJaggedTensor:
+        """A copy on ``device``; ``dtype`` (as TorchRec) converts the weights only."""
+
+        def move_weights(t: Tensor) -> Tensor:
+            return t.to(device, dtype=dtype, non_blocking=non_blocking)
+
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking), move_weights)
 
     def pin_memory(self) -> KeyedJaggedTensor:
         return self._map(lambda t: t.pin_memory())
@@ -372,8 +427,14 @@ class KeyedJaggedTensor:
                 t.record_stream(stream)  # type: ignore[arg-type]
 
     def sync(self) -> KeyedJaggedTensor:
-        """Compute and cache ``length_per_key`` now (TorchRec API)."""
+        """Compute and cache ``length_per_key``/``offset_per_key`` now (TorchRec API)."""
         self.offset_per_key()
+        return self
+
+    def unsync(self) -> KeyedJaggedTensor:
+        """Drop the cached ``length_per_key``/``offset_per_key`` (TorchRec API)."""
+        self._length_per_key = None
+        self._offset_per_key = None
         return self
 
     # --- checks -------------------------------------------------------------------
@@ -382,7 +443,8 @@ class KeyedJaggedTensor:
         lengths = self._lengths if self._lengths is not None else self.lengths()
         offsets = self._offsets if self._lengths is not None else None
         where = f"KeyedJaggedTensor(keys={self._keys})"
-        _check_data(lengths, offsets, self._values.numel(), keys=self._keys, stride=self._stride, where=where)
+        stride = None if self._stride_per_key_per_rank is not None else self._stride
+        _check_data(lengths, offsets, self._values.numel(), keys=self._keys, stride=stride, where=where)
         if self._weights is not None and self._weights.numel() != self._values.numel():
             raise ValueError(f"{where}: {self._weights.numel()} weights for {self._values.numel()} values")
 
@@ -399,36 +461,3 @@ class KeyedJaggedTensor:
             bags = [b.tolist() for b in jt.to_dense()] if jt.values().numel() <= 64 else "..."
             lines.append(f"  '{k}': {bags}{w}")
         return "\n".join(lines)
-
-
-def _check_keys(keys: object) -> list[str]:
-    """``keys`` as a list of str; a bare string or non-str keys are a ``TypeError``."""
-    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
-        raise TypeError(f"KeyedJaggedTensor keys must be a list of feature names, got {keys!r}")
-    out = list(keys)
-    bad = [k for k in out if not isinstance(k, str)]
-    if bad:
-        raise TypeError(f"KeyedJaggedTensor keys must be str, got {bad} in {out}")
-    return out
-
-
-def _check_per_key(
-    keys: list[str], num_values: int, length_per_key: list[int] | None, offset_per_key: list[int] | None, where: str
-) -> None:
-    """Caller-given per-key totals must match the keys and the number of ids."""
-    if length_per_key is not None:
-        lpk = list(length_per_key)
-        if len(lpk) != len(keys) or any(n < 0 for n in lpk) or sum(lpk) != num_values:
-            raise ValueError(
-                f"{where}: length_per_key {lpk} needs one count >= 0 per key ({len(keys)}) "
-                f"summing to the {num_values} ids"
-            )
-    if offset_per_key is not None:
-        opk = list(offset_per_key)
-        ok = len(opk) == len(keys) + 1 and opk[0] == 0 and opk[-1] == num_values
-        if not ok or any(b < a for a, b in zip(opk, opk[1:], strict=False)):
-            raise ValueError(
-                f"{where}: offset_per_key {opk} needs {len(keys) + 1} non-decreasing entries from 0 to {num_values}"
-            )
-        if length_per_key is not None and [b - a for a, b in zip(opk, opk[1:], strict=False)] != list(length_per_key):
-            raise ValueError(f"{where}: offset_per_key {opk} disagrees with length_per_key {list(length_per_key)}")

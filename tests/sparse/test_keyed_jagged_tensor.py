@@ -139,16 +139,17 @@ def test_from_jt_dict_empty_dict_is_empty_kjt() -> None:
     assert KeyedJaggedTensor.from_jt_dict({}).keys() == []
 
 
-def test_from_jt_dict_batch_sizes_differ() -> None:
+def test_from_jt_dict_batch_sizes_differ_gives_variable_batch() -> None:
+    """As TorchRec: per-key batch sizes that differ become ``stride_per_key_per_rank``."""
     jts = {
         "a": JaggedTensor(torch.tensor([1]), lengths=torch.tensor([1, 0])),
         "b": JaggedTensor(torch.tensor([2]), lengths=torch.tensor([1])),
     }
-    with pytest.raises(
-        ValueError,
-        match=re.escape("from_jt_dict needs one batch size for every key, got {'a': 2, 'b': 1}"),
-    ):
-        KeyedJaggedTensor.from_jt_dict(jts)
+    kjt = KeyedJaggedTensor.from_jt_dict(jts)
+    assert kjt.variable_stride_per_key()
+    assert kjt.stride_per_key_per_rank() == [[2], [1]]
+    assert kjt.stride_per_key() == [2, 1] and kjt.stride() == 2
+    assert bags(kjt["a"]) == [[1], []] and bags(kjt["b"]) == [[2]]
 
 
 def test_from_jt_dict_mixed_weights() -> None:

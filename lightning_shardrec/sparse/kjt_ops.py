@@ -1,0 +1,205 @@
+"""Reshaping a ``KeyedJaggedTensor``: split, permute, concat, from_jt_dict, to_dict.
+
+Each works for a fixed batch (``lengths`` is ``[K * B]``) and for a variable batch per
+key (VBE: key ``k`` has ``stride_per_key()[k]`` bags), exactly as TorchRec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from lightning_shardrec.sparse import ops
+from lightning_shardrec.sparse.errors import JaggedAssertionError
+from lightning_shardrec.sparse.jagged_tensor import JaggedTensor
+
+if TYPE_CHECKING:
+    from lightning_shardrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+
+
+def split(kjt: KeyedJaggedTensor, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
+    """Consecutive groups of keys: ``segments`` are key counts summing to ``len(keys)``."""
+    keys = kjt.keys()
+    if sum(segments) != len(keys) or any(s < 0 for s in segments):
+        raise ValueError(f"split segments {list(segments)} must be non-negative and sum to {len(keys)} keys")
+    opk, lpk, lopk = kjt.offset_per_key(), kjt.length_per_key(), kjt.lengths_offset_per_key()
+    spkpr = kjt._stride_per_key_per_rank
+    weights, values, lengths = kjt.weights_or_none(), kjt.values(), kjt.lengths()
+    out, k = [], 0
+    for seg in segments:
+        if seg == len(keys):
+            out.append(kjt)
+        else:
+            start, end = opk[k], opk[k + seg]
+            out.append(
+                type(kjt)._trusted(
+                    keys[k : k + seg],
+                    values[start:end],
+                    None if weights is None else weights[start:end],
+                    lengths[lopk[k] : lopk[k + seg]],
+                    kjt.stride(),
+                    lpk[k : k + seg],
+                    stride_per_key_per_rank=None if spkpr is None else spkpr[k : k + seg],
+                )
+            )
+        k += seg
+    return out
+
+
+def permute(kjt: KeyedJaggedTensor, indices: Sequence[int], indices_tensor: Tensor | None = None) -> KeyedJaggedTensor:
+    """New key order: key ``j`` of the result is key ``indices[j]`` (keys may repeat or drop)."""
+    keys = kjt.keys()
+    bad = [i for i in indices if not 0 <= i < len(keys)]
+    if bad:
+        raise ValueError(f"permute indices {bad} outside [0, {len(keys)}) for keys {keys}")
+    new_keys = [keys[i] for i in indices]
+    lpk = kjt.length_per_key()
+    new_lpk = [lpk[i] for i in indices]
+    spkpr = kjt._stride_per_key_per_rank
+    if spkpr is not None:
+        spk, lopk, opk = kjt.stride_per_key(), kjt.lengths_offset_per_key(), kjt.offset_per_key()
+        device = kjt.device()
+        length_index = _segments_index([lopk[i] for i in indices], [spk[i] for i in indices], device)
+        value_index = _segments_index([opk[i] for i in indices], new_lpk, device)
+        weights = kjt.weights_or_none()
+        return type(kjt)._trusted(
+            new_keys,
+            kjt.values().index_select(0, value_index),
+            None if weights is None else weights.index_select(0, value_index),
+            kjt.lengths().index_select(0, length_index),
+            kjt.stride(),
+            new_lpk,
+            stride_per_key_per_rank=[spkpr[i] for i in indices],
+        )
+    if indices_tensor is None:
+        indices_tensor = torch.tensor(list(indices), dtype=torch.long, device=kjt.device())
+    total = kjt.offset_per_key()[-1]
+    values, weights = kjt.values(), kjt.weights_or_none()
+    if values.shape[0] != total:  # a tail past the last bag is not part of any key
+        values = values[:total]
+        weights = None if weights is None else weights[:total]
+    lengths, values, weights = ops.permute_2d(
+        indices_tensor,
+        kjt.lengths().view(len(keys), kjt.stride()),
+        values,
+        weights,
+        permuted_values_numel=sum(new_lpk),
+    )
+    return type(kjt)._trusted(new_keys, values, weights, lengths.reshape(-1), kjt.stride(), new_lpk)
+
+
+def _segments_index(starts: list[int], sizes: list[int], device: torch.device) -> Tensor:
+    """Positions of the concatenated ranges ``[starts[i], starts[i] + sizes[i])``."""
+    return ops.gather_index(
+        torch.tensor(starts, dtype=torch.long, device=device),
+        torch.tensor(sizes, dtype=torch.long, device=device),
+        total=sum(sizes),
+    )
+
+
+def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    """Keys of every KJT, in order, over one shared batch (or all VBE)."""
+    from lightning_shardrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+
+    if not kjt_list:
+        raise ValueError("KeyedJaggedTensor.concat needs at least one KJT")
+    vbe = {kjt.variable_stride_per_key() for kjt in kjt_list}
+    if len(vbe) > 1:
+        raise JaggedAssertionError(
+            "KeyedJaggedTensor.concat cannot mix variable-batch (stride_per_key_per_rank) and fixed-batch KJTs"
+        )
+    variable = vbe.pop()
+    strides = {kjt.stride() for kjt in kjt_list if kjt.keys()}
+    if not variable and len(strides) > 1:
+        raise JaggedAssertionError(f"KeyedJaggedTensor.concat needs one batch size, got strides {sorted(strides)}")
+    weighted = {kjt.weights_or_none() is not None for kjt in kjt_list if kjt.keys()}
+    if len(weighted) > 1:
+        raise ValueError("KeyedJaggedTensor.concat cannot mix weighted and unweighted KJTs")
+    inverse = [kjt.inverse_indices_or_none() for kjt in kjt_list]
+    if any(i is not None for i in inverse) and any(i is None for i in inverse):
+        raise JaggedAssertionError("KeyedJaggedTensor.concat: inverse_indices must be set on all KJTs or on none")
+    keys = [k for kjt in kjt_list for k in kjt.keys()]  # noqa: SIM118 (a KJT, not a dict)
+    totals = [kjt.offset_per_key()[-1] if kjt.keys() else 0 for kjt in kjt_list]
+    # KJTs without keys hold no values, so they add no weights (and may have none).
+    weights = None
+    if weighted == {True}:
+        weights = torch.cat([kjt.weights()[:n] for kjt, n in zip(kjt_list, totals, strict=True) if kjt.keys()])
+    out = KeyedJaggedTensor._trusted(
+        keys,
+        torch.cat([kjt.values()[:n] for kjt, n in zip(kjt_list, totals, strict=True)]),
+        weights,
+        torch.cat([kjt.lengths().reshape(-1) for kjt in kjt_list]),
+        _concat_stride(kjt_list, strides, variable, inverse),
+        [n for kjt in kjt_list for n in kjt.length_per_key()],
+        stride_per_key_per_rank=(
+            [row for kjt in kjt_list for row in kjt.stride_per_key_per_rank()] if variable else None
+        ),
+        inverse_indices=(
+            ([k for i in inverse for k in i[0]], torch.cat([i[1] for i in inverse]))  # type: ignore[index]
+            if inverse and inverse[0] is not None
+            else None
+        ),
+    )
+    if all(kjt._length_per_key is None for kjt in kjt_list):
+        out._length_per_key = None  # as TorchRec: concat of unsynced KJTs stays unsynced
+    return out
+
+
+def _concat_stride(
+    kjt_list: Sequence[KeyedJaggedTensor],
+    strides: set[int],
+    variable: bool,
+    inverse: list[tuple[list[str], Tensor] | None],
+) -> int:
+    if not variable:
+        return strides.pop() if strides else kjt_list[0].stride()
+    if inverse and inverse[0] is not None:
+        return int(inverse[0][1].shape[-1])
+    return max([sum(row) for kjt in kjt_list for row in kjt.stride_per_key_per_rank()], default=0)
+
+
+def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
+    """Stack per-key JaggedTensors; different batch sizes give a VBE KJT (one rank)."""
+    from lightning_shardrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+
+    if not jt_dict:
+        return KeyedJaggedTensor.empty()
+    jts = list(jt_dict.values())
+    weighted = [jt.weights_or_none() is not None for jt in jts]
+    if any(weighted) and not all(weighted):
+        missing = [k for k, w in zip(jt_dict, weighted, strict=True) if not w]
+        raise ValueError(f"from_jt_dict: keys {missing} have no weights while others do")
+    batch = [jt.lengths().numel() for jt in jts]
+    totals = [_jt_total(jt) for jt in jts]
+    weights = torch.cat([jt.weights()[:n] for jt, n in zip(jts, totals, strict=True)]) if all(weighted) else None
+    same = len(set(batch)) == 1
+    return KeyedJaggedTensor(
+        list(jt_dict),
+        torch.cat([jt.values()[:n] for jt, n in zip(jts, totals, strict=True)]),
+        weights,
+        lengths=torch.cat([jt.lengths() for jt in jts]),
+        stride=batch[0] if same else None,
+        stride_per_key_per_rank=None if same else [[b] for b in batch],
+    ).sync()
+
+
+def _jt_total(jt: JaggedTensor) -> int:
+    """Values the bags of ``jt`` cover (its values may run longer)."""
+    if jt.values().device.type == "meta":
+        return jt.values().shape[0]
+    lengths = jt.lengths()
+    return int(lengths.sum()) if lengths.numel() else 0
+
+
+def to_dict(kjt: KeyedJaggedTensor, compute_offsets: bool = True) -> dict[str, JaggedTensor]:
+    """One JaggedTensor per key (offsets computed too unless ``compute_offsets=False``)."""
+    out = {}
+    for key in kjt.keys():  # noqa: SIM118 (a KJT, not a dict)
+        jt = kjt[key]
+        if compute_offsets:
+            jt.offsets()
+        out[key] = jt
+    return out
