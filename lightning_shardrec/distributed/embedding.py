@@ -3,7 +3,9 @@
 Same three stages as :mod:`~lightning_shardrec.distributed.embeddingbag`, and the same
 input distribution; only the way back differs. A sequence kernel returns one row per
 id it received, so ``output_dist`` sends every source the rows of its own ids and
-puts them back in its local order (each feature's ids in bag order)::
+puts them back in its local order (each feature's ids in bag order). A variable-batch
+(VBE) KJT is padded to one batch with empty bags, and each output trimmed back to its
+feature's own bags, as the unsharded module returns them::
 
     rank r, feature f: ids [3, 9 | 4]    (two bags)
       -> rows [[w3], [w9], [w4]]  [N_f, dim], lengths [2, 1]
@@ -27,6 +29,7 @@ from lightning_shardrec.distributed.sharding import SHARDINGS, EmbeddingSharding
 from lightning_shardrec.distributed.sharding.base import SequenceDist
 from lightning_shardrec.modules import EmbeddingCollection
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names, unshare_features
+from lightning_shardrec.modules.vbe import pad_vbe
 from lightning_shardrec.planner import ParameterSharding
 from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor
 
@@ -102,7 +105,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
         ctx = self.take_prefetched(features)
         if ctx is None:
             ctx = self.input_dist(features)
-        return self.output_dist(self.compute(ctx), ctx)
+        out = self.output_dist(self.compute(ctx), ctx)
+        return _trim_vbe(out, features, self._feature_names) if features.variable_stride_per_key() else out
 
     def input_dist(self, features: KeyedJaggedTensor) -> DistContext:
         return distribute_inputs(features, self._split, self.groups, self.env, self._device)
@@ -134,6 +138,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
     def _split(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, list[KeyedJaggedTensor]]:
         kjt = self._arrange(features)
+        if kjt.variable_stride_per_key():  # VBE: pad every feature to the most bags; output_dist trims
+            kjt = pad_vbe(kjt)
         if kjt.weights_or_none() is not None:  # sequence lookups ignore weights: do not send them
             kjt = KeyedJaggedTensor._trusted(kjt.keys(), kjt.values(), None, kjt.lengths(), kjt.stride())
         if self.validate_ids:
@@ -141,6 +147,15 @@ class ShardedEmbeddingCollection(ShardedCollection):
         kjt = kjt.to(self._device)
         grouped = kjt if self._grouped is None else kjt.permute(self._grouped)
         return kjt, grouped.split(self._group_sizes)
+
+
+def _trim_vbe(out: dict[str, JaggedTensor], features: KeyedJaggedTensor, sources: list[str]) -> dict[str, JaggedTensor]:
+    """Each output back to its input feature's own bag count (VBE batches were padded)."""
+    bags = dict(zip(features.keys(), features.stride_per_key(), strict=True))
+    trimmed = {}
+    for (name, jt), f in zip(out.items(), sources, strict=True):
+        trimmed[name] = JaggedTensor(jt.values(), jt.weights_or_none(), lengths=jt.lengths()[: bags[f]])
+    return trimmed
 
 
 def _split_by_width(plan: ParameterSharding) -> list[tuple[int, ParameterSharding]]:

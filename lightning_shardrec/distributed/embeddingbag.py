@@ -5,6 +5,10 @@ small header with every rank (batch sizes, id counts, a failure flag: a bad batc
 on one rank stops every rank with an error instead of a hang) and routes ids to
 their owners; ``compute`` runs each group's kernel; ``output_dist`` brings pooled
 rows home, restores the unsharded feature order and applies MEAN pooling.
+
+A variable-batch (VBE) KJT is expanded to its full batch through ``inverse_indices``
+before the input distribution: the outputs equal TorchRec's (pool, then expand), at the
+cost of sending the repeated bags.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharding import SHARDINGS, EmbeddingSharding, KernelSetup, TableSharding
 from lightning_shardrec.modules import EmbeddingBagCollection
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names, unshare_features
+from lightning_shardrec.modules.vbe import expand_vbe, inverse_rows
 from lightning_shardrec.planner import ParameterSharding
 from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -114,6 +119,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     def _prepare(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         kjt = self._arrange(features)
+        if kjt.variable_stride_per_key():  # VBE: send the expanded batch (same pooled rows as expanding them)
+            owner = "ShardedEmbeddingBagCollection"
+            kjt = expand_vbe(kjt, inverse_rows(features, self._arrange.feature_names, owner))
         if self._is_weighted and kjt.weights_or_none() is None:
             raise ValueError("EmbeddingBagCollection(is_weighted=True) got a KeyedJaggedTensor without weights")
         if not self._is_weighted and kjt.weights_or_none() is not None:

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from lightning_shardrec.configs import EmbeddingBagConfig, PoolingType
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names
+from lightning_shardrec.modules.vbe import inverse_rows
 from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 
@@ -108,6 +109,8 @@ class EmbeddingBagCollection(nn.Module):
             raise ValueError("EmbeddingBagCollection(is_weighted=True) got a KeyedJaggedTensor without weights")
         if self.validate_ids:
             check_ids(kjt, self._rows, self._table_of)
+        if kjt.variable_stride_per_key():
+            return self._vbe_forward(features, kjt)
         pooled = []
         for t, sub in zip(self._tables, kjt.split([t.num_features for t in self._tables]), strict=True):
             weights = sub.weights_or_none() if self._is_weighted else None
@@ -121,6 +124,25 @@ class EmbeddingBagCollection(nn.Module):
             )
             pooled.append(pool(rows, sub.lengths(), t.num_features, t.pooling is PoolingType.MEAN))
         return KeyedTensor(self._embedding_names, self._dims, torch.cat(pooled, dim=1))
+
+    def _vbe_forward(self, features: KeyedJaggedTensor, kjt: KeyedJaggedTensor) -> KeyedTensor:
+        """Pool each feature's own bags ``[s_f, D]``, then expand to ``[B, D]`` by its inverse indices."""
+        rows_of = inverse_rows(features, self._feature_names, "EmbeddingBagCollection")
+        pooled: list[torch.Tensor] = []
+        for t, sub in zip(self._tables, kjt.split([t.num_features for t in self._tables]), strict=True):
+            rows = F.embedding_bag(
+                sub.values().long(),
+                self.embedding_bags[t.name].weight,
+                sub.offsets().long(),
+                mode="sum",
+                per_sample_weights=sub.weights_or_none() if self._is_weighted else None,
+                include_last_offset=True,
+            )
+            if t.pooling is PoolingType.MEAN:
+                rows = rows / sub.lengths().clamp(min=1).unsqueeze(1).to(rows.dtype)
+            pooled += rows.split(sub.stride_per_key())
+        out = [p.index_select(0, rows_of[i].to(p.device)) for i, p in enumerate(pooled)]
+        return KeyedTensor(self._embedding_names, self._dims, torch.cat(out, dim=1))
 
     def _meta_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Shapes only: ``[B, sum(dims)]`` on meta (nothing to look up)."""

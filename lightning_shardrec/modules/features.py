@@ -97,7 +97,7 @@ def check_ids(features: KeyedJaggedTensor, num_embeddings: list[int], table_name
     ``features`` is already in collection order; entry ``f`` of the lists belongs to
     key ``f``.
     """
-    values = features.values()
+    values = features.values()[: features.offset_per_key()[-1]]  # a tail past the last bag is no id
     if values.numel() == 0:
         return
     low, high = torch.aminmax(values)
