@@ -66,8 +66,9 @@ class BaseEmbeddingConfig:
 
     Several features may share a table (``feature_names``; empty: ``[name]``, as TorchRec).
     Rows start uniform in ``[weight_init_min, weight_init_max]``, by default
-    ``±sqrt(1 / num_embeddings)``; ``init_fn`` (called on the ``[rows, dim]`` weight, or
-    on each shard of it) overrides that. ``need_pos`` is accepted (it marks
+    ``±sqrt(1 / num_embeddings)`` (``init_fn`` is then a :class:`UniformInit`, never None,
+    as TorchRec); an ``init_fn`` of yours (called on the ``[rows, dim]`` weight, or on
+    each shard of it) replaces that. ``need_pos`` is accepted (it marks
     position-weighted tables in TorchRec; every sharding type here takes weights).
     TorchRec's virtual-table fields (``input_dim``, ``total_num_buckets``,
     ``use_virtual_table``, ``virtual_table_eviction_policy``, ``enable_embedding_update``)
@@ -134,6 +135,8 @@ class BaseEmbeddingConfig:
         lo, hi = self.init_range()
         if lo > hi:
             raise ValueError(f"{label}: weight_init_min {lo} is above weight_init_max {hi}")
+        if self.init_fn is None or isinstance(self.init_fn, UniformInit):  # TorchRec: init_fn is never None
+            object.__setattr__(self, "init_fn", UniformInit(lo, hi))
 
     @property
     def num_features(self) -> _CallableInt:
@@ -156,11 +159,18 @@ class BaseEmbeddingConfig:
     def init_weight(self, weight: torch.Tensor) -> None:
         """Fill ``weight`` (the whole table, or a shard of it) with this table's init."""
         with torch.no_grad():
-            if self.init_fn is not None:
-                self.init_fn(weight)
-            else:
-                lo, hi = self.init_range()
-                weight.uniform_(lo, hi)
+            self.init_fn(weight)  # type: ignore[misc]  # set in __post_init__
+
+
+@dataclass(frozen=True)
+class UniformInit:
+    """The default ``init_fn``: uniform in ``[low, high]`` (compares by value, unlike a partial)."""
+
+    low: float
+    high: float
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.uniform_(weight, self.low, self.high)
 
 
 class _CallableInt(int):

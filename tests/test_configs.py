@@ -16,6 +16,7 @@ from lightning_shardrec.configs import (
     EmbOptimType,
     FusedOptimConfig,
     PoolingType,
+    UniformInit,
 )
 from lightning_shardrec.errors import (
     CheckpointError,
@@ -43,7 +44,7 @@ def test_defaults() -> None:
     assert cfg.pooling is PoolingType.SUM
     assert cfg.data_type is DataType.FP32
     assert cfg.weight_init_min is None and cfg.weight_init_max is None
-    assert cfg.init_fn is None and cfg.need_pos is False
+    assert cfg.init_fn == UniformInit(-0.1, 0.1) and cfg.need_pos is False
     assert cfg.num_features == 1
 
 
@@ -284,3 +285,12 @@ def test_unimplemented_torchrec_fields_are_refused(field: str, value: object) ->
 def test_init_fn_must_be_callable() -> None:
     with pytest.raises(ValueError, match=r"EmbeddingBagConfig\(name='t_user'\): init_fn must be callable"):
         bag(init_fn=3)
+
+
+def test_default_init_fn_follows_the_range() -> None:
+    cfg = bag(weight_init_max=0.5)
+    assert cfg.init_fn == UniformInit(-0.1, 0.5) and cfg == bag(weight_init_max=0.5)
+    assert dataclasses.replace(cfg, weight_init_min=0.0).init_fn == UniformInit(0.0, 0.5)
+    w = torch.empty(1000)
+    cfg.init_fn(w)
+    assert -0.1 <= float(w.min()) and float(w.max()) <= 0.5
