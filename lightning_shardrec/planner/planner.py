@@ -68,9 +68,11 @@ class EmbeddingShardingPlanner:
     (:meth:`Topology.from_process_group`), or one rank without one; ``batch_size`` to 512.
     This planner enumerates, partitions and rates plans itself: ``enumerator``,
     ``storage_reservation``, ``proposer``, ``partitioner``, ``performance_model`` and
-    ``stats`` raise :class:`UnsupportedFeatureError` unless None (steer it with
-    ``constraints`` or pin tables with ``plan(module, fixed=...)``). ``debug`` logs each
-    plan at INFO on this module's logger. ``optimizer`` and ``reserve`` (ours, keyword-only)
+    ``stats`` (and TorchRec's later ``callbacks``, ``plan_loader``) raise
+    :class:`UnsupportedFeatureError` unless None (steer it with ``constraints`` or pin
+    tables with ``plan(module, fixed=...)``). ``debug`` logs each plan at INFO on this
+    module's logger; ``timeout_seconds`` is accepted and unused (this planner runs one
+    greedy pass, not a timed search). ``optimizer`` and ``reserve`` (ours, keyword-only)
     size the optimizer state the memory model charges and the memory it keeps free.
 
     ``reserve`` (default 0.15) is the fraction of each rank's memory kept free for what the
@@ -91,6 +93,9 @@ class EmbeddingShardingPlanner:
         stats: object | None = None,
         constraints: Mapping[str, ParameterConstraints] | None = None,
         debug: bool = True,
+        callbacks: list[object] | None = None,
+        timeout_seconds: int | None = None,
+        plan_loader: object | None = None,
         *,
         optimizer: EmbOptimType | str = EmbOptimType.ADAGRAD,
         reserve: float = DEFAULT_RESERVE,
@@ -102,6 +107,8 @@ class EmbeddingShardingPlanner:
             "partitioner": partitioner,
             "performance_model": performance_model,
             "stats": stats,
+            "callbacks": callbacks or None,
+            "plan_loader": plan_loader,
         }
         for name, value in given.items():
             if value is not None:
@@ -112,6 +119,10 @@ class EmbeddingShardingPlanner:
                     "constraints={table: ParameterConstraints(...)} or pin tables with plan(module, fixed=...)"
                     f"{reserve_hint}. See docs/migrating.md"
                 )
+        if timeout_seconds is not None and (not isinstance(timeout_seconds, int) or timeout_seconds <= 0):
+            raise ValueError(
+                f"EmbeddingShardingPlanner: timeout_seconds must be a positive int or None, got {timeout_seconds!r}"
+            )
         if batch_size is None:
             batch_size = DEFAULT_BATCH_SIZE
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:

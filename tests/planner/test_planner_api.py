@@ -39,11 +39,20 @@ def test_defaults_without_a_process_group() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["enumerator", "storage_reservation", "proposer", "partitioner", "performance_model", "stats"]
+    "name",
+    ["enumerator", "storage_reservation", "proposer", "partitioner", "performance_model", "stats", "plan_loader"],
 )
 def test_unimplemented_parts_are_refused_by_name(name: str) -> None:
     with pytest.raises(UnsupportedFeatureError, match=rf"EmbeddingShardingPlanner: {name}=object is not supported"):
         EmbeddingShardingPlanner(Topology(2), **{name: object()})
+
+
+def test_callbacks_refused_timeout_accepted() -> None:
+    with pytest.raises(UnsupportedFeatureError, match=r"EmbeddingShardingPlanner: callbacks=list is not supported"):
+        EmbeddingShardingPlanner(Topology(2), callbacks=[print])
+    assert EmbeddingShardingPlanner(Topology(2), callbacks=[], timeout_seconds=30).plan({"ebc": [bag("t", 10)]})
+    with pytest.raises(ValueError, match=r"timeout_seconds must be a positive int or None, got 0"):
+        EmbeddingShardingPlanner(Topology(2), timeout_seconds=0)
 
 
 def test_bad_topology_and_batch_size() -> None:
