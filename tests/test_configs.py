@@ -293,4 +293,4 @@ def test_default_init_fn_follows_the_range() -> None:
     assert dataclasses.replace(cfg, weight_init_min=0.0).init_fn == UniformInit(0.0, 0.5)
     w = torch.empty(1000)
     cfg.init_fn(w)
-    assert -0.1 <= float(w.min()) and float(w.max()) <= 0.5
+    assert float(w.min()) >= -0.1 and float(w.max()) <= 0.5

@@ -132,7 +132,7 @@ class EmbeddingBagCollection(nn.Module):
         for t, sub in zip(self._tables, kjt.split([t.num_features for t in self._tables]), strict=True):
             rows = F.embedding_bag(
                 sub.values().long(),
-                self.embedding_bags[t.name].weight,
+                self.embedding_bags[t.name].weight,  # type: ignore[arg-type]
                 sub.offsets().long(),
                 mode="sum",
                 per_sample_weights=sub.weights_or_none() if self._is_weighted else None,

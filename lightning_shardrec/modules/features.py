@@ -14,14 +14,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 from bisect import bisect_right
+from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 
 from lightning_shardrec.configs import BaseEmbeddingConfig
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
+_C = TypeVar("_C", bound=BaseEmbeddingConfig)
 
-def embedding_names_by_table(tables: list[BaseEmbeddingConfig]) -> list[list[str]]:
+
+def embedding_names_by_table(tables: Sequence[BaseEmbeddingConfig]) -> list[list[str]]:
     """Per table, the output name of each of its features: ``feature@table`` when shared."""
     count: dict[str, int] = {}
     for t in tables:
@@ -30,12 +34,12 @@ def embedding_names_by_table(tables: list[BaseEmbeddingConfig]) -> list[list[str
     return [[f"{f}@{t.name}" if count[f] > 1 else f for f in t.feature_names] for t in tables]
 
 
-def embedding_names(tables: list[BaseEmbeddingConfig]) -> list[str]:
+def embedding_names(tables: Sequence[BaseEmbeddingConfig]) -> list[str]:
     """Every table's output names, table by table (the collection's internal key order)."""
     return [n for names in embedding_names_by_table(tables) for n in names]
 
 
-def unshare_features(tables: list[BaseEmbeddingConfig]) -> list[BaseEmbeddingConfig]:
+def unshare_features(tables: Sequence[_C]) -> list[_C]:
     """``tables`` with ``feature_names`` replaced by their embedding names (unique keys)."""
     return [
         t if names == t.feature_names else dataclasses.replace(t, feature_names=names)

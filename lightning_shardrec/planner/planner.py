@@ -24,7 +24,7 @@ from lightning_shardrec.planner.perf import Workload, host_charges, shard_perf
 from lightning_shardrec.planner.sharding_plan import GiB, PlanStats, ShardingPlan
 from lightning_shardrec.planner.storage import resident_bytes, shard_storage
 from lightning_shardrec.planner.tables import TablesInput, TableSpec, find_tables, table_specs
-from lightning_shardrec.planner.topology import Topology
+from lightning_shardrec.planner.topology import ComputeDevice, Topology
 from lightning_shardrec.planner.types import (
     EmbeddingComputeKernel,
     ParameterConstraints,
@@ -44,7 +44,7 @@ def default_topology() -> Topology:
     """TorchRec's default: the live process group (device from its backend), else one rank here."""
     if dist.is_available() and dist.is_initialized():
         return Topology.from_process_group()
-    return Topology(1, compute_device="cuda" if torch.cuda.is_available() else "cpu")
+    return Topology(1, compute_device=ComputeDevice.CUDA if torch.cuda.is_available() else ComputeDevice.CPU)
 
 
 def _check_sharders(sharders: object) -> None:
