@@ -25,6 +25,7 @@ from lightning_shardrec.inference.rowwise import QuantDType, QuantizedRows, quan
 from lightning_shardrec.modules import EmbeddingBagCollection
 from lightning_shardrec.modules.embedding_bag_collection import check_unique_tables
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names
+from lightning_shardrec.modules.vbe import expand_vbe, inverse_rows
 from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 
@@ -174,6 +175,8 @@ class QuantEmbeddingBagCollection(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         kjt = self._arrange(features)
+        if kjt.variable_stride_per_key():  # VBE: look up the expanded batch (the same rows as pool-then-expand)
+            kjt = expand_vbe(kjt, inverse_rows(features, self._feature_names, "QuantEmbeddingBagCollection"))
         weights = kjt.weights_or_none() if self._is_weighted else None
         if self._is_weighted and weights is None:
             raise ValueError("QuantEmbeddingBagCollection(is_weighted=True) got a KeyedJaggedTensor without weights")
