@@ -25,6 +25,8 @@ from lightning_shardrec.planner import ShardingPlan, ShardingType
 from lightning_shardrec.testing import run_ranks
 
 TYPES = [t.value for t in ShardingType]
+# the shared feature's two tables in different groups (mechanisms)
+MIXED = {"mixed": {"t_big": "row_wise", "t_small": "table_wise", "t_share": "column_wise"}}
 ROWS = {"f0": 40, "f1": 40, "f2": 2}
 SHAPES = {"t_big": (40, 8), "t_small": (2, 12), "t_share": (40, 12)}
 KEYS = ["f0@t_big", "f1", "f2", "f0@t_share"]
@@ -81,7 +83,7 @@ def train_sharded(rank, world, kinds):
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
     results = []
     for kind in kinds:
-        plan = plan_of(dict.fromkeys(SHAPES, kind), SHAPES, world)
+        plan = plan_of(MIXED.get(kind) or dict.fromkeys(SHAPES, kind), SHAPES, world)
         optim = FusedOptimConfig(optimizer="adagrad", lr=LR, eps=1e-8)
         dmp = DistributedModelParallel(Rec(), plan=ShardingPlan({"ebc": plan}), embedding_optimizer=optim)
         dense_opt = torch.optim.Adagrad(list(dmp.dense_parameters()), lr=LR, eps=1e-8)
@@ -162,6 +164,7 @@ def check(kind, world, results) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_shared_feature_every_sharding_type_matches_unsharded(world):
-    per_rank = run_ranks(train_sharded, world, TYPES)
-    for i, kind in enumerate(TYPES):
+    kinds = [*TYPES, *MIXED]
+    per_rank = run_ranks(train_sharded, world, kinds)
+    for i, kind in enumerate(kinds):
         check(kind, world, [r[i] for r in per_rank])
