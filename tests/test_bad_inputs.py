@@ -13,17 +13,17 @@ The fuzz tests behind the KJT and Criteo rows: ``tests/sparse/test_kjt_fuzz.py``
 <!-- table:start -->
 | area | bad input | raises | also covered by |
 | --- | --- | --- | --- |
-| KeyedJaggedTensor | lengths sum != number of ids | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_lengths_sum_more_or_less_than_values |
-| KeyedJaggedTensor | offsets span != number of ids | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_offsets_span_disagrees_with_values |
+| KeyedJaggedTensor | lengths sum > number of ids | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_lengths_sum_more_than_values |
+| KeyedJaggedTensor | offsets span > number of ids | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_offsets_span_more_than_values |
 | KeyedJaggedTensor | len(offsets) != len(lengths) + 1 | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_lengths_and_offsets_counts_disagree |
 | KeyedJaggedTensor | offsets disagree with lengths | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_offsets_disagree_with_lengths_names_key |
 | KeyedJaggedTensor | offsets do not start at 0 | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_offsets_only_must_start_at_zero |
 | KeyedJaggedTensor | negative length (sum still right) | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_negative_length_names_key_at_construction_and_in_validate |
-| KeyedJaggedTensor | weights count != ids | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_weights_of_wrong_size |
+| KeyedJaggedTensor | fewer weights than ids | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_weights_of_wrong_size |
 | KeyedJaggedTensor | 2-D weights | ValueError |  |
-| KeyedJaggedTensor | integer weights | ValueError |  |
-| KeyedJaggedTensor | float ids | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_non_integer_ids |
-| KeyedJaggedTensor | 2-D ids | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_ids_must_be_1d |
+| ids | integer weights looked up by a weighted EmbeddingBagCollection | ValueError | tests/modules/test_lookup_checks.py::test_lookup_checks_ids_the_kjt_accepts |
+| ids | float ids looked up | ValueError | tests/modules/test_lookup_checks.py::test_lookup_checks_ids_the_kjt_accepts |
+| ids | 2-D ids looked up | ValueError | tests/modules/test_lookup_checks.py::test_lookup_checks_ids_the_kjt_accepts |
 | KeyedJaggedTensor | float lengths | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_float_lengths_rejected |
 | KeyedJaggedTensor | int16 lengths (would overflow) | ValueError |  |
 | KeyedJaggedTensor | lengths do not divide into keys | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_key_count_does_not_divide_lengths |
@@ -39,9 +39,9 @@ The fuzz tests behind the KJT and Criteo rows: ``tests/sparse/test_kjt_fuzz.py``
 | KeyedJaggedTensor | unknown key lookup | KeyError | tests/sparse/test_keyed_jagged_tensor.py::test_getitem_unknown_key_lists_keys |
 | KeyedJaggedTensor | split segments do not cover the keys | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_split_segments_wrong |
 | KeyedJaggedTensor | permute index out of range | ValueError | tests/sparse/test_keyed_jagged_tensor.py::test_permute_out_of_range |
-| JaggedTensor | lengths sum != number of values | ValueError | tests/sparse/test_jagged_tensor.py::test_lengths_sum_disagrees_with_values |
+| JaggedTensor | lengths sum > number of values | ValueError | tests/sparse/test_jagged_tensor.py::test_lengths_sum_more_than_values |
 | JaggedTensor | negative length | ValueError | tests/sparse/test_jagged_tensor.py::test_negative_length_rejected_at_construction_and_by_validate |
-| JaggedTensor | weights count != values | ValueError | tests/sparse/test_jagged_tensor.py::test_weights_of_wrong_size |
+| JaggedTensor | fewer weights than values | ValueError | tests/sparse/test_jagged_tensor.py::test_weights_of_wrong_size |
 | JaggedTensor | 0-d values | ValueError |  |
 | JaggedTensor | float lengths | ValueError | tests/sparse/test_jagged_tensor.py::test_float_lengths_rejected |
 | JaggedTensor | neither lengths nor offsets | ValueError | tests/sparse/test_jagged_tensor.py::test_needs_lengths_or_offsets |
@@ -196,12 +196,12 @@ def _kjt(keys: list[str] = ["a", "b"], values: object = None, **kw: object) -> K
     return KeyedJaggedTensor(keys, values, **kw)  # type: ignore[arg-type]
 
 
-def _ebc() -> EmbeddingBagCollection:
+def _ebc(is_weighted: bool = False) -> EmbeddingBagCollection:
     tables = [
         EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t_user", feature_names=["user"]),
         EmbeddingBagConfig(num_embeddings=5, embedding_dim=4, name="t_ad", feature_names=["ad", "ad2"]),
     ]
-    return EmbeddingBagCollection(tables)
+    return EmbeddingBagCollection(tables, is_weighted=is_weighted)
 
 
 def _ebc_forward(user: list[int], ad: list[int], ad2: list[int]) -> object:
@@ -300,18 +300,19 @@ _KJT = "tests/sparse/test_keyed_jagged_tensor.py::"
 _JT = "tests/sparse/test_jagged_tensor.py::"
 _KT = "tests/sparse/test_keyed_tensor.py::"
 _EBC = "tests/modules/test_embedding_bag_collection.py::"
+_LOOKUP = "tests/modules/test_lookup_checks.py::"
 _CFG = "tests/test_configs.py::"
 _PLAN = "tests/planner/"
 _READER = "tests/data/test_criteo_reader.py::"
 
 CASES: list[Case] = [
     # --- KeyedJaggedTensor ---------------------------------------------------------------------
-    Case("KeyedJaggedTensor", "lengths sum != number of ids", lambda: _kjt(lengths=T([1, 1])),
-         ValueError, r"KeyedJaggedTensor\(keys=\['a', 'b'\]\): lengths sum to 2 but there are 3 values",
-         _KJT + "test_lengths_sum_more_or_less_than_values"),
-    Case("KeyedJaggedTensor", "offsets span != number of ids", lambda: _kjt(offsets=T([0, 1, 4])),
+    Case("KeyedJaggedTensor", "lengths sum > number of ids", lambda: _kjt(lengths=T([2, 2])),
+         ValueError, r"KeyedJaggedTensor\(keys=\['a', 'b'\]\): lengths sum to 4 but there are 3 values",
+         _KJT + "test_lengths_sum_more_than_values"),
+    Case("KeyedJaggedTensor", "offsets span > number of ids", lambda: _kjt(offsets=T([0, 1, 4])),
          ValueError, r"keys=\['a', 'b'\]\): offsets span 4 values but there are 3",
-         _KJT + "test_offsets_span_disagrees_with_values"),
+         _KJT + "test_offsets_span_more_than_values"),
     Case("KeyedJaggedTensor", "len(offsets) != len(lengths) + 1",
          lambda: _kjt(lengths=T([1, 2]), offsets=T([0, 3])),
          ValueError, r"2 offsets disagree with 2 lengths \(offsets need len\(lengths\) \+ 1 = 3\)",
@@ -326,18 +327,21 @@ CASES: list[Case] = [
     Case("KeyedJaggedTensor", "negative length (sum still right)", lambda: _kjt(lengths=T([4, -1])),
          ValueError, r"negative length -1 at key 'b' \(bag 0 of 1\); lengths must be >= 0",
          _KJT + "test_negative_length_names_key_at_construction_and_in_validate"),
-    Case("KeyedJaggedTensor", "weights count != ids", lambda: _kjt(weights=torch.ones(2), lengths=T([1, 2])),
+    Case("KeyedJaggedTensor", "fewer weights than ids", lambda: _kjt(weights=torch.ones(2), lengths=T([1, 2])),
          ValueError, r"keys=\['a', 'b'\]\): 2 weights for 3 values \(need one per value\)",
          _KJT + "test_weights_of_wrong_size"),
     Case("KeyedJaggedTensor", "2-D weights", lambda: _kjt(weights=torch.ones(3, 1), lengths=T([1, 2])),
-         ValueError, r"keys=\['a', 'b'\]\): weights must be a 1-D float tensor \(one per id\), got shape \(3, 1\)"),
-    Case("KeyedJaggedTensor", "integer weights", lambda: _kjt(weights=T([1, 1, 1]), lengths=T([1, 2])),
-         ValueError, r"weights must be a 1-D float tensor .*dtype torch.int64"),
-    Case("KeyedJaggedTensor", "float ids", lambda: _kjt(values=T([1.0, 2.0]), lengths=T([1, 1])),
-         ValueError, r"ids must be integers, got dtype torch.float32 for keys \['a', 'b'\]",
-         _KJT + "test_non_integer_ids"),
-    Case("KeyedJaggedTensor", "2-D ids", lambda: _kjt(values=T([[1, 2]]), lengths=T([1, 1])),
-         ValueError, r"values must be 1-D ids, got shape \(1, 2\)", _KJT + "test_ids_must_be_1d"),
+         ValueError, r"keys=\['a', 'b'\]\): weights must be a 1-D tensor \(one per value\), got shape \(3, 1\)"),
+    Case("ids", "integer weights looked up by a weighted EmbeddingBagCollection",
+         lambda: _ebc(is_weighted=True)(KeyedJaggedTensor(["user", "ad", "ad2"], T([1, 1, 1]), T([1, 1, 1]), T([1, 1, 1]))),
+         ValueError, r"EmbeddingBagCollection\(is_weighted=True\): weights must be a 1-D float tensor .*dtype torch.int64",
+         _LOOKUP + "test_lookup_checks_ids_the_kjt_accepts"),
+    Case("ids", "float ids looked up", lambda: _ebc()(KeyedJaggedTensor(["user", "ad", "ad2"], T([1.0, 2.0, 3.0]), lengths=T([1, 1, 1]))),
+         ValueError, r"EmbeddingBagCollection: KeyedJaggedTensor ids must be integers, got dtype torch.float32 for keys \['user', 'ad', 'ad2'\]",
+         _LOOKUP + "test_lookup_checks_ids_the_kjt_accepts"),
+    Case("ids", "2-D ids looked up", lambda: _ebc()(KeyedJaggedTensor(["user", "ad", "ad2"], T([[1, 2]] * 3), lengths=T([1, 1, 1]))),
+         ValueError, r"EmbeddingBagCollection: KeyedJaggedTensor values must be 1-D ids, got shape \(3, 2\)",
+         _LOOKUP + "test_lookup_checks_ids_the_kjt_accepts"),
     Case("KeyedJaggedTensor", "float lengths", lambda: _kjt(lengths=T([1.0, 2.0])),
          ValueError, r"keys=\['a', 'b'\]\): lengths must be an integer tensor, got dtype torch.float32",
          _KJT + "test_float_lengths_rejected"),
@@ -359,7 +363,7 @@ CASES: list[Case] = [
     Case("KeyedJaggedTensor", "non-str keys", lambda: _kjt([1, 2], lengths=T([1, 2])),  # type: ignore[list-item]
          TypeError, r"keys must be str, got \[1, 2\]"),
     Case("KeyedJaggedTensor", "values not a tensor", lambda: _kjt(values=[1, 2, 3], lengths=T([1, 2])),
-         TypeError, r"keys=\['a', 'b'\]\): values must be a torch.Tensor of ids, got list"),
+         TypeError, r"keys=\['a', 'b'\]\): values must be a torch.Tensor, got list"),
     Case("KeyedJaggedTensor", "neither lengths nor offsets", lambda: _kjt(),
          ValueError, r"KeyedJaggedTensor\(keys=\['a', 'b'\]\) needs lengths or offsets",
          _KJT + "test_needs_lengths_or_offsets"),
@@ -373,15 +377,15 @@ CASES: list[Case] = [
     Case("KeyedJaggedTensor", "permute index out of range", lambda: _kjt(lengths=T([1, 2])).permute([0, 2]),
          ValueError, r"permute indices \[2\] outside \[0, 2\) for keys \['a', 'b'\]", _KJT + "test_permute_out_of_range"),
     # --- JaggedTensor / KeyedTensor ----------------------------------------------------------------
-    Case("JaggedTensor", "lengths sum != number of values", lambda: JaggedTensor(T([1, 2, 3]), lengths=T([1, 1])),
-         ValueError, r"JaggedTensor: lengths sum to 2 but there are 3 values",
-         _JT + "test_lengths_sum_disagrees_with_values"),
+    Case("JaggedTensor", "lengths sum > number of values", lambda: JaggedTensor(T([1, 2, 3]), lengths=T([2, 2])),
+         ValueError, r"JaggedTensor: lengths sum to 4 but there are 3 values",
+         _JT + "test_lengths_sum_more_than_values"),
     Case("JaggedTensor", "negative length", lambda: JaggedTensor(T([1, 2]), lengths=T([3, -1])),
          ValueError, r"JaggedTensor: negative length -1 at bag 1; lengths must be >= 0",
          _JT + "test_negative_length_rejected_at_construction_and_by_validate"),
-    Case("JaggedTensor", "weights count != values",
-         lambda: JaggedTensor(T([1, 2]), weights=torch.ones(3), lengths=T([2])),
-         ValueError, r"JaggedTensor: 3 weights for 2 values", _JT + "test_weights_of_wrong_size"),
+    Case("JaggedTensor", "fewer weights than values",
+         lambda: JaggedTensor(T([1, 2]), weights=torch.ones(1), lengths=T([2])),
+         ValueError, r"JaggedTensor: 1 weights for 2 values", _JT + "test_weights_of_wrong_size"),
     Case("JaggedTensor", "0-d values", lambda: JaggedTensor(T(1), lengths=T([1])),
          ValueError, r"JaggedTensor: values must have one entry per value, got a 0-d tensor"),
     Case("JaggedTensor", "float lengths", lambda: JaggedTensor(T([1, 2]), lengths=T([2.0])),

@@ -59,7 +59,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         self.groups = nn.ModuleList([k(by_kind[k], env, setup) for k in kinds if k in by_kind])
         grouped = [f for g in self.groups for f in g.feature_names]
         source = dict(zip(embedding_names(configs), module.feature_names(), strict=True))
-        self._arrange = FeatureArranger([source[f] for f in grouped], "ShardedEmbeddingBagCollection", grouped)
+        self._arrange = FeatureArranger(
+            [source[f] for f in grouped], "ShardedEmbeddingBagCollection", grouped, is_weighted=self._is_weighted
+        )
         table_of = {f: t for t in inner for f in t.feature_names}
         self._rows = [table_of[f].num_embeddings for f in grouped]
         self._table_names = [table_of[f].name for f in grouped]

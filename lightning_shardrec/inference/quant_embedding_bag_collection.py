@@ -102,7 +102,9 @@ class QuantEmbeddingBagCollection(nn.Module):
         self.embedding_bags = nn.ModuleDict({t.name: QuantTable(t, self._dtype, device) for t in tables})
         self._feature_names = [f for t in tables for f in t.feature_names]
         self._embedding_names = embedding_names(tables)  # feature@table for a feature several tables read
-        self._arrange = FeatureArranger(self._feature_names, "QuantEmbeddingBagCollection", self._embedding_names)
+        self._arrange = FeatureArranger(
+            self._feature_names, "QuantEmbeddingBagCollection", self._embedding_names, is_weighted=is_weighted
+        )
         self._rows = [t.num_embeddings for t in tables for _ in t.feature_names]
         self._table_of = [t.name for t in tables for _ in t.feature_names]
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
@@ -126,8 +128,12 @@ class QuantEmbeddingBagCollection(nn.Module):
                 "(no weights); load its state dict first"
             )
         q = cls(
-            ebc.embedding_bag_configs(), dtype, ebc.is_weighted(), device,
-            backend=backend, validate_ids=ebc.validate_ids,
+            ebc.embedding_bag_configs(),
+            dtype,
+            ebc.is_weighted(),
+            device,
+            backend=backend,
+            validate_ids=ebc.validate_ids,
         )
         for t in q._tables:
             bag = ebc.embedding_bags[t.name]

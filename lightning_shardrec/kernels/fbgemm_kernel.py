@@ -2,6 +2,14 @@
 
 The TBE runs lookup, backward and the optimizer in one fused call. It always
 pools with SUM (MEAN is applied by the caller; see ``kernels.base``).
+
+Adam's step: fbgemm counts it in ``tbe.iter`` (a ``[1]`` int64 on the device) and a CPU
+mirror ``tbe.iter_cpu`` that its update reads, and advances both on *every* forward,
+evaluation included. This kernel keeps the step itself, as the torch kernel does (a
+0-d float32 ``step`` in :meth:`split_states`, on the CPU), advances it only on forwards
+that will train (grad enabled and the module in training mode), and writes it into
+both fbgemm counters before each such forward, so validation never moves bias
+correction and a loaded ``step`` takes effect at once.
 """
 
 from __future__ import annotations
@@ -30,6 +38,28 @@ SUPPORTED = {
 }
 
 
+def fbgemm_weight_decay_reason(device_type: str, optim: FusedOptimConfig) -> str | None:
+    """Why fbgemm 1.8 would not apply ``optim.weight_decay`` as :class:`FusedOptimConfig` defines it
+    (L2 for sgd/adagrad/rowwise_adagrad/adam, decoupled for adamw), or None when it would.
+
+    Its CPU kernels ignore weight decay; on CUDA the ``exact_*`` rules (sgd, adagrad) ignore it
+    and its adam always decays decoupled, whatever the mode. ``kernel="auto"`` routes these
+    configs to the torch kernel; ``kernel="fbgemm"`` refuses them.
+    """
+    if not optim.weight_decay:
+        return None
+    if device_type == "cpu":
+        return f"fbgemm's CPU kernels ignore weight_decay (got {optim.weight_decay})"
+    if optim.optimizer in (EmbOptimType.SGD, EmbOptimType.ADAGRAD):
+        return f"fbgemm's CUDA {optim.optimizer.value} ignores weight_decay (got {optim.weight_decay})"
+    if optim.optimizer is EmbOptimType.ADAM:
+        return (
+            f"fbgemm's CUDA adam decays decoupled (as adamw), not L2 as adam does (weight_decay="
+            f"{optim.weight_decay})"
+        )
+    return None
+
+
 def fbgemm_unsupported_reason(device: torch.device, optim: FusedOptimConfig, dims: list[int]) -> str | None:
     """Why fbgemm cannot run this group here, or None when it can."""
     supported = SUPPORTED.get(device.type)
@@ -38,8 +68,9 @@ def fbgemm_unsupported_reason(device: torch.device, optim: FusedOptimConfig, dim
     if optim.optimizer not in supported:
         names = ", ".join(sorted(o.value for o in supported))
         return f"fbgemm on {device.type} trains only {names}, not '{optim.optimizer.value}'"
-    if device.type == "cpu" and optim.weight_decay:
-        return "fbgemm's CPU kernels ignore weight_decay"
+    decay = fbgemm_weight_decay_reason(device.type, optim)
+    if decay is not None:
+        return decay
     odd = sorted({d for d in dims if d % 4})
     if odd:
         return f"fbgemm needs embedding dims divisible by 4, got {odd}"
@@ -91,6 +122,10 @@ class FbgemmBatchedEmbedding(BatchedEmbeddingKernel):
             device=self._device,
         )
         self._lr = optim.lr
+        #: Adam/AdamW: the number of training forwards so far (see the module docstring)
+        self._step: Tensor | None = None
+        if optim.optimizer in (EmbOptimType.ADAM, EmbOptimType.ADAMW):
+            self._step = torch.zeros((), dtype=torch.float32)
 
     def split_weights(self) -> list[Tensor]:
         return list(self.tbe.split_embedding_weights())
@@ -100,16 +135,27 @@ class FbgemmBatchedEmbedding(BatchedEmbeddingKernel):
             return [{} for _ in self.tables]
         states = self.tbe.split_optimizer_states()
         out = [dict(zip(self._state_names, s, strict=True)) for s in states]
-        if self.optimizer in (EmbOptimType.ADAM, EmbOptimType.ADAMW):
+        if self._step is not None:  # one 0-d counter shared by the tables, as the torch kernel's
             for s in out:
-                s["step"] = self.tbe.iter
+                s["step"] = self._step
         return out
+
+    def _sync_step(self) -> None:
+        """Before a training forward: advance our step and set fbgemm's counters one below it
+        (its forward adds 1 to both and its update reads ``iter_cpu``)."""
+        assert self._step is not None
+        self._step.add_(1)
+        before = int(self._step.item()) - 1  # a CPU tensor: no device sync
+        self.tbe.iter_cpu.fill_(before)
+        self.tbe.iter.fill_(before)
 
     def forward(self, kjt: KeyedJaggedTensor) -> Tensor:
         lr = self.hparams["lr"]
         if lr != self._lr:  # an LR scheduler moved the FusedOptimizer's param group
             self.tbe.set_learning_rate(lr)
             self._lr = lr
+        if self._step is not None and self.training and torch.is_grad_enabled():
+            self._sync_step()
         weights = kjt.weights_or_none()
         return self.tbe(
             kjt.values().long(),

@@ -74,7 +74,9 @@ class EmbeddingBagCollection(nn.Module):
             self.embedding_bags[t.name] = bag
         self._feature_names = [f for t in tables for f in t.feature_names]
         self._embedding_names = embedding_names(tables)
-        self._arrange = FeatureArranger(self._feature_names, "EmbeddingBagCollection", self._embedding_names)
+        self._arrange = FeatureArranger(
+            self._feature_names, "EmbeddingBagCollection", self._embedding_names, is_weighted=is_weighted
+        )
         self._rows = [t.num_embeddings for t in tables for _ in t.feature_names]
         self._table_of = [t.name for t in tables for _ in t.feature_names]
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]

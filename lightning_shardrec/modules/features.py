@@ -7,6 +7,9 @@
   repeated and renamed to its embedding names), caching the permutation.
 * :func:`check_ids` rejects ids outside ``[0, num_embeddings)`` with a message
   naming the feature, its table, the id and the range — one vectorised pass.
+* :func:`check_id_tensor` checks what a KJT must hold to be looked up: 1-D integer
+  ids (a KJT itself may hold anything, as in TorchRec) and, for weighted lookups,
+  1-D float weights. Values past the last bag are dropped before the lookup.
 """
 
 from __future__ import annotations
@@ -54,11 +57,14 @@ class FeatureArranger:
     keys are then ``names`` (unique, e.g. ``f@table``), one per entry.
     """
 
-    def __init__(self, feature_names: list[str], owner: str, names: list[str] | None = None) -> None:
+    def __init__(
+        self, feature_names: list[str], owner: str, names: list[str] | None = None, *, is_weighted: bool = False
+    ) -> None:
         self.feature_names = list(feature_names)
         self.names = self.feature_names if names is None else list(names)
         self._renamed = self.names != self.feature_names
         self._owner = owner
+        self._is_weighted = is_weighted
         self._cache: dict[tuple[str, ...], list[int] | None] = {}
 
     def __call__(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -67,6 +73,7 @@ class FeatureArranger:
                 f"{self._owner}.forward takes a KeyedJaggedTensor of features {self.feature_names}, "
                 f"got {type(features).__name__}"
             )
+        features = check_id_tensor(features, self._owner, self._is_weighted)
         keys = tuple(features.keys())
         if keys not in self._cache:
             self._cache[keys] = self._permutation(list(keys))
@@ -93,6 +100,35 @@ def rename_keys(features: KeyedJaggedTensor, keys: list[str]) -> KeyedJaggedTens
     out._keys = list(keys)
     out._index_per_key = None
     return out
+
+
+def check_id_tensor(features: KeyedJaggedTensor, owner: str, is_weighted: bool = False) -> KeyedJaggedTensor:
+    """``features`` ready to look up: 1-D integer ids (float weights if weighted), no tail."""
+    values, weights, keys = features.values(), features.weights_or_none(), features.keys()
+    if values.dim() != 1:
+        raise ValueError(f"{owner}: KeyedJaggedTensor values must be 1-D ids, got shape {tuple(values.shape)}")
+    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+        raise ValueError(f"{owner}: KeyedJaggedTensor ids must be integers, got dtype {values.dtype} for keys {keys}")
+    if is_weighted and weights is not None and not weights.is_floating_point():
+        raise ValueError(
+            f"{owner}(is_weighted=True): weights must be a 1-D float tensor (one per id), "
+            f"got shape {tuple(weights.shape)} dtype {weights.dtype}"
+        )
+    if values.device.type == "meta":
+        return features
+    total = features.offset_per_key()[-1] if keys else 0
+    if values.shape[0] == total and (weights is None or weights.shape[0] == total):
+        return features
+    return KeyedJaggedTensor._trusted(  # the tail past the last bag is no id of any feature
+        keys,
+        values[:total],
+        None if weights is None else weights[:total],
+        features.lengths(),
+        features.stride(),
+        features.length_per_key(),
+        stride_per_key_per_rank=features._stride_per_key_per_rank,
+        inverse_indices=features.inverse_indices_or_none(),
+    )
 
 
 def check_ids(features: KeyedJaggedTensor, num_embeddings: list[int], table_names: list[str]) -> None:

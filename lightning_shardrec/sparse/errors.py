@@ -5,7 +5,8 @@ TorchRec signals several misuses of its jagged types with ``assert`` (an
 of KJTs with different batch sizes. Ours raise :class:`JaggedAssertionError`, a
 ``ValueError`` (this library's convention for bad input) that is also an
 ``AssertionError``, so ``except AssertionError`` written for TorchRec still catches it
-and, unlike an ``assert``, it survives ``python -O``.
+and, unlike an ``assert``, it survives ``python -O``. :class:`JaggedIndexError` does
+the same for TorchRec's ``IndexError``.
 """
 
 from __future__ import annotations
@@ -13,3 +14,10 @@ from __future__ import annotations
 
 class JaggedAssertionError(ValueError, AssertionError):
     """Bad input to a jagged type where TorchRec raises ``AssertionError``."""
+
+
+class JaggedIndexError(ValueError, IndexError):
+    """A key index or key count out of range (``permute``, ``split``).
+
+    TorchRec's list indexing raises ``IndexError`` there.
+    """

@@ -7,6 +7,9 @@ Layout (lengths and offsets describe the same thing)::
     lengths  [2, 0, 1]                     [B]
     offsets  [0, 2, 2, 3]                  [B + 1]
     weights  [1.0, 0.5, 2.0] (optional)    [N], one per value
+
+As in TorchRec, values (and weights) may run longer than ``sum(lengths)``: the tail
+belongs to no bag and is ignored. Values may be of any dtype, ``[N]`` or ``[N, D]``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_shardrec.sparse import ops
+from lightning_shardrec.sparse import formatting, ops
+from lightning_shardrec.sparse.errors import JaggedAssertionError
 
 #: dtypes of lengths and offsets (what fbgemm's jagged operators take; narrower ints overflow)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -41,8 +45,8 @@ class JaggedTensor:
         offsets: Tensor | None = None,
     ) -> None:
         if lengths is None and offsets is None:
-            raise ValueError("JaggedTensor needs lengths or offsets (got neither)")
-        _check_shapes(values, weights, lengths, offsets, where="JaggedTensor")
+            raise JaggedAssertionError("JaggedTensor needs lengths or offsets (got neither)")
+        lengths, offsets = _check_shapes(values, weights, lengths, offsets, where="JaggedTensor")
         self._values = values
         self._weights = weights
         self._lengths = lengths
@@ -55,14 +59,29 @@ class JaggedTensor:
     def empty(
         is_weighted: bool = False,
         device: torch.device | str | None = None,
-        values_dtype: torch.dtype = torch.float32,
-        lengths_dtype: torch.dtype = torch.int64,
+        values_dtype: torch.dtype | None = None,
+        weights_dtype: torch.dtype | None = None,
+        lengths_dtype: torch.dtype = torch.int32,
     ) -> JaggedTensor:
-        weights = torch.empty(0, device=device) if is_weighted else None
-        return JaggedTensor(
-            values=torch.empty(0, dtype=values_dtype, device=device),
-            weights=weights,
-            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
+        """No bags: empty values, lengths and offsets (TorchRec's int32 lengths by default)."""
+        weights = torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None
+        out = JaggedTensor.__new__(JaggedTensor)
+        out._values = torch.empty(0, dtype=values_dtype, device=device)
+        out._weights = weights
+        out._lengths = torch.empty(0, dtype=lengths_dtype, device=device)
+        out._offsets = torch.empty(0, dtype=lengths_dtype, device=device)
+        return out
+
+    @staticmethod
+    def empty_like(jt: JaggedTensor) -> JaggedTensor:
+        """No bags, on ``jt``'s device with its dtypes (weighted if ``jt`` is)."""
+        weights = jt.weights_or_none()
+        return JaggedTensor.empty(
+            is_weighted=weights is not None,
+            device=jt.device(),
+            values_dtype=jt.values().dtype,
+            weights_dtype=None if weights is None else weights.dtype,
+            lengths_dtype=jt.lengths().dtype,
         )
 
     @staticmethod
@@ -70,7 +89,7 @@ class JaggedTensor:
         """One bag per list entry: ``[tensor([1, 2]), tensor([]), tensor([3])]``."""
         if weights is not None and len(weights) != len(values):
             raise ValueError(f"from_dense got {len(values)} value bags but {len(weights)} weight bags")
-        lengths = torch.tensor([v.shape[0] for v in values], dtype=torch.int64)
+        lengths = torch.tensor([v.shape[0] for v in values], dtype=torch.int32)
         device = values[0].device if values else None
         cat_values = torch.cat(values) if values else torch.empty(0, device=device)
         cat_weights = torch.cat(weights) if weights is not None and weights else None
@@ -89,7 +108,7 @@ class JaggedTensor:
 
     def weights(self) -> Tensor:
         if self._weights is None:
-            raise ValueError("this JaggedTensor has no weights; use weights_or_none()")
+            raise JaggedAssertionError("this JaggedTensor has no weights; use weights_or_none()")
         return self._weights
 
     def weights_or_none(self) -> Tensor | None:
@@ -117,12 +136,14 @@ class JaggedTensor:
     # --- conversions --------------------------------------------------------------
     def to_dense(self) -> list[Tensor]:
         """One tensor per bag (the inverse of :meth:`from_dense`)."""
-        return list(torch.split(self._values, self.lengths().tolist()))
+        sizes = self.lengths().tolist()
+        return list(torch.split(self._values[: sum(sizes)], sizes))
 
     def to_dense_weights(self) -> list[Tensor] | None:
         if self._weights is None:
             return None
-        return list(torch.split(self._weights, self.lengths().tolist()))
+        sizes = self.lengths().tolist()
+        return list(torch.split(self._weights[: sum(sizes)], sizes))
 
     def to_padded_dense(self, desired_length: int | None = None, padding_value: float = 0.0) -> Tensor:
         """``[B, L]`` (or ``[B, L, D]``): bags padded with ``padding_value`` or truncated to L.
@@ -132,12 +153,18 @@ class JaggedTensor:
         if desired_length is None:
             lengths = self.lengths()
             desired_length = int(lengths.max()) if lengths.numel() else 0
-        return ops.jagged_to_padded_dense(self._values, self.offsets(), desired_length, padding_value)
+        offsets = self.offsets()
+        if offsets.numel() == 0:  # TorchRec's empty(): no bags
+            offsets = torch.zeros(1, dtype=offsets.dtype, device=offsets.device)
+        values = self._values[: int(offsets[-1])] if self._values.device.type != "meta" else self._values
+        return ops.jagged_to_padded_dense(values, offsets, desired_length, padding_value)
 
     def to_padded_dense_weights(self, desired_length: int | None = None, padding_value: float = 0.0) -> Tensor | None:
         if self._weights is None:
             return None
-        return JaggedTensor(self._weights, offsets=self.offsets()).to_padded_dense(desired_length, padding_value)
+        return JaggedTensor(self._weights, offsets=self.offsets(), lengths=self.lengths()).to_padded_dense(
+            desired_length, padding_value
+        )
 
     # --- movement -----------------------------------------------------------------
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
@@ -166,6 +193,11 @@ class JaggedTensor:
     def validate(self) -> None:
         """Full data checks (a pass over lengths/offsets): raises ``ValueError``."""
         _check_data(self.lengths(), self._offsets, self._values.shape[0], keys=None, stride=None, where="JaggedTensor")
+        _check_weights_count(self._weights, self.lengths(), where="JaggedTensor")
+
+    def __str__(self) -> str:
+        """TorchRec's layout: ``JaggedTensor({[[bag], ...]})``."""
+        return formatting.jagged_tensor_str(self)
 
     def __repr__(self) -> str:
         parts = [f"values={self._values}"]
@@ -182,39 +214,63 @@ def _check_shapes(
     offsets: Tensor | None,
     *,
     where: str,
-) -> None:
-    """Checks that read at most one number from host tensors and nothing from devices."""
+) -> tuple[Tensor | None, Tensor | None]:
+    """Checks that read at most one number from host tensors and nothing from devices.
+
+    Returns ``(lengths, offsets)``; empty ones of a non-integer dtype (TorchRec accepts
+    ``torch.tensor([])``) come back as int32.
+    """
     for name, t in (("values", values), ("weights", weights), ("lengths", lengths), ("offsets", offsets)):
         if t is not None and not isinstance(t, Tensor):
             raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if values.dim() == 0:
         raise ValueError(f"{where}: values must have one entry per value, got a 0-d tensor")
-    for name, t in (("lengths", lengths), ("offsets", offsets)):
-        if t is not None and t.dtype not in INDEX_DTYPES:
-            raise ValueError(f"{where}: {name} must be an integer tensor, got dtype {t.dtype} (use int32 or int64)")
+    lengths, offsets = _index_dtype(lengths, "lengths", where), _index_dtype(offsets, "offsets", where)
     if lengths is not None and lengths.dim() != 1:
         raise ValueError(f"{where}: lengths must be 1-D, got shape {tuple(lengths.shape)}")
     if offsets is not None:
-        if offsets.dim() != 1 or offsets.numel() < 1:
+        no_bags = offsets.numel() == 0 and (lengths is None or lengths.numel() == 0)
+        if offsets.dim() != 1 or (offsets.numel() < 1 and not no_bags):
             raise ValueError(f"{where}: offsets must be 1-D with at least one entry, got shape {tuple(offsets.shape)}")
-        if lengths is not None and offsets.numel() != lengths.numel() + 1:
+        if not no_bags and lengths is not None and offsets.numel() != lengths.numel() + 1:
             raise ValueError(
                 f"{where}: {offsets.numel()} offsets disagree with {lengths.numel()} lengths "
                 f"(offsets need len(lengths) + 1 = {lengths.numel() + 1})"
             )
-    if weights is not None and (weights.dim() == 0 or weights.shape[0] != values.shape[0]):
-        got = weights.shape[0] if weights.dim() else "a 0-d tensor of"
-        raise ValueError(f"{where}: {got} weights for {values.shape[0]} values (need one per value)")
+    if weights is not None and weights.dim() == 0:
+        raise ValueError(f"{where}: weights must have one entry per value, got a 0-d tensor")
     if values.device.type != "cpu":
-        return  # reading lengths would sync with the device; validate() checks them
+        return lengths, offsets  # reading lengths would sync with the device; validate() checks them
     if lengths is not None:
         total = int(lengths.sum()) if lengths.numel() else 0
-        if total != values.shape[0]:
+        if total > values.shape[0]:
             raise ValueError(f"{where}: lengths sum to {total} but there are {values.shape[0]} values")
-    elif offsets is not None:
-        span = int(offsets[-1]) - int(offsets[0])
-        if span != values.shape[0]:
-            raise ValueError(f"{where}: offsets span {span} values but there are {values.shape[0]}")
+    elif offsets is not None and offsets.numel():
+        total = int(offsets[-1]) - int(offsets[0])
+        if total > values.shape[0]:
+            raise ValueError(f"{where}: offsets span {total} values but there are {values.shape[0]}")
+    else:
+        total = 0
+    if weights is not None and weights.shape[0] < total:
+        raise ValueError(f"{where}: {weights.shape[0]} weights for {total} values (need one per value)")
+    return lengths, offsets
+
+
+def _index_dtype(t: Tensor | None, name: str, where: str) -> Tensor | None:
+    """Lengths/offsets must be int32/int64; empty ones of another dtype become int32."""
+    if t is None or t.dtype in INDEX_DTYPES:
+        return t
+    if t.numel() == 0:
+        return t.to(torch.int32)
+    raise JaggedAssertionError(f"{where}: {name} must be an integer tensor, got dtype {t.dtype} (use int32 or int64)")
+
+
+def _check_weights_count(weights: Tensor | None, lengths: Tensor, *, where: str) -> None:
+    if weights is None:
+        return
+    total = int(lengths.sum()) if lengths.numel() else 0
+    if weights.shape[0] < total:
+        raise ValueError(f"{where}: {weights.shape[0]} weights for {total} values (need one per value)")
 
 
 def _check_data(
@@ -237,7 +293,7 @@ def _check_data(
     if lengths.numel() and int(lengths.min()) < 0:
         i = int((lengths < 0).nonzero()[0])
         raise ValueError(f"{where}: negative length {int(lengths[i])} at {locate(i)}; lengths must be >= 0")
-    if offsets is not None:
+    if offsets is not None and offsets.numel():
         offsets = offsets.cpu()
         if int(offsets[0]) != 0:
             raise ValueError(f"{where}: offsets must start at 0, got {int(offsets[0])}")
@@ -249,5 +305,5 @@ def _check_data(
                 f"{int(offsets[i + 1] - offsets[i])}, lengths give {int(lengths[i])}"
             )
     total = int(lengths.sum())
-    if total != num_values:
+    if total > num_values:
         raise ValueError(f"{where}: lengths sum to {total} but there are {num_values} values")

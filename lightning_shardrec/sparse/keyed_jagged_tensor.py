@@ -21,18 +21,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from lightning_shardrec.sparse import kjt_ops, ops
+from lightning_shardrec.sparse import formatting, kjt_ops, ops
 from lightning_shardrec.sparse.errors import JaggedAssertionError
-from lightning_shardrec.sparse.jagged_tensor import JaggedTensor, _check_data, _check_shapes
-from lightning_shardrec.sparse.kjt_checks import (
-    check_inverse_indices,
-    check_keys,
-    check_per_key,
-    check_stride_per_key_per_rank,
-    infer_stride,
-    segment_sums,
-    stride_per_key_of,
-)
+from lightning_shardrec.sparse.jagged_tensor import JaggedTensor, _check_data, _check_weights_count
+from lightning_shardrec.sparse.kjt_checks import check_kjt_args, check_per_key, segment_sums, stride_per_key_of
 
 
 class KeyedJaggedTensor:
@@ -64,55 +56,16 @@ class KeyedJaggedTensor:
         jt_dict: dict[str, JaggedTensor] | None = None,
         inverse_indices: tuple[list[str], Tensor] | None = None,
     ) -> None:
-        keys = check_keys(keys)
+        args = check_kjt_args(
+            keys, values, weights, lengths, offsets, stride, stride_per_key_per_rank, inverse_indices, length_per_key
+        )
+        keys, lengths, offsets, stride, spkpr, inverse = args
         where = f"KeyedJaggedTensor(keys={keys})"
-        if lengths is None and offsets is None:
-            raise ValueError(f"{where} needs lengths or offsets (got neither)")
-        if not isinstance(values, Tensor):
-            raise TypeError(f"{where}: values must be a torch.Tensor of ids, got {type(values).__name__}")
-        if values.dim() != 1:
-            raise ValueError(f"KeyedJaggedTensor values must be 1-D ids, got shape {tuple(values.shape)}")
-        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-            raise ValueError(f"KeyedJaggedTensor ids must be integers, got dtype {values.dtype} for keys {keys}")
-        _check_shapes(values, weights, lengths, offsets, where=where)
-        if weights is not None and (weights.dim() != 1 or not weights.is_floating_point()):
-            raise ValueError(
-                f"{where}: weights must be a 1-D float tensor (one per id), "
-                f"got shape {tuple(weights.shape)} dtype {weights.dtype}"
-            )
-        num_bags = lengths.numel() if lengths is not None else offsets.numel() - 1  # type: ignore[union-attr]
-        if len(set(keys)) != len(keys):
-            dup = sorted({k for k in keys if keys.count(k) > 1})
-            raise ValueError(f"KeyedJaggedTensor keys must be unique, repeated: {dup}")
-        spkpr = check_stride_per_key_per_rank(stride_per_key_per_rank, keys, where)
-        inverse = check_inverse_indices(inverse_indices, where)
-        stride = infer_stride(keys, num_bags, stride, spkpr, inverse, where)
-        if values.device.type == "cpu":  # host data: the full check is one cheap pass
-            host_lengths = lengths if lengths is not None else offsets[1:] - offsets[:-1]  # type: ignore[index]
-            data_stride = None if spkpr is not None else stride
-            _check_data(host_lengths, offsets, values.numel(), keys=keys, stride=data_stride, where=where)
-            if length_per_key is not None and keys:
-                actual = (
-                    segment_sums(host_lengths, stride_per_key_of(keys, spkpr, where))
-                    if spkpr is not None
-                    else host_lengths.view(len(keys), stride).sum(1).tolist()
-                )
-                if list(length_per_key) != actual:
-                    raise ValueError(f"{where}: length_per_key {list(length_per_key)} but the lengths give {actual}")
         if length_per_key is not None or offset_per_key is not None:
-            check_per_key(keys, values.numel(), length_per_key, offset_per_key, where)
+            check_per_key(keys, values.shape[0], length_per_key, offset_per_key, where)
         self._init(keys, values, weights, lengths, offsets, stride, length_per_key, offset_per_key, spkpr, inverse)
-        if stride_per_key is not None and list(stride_per_key) != self.stride_per_key():
-            raise ValueError(
-                f"{where}: stride_per_key {list(stride_per_key)} but the batch gives {self.stride_per_key()}"
-            )
-        if lengths_offset_per_key is not None and list(lengths_offset_per_key) != self.lengths_offset_per_key():
-            raise ValueError(
-                f"{where}: lengths_offset_per_key {list(lengths_offset_per_key)} "
-                f"but the batch gives {self.lengths_offset_per_key()}"
-            )
-        if index_per_key is not None and dict(index_per_key) != self.index_per_key():
-            raise ValueError(f"{where}: index_per_key {dict(index_per_key)} but the keys give {self.index_per_key()}")
+        given = {"stride_per_key": stride_per_key, "lengths_offset_per_key": lengths_offset_per_key}
+        kjt_ops.check_given_caches(self, {**given, "index_per_key": index_per_key})
         del jt_dict  # a cache TorchRec's scripted code passes; recomputed on demand here
 
     def _init(
@@ -235,19 +188,7 @@ class KeyedJaggedTensor:
     @staticmethod
     def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """No keys, on ``kjt``'s device with its dtypes and batch size (its per-key strides if VBE)."""
-        weights = kjt.weights_or_none()
-        vbe = kjt.variable_stride_per_key()
-        device = kjt.device()
-        out = KeyedJaggedTensor._trusted(
-            [],
-            torch.empty(0, dtype=kjt.values().dtype, device=device),
-            None if weights is None else torch.empty(0, dtype=weights.dtype, device=device),
-            torch.empty(0, dtype=kjt.lengths().dtype, device=device),
-            kjt.stride(),
-            None,
-            stride_per_key_per_rank=kjt.stride_per_key_per_rank() if vbe else None,
-        )
-        return out
+        return kjt_ops.empty_like(kjt)
 
     # --- accessors ----------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -388,6 +329,18 @@ class KeyedJaggedTensor:
         """New key order: key ``j`` of the result is key ``indices[j]`` (keys may repeat or drop)."""
         return kjt_ops.permute(self, indices, indices_tensor)
 
+    def flatten_lengths(self) -> KeyedJaggedTensor:
+        """The same KJT with 1-D lengths (lengths are always stored 1-D here)."""
+        return KeyedJaggedTensor._trusted(
+            self._keys,
+            self._values,
+            self._weights,
+            self.lengths().reshape(-1),
+            self._stride,
+            self.length_per_key(),
+            stride_per_key_per_rank=self._stride_per_key_per_rank,
+        )
+
     # --- movement -----------------------------------------------------------------
     def _map(
         self, fn: Callable[[Tensor], Tensor], weights_fn: Callable[[Tensor], Tensor] | None = None
@@ -444,20 +397,12 @@ class KeyedJaggedTensor:
         offsets = self._offsets if self._lengths is not None else None
         where = f"KeyedJaggedTensor(keys={self._keys})"
         stride = None if self._stride_per_key_per_rank is not None else self._stride
-        _check_data(lengths, offsets, self._values.numel(), keys=self._keys, stride=stride, where=where)
-        if self._weights is not None and self._weights.numel() != self._values.numel():
-            raise ValueError(f"{where}: {self._weights.numel()} weights for {self._values.numel()} values")
+        _check_data(lengths, offsets, self._values.shape[0], keys=self._keys, stride=stride, where=where)
+        _check_weights_count(self._weights, lengths, where=where)
+
+    def __str__(self) -> str:
+        """TorchRec's layout: ``KeyedJaggedTensor({"key": [[bag], ...], ...})``."""
+        return formatting.keyed_jagged_tensor_str(self)
 
     def __repr__(self) -> str:
-        if not self._keys:
-            return f"KeyedJaggedTensor(keys=[], stride={self._stride})"
-        lines = [f"KeyedJaggedTensor(stride={self._stride}, keys={self._keys})"]
-        if self._values.device.type == "meta":  # no data to show
-            lines.append(f"  values={self._values}, lengths={self.lengths()}")
-            return "\n".join(lines)
-        for k in self._keys:
-            jt = self[k]
-            w = f", weights={jt.weights().tolist()}" if self._weights is not None else ""
-            bags = [b.tolist() for b in jt.to_dense()] if jt.values().numel() <= 64 else "..."
-            lines.append(f"  '{k}': {bags}{w}")
-        return "\n".join(lines)
+        return formatting.keyed_jagged_tensor_repr(self)

@@ -15,11 +15,21 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_shardrec.sparse import formatting
+
 
 class KeyedTensor:
     """``KeyedTensor(keys, length_per_key, values, key_dim=1)``: ``values`` is ``[B, sum(dims)]``."""
 
-    def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: Tensor, key_dim: int = 1) -> None:
+    def __init__(
+        self,
+        keys: Sequence[str],
+        length_per_key: Sequence[int],
+        values: Tensor,
+        key_dim: int = 1,
+        offset_per_key: list[int] | None = None,
+        index_per_key: dict[str, int] | None = None,
+    ) -> None:
         if not isinstance(values, Tensor):
             raise TypeError(f"KeyedTensor: values must be a torch.Tensor, got {type(values).__name__}")
         keys, length_per_key = list(keys), list(length_per_key)
@@ -33,7 +43,8 @@ class KeyedTensor:
         if len(set(keys)) != len(keys):
             dup = sorted({k for k in keys if keys.count(k) > 1})
             raise ValueError(f"KeyedTensor keys must be unique, repeated: {dup}")
-        if values.dim() <= key_dim or values.shape[key_dim] != sum(length_per_key):
+        no_data = not keys and values.numel() == 0  # TorchRec's KeyedTensor([], [], torch.Tensor())
+        if not no_data and (values.dim() <= key_dim or values.shape[key_dim] != sum(length_per_key)):
             raise ValueError(
                 f"KeyedTensor: length_per_key {length_per_key} sums to {sum(length_per_key)} "
                 f"but values has shape {tuple(values.shape)} (key_dim={key_dim})"
@@ -44,6 +55,12 @@ class KeyedTensor:
         self._key_dim = key_dim
         self._offsets: list[int] | None = None
         self._index: dict[str, int] | None = None
+        if offset_per_key is not None and list(offset_per_key) != self.offset_per_key():
+            raise ValueError(
+                f"KeyedTensor: offset_per_key {list(offset_per_key)} but length_per_key gives {self.offset_per_key()}"
+            )
+        if index_per_key is not None and dict(index_per_key) != {k: i for i, k in enumerate(keys)}:
+            raise ValueError(f"KeyedTensor: index_per_key {dict(index_per_key)} disagrees with keys {keys}")
 
     @staticmethod
     def from_tensor_list(
@@ -59,6 +76,9 @@ class KeyedTensor:
 
     def key_dim(self) -> int:
         return self._key_dim
+
+    def device(self) -> torch.device:
+        return self._values.device
 
     def length_per_key(self) -> list[int]:
         return self._length_per_key
@@ -112,6 +132,10 @@ class KeyedTensor:
         if len(groups) != len(keys):
             raise ValueError(f"regroup_as_dict: {len(groups)} groups but {len(keys)} keys")
         return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups), strict=True))
+
+    def __str__(self) -> str:
+        """TorchRec's layout: ``KeyedTensor({"key": [[row], ...], ...})``."""
+        return formatting.keyed_tensor_str(self)
 
     def __repr__(self) -> str:
         return (

@@ -19,6 +19,9 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.sparse.errors import JaggedAssertionError
+from lightning_shardrec.sparse.jagged_tensor import _check_data, _check_shapes
+
+KJTParts = tuple[list[str], Tensor | None, Tensor | None, int, list[list[int]] | None, tuple[list[str], Tensor] | None]
 
 
 def is_int(n: object) -> bool:
@@ -35,6 +38,58 @@ def check_keys(keys: object) -> list[str]:
     if bad:
         raise TypeError(f"KeyedJaggedTensor keys must be str, got {bad} in {out}")
     return out
+
+
+def check_kjt_args(
+    keys: object,
+    values: object,
+    weights: Tensor | None,
+    lengths: Tensor | None,
+    offsets: Tensor | None,
+    stride: object,
+    stride_per_key_per_rank: object,
+    inverse_indices: object,
+    length_per_key: list[int] | None,
+) -> KJTParts:
+    """Check the constructor's arguments; ``(keys, lengths, offsets, stride, spkpr, inverse)``.
+
+    As permissive as TorchRec about what values hold (any dtype, ``[N]`` or ``[N, D]``,
+    longer than ``sum(lengths)``): ids are checked where they are looked up. Refused:
+    structure that describes bags the values do not have.
+    """
+    keys = check_keys(keys)
+    where = f"KeyedJaggedTensor(keys={keys})"
+    if not isinstance(values, Tensor):
+        raise TypeError(f"{where}: values must be a torch.Tensor, got {type(values).__name__}")
+    if lengths is None and offsets is None:
+        if keys:
+            raise JaggedAssertionError(f"{where} needs lengths or offsets (got neither)")
+        lengths = torch.empty(0, dtype=torch.int32, device=values.device)
+    if isinstance(lengths, Tensor) and lengths.dim() == 2:  # TorchRec's [K, B] layout
+        lengths = lengths.reshape(-1)
+    lengths, offsets = _check_shapes(values, weights, lengths, offsets, where=where)
+    if weights is not None and weights.dim() != 1:
+        raise ValueError(f"{where}: weights must be a 1-D tensor (one per value), got shape {tuple(weights.shape)}")
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"KeyedJaggedTensor keys must be unique, repeated: {dup}")
+    num_bags = lengths.numel() if lengths is not None else max(offsets.numel() - 1, 0)  # type: ignore[union-attr]
+    spkpr = check_stride_per_key_per_rank(stride_per_key_per_rank, keys, where)
+    inverse = check_inverse_indices(inverse_indices, where)
+    stride = infer_stride(keys, num_bags, stride, spkpr, inverse, where)
+    if values.device.type == "cpu":  # host data: the full check is one cheap pass
+        host_lengths = lengths if lengths is not None else offsets[1:] - offsets[:-1]  # type: ignore[index]
+        data_stride = None if spkpr is not None else stride
+        _check_data(host_lengths, offsets, values.shape[0], keys=keys, stride=data_stride, where=where)
+        if length_per_key is not None and keys:
+            actual = (
+                segment_sums(host_lengths, stride_per_key_of(keys, spkpr, where))
+                if spkpr is not None
+                else host_lengths.view(len(keys), stride).sum(1).tolist()
+            )
+            if list(length_per_key) != actual:
+                raise ValueError(f"{where}: length_per_key {list(length_per_key)} but the lengths give {actual}")
+    return keys, lengths, offsets, stride, spkpr, inverse
 
 
 def check_stride_per_key_per_rank(value: object, keys: list[str], where: str) -> list[list[int]] | None:
@@ -65,11 +120,10 @@ def check_inverse_indices(value: object, where: str) -> tuple[list[str], Tensor]
     """``(keys, tensor [len(keys), batch])`` as TorchRec takes it."""
     if value is None:
         return None
-    ok = isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[1], Tensor)
-    if not ok:
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[1], Tensor)):
         raise TypeError(f"{where}: inverse_indices must be a (keys, tensor) pair, got {type(value).__name__}")
-    keys, tensor = value  # type: ignore[misc]
-    keys = check_keys(keys)
+    keys = check_keys(value[0])
+    tensor: Tensor = value[1]
     if tensor.is_floating_point() or tensor.is_complex():
         raise ValueError(f"{where}: inverse_indices tensor must hold integer rows, got dtype {tensor.dtype}")
     return keys, tensor
@@ -155,8 +209,6 @@ def segment_sums(lengths: Tensor, segments: Sequence[int]) -> list[int]:
     """Sum of each consecutive run of ``segments[i]`` lengths (one host sync)."""
     if not segments:
         return []
-    if lengths.device.type == "meta":
-        raise ValueError("segment_sums cannot read meta lengths")
     bounds = torch.tensor([0, *segments], device=lengths.device).cumsum(0)
     csum = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths.long(), 0, out=csum[1:])

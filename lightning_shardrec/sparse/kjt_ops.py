@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.sparse import ops
-from lightning_shardrec.sparse.errors import JaggedAssertionError
+from lightning_shardrec.sparse.errors import JaggedAssertionError, JaggedIndexError
 from lightning_shardrec.sparse.jagged_tensor import JaggedTensor
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ def split(kjt: KeyedJaggedTensor, segments: Sequence[int]) -> list[KeyedJaggedTe
     """Consecutive groups of keys: ``segments`` are key counts summing to ``len(keys)``."""
     keys = kjt.keys()
     if sum(segments) != len(keys) or any(s < 0 for s in segments):
-        raise ValueError(f"split segments {list(segments)} must be non-negative and sum to {len(keys)} keys")
+        raise JaggedIndexError(f"split segments {list(segments)} must be non-negative and sum to {len(keys)} keys")
     opk, lpk, lopk = kjt.offset_per_key(), kjt.length_per_key(), kjt.lengths_offset_per_key()
     spkpr = kjt._stride_per_key_per_rank
     weights, values, lengths = kjt.weights_or_none(), kjt.values(), kjt.lengths()
@@ -54,7 +54,7 @@ def permute(kjt: KeyedJaggedTensor, indices: Sequence[int], indices_tensor: Tens
     keys = kjt.keys()
     bad = [i for i in indices if not 0 <= i < len(keys)]
     if bad:
-        raise ValueError(f"permute indices {bad} outside [0, {len(keys)}) for keys {keys}")
+        raise JaggedIndexError(f"permute indices {bad} outside [0, {len(keys)}) for keys {keys}")
     new_keys = [keys[i] for i in indices]
     lpk = kjt.length_per_key()
     new_lpk = [lpk[i] for i in indices]
@@ -197,9 +197,42 @@ def _jt_total(jt: JaggedTensor) -> int:
 def to_dict(kjt: KeyedJaggedTensor, compute_offsets: bool = True) -> dict[str, JaggedTensor]:
     """One JaggedTensor per key (offsets computed too unless ``compute_offsets=False``)."""
     out = {}
+    no_bags = kjt.lengths().numel() == 0
     for key in kjt.keys():  # noqa: SIM118 (a KJT, not a dict)
         jt = kjt[key]
-        if compute_offsets:
+        if no_bags:  # as TorchRec: a batch of no bags has empty offsets too
+            jt._offsets = jt.lengths()
+        elif compute_offsets:
             jt.offsets()
         out[key] = jt
     return out
+
+
+def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """No keys, on ``kjt``'s device with its dtypes and batch size (its per-key strides if VBE)."""
+    weights, device = kjt.weights_or_none(), kjt.device()
+    return type(kjt)._trusted(
+        [],
+        torch.empty(0, dtype=kjt.values().dtype, device=device),
+        None if weights is None else torch.empty(0, dtype=weights.dtype, device=device),
+        torch.empty(0, dtype=kjt.lengths().dtype, device=device),
+        kjt.stride(),
+        None,
+        stride_per_key_per_rank=kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None,
+    )
+
+
+def check_given_caches(kjt: KeyedJaggedTensor, given: dict[str, object]) -> None:
+    """Caches TorchRec's scripted code passes to the constructor must agree with the KJT."""
+    actual: dict[str, object] = {
+        "stride_per_key": kjt.stride_per_key,
+        "lengths_offset_per_key": kjt.lengths_offset_per_key,
+        "index_per_key": kjt.index_per_key,
+    }
+    for name, value in given.items():
+        if value is None:
+            continue
+        want = actual[name]()  # type: ignore[operator]
+        got = dict(value) if isinstance(value, dict) else list(value)  # type: ignore[call-overload]
+        if got != want:
+            raise ValueError(f"KeyedJaggedTensor(keys={kjt.keys()}): {name} {got} but the batch gives {want}")

@@ -32,9 +32,10 @@ def complete_cumsum(lengths: Tensor, *, use_fbgemm: bool | None = None) -> Tenso
 
 
 def _permute_dtypes_ok(lengths: Tensor, values: Tensor, weights: Tensor | None) -> bool:
-    """Dtypes fbgemm's ``permute_2D_sparse_data`` has kernels for (others take the torch path)."""
+    """Dtypes (and 1-D values) fbgemm's ``permute_2D_sparse_data`` has kernels for; others take the torch path."""
     return (
         lengths.dtype in (torch.int32, torch.int64)
+        and values.dim() == 1
         and values.dtype in (torch.int32, torch.int64, torch.float32)
         and (weights is None or weights.dtype in (torch.float32, torch.float16, torch.float64))
     )

@@ -55,7 +55,7 @@ def test_positional_order_is_values_weights_lengths_offsets() -> None:
 def test_weights_raises_when_unweighted() -> None:
     jt = JaggedTensor(torch.tensor([1]), lengths=torch.tensor([1]))
     assert jt.weights_or_none() is None
-    with pytest.raises(ValueError, match=re.escape("this JaggedTensor has no weights; use weights_or_none()")):
+    with pytest.raises(AssertionError, match=re.escape("this JaggedTensor has no weights; use weights_or_none()")):
         jt.weights()
 
 
@@ -63,8 +63,10 @@ def test_empty() -> None:
     jt = JaggedTensor.empty(is_weighted=True)
     assert jt.values().numel() == 0 and jt.lengths().numel() == 0
     assert jt.weights().numel() == 0
-    assert jt.offsets().tolist() == [0]
+    assert jt.offsets().tolist() == []  # as TorchRec: no bags, no offsets
+    assert jt.lengths().dtype == torch.int32 and jt.values().dtype == torch.float32
     assert JaggedTensor.empty().weights_or_none() is None
+    assert JaggedTensor.empty().to_dense() == []
 
 
 # --- dense conversions -------------------------------------------------------------------
@@ -207,14 +209,22 @@ def test_repr_shows_values_weights_lengths(jt: JaggedTensor) -> None:
 
 # --- bad input: construction ------------------------------------------------------------
 def test_needs_lengths_or_offsets() -> None:
-    with pytest.raises(ValueError, match=re.escape("JaggedTensor needs lengths or offsets (got neither)")):
+    with pytest.raises(AssertionError, match=re.escape("JaggedTensor needs lengths or offsets (got neither)")):
         JaggedTensor(torch.tensor([1]))
 
 
-@pytest.mark.parametrize(("lengths", "total"), [([2, 2], 4), ([1, 0], 1)])
-def test_lengths_sum_disagrees_with_values(lengths: list[int], total: int) -> None:
-    with pytest.raises(ValueError, match=f"JaggedTensor: lengths sum to {total} but there are 3 values"):
-        JaggedTensor(torch.tensor([1, 2, 3]), lengths=torch.tensor(lengths))
+def test_lengths_sum_more_than_values() -> None:
+    with pytest.raises(ValueError, match="JaggedTensor: lengths sum to 4 but there are 3 values"):
+        JaggedTensor(torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 2]))
+
+
+def test_values_longer_than_the_bags_keep_a_tail_that_is_ignored() -> None:
+    """As TorchRec: values past ``sum(lengths)`` belong to no bag."""
+    jt = JaggedTensor(torch.tensor([1, 2, 3, 99]), torch.tensor([0.1, 0.2, 0.3, 9.0, 9.0]), torch.tensor([1, 2]))
+    assert [b.tolist() for b in jt.to_dense()] == [[1], [2, 3]]
+    assert [len(w) for w in jt.to_dense_weights()] == [1, 2]  # type: ignore[union-attr]
+    assert jt.to_padded_dense().tolist() == [[1, 0], [2, 3]]
+    jt.validate()
 
 
 def test_offsets_span_disagrees_with_values() -> None:
@@ -243,16 +253,29 @@ def test_lengths_must_be_1d() -> None:
         JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([[1, 1]]))
 
 
-def test_offsets_must_be_1d_and_non_empty() -> None:
+def test_offsets_must_be_1d_and_non_empty_unless_there_are_no_bags() -> None:
+    msg = re.escape("JaggedTensor: offsets must be 1-D with at least one entry, got shape (1, 2)")
+    with pytest.raises(ValueError, match=msg):
+        JaggedTensor(torch.tensor([1]), offsets=torch.tensor([[0, 1]]))
     msg = re.escape("JaggedTensor: offsets must be 1-D with at least one entry, got shape (0,)")
     with pytest.raises(ValueError, match=msg):
-        JaggedTensor(torch.tensor([], dtype=torch.int64), offsets=torch.tensor([], dtype=torch.int64))
+        JaggedTensor(torch.tensor([1]), lengths=torch.tensor([1]), offsets=torch.tensor([], dtype=torch.int64))
+    empty = JaggedTensor(torch.tensor([], dtype=torch.int64), offsets=torch.tensor([], dtype=torch.int64))
+    assert empty.lengths().numel() == 0 and empty.offsets().numel() == 0
 
 
 def test_float_lengths_rejected() -> None:
+    """A ``ValueError`` that is also the ``AssertionError`` TorchRec raises."""
     msg = "JaggedTensor: lengths must be an integer tensor, got dtype torch.float32"
     with pytest.raises(ValueError, match=msg):
         JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([1.0, 1.0]))
+    with pytest.raises(AssertionError, match="offsets must be an integer tensor, got dtype torch.float32"):
+        JaggedTensor(torch.tensor([1, 2]), offsets=torch.tensor([0.0, 2.0]))
+
+
+def test_empty_float_lengths_accepted_as_int32() -> None:
+    jt = JaggedTensor(torch.tensor([]), lengths=torch.tensor([]))
+    assert jt.lengths().dtype == torch.int32 and jt.to_dense() == []
 
 
 # --- bad input: validate() ---------------------------------------------------------------

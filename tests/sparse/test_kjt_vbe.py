@@ -9,6 +9,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_shardrec import JaggedTensor, KeyedJaggedTensor
 from lightning_shardrec.sparse.errors import JaggedAssertionError
@@ -270,3 +272,67 @@ def test_length_per_key_checked_against_vbe_lengths() -> None:
         KeyedJaggedTensor(
             ["a", "b"], T([1, 2]), lengths=T([1, 1, 0]), stride_per_key_per_rank=[[2], [1]], length_per_key=[1, 1]
         )
+
+
+# --- properties -----------------------------------------------------------------------------------
+@st.composite
+def vbe_cases(draw: st.DrawFn) -> tuple[KeyedJaggedTensor, dict[str, list[list[int]]]]:
+    """A random VBE KJT and, per key, its bags as plain lists."""
+    keys = [f"k{i}" for i in range(draw(st.integers(1, 4)))]
+    ref: dict[str, list[list[int]]] = {}
+    spkpr, lengths, values, next_id = [], [], [], 0
+    for key in keys:
+        ranks = draw(st.lists(st.integers(0, 3), min_size=1, max_size=3))
+        spkpr.append(ranks)
+        ref[key] = []
+        for _ in range(sum(ranks)):
+            n = draw(st.integers(0, 3))
+            ref[key].append(list(range(next_id, next_id + n)))
+            lengths.append(n)
+            values.extend(range(next_id, next_id + n))
+            next_id += n
+    kjt = KeyedJaggedTensor(
+        keys,
+        T(values, dtype=torch.int64),
+        T(values, dtype=torch.float32),
+        T(lengths, dtype=torch.int64),
+        stride_per_key_per_rank=spkpr,
+    )
+    return kjt, ref
+
+
+def assert_bags(kjt: KeyedJaggedTensor, ref: dict[str, list[list[int]]], keys: list[str]) -> None:
+    assert kjt.keys() == keys
+    assert kjt.stride_per_key() == [len(ref[k]) for k in keys]
+    pos = 0
+    for i, key in enumerate(keys):  # bag by bag (keys may repeat after a permute)
+        lo, hi = kjt.lengths_offset_per_key()[i], kjt.lengths_offset_per_key()[i + 1]
+        assert kjt.lengths()[lo:hi].tolist() == [len(b) for b in ref[key]]
+        flat = [x for b in ref[key] for x in b]
+        assert kjt.values()[pos : pos + len(flat)].tolist() == flat
+        assert kjt.weights()[pos : pos + len(flat)].tolist() == [float(x) for x in flat]
+        pos += len(flat)
+    assert kjt.offset_per_key()[-1] == pos
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=vbe_cases(), data=st.data())
+def test_vbe_lookup_permute_split_concat_match_the_reference(
+    case: tuple[KeyedJaggedTensor, dict[str, list[list[int]]]], data: st.DataObject
+) -> None:
+    kjt, ref = case
+    keys = kjt.keys()
+    assert_bags(kjt, ref, keys)
+    for key, jt in kjt.to_dict().items():
+        assert bags(jt) == ref[key] and bags(kjt[key]) == ref[key]
+    indices = data.draw(st.lists(st.integers(0, len(keys) - 1), max_size=6))
+    assert_bags(kjt.permute(indices), ref, [keys[i] for i in indices])
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(keys)), max_size=3)))
+    segments = [b - a for a, b in zip([0, *cuts], [*cuts, len(keys)], strict=True)]
+    parts = kjt.split(segments)
+    start = 0
+    for seg, part in zip(segments, parts, strict=True):
+        assert part.stride() == kjt.stride()
+        assert_bags(part, ref, keys[start : start + seg])
+        start += seg
+    assert_bags(KeyedJaggedTensor.concat(parts), ref, keys)

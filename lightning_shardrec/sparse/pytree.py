@@ -1,0 +1,107 @@
+"""The sparse types as pytree nodes (``torch.utils._pytree``), with TorchRec's leaves.
+
+``tree_flatten`` gives the tensors, the keys go in the spec:
+
+* ``JaggedTensor``: ``[values, weights, lengths, offsets]``.
+* ``KeyedJaggedTensor``: ``[values, weights, lengths, offsets, stride_per_key_per_rank
+  (an int tensor or None), inverse-indices tensor (or None)]``, context ``keys``. Fewer
+  leaves (an older spec) mean ``None`` for the rest; more raise ``ValueError``.
+* ``KeyedTensor``: ``[values]``, context ``(keys, length_per_key, key_dim)``;
+  ``tree_flatten_spec`` of a KeyedTensor with the same keys in another order gives the
+  values in the spec's key order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.fx._pytree as fx_pytree
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from lightning_shardrec.sparse.jagged_tensor import JaggedTensor
+from lightning_shardrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+from lightning_shardrec.sparse.keyed_tensor import KeyedTensor
+
+_KJT_LEAVES = ("values", "weights", "lengths", "offsets", "stride_per_key_per_rank", "inverse_indices")
+
+
+def _jt_flatten(jt: JaggedTensor) -> tuple[list[Tensor | None], None]:
+    return [jt._values, jt._weights, jt._lengths, jt._offsets], None
+
+
+def _jt_unflatten(leaves: Iterable[Any], context: Any) -> JaggedTensor:
+    return JaggedTensor(*leaves)
+
+
+def _kjt_leaves(kjt: KeyedJaggedTensor) -> list[Tensor | None]:
+    spkpr = kjt._stride_per_key_per_rank
+    inverse = kjt._inverse_indices
+    return [
+        kjt._values,
+        kjt._weights,
+        kjt._lengths,
+        kjt._offsets,
+        None if spkpr is None else torch.tensor(spkpr, dtype=torch.int32).reshape(len(spkpr), -1),
+        None if inverse is None else inverse[1],
+    ]
+
+
+def _kjt_flatten(kjt: KeyedJaggedTensor) -> tuple[list[Tensor | None], list[str]]:
+    return _kjt_leaves(kjt), kjt.keys()
+
+
+def _kjt_unflatten(leaves: Iterable[Any], context: Any) -> KeyedJaggedTensor:
+    leaves = list(leaves)
+    if len(leaves) > len(_KJT_LEAVES):
+        raise ValueError(
+            f"KeyedJaggedTensor takes at most {len(_KJT_LEAVES)} pytree leaves {list(_KJT_LEAVES)}, got {len(leaves)}"
+        )
+    padded: list[Tensor | None] = [*leaves, *[None] * (len(_KJT_LEAVES) - len(leaves))]
+    values, weights, lengths, offsets, spkpr, inverse = padded
+    return KeyedJaggedTensor(
+        context,
+        values,  # type: ignore[arg-type]
+        weights,
+        lengths,
+        offsets,
+        stride_per_key_per_rank=spkpr,
+        inverse_indices=None if inverse is None else (list(context), inverse),
+    )
+
+
+def _kt_flatten(kt: KeyedTensor) -> tuple[list[Tensor], tuple[list[str], list[int], int]]:
+    return [kt.values()], (kt.keys(), kt.length_per_key(), kt.key_dim())
+
+
+def _kt_unflatten(leaves: Iterable[Any], context: Any) -> KeyedTensor:
+    keys, length_per_key, *rest = context
+    return KeyedTensor(keys, length_per_key, next(iter(leaves)), *rest)
+
+
+def _kt_flatten_spec(kt: KeyedTensor, spec: pytree.TreeSpec) -> list[Tensor]:
+    keys = spec.context[0]
+    if kt.keys() == list(keys):
+        return [kt.values()]
+    parts = kt.to_dict()
+    return [torch.cat([parts[k] for k in keys], dim=kt.key_dim())]
+
+
+def register() -> None:
+    """Register the three types once (done on importing :mod:`lightning_shardrec.sparse`)."""
+    if JaggedTensor in pytree.SUPPORTED_NODES:
+        return
+    pytree.register_pytree_node(
+        JaggedTensor, _jt_flatten, _jt_unflatten, serialized_type_name="lightning_shardrec.JaggedTensor"
+    )
+    pytree.register_pytree_node(
+        KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten, serialized_type_name="lightning_shardrec.KeyedJaggedTensor"
+    )
+    pytree.register_pytree_node(
+        KeyedTensor, _kt_flatten, _kt_unflatten, serialized_type_name="lightning_shardrec.KeyedTensor"
+    )
+    fx_pytree.register_pytree_flatten_spec(JaggedTensor, lambda jt, spec: _jt_flatten(jt)[0])
+    fx_pytree.register_pytree_flatten_spec(KeyedJaggedTensor, lambda kjt, spec: _kjt_leaves(kjt))
+    fx_pytree.register_pytree_flatten_spec(KeyedTensor, _kt_flatten_spec)
