@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import torch
 
-from lightning_shardrec.errors import unknown_name
+from lightning_shardrec.errors import UnsupportedFeatureError, unknown_name
 
 
 class PoolingType(enum.Enum):
@@ -64,9 +64,15 @@ def _finite_real(value: object) -> bool:
 class BaseEmbeddingConfig:
     """One embedding table: ``num_embeddings`` rows of ``embedding_dim`` floats.
 
-    Several features may share a table (``feature_names``). Rows start uniform in
-    ``[weight_init_min, weight_init_max]``, by default ``±sqrt(1 / num_embeddings)``;
-    ``init_fn`` (called on the ``[rows, dim]`` weight) overrides that.
+    Several features may share a table (``feature_names``; empty: ``[name]``, as TorchRec).
+    Rows start uniform in ``[weight_init_min, weight_init_max]``, by default
+    ``±sqrt(1 / num_embeddings)`` (``init_fn`` is then a :class:`UniformInit`, never None,
+    as TorchRec); an ``init_fn`` of yours (called on the ``[rows, dim]`` weight, or on
+    each shard of it) replaces that. ``need_pos`` is accepted (it marks
+    position-weighted tables in TorchRec; every sharding type here takes weights).
+    TorchRec's virtual-table fields (``input_dim``, ``total_num_buckets``,
+    ``use_virtual_table``, ``virtual_table_eviction_policy``, ``enable_embedding_update``)
+    keep their positions; any value but the default raises :class:`UnsupportedFeatureError`.
     """
 
     num_embeddings: int
@@ -79,6 +85,11 @@ class BaseEmbeddingConfig:
     num_embeddings_post_pruning: int | None = None
     init_fn: Callable[[torch.Tensor], torch.Tensor | None] | None = None
     need_pos: bool = False
+    input_dim: int | None = None
+    total_num_buckets: int | None = None
+    use_virtual_table: bool = False
+    virtual_table_eviction_policy: object | None = None
+    enable_embedding_update: bool = False
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
@@ -87,6 +98,11 @@ class BaseEmbeddingConfig:
             raise ValueError(f"{kind} needs a table name (got name={self.name!r})")
         if not isinstance(self.name, str):
             raise ValueError(f"{kind}: name must be a str, got {self.name!r}")
+        _refuse_virtual_table_fields(self, label)
+        if isinstance(self.feature_names, list) and not self.feature_names:
+            object.__setattr__(self, "feature_names", [self.name])  # TorchRec: a table reads its own name
+        if self.init_fn is not None and not callable(self.init_fn):
+            raise ValueError(f"{label}: init_fn must be callable on the weight tensor, got {self.init_fn!r}")
         object.__setattr__(self, "data_type", _parse_member(DataType, self.data_type, f"{label}: data_type"))
         for name in ("num_embeddings", "embedding_dim"):
             value = getattr(self, name)
@@ -119,10 +135,19 @@ class BaseEmbeddingConfig:
         lo, hi = self.init_range()
         if lo > hi:
             raise ValueError(f"{label}: weight_init_min {lo} is above weight_init_max {hi}")
+        if self.init_fn is None or isinstance(self.init_fn, UniformInit):  # TorchRec: init_fn is never None
+            object.__setattr__(self, "init_fn", UniformInit(lo, hi))
 
     @property
-    def num_features(self) -> int:
-        return len(self.feature_names)
+    def num_features(self) -> _CallableInt:
+        """Features reading this table: ``cfg.num_features`` here, ``cfg.num_features()`` in TorchRec."""
+        return _CallableInt(len(self.feature_names))
+
+    def get_weight_init_max(self) -> float:
+        return self.init_range()[1]
+
+    def get_weight_init_min(self) -> float:
+        return self.init_range()[0]
 
     def init_range(self) -> tuple[float, float]:
         """``(low, high)`` of the uniform init; ``±sqrt(1/num_embeddings)`` by default (as TorchRec)."""
@@ -134,11 +159,45 @@ class BaseEmbeddingConfig:
     def init_weight(self, weight: torch.Tensor) -> None:
         """Fill ``weight`` (the whole table, or a shard of it) with this table's init."""
         with torch.no_grad():
-            if self.init_fn is not None:
-                self.init_fn(weight)
-            else:
-                lo, hi = self.init_range()
-                weight.uniform_(lo, hi)
+            self.init_fn(weight)  # type: ignore[misc]  # set in __post_init__
+
+
+@dataclass(frozen=True)
+class UniformInit:
+    """The default ``init_fn``: uniform in ``[low, high]`` (compares by value, unlike a partial)."""
+
+    low: float
+    high: float
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.uniform_(weight, self.low, self.high)
+
+
+class _CallableInt(int):
+    """An int that returns itself when called (a property TorchRec spells as a method)."""
+
+    def __call__(self) -> int:
+        return int(self)
+
+
+#: TorchRec fields this library does not implement: (name, default, why / what to use instead)
+_VIRTUAL_TABLE_FIELDS: tuple[tuple[str, object, str], ...] = (
+    ("input_dim", None, "feature-processor input widths are not supported"),
+    ("total_num_buckets", None, "bucketized (ZCH / virtual) tables are not supported; size num_embeddings"),
+    ("use_virtual_table", False, "virtual (SSD / key-value) tables are not supported; size num_embeddings"),
+    ("virtual_table_eviction_policy", None, "virtual tables (and their eviction) are not supported"),
+    ("enable_embedding_update", False, "write-back embedding updates are not supported"),
+)
+
+
+def _refuse_virtual_table_fields(config: BaseEmbeddingConfig, label: str) -> None:
+    for name, default, why in _VIRTUAL_TABLE_FIELDS:
+        value = getattr(config, name)
+        if value is not default and value != default:
+            raise UnsupportedFeatureError(
+                f"{label}: {name}={value!r} is not supported ({why}); leave it at {default!r}. "
+                "See docs/migrating.md"
+            )
 
 
 @dataclass(frozen=True)

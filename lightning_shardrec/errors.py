@@ -24,6 +24,10 @@ class CheckpointError(ShardRecError, ValueError):
     """A checkpoint does not match the model it is loaded into."""
 
 
+class UnsupportedFeatureError(ShardRecError, NotImplementedError):
+    """A TorchRec argument or field this library does not implement; the message names it and the alternative."""
+
+
 def unknown_name(kind: str, name: object, available: list[str]) -> ValueError:
     """``ValueError`` for a lookup by name that failed, listing what is available."""
     return ValueError(f"unknown {kind} {name!r}; available: {', '.join(available)}")

@@ -60,9 +60,9 @@ The fuzz tests behind the KJT and Criteo rows: ``tests/sparse/test_kjt_fuzz.py``
 | modules | KJT lacks a feature the collection needs | KeyError | tests/modules/test_embedding_bag_collection.py::test_missing_feature_is_named |
 | modules | is_weighted=True but KJT has no weights | ValueError | tests/modules/test_embedding_bag_collection.py::test_weighted_needs_weights |
 | modules | forward given a Tensor, not a KJT | TypeError |  |
-| modules | two tables with one name | ValueError | tests/modules/test_embedding_bag_collection.py::test_duplicate_tables_and_features_rejected |
-| modules | one feature read by two tables | ValueError | tests/modules/test_embedding_bag_collection.py::test_duplicate_tables_and_features_rejected |
-| modules | no tables | ValueError | tests/modules/test_embedding_bag_collection.py::test_duplicate_tables_and_features_rejected |
+| modules | two tables with one name | ValueError | tests/modules/test_embedding_bag_collection.py::test_duplicate_tables_rejected |
+| modules | VBE KJT without inverse_indices | ValueError | tests/modules/test_vbe.py::test_vbe_without_inverse_indices_is_named |
+| modules | no tables | ValueError | tests/modules/test_embedding_bag_collection.py::test_duplicate_tables_rejected |
 | modules | EmbeddingConfig given to EmbeddingBagCollection's sibling | TypeError | tests/modules/test_embedding_collection.py::test_rejects_bag_configs |
 | table config | embedding_dim 0 | ValueError | tests/test_configs.py::test_non_positive_dim |
 | table config | num_embeddings not an int | ValueError | tests/test_configs.py::test_non_positive_rows |
@@ -77,6 +77,7 @@ The fuzz tests behind the KJT and Criteo rows: ``tests/sparse/test_kjt_fuzz.py``
 | table config | weight_init_min above max | ValueError | tests/test_configs.py::test_init_min_above_max |
 | table config | nan weight_init_max | ValueError |  |
 | table config | num_embeddings_post_pruning out of range | ValueError |  |
+| table config | TorchRec virtual-table field set | UnsupportedFeatureError | tests/test_configs.py::test_unimplemented_torchrec_fields_are_refused |
 | FusedOptimConfig | unknown optimizer name | ValueError | tests/test_configs.py::test_fused_optim_unknown_optimizer |
 | FusedOptimConfig | negative lr | ValueError | tests/test_configs.py::test_fused_optim_negative |
 | FusedOptimConfig | nan lr | ValueError |  |
@@ -105,6 +106,8 @@ The fuzz tests behind the KJT and Criteo rows: ``tests/sparse/test_kjt_fuzz.py``
 | Topology | local_world_size not dividing world_size | ValueError | tests/planner/test_topology.py::test_bad_topology |
 | planner | batch_size 0 | ValueError | tests/planner/test_planner.py::test_bad_batch_size |
 | planner | reserve 1.0 (no memory left for tables) | ValueError | tests/planner/test_memory.py::test_bad_reserve |
+| planner | TorchRec proposer given | UnsupportedFeatureError | tests/planner/test_planner_api.py::test_unimplemented_parts_are_refused_by_name |
+| planner | pinned plan passed as sharders | TypeError | tests/planner/test_planner_api.py::test_pinned_plan_goes_by_keyword |
 | planner | tables too big for every rank | PlannerError | tests/planner/test_planner.py::test_infeasible_names_every_table_and_capacity |
 | kernels | unknown kernel backend name | ValueError | tests/kernels/test_kernels.py::test_kernel_errors_list_choices |
 | kernels | fbgemm on CPU asked for adam | ValueError | tests/kernels/test_kernels.py::test_kernel_errors_list_choices |
@@ -168,7 +171,7 @@ from lightning_shardrec import (
     ShardingPlan,
     Topology,
 )
-from lightning_shardrec.errors import PlannerError
+from lightning_shardrec.errors import PlannerError, UnsupportedFeatureError
 
 ROOT = Path(__file__).resolve().parents[1]
 T = torch.tensor
@@ -432,12 +435,12 @@ CASES: list[Case] = [
          r"got Tensor"),
     Case("modules", "two tables with one name", lambda: EmbeddingBagCollection([_bag(), _bag(feature_names=["x"])]),
          ValueError, r"EmbeddingBagCollection: table names repeat: \['t_user'\]",
-         _EBC + "test_duplicate_tables_and_features_rejected"),
-    Case("modules", "one feature read by two tables", lambda: EmbeddingBagCollection([_bag(), _bag(name="t2")]),
-         ValueError, r"feature 'user' is read by tables 't_user' and 't2'", _EBC + "test_duplicate_tables_and_features_rejected"),
+         _EBC + "test_duplicate_tables_rejected"),
+    Case("modules", "VBE KJT without inverse_indices", None, ValueError, "without inverse_indices",
+         "tests/modules/test_vbe.py::test_vbe_without_inverse_indices_is_named"),
     Case("modules", "no tables", lambda: EmbeddingBagCollection([]),
          ValueError, r"EmbeddingBagCollection needs at least one EmbeddingBagConfig",
-         _EBC + "test_duplicate_tables_and_features_rejected"),
+         _EBC + "test_duplicate_tables_rejected"),
     Case("modules", "EmbeddingConfig given to EmbeddingBagCollection's sibling", None, TypeError, "takes EmbeddingConfig",
          "tests/modules/test_embedding_collection.py::test_rejects_bag_configs"),
     # --- table configs ------------------------------------------------------------------------------
@@ -469,6 +472,9 @@ CASES: list[Case] = [
          ValueError, r"\(name='t_user'\): weight_init_max must be a finite number or None, got nan"),
     Case("table config", "num_embeddings_post_pruning out of range", lambda: _bag(num_embeddings_post_pruning=11),
          ValueError, r"\(name='t_user'\): num_embeddings_post_pruning must be an int in \[1, 10\] or None, got 11"),
+    Case("table config", "TorchRec virtual-table field set", lambda: _bag(use_virtual_table=True),
+         UnsupportedFeatureError, r"\(name='t_user'\): use_virtual_table=True is not supported",
+         _CFG + "test_unimplemented_torchrec_fields_are_refused"),
     # --- optimizer configs --------------------------------------------------------------------------
     Case("FusedOptimConfig", "unknown optimizer name", lambda: FusedOptimConfig(optimizer="lamb"),
          ValueError, r"unknown embedding optimizer 'lamb'; available: sgd, adagrad, rowwise_adagrad, adam, adamw",
@@ -542,6 +548,12 @@ CASES: list[Case] = [
     Case("planner", "reserve 1.0 (no memory left for tables)", lambda: EmbeddingShardingPlanner(Topology(2), reserve=1.0),
          ValueError, r"reserve is the fraction of each rank's memory kept free .* in \[0, 1\), got 1\.0",
          _PLAN + "test_memory.py::test_bad_reserve"),
+    Case("planner", "TorchRec proposer given", lambda: EmbeddingShardingPlanner(Topology(2), proposer=object()),
+         UnsupportedFeatureError, r"EmbeddingShardingPlanner: proposer=object is not supported",
+         _PLAN + "test_planner_api.py::test_unimplemented_parts_are_refused_by_name"),
+    Case("planner", "pinned plan passed as sharders", lambda: EmbeddingShardingPlanner(Topology(2)).plan({}, {}),
+         TypeError, r"sharders must be a list of module sharders or None, got dict; a pinned plan now goes by keyword",
+         _PLAN + "test_planner_api.py::test_pinned_plan_goes_by_keyword"),
     Case("planner", "tables too big for every rank", None, PlannerError, "largest free capacity",
          _PLAN + "test_planner.py::test_infeasible_names_every_table_and_capacity"),
     # --- kernels and strategy -----------------------------------------------------------------------

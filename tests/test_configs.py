@@ -16,6 +16,7 @@ from lightning_shardrec.configs import (
     EmbOptimType,
     FusedOptimConfig,
     PoolingType,
+    UniformInit,
 )
 from lightning_shardrec.errors import (
     CheckpointError,
@@ -43,7 +44,7 @@ def test_defaults() -> None:
     assert cfg.pooling is PoolingType.SUM
     assert cfg.data_type is DataType.FP32
     assert cfg.weight_init_min is None and cfg.weight_init_max is None
-    assert cfg.init_fn is None and cfg.need_pos is False
+    assert cfg.init_fn == UniformInit(-0.1, 0.1) and cfg.need_pos is False
     assert cfg.num_features == 1
 
 
@@ -127,7 +128,7 @@ def test_non_positive_dim(dim: int) -> None:
         bag(embedding_dim=dim)
 
 
-@pytest.mark.parametrize("names", [[], "user"])
+@pytest.mark.parametrize("names", [(), "user"])
 def test_empty_or_string_feature_names(names: object) -> None:
     msg = re.escape(
         "EmbeddingBagConfig(name='t_user'): feature_names must be a non-empty list of "
@@ -240,3 +241,56 @@ def test_unknown_name_message() -> None:
     err = unknown_name("sharding type", "diagonal", ["table_wise", "row_wise"])
     assert isinstance(err, ValueError)
     assert str(err) == "unknown sharding type 'diagonal'; available: table_wise, row_wise"
+
+
+def test_empty_feature_names_default_to_the_table_name() -> None:
+    assert bag(feature_names=[]).feature_names == ["t_user"]
+    assert EmbeddingBagConfig(10, 4, "t").feature_names == ["t"]
+
+
+def test_torchrec_accessors() -> None:
+    cfg = bag(feature_names=["a", "b"], weight_init_min=-0.5)
+    assert cfg.num_features() == 2 and cfg.num_features == 2
+    assert cfg.get_weight_init_min() == -0.5
+    assert cfg.get_weight_init_max() == math.sqrt(1 / 100)
+
+
+def test_torchrec_field_positions() -> None:
+    # TorchRec: ..., init_fn, need_pos, input_dim, total_num_buckets, use_virtual_table,
+    #           virtual_table_eviction_policy, enable_embedding_update, then pooling
+    cfg = EmbeddingBagConfig(10, 4, "t", DataType.FP32, ["a"], None, None, None, None, False,
+                             None, None, False, None, False, PoolingType.MEAN)
+    assert cfg.pooling is PoolingType.MEAN
+    assert [f.name for f in dataclasses.fields(cfg)][8:] == [
+        "init_fn", "need_pos", "input_dim", "total_num_buckets", "use_virtual_table",
+        "virtual_table_eviction_policy", "enable_embedding_update", "pooling",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("input_dim", 8), ("total_num_buckets", 4), ("use_virtual_table", True),
+     ("virtual_table_eviction_policy", object()), ("enable_embedding_update", True)],
+)
+def test_unimplemented_torchrec_fields_are_refused(field: str, value: object) -> None:
+    from lightning_shardrec.errors import UnsupportedFeatureError
+
+    msg = rf"EmbeddingBagConfig\(name='t_user'\): {field}=.* is not supported"
+    with pytest.raises(UnsupportedFeatureError, match=msg):
+        bag(**{field: value})
+    with pytest.raises(NotImplementedError):  # what TorchRec-era callers may catch
+        EmbeddingConfig(10, 4, "t", feature_names=["f"], **{field: value})
+
+
+def test_init_fn_must_be_callable() -> None:
+    with pytest.raises(ValueError, match=r"EmbeddingBagConfig\(name='t_user'\): init_fn must be callable"):
+        bag(init_fn=3)
+
+
+def test_default_init_fn_follows_the_range() -> None:
+    cfg = bag(weight_init_max=0.5)
+    assert cfg.init_fn == UniformInit(-0.1, 0.5) and cfg == bag(weight_init_max=0.5)
+    assert dataclasses.replace(cfg, weight_init_min=0.0).init_fn == UniformInit(0.0, 0.5)
+    w = torch.empty(1000)
+    cfg.init_fn(w)
+    assert float(w.min()) >= -0.1 and float(w.max()) <= 0.5

@@ -3,7 +3,9 @@
 Same three stages as :mod:`~lightning_shardrec.distributed.embeddingbag`, and the same
 input distribution; only the way back differs. A sequence kernel returns one row per
 id it received, so ``output_dist`` sends every source the rows of its own ids and
-puts them back in its local order (each feature's ids in bag order)::
+puts them back in its local order (each feature's ids in bag order). A variable-batch
+(VBE) KJT is padded to one batch with empty bags, and each output trimmed back to its
+feature's own bags, as the unsharded module returns them::
 
     rank r, feature f: ids [3, 9 | 4]    (two bags)
       -> rows [[w3], [w9], [w4]]  [N_f, dim], lengths [2, 1]
@@ -26,7 +28,8 @@ from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharding import SHARDINGS, EmbeddingSharding, KernelSetup, TableSharding
 from lightning_shardrec.distributed.sharding.base import SequenceDist
 from lightning_shardrec.modules import EmbeddingCollection
-from lightning_shardrec.modules.features import FeatureArranger, check_ids
+from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names, unshare_features
+from lightning_shardrec.modules.vbe import pad_vbe
 from lightning_shardrec.planner import ParameterSharding
 from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor
 
@@ -52,8 +55,10 @@ class ShardedEmbeddingCollection(ShardedCollection):
         self.env = env
         self._device = setup.device
         setup = replace(setup, pooled=False)
+        # Inside, features carry their embedding names (feature@table when shared): unique keys.
+        inner = unshare_features(configs)
         by_group: dict[tuple[type[EmbeddingSharding], int], list[TableSharding]] = {}
-        for t in configs:
+        for t in inner:
             weight = module.embeddings[t.name].weight
             real = None if weight.device.type == "meta" else weight
             for width, part in _split_by_width(plan[t.name]):
@@ -65,19 +70,21 @@ class ShardedEmbeddingCollection(ShardedCollection):
         self.groups = nn.ModuleList([kind(by_group[(kind, w)], env, setup) for kind, w in order])
 
         self._feature_names = module.feature_names()
-        self._arrange = FeatureArranger(self._feature_names, "ShardedEmbeddingCollection")
-        table_of = {f: t for t in configs for f in t.feature_names}
-        self._rows = [table_of[f].num_embeddings for f in self._feature_names]
-        self._table_names = [table_of[f].name for f in self._feature_names]
+        self._embedding_names = embedding_names(configs)
+        names = self._embedding_names
+        self._arrange = FeatureArranger(self._feature_names, "ShardedEmbeddingCollection", names)
+        table_of = {f: t for t in inner for f in t.feature_names}
+        self._rows = [table_of[f].num_embeddings for f in names]
+        self._table_names = [table_of[f].name for f in names]
         # Each group reads its features from one KJT (a feature may feed several groups).
-        position = {f: i for i, f in enumerate(self._feature_names)}
+        position = {f: i for i, f in enumerate(names)}
         grouped = [position[f] for g in self.groups for f in g.feature_names]
         self._grouped = None if grouped == list(range(len(grouped))) else grouped
         self._group_sizes = [len(g.feature_names) for g in self.groups]
         # Per feature: the (group, group feature) parts holding its columns, and the column
         # index that puts their concatenation in table order (None: already in order).
-        self._parts: list[list[tuple[int, int]]] = [[] for _ in self._feature_names]
-        cols: list[list[int]] = [[] for _ in self._feature_names]
+        self._parts: list[list[tuple[int, int]]] = [[] for _ in names]
+        cols: list[list[int]] = [[] for _ in names]
         for gi, g in enumerate(self.groups):
             for j, f in enumerate(g.feature_names):
                 self._parts[position[f]].append((gi, j))
@@ -98,7 +105,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
         ctx = self.take_prefetched(features)
         if ctx is None:
             ctx = self.input_dist(features)
-        return self.output_dist(self.compute(ctx), ctx)
+        out = self.output_dist(self.compute(ctx), ctx)
+        return _trim_vbe(out, features, self._feature_names) if features.variable_stride_per_key() else out
 
     def input_dist(self, features: KeyedJaggedTensor) -> DistContext:
         return distribute_inputs(features, self._split, self.groups, self.env, self._device)
@@ -118,7 +126,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
             )
         ]
         out: dict[str, JaggedTensor] = {}
-        for f, name in enumerate(self._feature_names):
+        for f, name in enumerate(self._embedding_names):
             parts = [per_group[gi][j] for gi, j in self._parts[f]]
             rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             index = self._col_index[f]
@@ -130,6 +138,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
     def _split(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, list[KeyedJaggedTensor]]:
         kjt = self._arrange(features)
+        if kjt.variable_stride_per_key():  # VBE: pad every feature to the most bags; output_dist trims
+            kjt = pad_vbe(kjt)
         if kjt.weights_or_none() is not None:  # sequence lookups ignore weights: do not send them
             kjt = KeyedJaggedTensor._trusted(kjt.keys(), kjt.values(), None, kjt.lengths(), kjt.stride())
         if self.validate_ids:
@@ -137,6 +147,15 @@ class ShardedEmbeddingCollection(ShardedCollection):
         kjt = kjt.to(self._device)
         grouped = kjt if self._grouped is None else kjt.permute(self._grouped)
         return kjt, grouped.split(self._group_sizes)
+
+
+def _trim_vbe(out: dict[str, JaggedTensor], features: KeyedJaggedTensor, sources: list[str]) -> dict[str, JaggedTensor]:
+    """Each output back to its input feature's own bag count (VBE batches were padded)."""
+    bags = dict(zip(features.keys(), features.stride_per_key(), strict=True))
+    trimmed = {}
+    for (name, jt), f in zip(out.items(), sources, strict=True):
+        trimmed[name] = JaggedTensor(jt.values(), jt.weights_or_none(), lengths=jt.lengths()[: bags[f]])
+    return trimmed
 
 
 def _split_by_width(plan: ParameterSharding) -> list[tuple[int, ParameterSharding]]:

@@ -5,6 +5,10 @@ small header with every rank (batch sizes, id counts, a failure flag: a bad batc
 on one rank stops every rank with an error instead of a hang) and routes ids to
 their owners; ``compute`` runs each group's kernel; ``output_dist`` brings pooled
 rows home, restores the unsharded feature order and applies MEAN pooling.
+
+A variable-batch (VBE) KJT is expanded to its full batch through ``inverse_indices``
+before the input distribution: the outputs equal TorchRec's (pool, then expand), at the
+cost of sending the repeated bags.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharding import SHARDINGS, EmbeddingSharding, KernelSetup, TableSharding
 from lightning_shardrec.modules import EmbeddingBagCollection
-from lightning_shardrec.modules.features import FeatureArranger, check_ids
+from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names, unshare_features
+from lightning_shardrec.modules.vbe import expand_vbe, inverse_rows
 from lightning_shardrec.planner import ParameterSharding
 from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -42,8 +47,10 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         self._is_weighted = module.is_weighted()
         self.validate_ids = module.validate_ids
         self.env = env
+        # Inside, features carry their embedding names (feature@table when shared): unique keys.
+        inner = unshare_features(configs)
         by_kind: dict[type[EmbeddingSharding], list[TableSharding]] = {}
-        for t in configs:
+        for t in inner:
             weight = module.embedding_bags[t.name].weight
             real = None if weight.device.type == "meta" else weight
             by_kind.setdefault(SHARDINGS[plan[t.name].sharding_type], []).append(TableSharding(t, plan[t.name], real))
@@ -51,16 +58,20 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         kinds = list(dict.fromkeys(SHARDINGS.values()))
         self.groups = nn.ModuleList([k(by_kind[k], env, setup) for k in kinds if k in by_kind])
         grouped = [f for g in self.groups for f in g.feature_names]
-        self._arrange = FeatureArranger(grouped, "ShardedEmbeddingBagCollection", is_weighted=self._is_weighted)
-        table_of = {f: t for t in configs for f in t.feature_names}
+        source = dict(zip(embedding_names(configs), module.feature_names(), strict=True))
+        self._arrange = FeatureArranger(
+            [source[f] for f in grouped], "ShardedEmbeddingBagCollection", grouped, is_weighted=self._is_weighted
+        )
+        table_of = {f: t for t in inner for f in t.feature_names}
         self._rows = [table_of[f].num_embeddings for f in grouped]
         self._table_names = [table_of[f].name for f in grouped]
         self._group_sizes = [len(g.feature_names) for g in self.groups]
         self._feature_names = module.feature_names()
-        self._dims = [table_of[f].embedding_dim for f in self._feature_names]
+        self._embedding_names = embedding_names(configs)
+        self._dims = [table_of[f].embedding_dim for f in self._embedding_names]
         dims_grouped = [table_of[f].embedding_dim for f in grouped]
         starts = dict(zip(grouped, _prefix(dims_grouped), strict=True))
-        cols = [c for f in self._feature_names for c in range(starts[f], starts[f] + table_of[f].embedding_dim)]
+        cols = [c for f in self._embedding_names for c in range(starts[f], starts[f] + table_of[f].embedding_dim)]
         self._reorder = None if cols == list(range(len(cols))) else torch.tensor(cols, device=setup.device)
         mean = [table_of[f].pooling is PoolingType.MEAN for f in grouped]
         self._mean_features = torch.tensor(mean, device=setup.device) if any(mean) else None
@@ -72,6 +83,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     def is_weighted(self) -> bool:
         return self._is_weighted
+
+    def embedding_names(self) -> list[str]:
+        return self._embedding_names
 
     # --- the stages -----------------------------------------------------------------------
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -99,7 +113,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             pooled = pooled / divisor.repeat_interleave(self._mean_dims, dim=1)
         if self._reorder is not None:
             pooled = pooled.index_select(1, self._reorder)
-        return KeyedTensor(self._feature_names, self._dims, pooled)
+        return KeyedTensor(self._embedding_names, self._dims, pooled)
 
     def _split(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, list[KeyedJaggedTensor]]:
         kjt = self._prepare(features)
@@ -107,6 +121,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     def _prepare(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         kjt = self._arrange(features)
+        if kjt.variable_stride_per_key():  # VBE: send the expanded batch (same pooled rows as expanding them)
+            owner = "ShardedEmbeddingBagCollection"
+            kjt = expand_vbe(kjt, inverse_rows(features, self._arrange.feature_names, owner))
         if self._is_weighted and kjt.weights_or_none() is None:
             raise ValueError("EmbeddingBagCollection(is_weighted=True) got a KeyedJaggedTensor without weights")
         if not self._is_weighted and kjt.weights_or_none() is not None:

@@ -42,7 +42,6 @@ from lightning_shardrec.planner import (
     ShardingPlan,
     ShardMetadata,
     Topology,
-    collective_plan,
 )
 
 ShardedCollection = ShardedEmbeddingBagCollection | ShardedEmbeddingCollection
@@ -132,7 +131,7 @@ class DistributedModelParallel(nn.Module):
             complete = all(set(plan.plan[p]) >= table_names(c) for p, c in collections.items())
         else:
             complete = False
-        self.plan = plan if complete else collective_plan(planner, module, plan, pg=pg)  # type: ignore[arg-type]
+        self.plan = plan if complete else planner.collective_plan(module, pg=pg, fixed=plan)  # type: ignore[arg-type]
         setup = KernelSetup(optim=optim, backend=kernel, device=self.device)
         self.sharded = shard_modules(module, self.plan, self.env, setup)  # type: ignore[arg-type]
         if "" in self.sharded:  # the model *is* a collection

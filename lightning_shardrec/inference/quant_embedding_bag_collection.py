@@ -24,7 +24,8 @@ from lightning_shardrec.inference.lookup import FbgemmQuantLookup, QuantBackend,
 from lightning_shardrec.inference.rowwise import QuantDType, QuantizedRows, quantize_rows
 from lightning_shardrec.modules import EmbeddingBagCollection
 from lightning_shardrec.modules.embedding_bag_collection import check_unique_tables
-from lightning_shardrec.modules.features import FeatureArranger, check_ids
+from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names
+from lightning_shardrec.modules.vbe import expand_vbe, inverse_rows
 from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 
@@ -100,7 +101,10 @@ class QuantEmbeddingBagCollection(nn.Module):
         self.validate_ids = validate_ids
         self.embedding_bags = nn.ModuleDict({t.name: QuantTable(t, self._dtype, device) for t in tables})
         self._feature_names = [f for t in tables for f in t.feature_names]
-        self._arrange = FeatureArranger(self._feature_names, "QuantEmbeddingBagCollection", is_weighted=is_weighted)
+        self._embedding_names = embedding_names(tables)  # feature@table for a feature several tables read
+        self._arrange = FeatureArranger(
+            self._feature_names, "QuantEmbeddingBagCollection", self._embedding_names, is_weighted=is_weighted
+        )
         self._rows = [t.num_embeddings for t in tables for _ in t.feature_names]
         self._table_of = [t.name for t in tables for _ in t.feature_names]
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
@@ -177,6 +181,8 @@ class QuantEmbeddingBagCollection(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         kjt = self._arrange(features)
+        if kjt.variable_stride_per_key():  # VBE: look up the expanded batch (the same rows as pool-then-expand)
+            kjt = expand_vbe(kjt, inverse_rows(features, self._feature_names, "QuantEmbeddingBagCollection"))
         weights = kjt.weights_or_none() if self._is_weighted else None
         if self._is_weighted and weights is None:
             raise ValueError("QuantEmbeddingBagCollection(is_weighted=True) got a KeyedJaggedTensor without weights")
@@ -185,7 +191,7 @@ class QuantEmbeddingBagCollection(nn.Module):
         pooled = self._current_lookup()(kjt, weights)
         if any(self._mean):
             pooled = pooled / self._mean_divisor(kjt.lengths(), kjt.stride())
-        return KeyedTensor(self._feature_names, self._dims, pooled)
+        return KeyedTensor(self._embedding_names, self._dims, pooled)
 
     def _mean_divisor(self, lengths: Tensor, batch: int) -> Tensor:
         """``[B, sum dims]``: the bag size under MEAN features, 1 under SUM ones."""

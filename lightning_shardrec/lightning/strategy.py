@@ -47,7 +47,6 @@ from lightning_shardrec.planner import (
     ParameterSharding,
     ShardingPlan,
     Topology,
-    collective_plan,
 )
 from lightning_shardrec.planner.memory import DEFAULT_RESERVE, check_reserve
 
@@ -249,7 +248,7 @@ class ShardRecStrategy(ShardedCheckpointing):
             optimizer=config.optimizer,
             reserve=self._planner_reserve,
         )
-        self.plan = collective_plan(planner, module, self._fixed_plan)  # type: ignore[arg-type]
+        self.plan = planner.collective_plan(module, fixed=self._fixed_plan)  # type: ignore[arg-type]
         _print_plan(self.plan)
         setup = KernelSetup(optim=config, backend=self._kernel, device=self.root_device)
         self.sharded = shard_modules(module, self.plan, env, setup)

@@ -13,22 +13,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import EmbeddingBagConfig, PoolingType
-from lightning_shardrec.modules.features import FeatureArranger, check_ids
+from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names
+from lightning_shardrec.modules.vbe import inverse_rows
 from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 
 def check_unique_tables(tables: list, owner: str) -> None:  # type: ignore[type-arg]
-    """Table names and feature names must each be unique within one collection."""
+    """Table names must be unique within one collection (a feature may feed several tables)."""
     names = [t.name for t in tables]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"{owner}: table names repeat: {dup}")
-    owner_of: dict[str, str] = {}
-    for t in tables:
-        for f in t.feature_names:
-            if f in owner_of:
-                raise ValueError(f"{owner}: feature '{f}' is read by tables '{owner_of[f]}' and '{t.name}'")
-            owner_of[f] = t.name
 
 
 def pool(rows: Tensor, lengths: Tensor, num_features: int, mean: bool) -> Tensor:
@@ -44,8 +39,12 @@ class EmbeddingBagCollection(nn.Module):
     """Pooled embeddings: ``forward(kjt) -> KeyedTensor`` of ``[B, sum(dims)]``.
 
     Keys come out in feature order (table by table, each table's ``feature_names``
-    in order). ``is_weighted=True`` scales each row by the KJT's per-id weight before
-    pooling. Built on ``device="meta"``, nothing is allocated until sharding.
+    in order); a feature read by several tables comes out once per table, named
+    ``feature@table`` (TorchRec's rule). ``is_weighted=True`` scales each row by the
+    KJT's per-id weight before pooling. Built on ``device="meta"``, nothing is
+    allocated until sharding, and ``forward`` returns a meta ``[B, sum(dims)]``.
+    A variable-batch (VBE) KJT pools each feature's own rows and expands them to
+    ``[B, ...]`` through its ``inverse_indices``, as TorchRec.
     ``validate_ids`` checks every id against its table's range on every batch.
     """
 
@@ -74,7 +73,10 @@ class EmbeddingBagCollection(nn.Module):
                 t.init_weight(bag.weight)
             self.embedding_bags[t.name] = bag
         self._feature_names = [f for t in tables for f in t.feature_names]
-        self._arrange = FeatureArranger(self._feature_names, "EmbeddingBagCollection", is_weighted=is_weighted)
+        self._embedding_names = embedding_names(tables)
+        self._arrange = FeatureArranger(
+            self._feature_names, "EmbeddingBagCollection", self._embedding_names, is_weighted=is_weighted
+        )
         self._rows = [t.num_embeddings for t in tables for _ in t.feature_names]
         self._table_of = [t.name for t in tables for _ in t.feature_names]
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
@@ -86,7 +88,12 @@ class EmbeddingBagCollection(nn.Module):
         return self._is_weighted
 
     def feature_names(self) -> list[str]:
+        """Input features, table by table (a shared feature once per table that reads it)."""
         return self._feature_names
+
+    def embedding_names(self) -> list[str]:
+        """Output keys, one per :meth:`feature_names` entry (``feature@table`` when shared)."""
+        return self._embedding_names
 
     @property
     def device(self) -> torch.device:
@@ -98,10 +105,14 @@ class EmbeddingBagCollection(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         kjt = self._arrange(features)
+        if self.device.type == "meta" or kjt.values().device.type == "meta":
+            return self._meta_forward(features)
         if self._is_weighted and kjt.weights_or_none() is None:
             raise ValueError("EmbeddingBagCollection(is_weighted=True) got a KeyedJaggedTensor without weights")
         if self.validate_ids:
             check_ids(kjt, self._rows, self._table_of)
+        if kjt.variable_stride_per_key():
+            return self._vbe_forward(features, kjt)
         pooled = []
         for t, sub in zip(self._tables, kjt.split([t.num_features for t in self._tables]), strict=True):
             weights = sub.weights_or_none() if self._is_weighted else None
@@ -114,4 +125,28 @@ class EmbeddingBagCollection(nn.Module):
                 include_last_offset=True,
             )
             pooled.append(pool(rows, sub.lengths(), t.num_features, t.pooling is PoolingType.MEAN))
-        return KeyedTensor(self._feature_names, self._dims, torch.cat(pooled, dim=1))
+        return KeyedTensor(self._embedding_names, self._dims, torch.cat(pooled, dim=1))
+
+    def _vbe_forward(self, features: KeyedJaggedTensor, kjt: KeyedJaggedTensor) -> KeyedTensor:
+        """Pool each feature's own bags ``[s_f, D]``, then expand to ``[B, D]`` by its inverse indices."""
+        rows_of = inverse_rows(features, self._feature_names, "EmbeddingBagCollection")
+        pooled: list[torch.Tensor] = []
+        for t, sub in zip(self._tables, kjt.split([t.num_features for t in self._tables]), strict=True):
+            rows = F.embedding_bag(
+                sub.values().long(),
+                self.embedding_bags[t.name].weight,  # type: ignore[arg-type]
+                sub.offsets().long(),
+                mode="sum",
+                per_sample_weights=sub.weights_or_none() if self._is_weighted else None,
+                include_last_offset=True,
+            )
+            if t.pooling is PoolingType.MEAN:
+                rows = rows / sub.lengths().clamp(min=1).unsqueeze(1).to(rows.dtype)
+            pooled += rows.split(sub.stride_per_key())
+        out = [p.index_select(0, rows_of[i].to(p.device)) for i, p in enumerate(pooled)]
+        return KeyedTensor(self._embedding_names, self._dims, torch.cat(out, dim=1))
+
+    def _meta_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Shapes only: ``[B, sum(dims)]`` on meta (nothing to look up)."""
+        values = torch.empty(features.stride(), sum(self._dims), device="meta")
+        return KeyedTensor(self._embedding_names, self._dims, values)

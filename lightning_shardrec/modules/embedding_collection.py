@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_shardrec.configs import EmbeddingConfig
 from lightning_shardrec.modules.embedding_bag_collection import check_unique_tables
-from lightning_shardrec.modules.features import FeatureArranger, check_ids
+from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names_by_table
 from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor
 
 
@@ -21,7 +21,9 @@ class EmbeddingCollection(nn.Module):
 
     Each JaggedTensor has ``values [N_f, dim]`` (one row per id) and the feature's
     lengths. ``need_indices=True`` puts the ids in the JaggedTensor's weights slot,
-    as TorchRec does.
+    as TorchRec does. A feature read by several tables comes out once per table,
+    keyed ``feature@table``. Tables may differ in ``embedding_dim`` (TorchRec requires
+    one dim; :meth:`embedding_dim` then raises).
     """
 
     def __init__(
@@ -49,7 +51,9 @@ class EmbeddingCollection(nn.Module):
                 t.init_weight(emb.weight)
             self.embeddings[t.name] = emb
         self._feature_names = [f for t in tables for f in t.feature_names]
-        self._arrange = FeatureArranger(self._feature_names, "EmbeddingCollection")
+        self._embedding_names_by_table = embedding_names_by_table(tables)
+        self._embedding_names = [n for names in self._embedding_names_by_table for n in names]
+        self._arrange = FeatureArranger(self._feature_names, "EmbeddingCollection", self._embedding_names)
         self._rows = [t.num_embeddings for t in tables for _ in t.feature_names]
         self._table_of = [t.name for t in tables for _ in t.feature_names]
 
@@ -60,7 +64,22 @@ class EmbeddingCollection(nn.Module):
         return self._need_indices
 
     def feature_names(self) -> list[str]:
+        """Input features, table by table (a shared feature once per table that reads it)."""
         return self._feature_names
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        """Output keys per table (``feature@table`` for a feature several tables read)."""
+        return self._embedding_names_by_table
+
+    def embedding_dim(self) -> int:
+        """The one embedding dim of every table (TorchRec's EmbeddingCollection has one)."""
+        dims = sorted({t.embedding_dim for t in self._tables})
+        if len(dims) > 1:
+            raise ValueError(
+                f"EmbeddingCollection: tables have embedding dims {dims}, so there is no single "
+                "embedding_dim(); read each table's config (embedding_configs())"
+            )
+        return dims[0]
 
     @property
     def device(self) -> torch.device:
@@ -77,7 +96,7 @@ class EmbeddingCollection(nn.Module):
         out: dict[str, JaggedTensor] = {}
         for t, sub in zip(self._tables, kjt.split([t.num_features for t in self._tables]), strict=True):
             rows = F.embedding(sub.values().long(), self.embeddings[t.name].weight)
-            for f, part in zip(t.feature_names, rows.split(sub.length_per_key()), strict=True):
+            for f, part in zip(sub.keys(), rows.split(sub.length_per_key()), strict=True):
                 jt = sub[f]
                 ids = jt.values() if self._need_indices else None
                 out[f] = JaggedTensor(part, ids, lengths=jt.lengths())

@@ -1,7 +1,10 @@
 """What every embedding collection (sharded or not) does to its input KJT first.
 
+* :func:`embedding_names_by_table`: each table's output names; a feature read by
+  several tables is named ``feature@table`` (TorchRec's rule).
 * :class:`FeatureArranger` puts the KJT's keys in the collection's feature order
-  (a no-op when they already are; extra keys are dropped), caching the permutation.
+  (a no-op when they already are; extra keys are dropped; a shared feature is
+  repeated and renamed to its embedding names), caching the permutation.
 * :func:`check_ids` rejects ids outside ``[0, num_embeddings)`` with a message
   naming the feature, its table, the id and the range — one vectorised pass.
 * :func:`check_id_tensor` checks what a KJT must hold to be looked up: 1-D integer
@@ -11,18 +14,55 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from bisect import bisect_right
+from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 
+from lightning_shardrec.configs import BaseEmbeddingConfig
 from lightning_shardrec.sparse import KeyedJaggedTensor
+
+_C = TypeVar("_C", bound=BaseEmbeddingConfig)
+
+
+def embedding_names_by_table(tables: Sequence[BaseEmbeddingConfig]) -> list[list[str]]:
+    """Per table, the output name of each of its features: ``feature@table`` when shared."""
+    count: dict[str, int] = {}
+    for t in tables:
+        for f in t.feature_names:
+            count[f] = count.get(f, 0) + 1
+    return [[f"{f}@{t.name}" if count[f] > 1 else f for f in t.feature_names] for t in tables]
+
+
+def embedding_names(tables: Sequence[BaseEmbeddingConfig]) -> list[str]:
+    """Every table's output names, table by table (the collection's internal key order)."""
+    return [n for names in embedding_names_by_table(tables) for n in names]
+
+
+def unshare_features(tables: Sequence[_C]) -> list[_C]:
+    """``tables`` with ``feature_names`` replaced by their embedding names (unique keys)."""
+    return [
+        t if names == t.feature_names else dataclasses.replace(t, feature_names=names)
+        for t, names in zip(tables, embedding_names_by_table(tables), strict=True)
+    ]
 
 
 class FeatureArranger:
-    """Reorders KJT keys into ``feature_names`` (cached per distinct key order)."""
+    """Reorders KJT keys into ``feature_names`` (cached per distinct key order).
 
-    def __init__(self, feature_names: list[str], owner: str, *, is_weighted: bool = False) -> None:
+    ``feature_names`` may repeat a key (a feature read by several tables); the output
+    keys are then ``names`` (unique, e.g. ``f@table``), one per entry.
+    """
+
+    def __init__(
+        self, feature_names: list[str], owner: str, names: list[str] | None = None, *, is_weighted: bool = False
+    ) -> None:
         self.feature_names = list(feature_names)
+        self.names = self.feature_names if names is None else list(names)
+        self._renamed = self.names != self.feature_names
         self._owner = owner
         self._is_weighted = is_weighted
         self._cache: dict[tuple[str, ...], list[int] | None] = {}
@@ -38,7 +78,8 @@ class FeatureArranger:
         if keys not in self._cache:
             self._cache[keys] = self._permutation(list(keys))
         perm = self._cache[keys]
-        return features if perm is None else features.permute(perm)
+        out = features if perm is None else features.permute(perm)
+        return rename_keys(out, self.names) if self._renamed else out
 
     def _permutation(self, keys: list[str]) -> list[int] | None:
         if keys == self.feature_names:
@@ -48,9 +89,17 @@ class FeatureArranger:
         if missing:
             raise KeyError(
                 f"{self._owner}: input KeyedJaggedTensor lacks features {missing}; "
-                f"it has keys {keys}, the collection needs {self.feature_names}"
+                f"it has keys {keys}, the collection needs {list(dict.fromkeys(self.feature_names))}"
             )
         return [index[f] for f in self.feature_names]
+
+
+def rename_keys(features: KeyedJaggedTensor, keys: list[str]) -> KeyedJaggedTensor:
+    """The same KJT (tensors shared) under new key names, one per key."""
+    out = copy.copy(features)
+    out._keys = list(keys)
+    out._index_per_key = None
+    return out
 
 
 def check_id_tensor(features: KeyedJaggedTensor, owner: str, is_weighted: bool = False) -> KeyedJaggedTensor:
@@ -88,7 +137,7 @@ def check_ids(features: KeyedJaggedTensor, num_embeddings: list[int], table_name
     ``features`` is already in collection order; entry ``f`` of the lists belongs to
     key ``f``.
     """
-    values = features.values()
+    values = features.values()[: features.offset_per_key()[-1]]  # a tail past the last bag is no id
     if values.numel() == 0:
         return
     low, high = torch.aminmax(values)

@@ -23,14 +23,15 @@ def collective_plan(
 
     Planning is deterministic, so every rank could plan alone; broadcasting guarantees
     one plan even if ranks were given different inputs. Without an initialized process
-    group this is just ``planner.plan(module, fixed)``.
+    group this is just ``planner.plan(module, fixed=fixed)``. TorchRec spells it as a
+    method: :meth:`EmbeddingShardingPlanner.collective_plan`.
     """
     if not (dist.is_available() and dist.is_initialized()):
-        return planner.plan(module, fixed)
+        return planner.plan(module, fixed=fixed)
     box: list[ShardingPlan | Exception | None] = [None]
     if dist.get_rank() == src:
         try:
-            box[0] = planner.plan(module, fixed)
+            box[0] = planner.plan(module, fixed=fixed)
         except (PlannerError, ValueError, KeyError) as e:  # every rank raises it, none waits in the broadcast
             box[0] = e
     dist.broadcast_object_list(box, src=src, group=pg)

@@ -1,16 +1,22 @@
 """``EmbeddingShardingPlanner``: tables + topology + constraints -> ``ShardingPlan``.
 
 Pure: plans for a pretend world, touches no process group (see ``collective`` for the
-few lines that share a plan across ranks). Stages: find tables -> resolve constraints
+few lines that share a plan across ranks; without a ``topology`` the default reads the
+live group's size). Stages: find tables -> resolve constraints
 -> user-given shardings -> data-parallel tables -> partition the rest -> plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from lightning_shardrec.configs import EmbOptimType
-from lightning_shardrec.errors import PlannerError
+from lightning_shardrec.errors import PlannerError, UnsupportedFeatureError
 from lightning_shardrec.planner.enumerate import TableOptions, prefers_data_parallel, table_options
 from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, check_reserve
 from lightning_shardrec.planner.partition import Placement, RankLoads, partition
@@ -18,7 +24,7 @@ from lightning_shardrec.planner.perf import Workload, host_charges, shard_perf
 from lightning_shardrec.planner.sharding_plan import GiB, PlanStats, ShardingPlan
 from lightning_shardrec.planner.storage import resident_bytes, shard_storage
 from lightning_shardrec.planner.tables import TablesInput, TableSpec, find_tables, table_specs
-from lightning_shardrec.planner.topology import Topology
+from lightning_shardrec.planner.topology import ComputeDevice, Topology
 from lightning_shardrec.planner.types import (
     EmbeddingComputeKernel,
     ParameterConstraints,
@@ -30,10 +36,44 @@ from lightning_shardrec.planner.validate import sharding_problems
 
 FixedPlan = ShardingPlan | Mapping[str, ParameterSharding]
 Key = tuple[str, str]
+DEFAULT_BATCH_SIZE = 512  # per rank, TorchRec's default
+log = logging.getLogger(__name__)
+
+
+def default_topology() -> Topology:
+    """TorchRec's default: the live process group (device from its backend), else one rank here."""
+    if dist.is_available() and dist.is_initialized():
+        return Topology.from_process_group()
+    return Topology(1, compute_device=ComputeDevice.CUDA if torch.cuda.is_available() else ComputeDevice.CPU)
+
+
+def _check_sharders(sharders: object) -> None:
+    if sharders is None or (isinstance(sharders, Sequence) and not isinstance(sharders, str)):
+        return
+    hint = (
+        "; a pinned plan now goes by keyword: plan(module, fixed=...)"
+        if isinstance(sharders, (ShardingPlan, Mapping))
+        else ""
+    )
+    raise TypeError(
+        f"EmbeddingShardingPlanner: sharders must be a list of module sharders or None, "
+        f"got {type(sharders).__name__}{hint}"
+    )
 
 
 class EmbeddingShardingPlanner:
     """Plans how to shard embedding tables over ``topology`` (``batch_size`` is per rank).
+
+    TorchRec's constructor order. ``topology`` defaults to the live process group
+    (:meth:`Topology.from_process_group`), or one rank without one; ``batch_size`` to 512.
+    This planner enumerates, partitions and rates plans itself: ``enumerator``,
+    ``storage_reservation``, ``proposer``, ``partitioner``, ``performance_model`` and
+    ``stats`` (and TorchRec's later ``callbacks``, ``plan_loader``) raise
+    :class:`UnsupportedFeatureError` unless None (steer it with ``constraints`` or pin
+    tables with ``plan(module, fixed=...)``). ``debug`` logs each plan at INFO on this
+    module's logger; ``timeout_seconds`` is accepted and unused (this planner runs one
+    greedy pass, not a timed search). ``optimizer`` and ``reserve`` (ours, keyword-only)
+    size the optimizer state the memory model charges and the memory it keeps free.
 
     ``reserve`` (default 0.15) is the fraction of each rank's memory kept free for what the
     planner cannot see (dense model, activations, communication buffers, CUDA context,
@@ -43,31 +83,107 @@ class EmbeddingShardingPlanner:
 
     def __init__(
         self,
-        topology: Topology,
-        batch_size: int = 512,
+        topology: Topology | None = None,
+        batch_size: int | None = None,
+        enumerator: object | None = None,
+        storage_reservation: object | None = None,
+        proposer: object | None = None,
+        partitioner: object | None = None,
+        performance_model: object | None = None,
+        stats: object | None = None,
         constraints: Mapping[str, ParameterConstraints] | None = None,
+        debug: bool = True,
+        callbacks: list[object] | None = None,
+        timeout_seconds: int | None = None,
+        plan_loader: object | None = None,
+        *,
         optimizer: EmbOptimType | str = EmbOptimType.ADAGRAD,
         reserve: float = DEFAULT_RESERVE,
     ) -> None:
-        if not isinstance(batch_size, int) or batch_size <= 0:
+        given = {
+            "enumerator": enumerator,
+            "storage_reservation": storage_reservation,
+            "proposer": proposer,
+            "partitioner": partitioner,
+            "performance_model": performance_model,
+            "stats": stats,
+            "callbacks": callbacks or None,
+            "plan_loader": plan_loader,
+        }
+        for name, value in given.items():
+            if value is not None:
+                reserve_hint = "; keep memory free with reserve=<fraction>" if name == "storage_reservation" else ""
+                raise UnsupportedFeatureError(
+                    f"EmbeddingShardingPlanner: {name}={type(value).__name__} is not supported (this planner "
+                    "enumerates, partitions and rates plans itself); leave it None and steer the plan with "
+                    "constraints={table: ParameterConstraints(...)} or pin tables with plan(module, fixed=...)"
+                    f"{reserve_hint}. See docs/migrating.md"
+                )
+        if timeout_seconds is not None and (not isinstance(timeout_seconds, int) or timeout_seconds <= 0):
+            raise ValueError(
+                f"EmbeddingShardingPlanner: timeout_seconds must be a positive int or None, got {timeout_seconds!r}"
+            )
+        if batch_size is None:
+            batch_size = DEFAULT_BATCH_SIZE
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
             raise ValueError(
                 f"EmbeddingShardingPlanner: batch_size must be a positive int, got {batch_size!r}"
+            )
+        if topology is None:
+            topology = default_topology()
+        if not isinstance(topology, Topology):
+            raise TypeError(
+                f"EmbeddingShardingPlanner: topology must be a Topology (or None for the live process "
+                f"group), got {type(topology).__name__}"
             )
         self.topology = topology
         self.batch_size = batch_size
         self.constraints = dict(constraints or {})
         self.reserve = check_reserve(reserve, "EmbeddingShardingPlanner: reserve")
         self.budget = MemoryBudget(topology.memory_cap, self.reserve)
+        self.debug = bool(debug)
         self.work = Workload(
             topology=topology, batch_size=batch_size, optimizer=EmbOptimType.parse(optimizer)
         )
 
-    def plan(self, module: TablesInput, fixed: FixedPlan | None = None) -> ShardingPlan:
+    def collective_plan(
+        self,
+        module: TablesInput,
+        sharders: Sequence[object] | None = None,
+        pg: Any = None,
+        *,
+        fixed: FixedPlan | None = None,
+    ) -> ShardingPlan:
+        """:meth:`plan` on rank 0, broadcast to every rank of ``pg`` (default: the world).
+
+        Without an initialized process group this is just :meth:`plan`.
+        """
+        from lightning_shardrec.planner.collective import collective_plan
+
+        _check_sharders(sharders)
+        return collective_plan(self, module, fixed, pg=pg)
+
+    def plan(
+        self,
+        module: TablesInput,
+        sharders: Sequence[object] | None = None,
+        *,
+        fixed: FixedPlan | None = None,
+    ) -> ShardingPlan:
         """Plan every table of ``module`` (or of a dict module path -> table configs).
 
-        ``fixed`` (a whole or partial plan, or table name -> sharding) is kept as given
-        after validation; the planner places the other tables around it.
+        ``sharders`` (TorchRec's list of module sharders) is accepted and not needed:
+        every embedding collection of ``module`` is planned. ``fixed`` (a whole or
+        partial plan, or table name -> sharding) is kept as given after validation; the
+        planner places the other tables around it.
         """
+        _check_sharders(sharders)
+        plan = self._plan(module, fixed)
+        if self.debug:
+            log.info("EmbeddingShardingPlanner plan for %d rank(s):\n%s", self.topology.world_size, plan)
+        return plan
+
+    def _plan(self, module: TablesInput, fixed: FixedPlan | None) -> ShardingPlan:
         topo, work = self.topology, self.work
         specs = table_specs(find_tables(module), self.constraints, topo.world_size)
         by_key = {s.key: s for s in specs}

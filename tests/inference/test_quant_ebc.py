@@ -149,3 +149,22 @@ def test_backend_choice_errors_and_env_override(monkeypatch):
         monkeypatch.delenv("LIGHTNING_SHARDREC_DISABLE_FBGEMM")
         _fbgemm._load.cache_clear()
         _fbgemm._load_inference.cache_clear()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vbe_and_shared_features_match_the_expanded_batch(backend):
+    tables = [
+        EmbeddingBagConfig(num_embeddings=50, embedding_dim=8, name="a", feature_names=["u", "v"]),
+        EmbeddingBagConfig(num_embeddings=50, embedding_dim=4, name="b", feature_names=["u"]),  # u@a, u@b
+    ]
+    q = QuantEmbeddingBagCollection.from_float(EmbeddingBagCollection(tables), QuantDType.INT8, backend=backend)
+    # u: 1 bag for 3 samples; v: 3 bags
+    vbe = KeyedJaggedTensor(
+        ["u", "v"], torch.tensor([4, 9, 1, 2, 3]), lengths=torch.tensor([2, 1, 0, 2]),
+        stride_per_key_per_rank=[[1], [3]], inverse_indices=(["u", "v"], torch.tensor([[0, 0, 0], [0, 1, 2]])),
+    )
+    dense = KeyedJaggedTensor(["u", "v"], torch.tensor([4, 9, 4, 9, 4, 9, 1, 2, 3]),
+                              lengths=torch.tensor([2, 2, 2, 1, 0, 2]))
+    got, want = q(vbe), q(dense)
+    assert got.keys() == ["u@a", "v", "u@b"] == want.keys()
+    torch.testing.assert_close(got.values(), want.values())

@@ -136,12 +136,60 @@ def test_weighted_needs_weights():
         ebc(batch(weighted=False))
 
 
-def test_duplicate_tables_and_features_rejected():
+def test_duplicate_tables_rejected():
     t = tables()
     with pytest.raises(ValueError, match=r"table names repeat: \['t0'\]"):
         EmbeddingBagCollection([t[0], t[0]])
-    clash = EmbeddingBagConfig(num_embeddings=3, embedding_dim=4, name="t9", feature_names=["f0"])
-    with pytest.raises(ValueError, match="feature 'f0' is read by tables 't0' and 't9'"):
-        EmbeddingBagCollection([t[0], clash])
     with pytest.raises(ValueError, match="at least one"):
         EmbeddingBagCollection([])
+
+
+def test_shared_feature_is_named_feature_at_table():
+    # f0 is read by t0 and t9: one output per table, keyed feature@table (TorchRec's rule)
+    t9 = EmbeddingBagConfig(num_embeddings=12, embedding_dim=2, name="t9", feature_names=["f0"])
+    ebc = EmbeddingBagCollection([*tables(), t9])
+    kjt = batch()
+    kt = ebc(kjt)
+    assert kt.keys() == ["f0@t0", "f1", "f2", "f0@t9"]
+    assert kt.length_per_key() == [4, 4, 3, 2]
+    jt = kjt["f0"]
+    for table, key in [("t0", "f0@t0"), ("t9", "f0@t9")]:
+        want = F.embedding_bag(jt.values(), ebc.embedding_bags[table].weight, jt.offsets()[:-1], mode="sum")
+        torch.testing.assert_close(kt[key], want)
+    assert ebc.feature_names() == ["f0", "f1", "f2", "f0"]
+    assert ebc.embedding_names() == ["f0@t0", "f1", "f2", "f0@t9"]
+    with pytest.raises(ValueError, match=r"feature 'f0@t8' \(table 't8'\): id 11 outside \[0, 10\)"):
+        EmbeddingBagCollection([t9, EmbeddingBagConfig(10, 2, "t8", feature_names=["f0"])])(
+            KeyedJaggedTensor(["f0"], torch.tensor([11]), lengths=torch.tensor([1]))
+        )
+
+
+def test_shared_feature_trains_both_tables():
+    t9 = EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t9", feature_names=["f0"])
+    ebc = EmbeddingBagCollection([tables()[0], t9])
+    ebc(KeyedJaggedTensor(["f0", "f1"], torch.tensor([3, 5]), lengths=torch.tensor([1, 1]))).values().sum().backward()
+    for table in ("t0", "t9"):
+        grad = ebc.embedding_bags[table].weight.grad
+        assert grad is not None and grad[3].abs().sum() > 0
+
+
+def test_meta_forward_returns_meta_output():
+    ebc = EmbeddingBagCollection(tables(), is_weighted=True, device=torch.device("meta"))
+    kjt = batch(weighted=True)
+    meta = KeyedJaggedTensor(kjt.keys(), kjt.values().to("meta"), kjt.weights().to("meta"), kjt.lengths().to("meta"))
+    for features in (kjt, meta):
+        kt = ebc(features)
+        assert kt.values().device.type == "meta" and kt.values().shape == (3, 11)
+        assert kt.keys() == ["f0", "f1", "f2"] and kt.offset_per_key() == [0, 4, 8, 11]
+    with torch.device("meta"):
+        ebc = EmbeddingBagCollection(tables())
+    assert ebc.device.type == "meta" and ebc.embedding_bags["t0"].weight.device.type == "meta"
+
+
+def test_init_fn_initialises_the_weight():
+    cfg = EmbeddingBagConfig(5, 3, "t", feature_names=["f"], init_fn=lambda w: torch.nn.init.constant_(w, 0.25))
+    ebc = EmbeddingBagCollection([cfg])
+    assert torch.equal(ebc.embedding_bags["t"].weight, torch.full((5, 3), 0.25))
+    ebc.embedding_bags["t"].weight.data.zero_()
+    ebc.reset_parameters()
+    assert torch.equal(ebc.embedding_bags["t"].weight, torch.full((5, 3), 0.25))

@@ -232,11 +232,14 @@ def test_collective_plan_single_process_gloo(small_tables: dict) -> None:
     from lightning_shardrec.planner import collective_plan
 
     planner = EmbeddingShardingPlanner(Topology(2), batch_size=8)
-    assert collective_plan(planner, small_tables) == planner.plan(small_tables)
+    assert planner.collective_plan(small_tables) == planner.plan(small_tables)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert Topology.from_process_group().compute_device.value == "cpu"
         assert collective_plan(planner, small_tables) == planner.plan(small_tables)
+        assert planner.collective_plan(small_tables, [], dist.group.WORLD) == planner.plan(small_tables)
+        default = EmbeddingShardingPlanner()  # TorchRec's default topology: the live group
+        assert (default.topology.world_size, default.topology.compute_device.value) == (1, "cpu")
     finally:
         dist.destroy_process_group()
     assert torch.distributed.is_initialized() is False
@@ -263,11 +266,9 @@ def test_equal_cost_tables_spread_storage_issue_10() -> None:
 
 
 def plan_infeasible_on_every_rank(rank: int, world: int) -> str:
-    from lightning_shardrec.planner import collective_plan
-
     tables = {"ebc": [bag("huge", 4 * 2**20, 128)]}
     try:
-        collective_plan(EmbeddingShardingPlanner(Topology(world, hbm_cap=GiB), batch_size=8), tables)
+        EmbeddingShardingPlanner(Topology(world, hbm_cap=GiB), batch_size=8).collective_plan(tables)
     except PlannerError as e:
         return str(e)
     return "planned"
