@@ -5,6 +5,7 @@ Importing the package registers ``Trainer(strategy="shardrec")``.
 
 from lightning_shardrec.configs import (
     DataType,
+    DynamicConfig,
     EmbeddingBagConfig,
     EmbeddingConfig,
     EmbOptimType,
@@ -47,6 +48,7 @@ __all__ = [
     "DCNv2",
     "DLRMTask",
     "DataType",
+    "DynamicConfig",
     "DistributedModelParallel",
     "EmbOptimType",
     "EmbeddingBagCollection",

@@ -90,6 +90,7 @@ class BaseEmbeddingConfig:
     use_virtual_table: bool = False
     virtual_table_eviction_policy: object | None = None
     enable_embedding_update: bool = False
+    dynamic: DynamicConfig | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
@@ -137,6 +138,10 @@ class BaseEmbeddingConfig:
             raise ValueError(f"{label}: weight_init_min {lo} is above weight_init_max {hi}")
         if self.init_fn is None or isinstance(self.init_fn, UniformInit):  # TorchRec: init_fn is never None
             object.__setattr__(self, "init_fn", UniformInit(lo, hi))
+        if self.dynamic is not None:
+            if not isinstance(self.dynamic, DynamicConfig):
+                raise ValueError(f"{label}: dynamic must be a DynamicConfig or None, got {self.dynamic!r}")
+            self.dynamic.layout(self.num_embeddings, self.name)  # raises if the buckets do not fit
 
     @property
     def num_features(self) -> _CallableInt:
@@ -277,3 +282,92 @@ class FusedOptimConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"FusedOptimConfig: {name} must be in [0, 1), got {getattr(self, name)}")
+
+
+class EvictionPolicy(str, enum.Enum):
+    """Which resident id of a full bucket gives its slot to a new id."""
+
+    LRU = "lru"  # least recently seen (ties: lowest slot)
+    LFU = "lfu"  # fewest sightings (ties: least recently seen, then lowest slot)
+
+
+MAX_SLOTS_PER_BUCKET = 1024
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DynamicConfig:
+    """A dynamic table: raw int64 ids (any value) map to ``num_embeddings`` slots.
+
+    The table is ``num_buckets`` buckets of ``num_embeddings / num_buckets`` slots;
+    an id's bucket is a fixed 64-bit hash of the id, and each bucket admits and
+    evicts on its own, so results do not depend on how buckets are split over ranks.
+
+    * ``eviction``: ``"lru"`` or ``"lfu"``, used when a new id finds its bucket full.
+    * ``ttl_steps``: a row not seen for more than this many training steps is freed
+      (``None``: never).
+    * ``min_count``: an id gets a row only once it has been seen this many times
+      (counted in a bounded per-bucket candidate table); until then it reads zeros
+      and gets no gradient.
+    * ``num_buckets``: ``None`` picks ``num_embeddings / s`` buckets of ``s`` slots,
+      ``s`` the largest divisor of ``num_embeddings`` up to 16.
+    * ``candidates_per_bucket``: size of each bucket's candidate table (``None``: as
+      many as the bucket has slots); only used when ``min_count > 1``.
+    * ``seed``: mixed with the table name, slot and slot generation to draw each new
+      row's init (the table's ``weight_init_min/max`` or ``init_fn``).
+    """
+
+    eviction: EvictionPolicy = EvictionPolicy.LRU
+    ttl_steps: int | None = None
+    min_count: int = 1
+    num_buckets: int | None = None
+    candidates_per_bucket: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eviction", _parse_member(EvictionPolicy, self.eviction, "DynamicConfig: eviction"))
+        ttl = self.ttl_steps
+        if ttl is not None and (not _is_int(ttl) or ttl < 1):
+            raise ValueError(f"DynamicConfig: ttl_steps must be an int >= 1 or None, got {ttl!r}")
+        if not _is_int(self.min_count) or self.min_count < 1:
+            raise ValueError(f"DynamicConfig: min_count must be an int >= 1, got {self.min_count!r}")
+        for name in ("num_buckets", "candidates_per_bucket"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"DynamicConfig: {name} must be an int >= 1 or None, got {value!r}")
+        cands = self.candidates_per_bucket
+        if cands is not None and cands > MAX_SLOTS_PER_BUCKET:
+            raise ValueError(
+                f"DynamicConfig: candidates_per_bucket must be in [1, {MAX_SLOTS_PER_BUCKET}], got {cands}"
+            )
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**31:
+            raise ValueError(f"DynamicConfig: seed must be an int in [0, 2**31), got {self.seed!r}")
+
+    def layout(self, num_embeddings: int, table: str) -> tuple[int, int]:
+        """``(num_buckets, slots_per_bucket)`` of table ``table`` with ``num_embeddings`` rows."""
+        buckets = self.num_buckets
+        if buckets is None:
+            slots = max(d for d in range(1, 17) if num_embeddings % d == 0)
+            return num_embeddings // slots, slots
+        if buckets > num_embeddings or num_embeddings % buckets:
+            raise ValueError(
+                f"dynamic table '{table}': num_buckets {buckets} must divide num_embeddings {num_embeddings} "
+                f"(a divisor in [1, {num_embeddings}])"
+            )
+        slots = num_embeddings // buckets
+        if slots > MAX_SLOTS_PER_BUCKET:
+            raise ValueError(
+                f"dynamic table '{table}': {num_embeddings} rows in {buckets} buckets is {slots} slots per bucket; "
+                f"at most {MAX_SLOTS_PER_BUCKET} are allowed (use num_buckets >= "
+                f"{-(-num_embeddings // MAX_SLOTS_PER_BUCKET)})"
+            )
+        return buckets, slots
+
+    def candidate_slots(self, slots_per_bucket: int) -> int:
+        """Candidate-table entries per bucket (0 when every id is admitted at once)."""
+        if self.min_count == 1:
+            return 0
+        return slots_per_bucket if self.candidates_per_bucket is None else self.candidates_per_bucket

@@ -3,19 +3,30 @@
 from lightning_shardrec.configs import (
     BaseEmbeddingConfig,
     DataType,
+    DynamicConfig,
     EmbeddingBagConfig,
     EmbeddingConfig,
+    EvictionPolicy,
     PoolingType,
 )
+from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper, LookupResult, bucket_of
+from lightning_shardrec.modules.dynamic_tables import optimizer_reset_hook, reset_optimizer_rows
 from lightning_shardrec.modules.embedding_bag_collection import EmbeddingBagCollection
 from lightning_shardrec.modules.embedding_collection import EmbeddingCollection
 
 __all__ = [
     "BaseEmbeddingConfig",
     "DataType",
+    "DynamicConfig",
+    "DynamicIdMapper",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
     "EmbeddingCollection",
     "EmbeddingConfig",
+    "EvictionPolicy",
+    "LookupResult",
     "PoolingType",
+    "bucket_of",
+    "optimizer_reset_hook",
+    "reset_optimizer_rows",
 ]

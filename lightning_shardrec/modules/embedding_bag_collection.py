@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import EmbeddingBagConfig, PoolingType
+from lightning_shardrec.modules.dynamic_tables import DynamicTables, ResetHook
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names
 from lightning_shardrec.modules.vbe import inverse_rows
 from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
@@ -46,6 +47,8 @@ class EmbeddingBagCollection(nn.Module):
     A variable-batch (VBE) KJT pools each feature's own rows and expands them to
     ``[B, ...]`` through its ``inverse_indices``, as TorchRec.
     ``validate_ids`` checks every id against its table's range on every batch.
+    Tables with ``dynamic=DynamicConfig(...)`` take raw int64 ids (see
+    ``docs/dynamic-tables.md``); their not-admitted ids read zeros.
     """
 
     def __init__(
@@ -80,6 +83,17 @@ class EmbeddingBagCollection(nn.Module):
         self._rows = [t.num_embeddings for t in tables for _ in t.feature_names]
         self._table_of = [t.name for t in tables for _ in t.feature_names]
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+        dynamic = any(t.dynamic is not None for t in tables)
+        self.dynamic_tables = DynamicTables(self._tables, device) if dynamic else None
+
+    def register_reset_hook(self, hook: ResetHook) -> None:
+        """Call ``hook(table, weight, slots)`` whenever rows of a dynamic table are reset."""
+        if self.dynamic_tables is not None:
+            self.dynamic_tables.register_reset_hook(hook)
+
+    def dynamic_stats(self) -> dict[str, dict[str, int]]:
+        """Per dynamic table: occupancy, capacity, admissions, evictions, misses, ... (ints)."""
+        return {} if self.dynamic_tables is None else self.dynamic_tables.stats()
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._tables
@@ -109,17 +123,30 @@ class EmbeddingBagCollection(nn.Module):
             return self._meta_forward(features)
         if self._is_weighted and kjt.weights_or_none() is None:
             raise ValueError("EmbeddingBagCollection(is_weighted=True) got a KeyedJaggedTensor without weights")
+        dyn = self.dynamic_tables
         if self.validate_ids:
-            check_ids(kjt, self._rows, self._table_of)
+            if dyn is None:
+                check_ids(kjt, self._rows, self._table_of)
+            else:
+                dyn.check_static_ids(kjt, self._tables, self._rows, self._table_of)
         if kjt.variable_stride_per_key():
+            if dyn is not None:
+                raise NotImplementedError(
+                    f"EmbeddingBagCollection: dynamic tables {sorted(dyn.keys())} do not take a variable-batch "
+                    "(VBE) KeyedJaggedTensor yet; send a fixed-batch KJT"
+                )
             return self._vbe_forward(features, kjt)
         pooled = []
         for t, sub in zip(self._tables, kjt.split([t.num_features for t in self._tables]), strict=True):
             weights = sub.weights_or_none() if self._is_weighted else None
+            ids, offsets, weight = sub.values().long(), sub.offsets().long(), self.embedding_bags[t.name].weight
+            if dyn is not None and t.dynamic is not None:
+                train = self.training and torch.is_grad_enabled()
+                ids, offsets, weights = dyn.bags(t.name, ids, sub.lengths(), weights, weight, train)
             rows = F.embedding_bag(
-                sub.values().long(),
-                self.embedding_bags[t.name].weight,
-                sub.offsets().long(),
+                ids,
+                weight,
+                offsets,
                 mode="sum",
                 per_sample_weights=weights,
                 include_last_offset=True,

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_shardrec.configs import EmbeddingConfig
+from lightning_shardrec.modules.dynamic_tables import DynamicTables, ResetHook
 from lightning_shardrec.modules.embedding_bag_collection import check_unique_tables
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names_by_table
 from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor
@@ -23,7 +24,8 @@ class EmbeddingCollection(nn.Module):
     lengths. ``need_indices=True`` puts the ids in the JaggedTensor's weights slot,
     as TorchRec does. A feature read by several tables comes out once per table,
     keyed ``feature@table``. Tables may differ in ``embedding_dim`` (TorchRec requires
-    one dim; :meth:`embedding_dim` then raises).
+    one dim; :meth:`embedding_dim` then raises). Tables with ``dynamic=DynamicConfig(...)``
+    take raw int64 ids; their not-admitted ids read zero rows (no gradient).
     """
 
     def __init__(
@@ -56,6 +58,17 @@ class EmbeddingCollection(nn.Module):
         self._arrange = FeatureArranger(self._feature_names, "EmbeddingCollection", self._embedding_names)
         self._rows = [t.num_embeddings for t in tables for _ in t.feature_names]
         self._table_of = [t.name for t in tables for _ in t.feature_names]
+        dynamic = any(t.dynamic is not None for t in tables)
+        self.dynamic_tables = DynamicTables(self._tables, device) if dynamic else None
+
+    def register_reset_hook(self, hook: ResetHook) -> None:
+        """Call ``hook(table, weight, slots)`` whenever rows of a dynamic table are reset."""
+        if self.dynamic_tables is not None:
+            self.dynamic_tables.register_reset_hook(hook)
+
+    def dynamic_stats(self) -> dict[str, dict[str, int]]:
+        """Per dynamic table: occupancy, capacity, admissions, evictions, misses, ... (ints)."""
+        return {} if self.dynamic_tables is None else self.dynamic_tables.stats()
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         return self._tables
@@ -91,11 +104,23 @@ class EmbeddingCollection(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         kjt = self._arrange(features)
+        dyn = self.dynamic_tables
         if self.validate_ids:
-            check_ids(kjt, self._rows, self._table_of)
+            if dyn is None:
+                check_ids(kjt, self._rows, self._table_of)
+            else:
+                dyn.check_static_ids(kjt, self._tables, self._rows, self._table_of)
         out: dict[str, JaggedTensor] = {}
         for t, sub in zip(self._tables, kjt.split([t.num_features for t in self._tables]), strict=True):
-            rows = F.embedding(sub.values().long(), self.embeddings[t.name].weight)
+            weight = self.embeddings[t.name].weight
+            if dyn is not None and t.dynamic is not None:
+                slots = dyn.slots(t.name, sub.values(), weight, self.training and torch.is_grad_enabled())
+                hit = (slots >= 0).nonzero().squeeze(1)
+                rows = weight.new_zeros(slots.numel(), t.embedding_dim).index_copy(
+                    0, hit, F.embedding(slots[hit], weight)
+                )
+            else:
+                rows = F.embedding(sub.values().long(), weight)
             for f, part in zip(sub.keys(), rows.split(sub.length_per_key()), strict=True):
                 jt = sub[f]
                 ids = jt.values() if self._need_indices else None

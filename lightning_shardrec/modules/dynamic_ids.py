@@ -1,0 +1,284 @@
+"""Raw id -> slot mapping of a dynamic table, vectorised (no per-id Python).
+
+The table is ``B`` buckets of ``S`` slots; slot ``b * S + j`` is slot ``j`` of bucket
+``b``. An id lives in bucket ``mix64(id) mod B`` (:func:`bucket_of`), and each bucket
+admits and evicts on its own, so a mapper over buckets ``[lo, hi)`` fed only the ids
+of those buckets makes exactly the choices the whole-table mapper makes for them:
+any contiguous range of buckets can live on one rank.
+
+A batch is processed as a set (the sightings of each unique id are summed), so the
+order of ids in a batch never changes a result. Per training step:
+
+1. (``ttl_steps``) rows and candidates not seen for more than ``ttl_steps`` steps are freed;
+2. resident ids hit their slot (last-seen step and sighting count updated);
+3. (``min_count > 1``) missing ids add their sightings to a bounded per-bucket
+   candidate table; those with ``min_count`` sightings in all are *ready*
+   (with ``min_count == 1`` every missing id is ready);
+4. ready ids of a bucket, by most sightings then lowest id, take its free slots
+   (lowest first), then evict rows not seen this step in policy order (LRU: oldest
+   step; LFU: fewest sightings, then oldest), ties broken by the lowest slot;
+5. ready ids left without a slot, and ids not ready, read zeros this step (counted as
+   misses) and stay candidates; a new candidate that finds its bucket's candidate table
+   full replaces the least recently seen candidate not seen this step, else is dropped
+   (each lost candidate is counted in ``dropped_candidates``).
+
+Eval lookups (``train=False``) change nothing: resident, unexpired ids hit, others miss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_shardrec.configs import DynamicConfig, EvictionPolicy
+
+COUNTERS = ("admissions", "evictions", "expirations", "misses", "dropped_candidates")
+_INT64_MAX = torch.iinfo(torch.int64).max
+_CHUNK = 1 << 22  # elements of an [ids, slots] comparison done at once
+
+
+def _s64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+GOLDEN = _s64(0x9E3779B97F4A7C15)
+_C1 = _s64(0xBF58476D1CE4E5B9)
+_C2 = _s64(0x94D049BB133111EB)
+
+
+def shr(x: Tensor, k: int) -> Tensor:
+    """Logical right shift of int64 ``x`` by ``k`` bits (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def mix64(x: Tensor) -> Tensor:
+    """splitmix64 of int64 ``x`` (two's-complement wraparound), elementwise, any device."""
+    z = x + GOLDEN
+    z = (z ^ shr(z, 30)) * _C1
+    z = (z ^ shr(z, 27)) * _C2
+    return z ^ shr(z, 31)
+
+
+def bucket_of(ids: Tensor, num_buckets: int) -> Tensor:
+    """Bucket in ``[0, num_buckets)`` of every raw int64 id: the top 63 hash bits mod ``num_buckets``."""
+    return shr(mix64(ids.long()), 1) % num_buckets
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """One lookup. ``slots [N]``: the global slot of each id, ``-1`` where it missed.
+
+    ``new_slots [M]`` were (re)assigned this step and must be reset (weights and
+    optimizer state) before use; ``new_generations [M]`` is how many times each has
+    been assigned, which with the slot seeds its fresh row.
+    """
+
+    slots: Tensor
+    new_slots: Tensor
+    new_generations: Tensor
+
+
+def _rank_in_group(group_sorted: Tensor) -> Tensor:
+    """Position of each element within its run of equal values (input sorted)."""
+    start = torch.searchsorted(group_sorted, group_sorted)
+    return torch.arange(group_sorted.numel(), device=group_sorted.device) - start
+
+
+class DynamicIdMapper(nn.Module):
+    """Slot state of one dynamic table (or of its buckets ``[lo, hi)``), as buffers.
+
+    Buffers (``W = hi - lo`` local buckets): ``slot_ids / slot_step / slot_count /
+    slot_gen [W*S]`` (the held id, last step seen (``-1``: empty), sightings, times
+    assigned), ``cand_ids / cand_step / cand_count [W*K]`` (admission candidates),
+    ``step`` (training steps taken) and ``counters [5]`` (:data:`COUNTERS`).
+    """
+
+    def __init__(
+        self,
+        table: str,
+        config: DynamicConfig,
+        num_embeddings: int,
+        bucket_range: tuple[int, int] | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.table, self.config = table, config
+        self.num_buckets, self.slots_per_bucket = config.layout(num_embeddings, table)
+        lo, hi = bucket_range if bucket_range is not None else (0, self.num_buckets)
+        if not 0 <= lo < hi <= self.num_buckets:
+            raise ValueError(
+                f"dynamic table '{table}': bucket range [{lo}, {hi}) is not a non-empty part of "
+                f"[0, {self.num_buckets})"
+            )
+        self.bucket_lo, self.bucket_hi = lo, hi
+        self.row_offset = lo * self.slots_per_bucket
+        self.cands_per_bucket = config.candidate_slots(self.slots_per_bucket)
+        rows, cands = (hi - lo) * self.slots_per_bucket, (hi - lo) * self.cands_per_bucket
+
+        def buf(name: str, n: int, fill: int) -> None:
+            self.register_buffer(name, torch.full((n,), fill, dtype=torch.int64, device=device))
+
+        for name, n, fill in (
+            ("slot_ids", rows, 0), ("slot_step", rows, -1), ("slot_count", rows, 0), ("slot_gen", rows, 0),
+            ("cand_ids", cands, 0), ("cand_step", cands, -1), ("cand_count", cands, 0),
+            ("counters", len(COUNTERS), 0),
+        ):
+            buf(name, n, fill)
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
+
+    @property
+    def capacity(self) -> int:
+        return self.slot_ids.numel()
+
+    def stats(self) -> dict[str, int]:
+        """Occupancy, capacity, candidates held and the cumulative :data:`COUNTERS` (ints)."""
+        out = {"occupancy": int((self.slot_step >= 0).sum()), "capacity": self.capacity,
+               "candidates": int((self.cand_step >= 0).sum())}
+        out.update(zip(COUNTERS, (int(c) for c in self.counters.tolist()), strict=True))
+        return out
+
+    def _count(self, name: str, amount: Tensor | int) -> None:
+        self.counters[COUNTERS.index(name)] += amount
+
+    def map(self, ids: Tensor, train: bool) -> LookupResult:
+        """:meth:`lookup` at this mapper's own step, which a training lookup advances."""
+        result = self.lookup(ids, int(self.step), train)
+        if train:
+            self.step += 1
+        return result
+
+    @torch.no_grad()
+    def lookup(self, ids: Tensor, step: int, train: bool) -> LookupResult:
+        """Map raw ids ``[N]`` to global slots (``-1``: not admitted) at training step ``step``."""
+        ids = ids.reshape(-1).to(device=self.slot_ids.device, dtype=torch.int64)
+        empty = ids.new_empty(0)
+        if ids.numel() == 0:
+            if train:
+                self._expire(step)
+            return LookupResult(ids.new_empty(0), empty, empty)
+        uniq, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
+        bucket = bucket_of(uniq, self.num_buckets) - self.bucket_lo
+        if bool(((bucket < 0) | (bucket >= self.bucket_hi - self.bucket_lo)).any()):
+            raise ValueError(
+                f"dynamic table '{self.table}': ids outside buckets [{self.bucket_lo}, {self.bucket_hi}) "
+                "were sent to this mapper"
+            )
+        ttl = self.config.ttl_steps
+        if train:
+            self._expire(step)
+        slot = self._find(uniq, bucket, self.slot_ids, self.slot_step, self.slots_per_bucket)
+        if not train:
+            if ttl is not None:
+                stale = (slot >= 0) & (step - self.slot_step[slot.clamp(min=0)] > ttl)
+                slot = torch.where(stale, -1, slot)
+            glob = torch.where(slot >= 0, slot + self.row_offset, -1)
+            return LookupResult(glob[inverse], empty, empty)
+        hit = slot >= 0
+        hits = slot[hit]
+        self.slot_step[hits] = step
+        self.slot_count[hits] += counts[hit]
+        miss = (~hit).nonzero().squeeze(1)
+        got, new = self._admit(uniq[miss], bucket[miss], counts[miss], step)
+        slot[miss] = got
+        self._count("misses", counts[miss][got < 0].sum())
+        glob = torch.where(slot >= 0, slot + self.row_offset, -1)
+        return LookupResult(glob[inverse], new + self.row_offset, self.slot_gen[new])
+
+    def _expire(self, step: int) -> None:
+        ttl = self.config.ttl_steps
+        if ttl is None:
+            return
+        old = (self.slot_step >= 0) & (step - self.slot_step > ttl)
+        self._count("expirations", old.sum())
+        self.slot_step[old], self.slot_count[old] = -1, 0
+        old_cands = (self.cand_step >= 0) & (step - self.cand_step > ttl)
+        self.cand_step[old_cands], self.cand_count[old_cands] = -1, 0
+
+    def _admit(self, ids: Tensor, bucket: Tensor, counts: Tensor, step: int) -> tuple[Tensor, Tensor]:
+        """Slots (local, ``-1``: none) for missing unique ids, and the slots newly assigned."""
+        total, has_cand, cand = counts, None, None
+        if self.cands_per_bucket:
+            cand = self._find(ids, bucket, self.cand_ids, self.cand_step, self.cands_per_bucket)
+            has_cand = cand >= 0
+            total = counts + torch.where(has_cand, self.cand_count[cand.clamp(min=0)], 0)
+        ready = (total >= self.config.min_count).nonzero().squeeze(1)
+        got = torch.full_like(ids, -1)
+        lfu = self.config.eviction is EvictionPolicy.LFU
+        placed, displaced = self._place(
+            ids[ready], bucket[ready], total[ready], step,
+            (self.slot_ids, self.slot_step, self.slot_count), self.slots_per_bucket, lfu,
+        )
+        got[ready] = placed
+        new = placed[placed >= 0]
+        self.slot_gen[new] += 1
+        self._count("admissions", new.numel())
+        self._count("evictions", displaced)
+        if cand is not None and has_cand is not None:
+            admitted = got >= 0
+            freed = cand[admitted & has_cand]
+            self.cand_step[freed], self.cand_count[freed] = -1, 0
+            keep = ~admitted & has_cand
+            self.cand_step[cand[keep]], self.cand_count[cand[keep]] = step, total[keep]
+            fresh = (~admitted & ~has_cand).nonzero().squeeze(1)
+            where, lost = self._place(
+                ids[fresh], bucket[fresh], total[fresh], step,
+                (self.cand_ids, self.cand_step, self.cand_count), self.cands_per_bucket, False,
+            )
+            self._count("dropped_candidates", lost + (where < 0).sum())
+        return got, new
+
+    @staticmethod
+    def _find(ids: Tensor, bucket: Tensor, held: Tensor, last: Tensor, width: int) -> Tensor:
+        """Local index of each id in its bucket's ``width`` entries of ``held``, ``-1`` if absent."""
+        out = torch.full_like(ids, -1)
+        if width == 0 or ids.numel() == 0:
+            return out
+        cols = torch.arange(width, device=ids.device)
+        step = max(1, _CHUNK // width)
+        for start in range(0, ids.numel(), step):  # chunks bound memory, not a per-id loop
+            part = slice(start, start + step)
+            idx = bucket[part, None] * width + cols
+            match = (held[idx] == ids[part, None]) & (last[idx] >= 0)
+            first = match.to(torch.int8).argmax(dim=1)
+            found = idx.gather(1, first[:, None]).squeeze(1)
+            out[part] = torch.where(match.any(dim=1), found, -1)
+        return out
+
+    @staticmethod
+    def _place(
+        ids: Tensor, bucket: Tensor, total: Tensor, step: int,
+        table: tuple[Tensor, Tensor, Tensor], width: int, lfu: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """Give unique ``ids`` entries of their buckets in ``table = (held, last, count)``.
+
+        Ids go by most ``total`` then lowest id; entries free first, then (not seen
+        this step) by policy, ties by lowest index. Returns each id's local entry
+        (``-1``: none left) and how many occupied entries were taken over.
+        """
+        held, last, count = table
+        if ids.numel() == 0:
+            return torch.full_like(ids, -1), ids.new_zeros(())
+        order = torch.sort(-total, stable=True).indices  # ids arrive sorted, so ties stay by id
+        order = order[torch.sort(bucket[order], stable=True).indices]
+        b_sorted = bucket[order]
+        rank = _rank_in_group(b_sorted)
+        touched, row = torch.unique_consecutive(b_sorted, return_inverse=True)
+        idx = touched[:, None] * width + torch.arange(width, device=ids.device)
+        seen = last[idx]
+        free = seen < step  # empty (-1) or not seen this step
+        key = torch.where(free, seen, _INT64_MAX)
+        perm = torch.sort(key, dim=1, stable=True).indices
+        if lfu:
+            by_count = torch.where(free, count[idx], _INT64_MAX).gather(1, perm)
+            perm = perm.gather(1, torch.sort(by_count, dim=1, stable=True).indices)
+        ranked = idx.gather(1, perm)
+        wins = rank < free.sum(dim=1)[row]
+        target = ranked[row, rank.clamp(max=width - 1)]
+        chosen = target[wins]
+        displaced = (last[chosen] >= 0).sum()
+        held[chosen], last[chosen], count[chosen] = ids[order][wins], step, total[order][wins]
+        out = torch.full_like(ids, -1)
+        out[order] = torch.where(wins, target, -1)
+        return out, displaced

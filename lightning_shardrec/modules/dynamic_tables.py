@@ -1,0 +1,138 @@
+"""What an unsharded collection does for its dynamic tables.
+
+:class:`DynamicTables` holds one :class:`DynamicIdMapper` per dynamic table (its
+buffers land in the collection's state dict under ``dynamic_tables.<table>.``),
+maps raw ids to slots before the lookup, resets new slots to their deterministic
+init in place and tells the registered reset hooks (e.g. an optimizer, through
+:func:`optimizer_reset_hook`) which rows were reset.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_shardrec.configs import BaseEmbeddingConfig, UniformInit
+from lightning_shardrec.modules.dynamic_ids import GOLDEN, DynamicIdMapper, LookupResult, mix64, shr
+from lightning_shardrec.modules.features import check_ids
+from lightning_shardrec.sparse import KeyedJaggedTensor
+
+ResetHook = Callable[[str, Tensor, Tensor], None]
+"""``hook(table_name, weight, slots)``: rows ``slots`` of ``weight`` were just reset."""
+
+
+def row_seeds(table: BaseEmbeddingConfig, slots: Tensor, generations: Tensor) -> Tensor:
+    """One int64 seed per (table, slot, generation): the same on every rank and device."""
+    seed = 0 if table.dynamic is None else table.dynamic.seed
+    base = zlib.crc32(table.name.encode()) | (seed << 32)
+    return mix64(mix64(slots.long() + base) ^ generations.long())
+
+
+def fresh_rows(table: BaseEmbeddingConfig, slots: Tensor, generations: Tensor, weight: Tensor) -> Tensor:
+    """``[len(slots), dim]`` fresh rows for ``slots``, a function of (table, slot, generation) only.
+
+    The table's uniform ``init_range`` is drawn from a counter-based hash (vectorised);
+    a custom ``init_fn`` is called once per row, on CPU, with the RNG seeded per row.
+    """
+    seeds = row_seeds(table, slots, generations)
+    dim = weight.shape[1]
+    if table.init_fn is None or isinstance(table.init_fn, UniformInit):
+        cols = torch.arange(dim, device=seeds.device, dtype=torch.int64) * GOLDEN
+        bits = shr(mix64(seeds[:, None] + cols), 11)  # 53 random bits
+        unit = bits.to(torch.float64) * 2.0**-53
+        lo, hi = table.init_range() if table.init_fn is None else (table.init_fn.low, table.init_fn.high)
+        return (lo + (hi - lo) * unit).to(weight.dtype)
+    rows = torch.empty(len(slots), dim, dtype=weight.dtype)
+    with torch.random.fork_rng(devices=[]):
+        for i, s in enumerate(seeds.tolist()):  # custom init: one call per new row
+            torch.manual_seed(s & 0x7FFF_FFFF_FFFF_FFFF)
+            table.init_fn(rows[i : i + 1])
+    return rows.to(weight.device)
+
+
+def reset_optimizer_rows(optimizer: torch.optim.Optimizer, weight: Tensor, slots: Tensor) -> None:
+    """Reset rows ``slots`` of ``weight``'s state in a torch optimizer (before its next step).
+
+    Every state tensor shaped like ``weight`` has those rows reset: Adagrad's ``sum``
+    to its ``initial_accumulator_value``, anything else (Adam moments, SGD momentum)
+    to zero. Per-parameter scalars (Adam's ``step``) are shared by all rows and kept.
+    """
+    state = optimizer.state.get(weight)
+    if not state or slots.numel() == 0:
+        return
+    group = next((g for g in optimizer.param_groups if any(p is weight for p in g["params"])), {})
+    with torch.no_grad():
+        for name, value in state.items():
+            if isinstance(value, Tensor) and value.shape == weight.shape:
+                fill = float(group.get("initial_accumulator_value", 0.0)) if name == "sum" else 0.0
+                value[slots.to(value.device)] = fill
+
+
+def optimizer_reset_hook(optimizer: torch.optim.Optimizer) -> ResetHook:
+    """A reset hook that resets the optimizer state rows of reset slots."""
+
+    def hook(table: str, weight: Tensor, slots: Tensor) -> None:
+        reset_optimizer_rows(optimizer, weight, slots)
+
+    return hook
+
+
+class DynamicTables(nn.ModuleDict):
+    """The id mappers of a collection's dynamic tables, keyed by table name."""
+
+    def __init__(self, tables: list[BaseEmbeddingConfig], device: torch.device | str | None) -> None:
+        super().__init__(
+            {t.name: DynamicIdMapper(t.name, t.dynamic, t.num_embeddings, device=device)
+             for t in tables if t.dynamic is not None}
+        )
+        self._configs = {t.name: t for t in tables}
+        self._hooks: OrderedDict[int, ResetHook] = OrderedDict()
+
+    def register_reset_hook(self, hook: ResetHook) -> RemovableHandle:
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = hook
+        return handle
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {name: mapper.stats() for name, mapper in self.items()}
+
+    def slots(self, table: str, ids: Tensor, weight: Tensor, train: bool) -> Tensor:
+        """Slots of raw ``ids`` (``-1``: not admitted); new slots are reset in ``weight`` first."""
+        result: LookupResult = self[table].map(ids, train)
+        if result.new_slots.numel():
+            config = self._configs[table]
+            with torch.no_grad():
+                weight[result.new_slots] = fresh_rows(config, result.new_slots, result.new_generations, weight)
+            for hook in self._hooks.values():
+                hook(table, weight, result.new_slots)
+        return result.slots
+
+    def bags(
+        self, table: str, ids: Tensor, lengths: Tensor, weights: Tensor | None, weight: Tensor, train: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(slots, offsets, per-id weights)`` of bags of raw ids, not-admitted ids dropped."""
+        slots = self.slots(table, ids, weight, train)
+        keep = slots >= 0
+        if bool(keep.all()):
+            return slots, _offsets(lengths), weights
+        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths.long())
+        kept = torch.bincount(bag[keep], minlength=lengths.numel())
+        return slots[keep], _offsets(kept), None if weights is None else weights[keep]
+
+    def check_static_ids(
+        self, features: KeyedJaggedTensor, tables: list[BaseEmbeddingConfig], rows: list[int], names: list[str]
+    ) -> None:
+        """:func:`check_ids` for the static tables only (a dynamic table takes any int64 id)."""
+        keep = [i for i, t in enumerate(tables) for _ in t.feature_names]
+        static = [k for k, i in enumerate(keep) if tables[i].dynamic is None]
+        if static:
+            check_ids(features.permute(static), [rows[k] for k in static], [names[k] for k in static])
+
+
+def _offsets(lengths: Tensor) -> Tensor:
+    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).long()

@@ -1,0 +1,163 @@
+"""Dynamic tables, unsharded: hashing, id -> slot mapping, admission, eviction, training."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lightning_shardrec import (
+    DynamicConfig,
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+)
+from lightning_shardrec.modules import (
+    DynamicIdMapper,
+    EvictionPolicy,
+    bucket_of,
+    optimizer_reset_hook,
+    reset_optimizer_rows,
+)
+from lightning_shardrec.modules.dynamic_ids import mix64
+from lightning_shardrec.modules.dynamic_tables import fresh_rows
+from tests.modules._dynamic_reference import ReferenceMapper
+
+MASK = (1 << 64) - 1
+ODD_IDS = [0, 1, -1, 7, -(2**63), 2**63 - 1, 123_456_789_012_345, -987_654_321_098]
+
+
+def splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def test_hash_of_negative_and_huge_ids_is_splitmix64() -> None:
+    got = [h & MASK for h in mix64(torch.tensor(ODD_IDS)).tolist()]
+    assert got == [splitmix64(x & MASK) for x in ODD_IDS]
+    buckets = bucket_of(torch.tensor(ODD_IDS), 7).tolist()
+    assert buckets == [(splitmix64(x & MASK) >> 1) % 7 for x in ODD_IDS]
+
+
+def stream(steps: int, pool: int, batch: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    ids = [rng.choice([-1, 1]) * rng.randrange(2**62) for _ in range(pool)] + ODD_IDS
+    return [[rng.choice(ids[: 4 + (len(ids) - 4) * (s + 1) // steps]) for _ in range(batch)] for s in range(steps)]
+
+
+CASES = [
+    DynamicConfig(num_buckets=3),
+    DynamicConfig(num_buckets=3, eviction="lfu"),
+    DynamicConfig(num_buckets=3, min_count=3, candidates_per_bucket=2),
+    DynamicConfig(num_buckets=3, eviction=EvictionPolicy.LFU, min_count=2, ttl_steps=3),
+    DynamicConfig(num_buckets=1, ttl_steps=2),
+]
+
+
+@pytest.mark.parametrize("config", CASES, ids=lambda c: f"{c.eviction.value}-m{c.min_count}-ttl{c.ttl_steps}")
+def test_mapper_matches_reference(config: DynamicConfig) -> None:
+    capacity = 6 if config.num_buckets == 3 else 4
+    mapper = DynamicIdMapper("t", config, capacity)
+    buckets, slots = config.layout(capacity, "t")
+    ref = ReferenceMapper(buckets, slots, config.candidate_slots(slots), config.min_count,
+                          config.eviction is EvictionPolicy.LFU, config.ttl_steps)
+    for step, batch in enumerate(stream(30, 25, 9, seed=capacity + config.min_count)):
+        train = step % 5 != 4
+        result = mapper.lookup(torch.tensor(batch), step, train)
+        want, new = ref.lookup(batch, step, train)
+        assert result.slots.tolist() == want, step
+        assert dict(zip(result.new_slots.tolist(), result.new_generations.tolist(), strict=True)) == new
+    stats = mapper.stats()
+    assert {k: stats[k] for k in ref.counters()} == ref.counters()
+    assert stats["evictions"] > 0 or stats["expirations"] > 0  # the stream overflows the table
+
+
+def test_admission_after_min_count() -> None:
+    mapper = DynamicIdMapper("t", DynamicConfig(num_buckets=1, min_count=3), 4)
+    seen = [mapper.lookup(torch.tensor(batch), step, True).slots.tolist()
+            for step, batch in enumerate([[42], [42, 9], [42], [42]])]
+    assert seen == [[-1], [-1, -1], [0], [0]]
+    assert mapper.lookup(torch.tensor([9, 9]), 4, True).slots.tolist() == [1, 1]  # 1 + 2 sightings
+    assert mapper.stats()["misses"] == 3 and mapper.stats()["admissions"] == 2
+
+
+def test_lru_evicts_least_recent_and_lfu_least_frequent() -> None:
+    batches = [[2, 2, 2], [1], [3], [1], [4]]  # one bucket of 3 slots: the 4th id must evict
+    for policy, evicted in (("lru", 2), ("lfu", 3)):
+        mapper = DynamicIdMapper("t", DynamicConfig(num_buckets=1, eviction=policy), 3)
+        for step, batch in enumerate(batches):
+            mapper.lookup(torch.tensor(batch), step, True)
+        held = set(mapper.slot_ids.tolist())
+        assert held == {1, 2, 3, 4} - {evicted}, policy
+        assert mapper.stats()["evictions"] == 1
+
+
+def test_ties_go_to_the_lowest_slot_and_new_ids_by_count_then_id() -> None:
+    mapper = DynamicIdMapper("t", DynamicConfig(num_buckets=1), 2)
+    mapper.lookup(torch.tensor([10, 20]), 0, True)
+    out = mapper.lookup(torch.tensor([30, 5, 30]), 1, True)  # 30 seen twice wins the tie of two old rows
+    assert out.slots.tolist() == [0, 1, 0]
+
+
+def test_ttl_frees_rows_not_seen_for_ttl_steps() -> None:
+    mapper = DynamicIdMapper("t", DynamicConfig(num_buckets=1, ttl_steps=2), 4)
+    mapper.lookup(torch.tensor([1, 2]), 0, True)
+    mapper.lookup(torch.tensor([2]), 2, True)
+    assert mapper.lookup(torch.tensor([1, 2]), 2, False).slots.tolist() == [0, 1]
+    assert mapper.lookup(torch.tensor([1, 2]), 3, False).slots.tolist() == [-1, 1]  # eval: stale reads miss
+    out = mapper.lookup(torch.tensor([2, 1]), 3, True)
+    assert out.slots.tolist() == [1, 0] and out.new_slots.tolist() == [0]  # 1 re-enters as new
+    assert mapper.stats()["expirations"] == 1
+
+
+def test_batch_order_does_not_change_results() -> None:
+    config = DynamicConfig(num_buckets=2, eviction="lfu", min_count=2)
+    a, b = DynamicIdMapper("t", config, 4), DynamicIdMapper("t", config, 4)
+    rng = random.Random(0)
+    for step, batch in enumerate(stream(20, 20, 10, seed=3)):
+        perm = list(range(len(batch)))
+        rng.shuffle(perm)
+        sa = a.lookup(torch.tensor(batch), step, True).slots
+        sb = b.lookup(torch.tensor([batch[p] for p in perm]), step, True).slots
+        assert sb.tolist() == sa[perm].tolist()
+    assert a.stats() == b.stats()
+
+
+def test_bucket_ranges_map_like_the_whole_table() -> None:
+    config = DynamicConfig(num_buckets=5, eviction="lru", min_count=2, ttl_steps=4)
+    whole = DynamicIdMapper("t", config, 10)
+    parts = [DynamicIdMapper("t", config, 10, bucket_range=r) for r in ((0, 2), (2, 3), (3, 5))]
+    for step, batch in enumerate(stream(40, 40, 12, seed=5)):
+        ids = torch.tensor(batch)
+        want = whole.lookup(ids, step, True)
+        got = torch.full_like(ids, -1)
+        new = []
+        bucket = bucket_of(ids, 5)
+        for p in parts:
+            mine = (bucket >= p.bucket_lo) & (bucket < p.bucket_hi)
+            r = p.lookup(ids[mine], step, True)
+            got[mine] = r.slots
+            new += list(zip(r.new_slots.tolist(), r.new_generations.tolist(), strict=True))
+        assert got.tolist() == want.slots.tolist()
+        assert sorted(new) == sorted(zip(want.new_slots.tolist(), want.new_generations.tolist(), strict=True))
+    summed = {k: sum(p.stats()[k] for p in parts) for k in whole.stats()}
+    assert summed == whole.stats() and whole.stats()["evictions"] > 0
+
+
+def test_fresh_rows_depend_only_on_table_slot_generation() -> None:
+    table = EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=64, feature_names=["f"],
+                               weight_init_min=-0.5, weight_init_max=0.25, dynamic=DynamicConfig())
+    w = torch.empty(64, 8)
+    a = fresh_rows(table, torch.tensor([3, 9]), torch.tensor([1, 1]), w)
+    b = fresh_rows(table, torch.tensor([9, 3, 3]), torch.tensor([1, 1, 2]), w)
+    torch.testing.assert_close(a, b[[1, 0]], rtol=0, atol=0)
+    assert not torch.equal(b[1], b[2]) and float(a.min()) >= -0.5 and float(a.max()) < 0.25
+    custom = EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=64, feature_names=["f"],
+                                init_fn=lambda x: x.normal_(), dynamic=DynamicConfig())
+    c = fresh_rows(custom, torch.tensor([3, 9]), torch.tensor([1, 1]), w)
+    torch.testing.assert_close(c, fresh_rows(custom, torch.tensor([3, 9]), torch.tensor([1, 1]), w))
