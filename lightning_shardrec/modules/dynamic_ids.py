@@ -95,6 +95,16 @@ class DynamicIdMapper(nn.Module):
     ``step`` (training steps taken) and ``counters [5]`` (:data:`COUNTERS`).
     """
 
+    slot_ids: Tensor
+    slot_step: Tensor
+    slot_count: Tensor
+    slot_gen: Tensor
+    cand_ids: Tensor
+    cand_step: Tensor
+    cand_count: Tensor
+    counters: Tensor
+    step: Tensor
+
     def __init__(
         self,
         table: str,
@@ -109,8 +119,7 @@ class DynamicIdMapper(nn.Module):
         lo, hi = bucket_range if bucket_range is not None else (0, self.num_buckets)
         if not 0 <= lo < hi <= self.num_buckets:
             raise ValueError(
-                f"dynamic table '{table}': bucket range [{lo}, {hi}) is not a non-empty part of "
-                f"[0, {self.num_buckets})"
+                f"dynamic table '{table}': bucket range [{lo}, {hi}) is not a non-empty part of [0, {self.num_buckets})"
             )
         self.bucket_lo, self.bucket_hi = lo, hi
         self.row_offset = lo * self.slots_per_bucket
@@ -121,8 +130,13 @@ class DynamicIdMapper(nn.Module):
             self.register_buffer(name, torch.full((n,), fill, dtype=torch.int64, device=device))
 
         for name, n, fill in (
-            ("slot_ids", rows, 0), ("slot_step", rows, -1), ("slot_count", rows, 0), ("slot_gen", rows, 0),
-            ("cand_ids", cands, 0), ("cand_step", cands, -1), ("cand_count", cands, 0),
+            ("slot_ids", rows, 0),
+            ("slot_step", rows, -1),
+            ("slot_count", rows, 0),
+            ("slot_gen", rows, 0),
+            ("cand_ids", cands, 0),
+            ("cand_step", cands, -1),
+            ("cand_count", cands, 0),
             ("counters", len(COUNTERS), 0),
         ):
             buf(name, n, fill)
@@ -134,8 +148,11 @@ class DynamicIdMapper(nn.Module):
 
     def stats(self) -> dict[str, int]:
         """Occupancy, capacity, candidates held and the cumulative :data:`COUNTERS` (ints)."""
-        out = {"occupancy": int((self.slot_step >= 0).sum()), "capacity": self.capacity,
-               "candidates": int((self.cand_step >= 0).sum())}
+        out = {
+            "occupancy": int((self.slot_step >= 0).sum()),
+            "capacity": self.capacity,
+            "candidates": int((self.cand_step >= 0).sum()),
+        }
         out.update(zip(COUNTERS, (int(c) for c in self.counters.tolist()), strict=True))
         return out
 
@@ -207,8 +224,13 @@ class DynamicIdMapper(nn.Module):
         got = torch.full_like(ids, -1)
         lfu = self.config.eviction is EvictionPolicy.LFU
         placed, displaced = self._place(
-            ids[ready], bucket[ready], total[ready], step,
-            (self.slot_ids, self.slot_step, self.slot_count), self.slots_per_bucket, lfu,
+            ids[ready],
+            bucket[ready],
+            total[ready],
+            step,
+            (self.slot_ids, self.slot_step, self.slot_count),
+            self.slots_per_bucket,
+            lfu,
         )
         got[ready] = placed
         new = placed[placed >= 0]
@@ -223,8 +245,13 @@ class DynamicIdMapper(nn.Module):
             self.cand_step[cand[keep]], self.cand_count[cand[keep]] = step, total[keep]
             fresh = (~admitted & ~has_cand).nonzero().squeeze(1)
             where, lost = self._place(
-                ids[fresh], bucket[fresh], total[fresh], step,
-                (self.cand_ids, self.cand_step, self.cand_count), self.cands_per_bucket, False,
+                ids[fresh],
+                bucket[fresh],
+                total[fresh],
+                step,
+                (self.cand_ids, self.cand_step, self.cand_count),
+                self.cands_per_bucket,
+                False,
             )
             self._count("dropped_candidates", lost + (where < 0).sum())
         return got, new
@@ -248,8 +275,13 @@ class DynamicIdMapper(nn.Module):
 
     @staticmethod
     def _place(
-        ids: Tensor, bucket: Tensor, total: Tensor, step: int,
-        table: tuple[Tensor, Tensor, Tensor], width: int, lfu: bool,
+        ids: Tensor,
+        bucket: Tensor,
+        total: Tensor,
+        step: int,
+        table: tuple[Tensor, Tensor, Tensor],
+        width: int,
+        lfu: bool,
     ) -> tuple[Tensor, Tensor]:
         """Give unique ``ids`` entries of their buckets in ``table = (held, last, count)``.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -85,10 +85,13 @@ def optimizer_reset_hook(optimizer: torch.optim.Optimizer) -> ResetHook:
 class DynamicTables(nn.ModuleDict):
     """The id mappers of a collection's dynamic tables, keyed by table name."""
 
-    def __init__(self, tables: list[BaseEmbeddingConfig], device: torch.device | str | None) -> None:
+    def __init__(self, tables: Sequence[BaseEmbeddingConfig], device: torch.device | str | None) -> None:
         super().__init__(
-            {t.name: DynamicIdMapper(t.name, t.dynamic, t.num_embeddings, device=device)
-             for t in tables if t.dynamic is not None}
+            {
+                t.name: DynamicIdMapper(t.name, t.dynamic, t.num_embeddings, device=device)
+                for t in tables
+                if t.dynamic is not None
+            }
         )
         self._configs = {t.name: t for t in tables}
         self._hooks: OrderedDict[int, ResetHook] = OrderedDict()
@@ -98,12 +101,17 @@ class DynamicTables(nn.ModuleDict):
         self._hooks[handle.id] = hook
         return handle
 
+    def mapper(self, table: str) -> DynamicIdMapper:
+        mapper = self[table]
+        assert isinstance(mapper, DynamicIdMapper)  # internal invariant, not user input
+        return mapper
+
     def stats(self) -> dict[str, dict[str, int]]:
-        return {name: mapper.stats() for name, mapper in self.items()}
+        return {name: self.mapper(name).stats() for name in self.keys()}
 
     def slots(self, table: str, ids: Tensor, weight: Tensor, train: bool) -> Tensor:
         """Slots of raw ``ids`` (``-1``: not admitted); new slots are reset in ``weight`` first."""
-        result: LookupResult = self[table].map(ids, train)
+        result: LookupResult = self.mapper(table).map(ids, train)
         if result.new_slots.numel():
             config = self._configs[table]
             with torch.no_grad():
@@ -125,7 +133,7 @@ class DynamicTables(nn.ModuleDict):
         return slots[keep], _offsets(kept), None if weights is None else weights[keep]
 
     def check_static_ids(
-        self, features: KeyedJaggedTensor, tables: list[BaseEmbeddingConfig], rows: list[int], names: list[str]
+        self, features: KeyedJaggedTensor, tables: Sequence[BaseEmbeddingConfig], rows: list[int], names: list[str]
     ) -> None:
         """:func:`check_ids` for the static tables only (a dynamic table takes any int64 id)."""
         keep = [i for i, t in enumerate(tables) for _ in t.feature_names]

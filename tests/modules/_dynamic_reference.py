@@ -68,8 +68,9 @@ class ReferenceMapper:
             in_cand = {e.id: j for j, e in enumerate(cand) if e is not None}
             total = {i: counts[i] + (cand[in_cand[i]].count if i in in_cand else 0) for i in misses}
             ready = sorted((i for i in misses if total[i] >= self.min_count), key=lambda i: (-total[i], i))
-            free = sorted((j for j in range(self.S) if row[j] is None or row[j].step < step),
-                          key=lambda j: self._key(row[j], j))
+            free = sorted(
+                (j for j in range(self.S) if row[j] is None or row[j].step < step), key=lambda j: self._key(row[j], j)
+            )
             admitted = set()
             for i, j in zip(ready, free, strict=False):
                 self.stats["evictions"] += row[j] is not None
@@ -89,8 +90,10 @@ class ReferenceMapper:
                     else:
                         cand[in_cand[i]].step, cand[in_cand[i]].count = step, total[i]
             fresh = sorted((i for i in misses if i not in admitted and i not in in_cand), key=lambda i: (-total[i], i))
-            free_c = sorted((j for j in range(self.K) if cand[j] is None or cand[j].step < step),
-                            key=lambda j: (-1 if cand[j] is None else cand[j].step, j))
+            free_c = sorted(
+                (j for j in range(self.K) if cand[j] is None or cand[j].step < step),
+                key=lambda j: (-1 if cand[j] is None else cand[j].step, j),
+            )
             for n, i in enumerate(fresh):
                 if n < len(free_c):
                     j = free_c[n]
