@@ -122,6 +122,12 @@ class QuantEmbeddingBagCollection(nn.Module):
     ) -> QuantEmbeddingBagCollection:
         """Quantize a trained (unsharded, or loaded from a gathered checkpoint) collection."""
         device = ebc.device
+        dynamic = [t.name for t in ebc.embedding_bag_configs() if t.dynamic is not None]
+        if dynamic:
+            raise NotImplementedError(
+                f"QuantEmbeddingBagCollection.from_float: dynamic tables {dynamic} cannot be quantized yet "
+                "(the export of their id mapping is not built)"
+            )
         if device.type == "meta":
             raise ValueError(
                 "QuantEmbeddingBagCollection.from_float: the EmbeddingBagCollection is on the meta device "

@@ -434,3 +434,30 @@ def test_mapper_rejects_bad_bucket_ranges_and_foreign_ids() -> None:
     ids = torch.arange(20)
     with pytest.raises(ValueError, match=r"dynamic table 't': ids outside buckets \[0, 1\) were sent to this mapper"):
         part.lookup(ids, 0, True)
+
+
+def test_state_dict_round_trip_resumes_exactly() -> None:
+    config = DynamicConfig(num_buckets=2, min_count=2, eviction="lfu")
+    table = EmbeddingBagConfig(name="d", embedding_dim=2, num_embeddings=4, feature_names=["a"], dynamic=config)
+    a, b = EmbeddingBagCollection([table]), EmbeddingBagCollection([table])
+    batches = [KeyedJaggedTensor(["a"], torch.tensor(x), lengths=torch.tensor([len(x)])) for x in stream(8, 10, 5, 6)]
+    for kjt in batches[:4]:
+        a(kjt)
+    b.load_state_dict(a.state_dict())
+    for kjt in batches[4:]:
+        torch.testing.assert_close(a(kjt).values(), b(kjt).values(), rtol=0, atol=0)
+    assert a.dynamic_stats() == b.dynamic_stats()
+
+
+def test_sharding_and_quantizing_dynamic_tables_is_refused_for_now() -> None:
+    from lightning_shardrec import DistributedModelParallel
+    from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection
+
+    table = EmbeddingBagConfig(
+        name="d", embedding_dim=2, num_embeddings=4, feature_names=["a"], dynamic=DynamicConfig()
+    )
+    ebc = EmbeddingBagCollection([table])
+    with pytest.raises(NotImplementedError, match=r"dynamic tables 'd' \(module ''\) cannot be sharded yet"):
+        DistributedModelParallel(ebc)
+    with pytest.raises(NotImplementedError, match=r"dynamic tables \['d'\] cannot be quantized yet"):
+        QuantEmbeddingBagCollection.from_float(ebc)
