@@ -266,8 +266,10 @@ class DynamicIdMapper(nn.Module):
         step = max(1, _CHUNK // width)
         for start in range(0, ids.numel(), step):  # chunks bound memory, not a per-id loop
             part = slice(start, start + step)
-            idx = bucket[part, None] * width + cols
-            match = (held[idx] == ids[part, None]) & (last[idx] >= 0)
+            rows = bucket[part]
+            idx = rows[:, None] * width + cols
+            held_rows = held.view(-1, width).index_select(0, rows)  # whole-row gathers: fast
+            match = (held_rows == ids[part, None]) & (last.view(-1, width).index_select(0, rows) >= 0)
             first = match.to(torch.int8).argmax(dim=1)
             found = idx.gather(1, first[:, None]).squeeze(1)
             out[part] = torch.where(match.any(dim=1), found, -1)
@@ -298,16 +300,17 @@ class DynamicIdMapper(nn.Module):
         rank = _rank_in_group(b_sorted)
         touched, row = torch.unique_consecutive(b_sorted, return_inverse=True)
         idx = touched[:, None] * width + torch.arange(width, device=ids.device)
-        seen = last[idx]
+        seen = last.view(-1, width).index_select(0, touched)
         free = seen < step  # empty (-1) or not seen this step
         key = torch.where(free, seen, _INT64_MAX)
         perm = torch.sort(key, dim=1, stable=True).indices
         if lfu:
-            by_count = torch.where(free, count[idx], _INT64_MAX).gather(1, perm)
+            counts = count.view(-1, width).index_select(0, touched)
+            by_count = torch.where(free, counts, _INT64_MAX).gather(1, perm)
             perm = perm.gather(1, torch.sort(by_count, dim=1, stable=True).indices)
         ranked = idx.gather(1, perm)
         wins = rank < free.sum(dim=1)[row]
-        target = ranked[row, rank.clamp(max=width - 1)]
+        target = ranked.view(-1)[row * width + rank.clamp(max=width - 1)]
         chosen = target[wins]
         displaced = (last[chosen] >= 0).sum()
         held[chosen], last[chosen], count[chosen] = ids[order][wins], step, total[order][wins]
