@@ -377,7 +377,9 @@ def test_defaults_layout_and_positional_order() -> None:
     assert config.layout(1000, "t") == (100, 10) and config.layout(1001, "t") == (77, 13)
     assert config.layout(7, "t") == (1, 7) and DynamicConfig(num_buckets=10).layout(1000, "t") == (10, 100)
     assert config.candidate_slots(8) == 0 and DynamicConfig(min_count=2).candidate_slots(8) == 8
-    bag = EmbeddingBagConfig(8, 2, "t", "FP32", ["f"], None, None, None, None, False, "MEAN", dynamic=config)
+    bag = EmbeddingBagConfig(
+        8, 2, "t", "FP32", ["f"], None, None, None, None, False, None, None, False, None, False, "MEAN", dynamic=config
+    )
     assert bag.pooling.value == "MEAN" and bag.dynamic is config
 
 
@@ -461,3 +463,11 @@ def test_sharding_and_quantizing_dynamic_tables_is_refused_for_now() -> None:
         DistributedModelParallel(ebc)
     with pytest.raises(NotImplementedError, match=r"dynamic tables \['d'\] cannot be quantized yet"):
         QuantEmbeddingBagCollection.from_float(ebc)
+
+
+def test_variable_batch_kjt_is_refused_for_dynamic_tables() -> None:
+    from tests.modules.test_vbe import KEYS, vbe
+
+    table = EmbeddingBagConfig(name="d", embedding_dim=2, num_embeddings=4, feature_names=KEYS, dynamic=DynamicConfig())
+    with pytest.raises(NotImplementedError, match=r"dynamic tables \['d'\] do not take a variable-batch \(VBE\)"):
+        EmbeddingBagCollection([table])(vbe())
