@@ -6,12 +6,21 @@ with dicts and loops, to check the vectorised mapper against.
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from lightning_shardrec.modules import bucket_of
+
+ODD_IDS = [0, 1, -1, 7, -(2**63), 2**63 - 1, 123_456_789_012_345, -987_654_321_098]
+
+
+def stream(steps: int, pool: int, batch: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    ids = [rng.choice([-1, 1]) * rng.randrange(2**62) for _ in range(pool)] + ODD_IDS
+    return [[rng.choice(ids[: 4 + (len(ids) - 4) * (s + 1) // steps]) for _ in range(batch)] for s in range(steps)]
 
 
 @dataclass
