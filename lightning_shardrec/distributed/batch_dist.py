@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -32,6 +33,16 @@ from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 Split = Callable[[KeyedJaggedTensor], tuple[KeyedJaggedTensor, list[KeyedJaggedTensor]]]
+
+
+class BatchTag(Protocol):
+    """Ints every rank adds to the header (e.g. its loop position), and the check of all ranks' tags."""
+
+    width: int
+
+    def tag(self) -> list[int]: ...
+
+    def check(self, tags: list[list[int]], rank: int) -> None: ...
 
 
 @dataclass
@@ -52,17 +63,24 @@ def distribute_inputs(
     groups: Sequence[EmbeddingSharding],
     env: ShardingEnv,
     device: torch.device,
+    tag: BatchTag | None = None,
 ) -> DistContext:
     """The input distribution, now.
 
     ``split`` checks the batch and cuts it into one KJT per group. Every rank then sends
     one small header (its batch size, its id count per group and destination, a
     failure flag) before any bulk collective, so a bad batch on one rank stops every
-    rank with an error instead of a hang. Then each group routes its ids.
+    rank with an error instead of a hang; ``tag``'s ints ride along and are checked the same
+    way. Then each group routes its ids.
     """
     kjt, subs, routed, error = _split_and_route(features, split, groups)
-    recv = exchange_header(_header(kjt, routed, error, env.world_size, len(groups)).to(device), env).cpu()
+    header = _header(kjt, routed, error, env.world_size, len(groups))
+    if tag is not None:
+        header = torch.cat([header, torch.tensor([tag.tag()], dtype=torch.long).expand(env.world_size, -1)], 1)
+    recv = exchange_header(header.to(device), env).cpu()
     batch_sizes, recv_values = _read_header(recv, error, env, len(groups))
+    if tag is not None:
+        tag.check(recv[:, 2 + len(groups) :].tolist(), env.rank)
     inputs = [g.input_dist(s, r, v, batch_sizes) for g, s, r, v in zip(groups, subs, routed, recv_values, strict=True)]
     return DistContext(kjt, batch_sizes, inputs, subs, routed, recv_values)
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_shardrec.configs import BaseEmbeddingConfig
-from lightning_shardrec.distributed.batch_dist import DistContext, PrefetchHandle, Split, start_input_dist
+from lightning_shardrec.configs import BaseEmbeddingConfig, FusedOptimConfig
+from lightning_shardrec.distributed.batch_dist import BatchTag, DistContext, PrefetchHandle, Split, start_input_dist
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharding import EmbeddingSharding
 from lightning_shardrec.errors import ShardingError
-from lightning_shardrec.kernels import BatchedEmbeddingKernel
+from lightning_shardrec.kernels import BatchedEmbeddingKernel, KernelBackend
 from lightning_shardrec.planner import ShardMetadata
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
@@ -39,6 +39,8 @@ class ShardedCollection(nn.Module):
     #: handles started and not yet consumed, oldest first (at most ``max_prefetched``)
     _prefetched: tuple[PrefetchHandle, ...] = ()
     max_prefetched = 2
+    #: ints every rank adds to each (not prefetched) input distribution's header, checked on arrival
+    batch_tag: BatchTag | None = None
 
     def input_device(self) -> torch.device:
         """Where the input KJT goes before the input distribution."""
@@ -124,6 +126,12 @@ class ShardedCollection(nn.Module):
 
     def kernels(self) -> list[BatchedEmbeddingKernel]:
         return [g.kernel for g in self._groups() if g.fused and g.kernel is not None]
+
+    def rebuild_kernels(self, optim: FusedOptimConfig, backend: KernelBackend | str | None = None) -> None:
+        """Every fused group's kernel rebuilt to train with ``optim`` from fresh state (rows kept)."""
+        for g in self._groups():
+            if g.fused:
+                g.rebuild_kernel(optim, backend)
 
     def local_shards(self) -> dict[str, list[tuple[ShardMetadata, Tensor]]]:
         """``table -> [(shard metadata, [rows, cols] tensor)]`` held by this rank."""
