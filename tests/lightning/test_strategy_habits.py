@@ -166,9 +166,8 @@ def fit_clipped(rank, world, options):
         t.fit(Rec("sgd", lr=0.5), data(BATCH, STEPS))
     except ValueError as e:
         return str(e)
-    assert {k.grad_clip_value for s in t.strategy.sharded.values() for k in s.kernels()} == {
-        options.get("gradient_clip_val")
-    }
+    clips = {k.grad_clip_value for s in t.strategy.sharded.values() for k in s.kernels()}
+    assert clips <= {options.get("gradient_clip_val")}  # a rank may hold no fused shard
     return full_state(t)
 
 
