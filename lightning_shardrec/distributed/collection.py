@@ -15,7 +15,15 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import BaseEmbeddingConfig, FusedOptimConfig
-from lightning_shardrec.distributed.batch_dist import BatchTag, DistContext, PrefetchHandle, Split, start_input_dist
+from lightning_shardrec.distributed.batch_dist import (
+    BatchTag,
+    DistContext,
+    EndOfData,
+    PrefetchHandle,
+    Split,
+    start_end_of_data,
+    start_input_dist,
+)
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharding import EmbeddingSharding
 from lightning_shardrec.errors import ShardingError
@@ -76,9 +84,21 @@ class ShardedCollection(nn.Module):
             )
         while len(self._prefetched) >= self.max_prefetched:
             self.drop_prefetched(self._prefetched[0])
-        handle = start_input_dist(features, self._split, self._groups(), self._prefetch_env, self.input_device())
+        handle = start_input_dist(
+            features, self._split, self._groups(), self._prefetch_env, self.input_device(), self.batch_tag
+        )
         self._prefetched = (*self._prefetched, handle)
         return handle
+
+    def announce_end(self) -> EndOfData | None:
+        """Where the other ranks :meth:`prefetch` their next batch and this rank has none (the same collective).
+
+        ``wait()`` on the result raises :class:`~lightning_shardrec.errors.UnevenBatchesError`
+        on every rank unless every rank's data ended; None without a prefetch group or tag.
+        """
+        if self._prefetch_env is None or self.batch_tag is None:
+            return None
+        return start_end_of_data(self._groups(), self._prefetch_env, self.input_device(), self.batch_tag)
 
     def drop_prefetched(self, handle: PrefetchHandle | None = None) -> None:
         """Drain and forget ``handle`` (default: every handle not consumed). Same calls on every rank."""

@@ -64,9 +64,10 @@ def guard_clipping(precision: Any, value: float | None) -> None:
                 raise ValueError(NORM_CLIPPING)
             if value is None or float(clip_val) != value:
                 raise ValueError(
-                    f"ShardRecStrategy: clip_gradients(gradient_clip_val={clip_val}) comes after backward, when the fused "
-                    f"embedding tables have already been updated with gradients clipped at {value}; clip by value only "
-                    "through Trainer(gradient_clip_val=..., gradient_clip_algorithm='value') (automatic optimization)"
+                    f"ShardRecStrategy: clip_gradients(gradient_clip_val={clip_val}) comes after backward, when the "
+                    f"fused embedding tables have already been updated with gradients clipped at {value}; clip by "
+                    "value only through Trainer(gradient_clip_val=..., gradient_clip_algorithm='value') "
+                    "(automatic optimization)"
                 )
         original(optimizer, clip_val, gradient_clip_algorithm)
 
@@ -142,9 +143,9 @@ class ShardedGuard:
             trainer = self._trainer()
             if trainer is None or not _running(trainer):
                 raise CollectiveCallError(
-                    f"{type(module).__name__} '{path}' was called outside trainer.fit/validate/test/predict. Its forward "
-                    "is collective (every rank takes part in each call), so a call on one rank would hang or fail in "
-                    "the transport. Use trainer.predict(model, loader) on every rank; or on every rank, "
+                    f"{type(module).__name__} '{path}' was called outside trainer.fit/validate/test/predict. Its "
+                    "forward is collective (every rank takes part in each call), so a call on one rank would hang or "
+                    "fail in the transport. Use trainer.predict(model, loader) on every rank; or on every rank, "
                     "`with trainer.strategy.collective(): model(batch)`; or load trainer.strategy.full_state_dict() "
                     "(every rank) into an unsharded model"
                 )
@@ -152,8 +153,12 @@ class ShardedGuard:
         return hook
 
     # --- the batch position in every input distribution header ------------------------------------
-    def tag(self) -> list[int]:
-        """This rank's loop position: ``[phase, epoch, batch, data ends after it, training stops after it]``."""
+    def tag(self, ahead: bool = False, ended: bool = False) -> list[int]:
+        """This rank's loop position: ``[phase, epoch, batch, data ends, training stops after it]``.
+
+        "data ends": 1 after this batch, 2 before it (``ended``: the next batch, which this rank
+        lacks, where the others prefetch theirs). ``ahead``: the position of the next batch.
+        """
         trainer = self._trainer()
         if self._collective or trainer is None or not _running(trainer):
             return [0] * self.width
@@ -162,8 +167,8 @@ class ShardedGuard:
             module = trainer.lightning_module
             automatic = module is None or module.automatic_optimization
             stops = automatic and trainer.max_steps not in (-1, None) and trainer.global_step + 1 >= trainer.max_steps
-            last = bool(loop.batch_progress.is_last_batch)
-            return [1, trainer.current_epoch, loop.batch_idx, int(last), int(stops)]
+            ends = 2 if ended else 0 if ahead else int(bool(loop.batch_progress.is_last_batch))
+            return [1, trainer.current_epoch, loop.batch_idx + int(ahead), ends, int(stops and not ahead)]
         phase = 3 if trainer.testing else 4 if trainer.predicting else 2
         loop = trainer.predict_loop if trainer.predicting else trainer._evaluation_loop
         if loop is None:
@@ -186,10 +191,11 @@ class ShardedGuard:
         if ends and len(ends) < len(tags) and not any(t[4] for t in tags):
             more = [r for r in range(len(tags)) if r not in ends]
             phase, epoch, batch = tags[0][:3]
-            count = f"{batch + 1} batches" + (f" in epoch {epoch}" if phase == 1 else "")
+            count = batch + 1 if tags[ends[0]][3] == 1 else batch  # 2: the batch at `batch` is the one missing
+            what = f"{count} batches" + (f" in epoch {epoch}" if phase == 1 else "")
             raise UnevenBatchesError(
-                f"rank {rank}: uneven batch counts: the {_PHASES[phase]} data of ranks {ends} ends after {count}, "
-                f"while ranks {more} have more (batch {batch + 1} is next). Every rank must run the same number of "
+                f"rank {rank}: uneven batch counts: the {_PHASES[phase]} data of ranks {ends} ends after {what}, "
+                f"while ranks {more} have more (batch {count} is next). Every rank must run the same number of "
                 "batches: deal each rank an equal count (drop or pad the remainder), or use a sized dataset and "
                 "Lightning's DistributedSampler; stopping all ranks"
             )

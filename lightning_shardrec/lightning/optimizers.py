@@ -121,7 +121,7 @@ _LAZY_ADAM = (
 
 
 def rule_gap(holder: Holder | None, config: FusedOptimConfig, explicit: bool) -> str | None:
-    """How the fused ``config`` trains a table differently from ``holder``'s optimizer in one process; None: exactly alike.
+    """How the fused ``config`` trains a table unlike ``holder``'s optimizer in one process; None: exactly alike.
 
     ``explicit``: ``config`` came from ``embedding_optimizer``/``embedding_lr`` rather than
     from the optimizer. Exact: plain SGD and Adagrad (no weight decay), whose update of a row
@@ -166,7 +166,8 @@ def rule_report(
 ) -> str:
     """The fit-start line: which update rule each table gets and how it differs; raises under ``strict``."""
     gap = rule_gap(holder, config, explicit) if fused else None
-    source = "given by embedding_optimizer" if explicit or holder is None else f"derived from {type(holder[0]).__name__}"
+    given = explicit or holder is None
+    source = "given by embedding_optimizer" if given else f"derived from {type(holder[0]).__name__}"  # type: ignore[index]
     lines = []
     if fused:
         how = "exact: each row moves as in one process" if gap is None else f"differs from one process: {gap}"

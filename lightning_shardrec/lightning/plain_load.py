@@ -85,4 +85,4 @@ def install() -> None:
 
     for module, refuse_resume in ((saving, False), (torch_io, True)):
         if not hasattr(module.pl_load, "__wrapped__"):
-            module.pl_load = _wrap(module.pl_load, refuse_resume)
+            module.pl_load = _wrap(module.pl_load, refuse_resume)  # type: ignore[attr-defined]

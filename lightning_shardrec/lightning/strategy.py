@@ -36,8 +36,8 @@ from lightning_shardrec.distributed.model_parallel import find_collections, shar
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
-from lightning_shardrec.lightning.checkpointing import ShardedCheckpointing
 from lightning_shardrec.lightning import guards
+from lightning_shardrec.lightning.checkpointing import ShardedCheckpointing
 from lightning_shardrec.lightning.optimizers import (
     derive_fused_config,
     find_group,
@@ -245,7 +245,7 @@ class ShardRecStrategy(ShardedCheckpointing):
         for coll in self.sharded.values():  # for a later Trainer's strategy (see _adopt)
             coll.shardrec_origin = (self.plan, self._holder_slot, self._config)  # type: ignore[assignment]
         if self.guard is None and self.sharded:
-            self.guard = guards.ShardedGuard(self.sharded, lambda: self.lightning_module and self.lightning_module._trainer)
+            self.guard = guards.ShardedGuard(self.sharded, lambda: getattr(self.lightning_module, "_trainer", None))
         if fitting:
             self.model = self._wrap_dense(self.model)
             self._register_ddp_hooks()
@@ -271,8 +271,9 @@ class ShardRecStrategy(ShardedCheckpointing):
 
     def _fit_guards(self, trainer: Any, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> None:
         """At every fit: report (or, strict, refuse) each table's rule; clip fused rows by value or refuse norm."""
-        fused = sorted({t.config.name for s in self.sharded.values() for g in s.groups if g.fused for t in g.tables})
-        dense = sorted({t.config.name for s in self.sharded.values() for g in s.groups if not g.fused for t in g.tables})
+        groups = [g for s in self.sharded.values() for g in s._groups()]
+        fused = sorted({t.config.name for g in groups if g.fused for t in g.tables})
+        dense = sorted({t.config.name for g in groups if not g.fused for t in g.tables})
         explicit = self._embedding_optimizer is not None or self._embedding_lr is not None
         rank_zero_info(rule_report(holder, self._config, explicit, fused, dense, self._strict_optimizer))
         clip = guards.fused_clip_value(trainer) if fused else None
@@ -358,6 +359,8 @@ class ShardRecStrategy(ShardedCheckpointing):
         super().post_backward(closure_loss)
         if self._finite is not None:
             self._finite.check_rows()
+        if self.pipeline is not None:
+            self.pipeline.after_backward()
 
     @override
     def on_train_start(self) -> None:

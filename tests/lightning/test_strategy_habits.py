@@ -105,7 +105,7 @@ def _holder(opt_cls, **hparams):
 def test_fit_start_report_names_each_tables_rule():
     exact = _holder(torch.optim.Adagrad, lr=0.05)
     line = rule_report(exact, derive_fused_config(*exact), False, ["t_big"], ["t_tiny"], strict=True)
-    assert "fused tables ['t_big'] train with 'adagrad' (lr=0.05, eps=1e-10, weight_decay=0) derived from Adagrad" in line
+    assert "fused tables ['t_big'] train with 'adagrad' (lr=0.05, eps=1e-10, weight_decay=0) derived from" in line
     assert "exact: each row moves as in one process" in line
     assert "data-parallel tables ['t_tiny'] train in Adagrad itself (exact)" in line
     adam = _holder(torch.optim.Adam, lr=0.01)
@@ -124,10 +124,16 @@ def test_fit_start_report_names_each_tables_rule():
 
 
 @pytest.mark.parametrize(
-    "opt", [_holder(torch.optim.Adam, lr=0.01), _holder(torch.optim.AdamW, lr=0.01), _holder(torch.optim.SGD, lr=0.1, weight_decay=0.1)]
+    "opt",
+    [
+        _holder(torch.optim.Adam, lr=0.01),
+        _holder(torch.optim.AdamW, lr=0.01),
+        _holder(torch.optim.SGD, lr=0.1, weight_decay=0.1),
+    ],
 )
 def test_strict_optimizer_refuses_inexact_rules(opt):
-    with pytest.raises(ValueError, match=r"ShardRecStrategy\(strict_optimizer=True\): fused tables \['t_big'\] would train"):
+    strict = r"ShardRecStrategy\(strict_optimizer=True\): fused tables \['t_big'\] would train"
+    with pytest.raises(ValueError, match=strict):
         rule_report(opt, derive_fused_config(*opt), False, ["t_big"], [], strict=True)
 
 
@@ -179,7 +185,8 @@ def test_value_clipping_is_exact(world):
     want = model.state_dict()
     unclipped = Rec("sgd", lr=0.5)
     trainer(devices=1, max_steps=STEPS).fit(unclipped, data(BATCH * world, STEPS))
-    assert (unclipped.state_dict()["ebc.embedding_bags.t_big.weight"] - want["ebc.embedding_bags.t_big.weight"]).abs().max() > 1e-3
+    key = "ebc.embedding_bags.t_big.weight"
+    assert (unclipped.state_dict()[key] - want[key]).abs().max() > 1e-3  # the clipping engages
     for rank, got in enumerate(run_ranks(fit_clipped, world, clip)):
         assert_same(got, want, f"value clipping W={world} rank {rank}")
 
@@ -277,7 +284,7 @@ class _Batches(torch.utils.data.IterableDataset):
         yield from self.batches
 
 
-def fit_uneven(rank, world, counts, max_steps, epochs):
+def fit_uneven(rank, world, counts, max_steps, epochs, pipeline=False):
     from lightning_shardrec.errors import UnevenBatchesError
 
     external_launch(rank, world)
@@ -285,7 +292,7 @@ def fit_uneven(rank, world, counts, max_steps, epochs):
     dm.setup("fit")
     batches = [dm.datasets["train"].batch(i) for i in range(counts[rank])]
     loader = torch.utils.data.DataLoader(_Batches(batches), batch_size=None)
-    t = trainer(strategy=strategy(), devices=world, max_steps=max_steps, max_epochs=epochs)
+    t = trainer(strategy=strategy(pipeline=pipeline), devices=world, max_steps=max_steps, max_epochs=epochs)
     error = None
     try:
         t.fit(Rec(), loader)
@@ -295,8 +302,9 @@ def fit_uneven(rank, world, counts, max_steps, epochs):
     return error, t.global_step
 
 
-def test_uneven_batch_counts_stop_every_rank_by_name():
-    results = run_ranks(fit_uneven, 3, [3, 2, 2], -1, 1, timeout=120)
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_uneven_batch_counts_stop_every_rank_by_name(pipeline):
+    results = run_ranks(fit_uneven, 3, [3, 2, 2], -1, 1, pipeline, timeout=120)
     for rank, (msg, step) in enumerate(results):
         assert msg == (
             f"rank {rank}: uneven batch counts: the training data of ranks [1, 2] ends after 2 batches in epoch 0, "
@@ -304,9 +312,10 @@ def test_uneven_batch_counts_stop_every_rank_by_name():
             "rank an equal count (drop or pad the remainder), or use a sized dataset and Lightning's "
             "DistributedSampler; stopping all ranks"
         )
-        assert step == 1  # stopped in the forward of the last batch they share, before its update
+        # stopped at the last batch they share (pipeline: rank 0 finds out one update later)
+        assert step == (2 if pipeline and rank == 0 else 1)
     # a limit that every rank reaches first is no error: 2/3 batches with max_steps=2 trains 2 steps
-    assert run_ranks(fit_uneven, 2, [2, 3], 2, 1) == [(None, 2), (None, 2)]
+    assert run_ranks(fit_uneven, 2, [2, 3], 2, 1, pipeline) == [(None, 2), (None, 2)]
 
 
 def test_uneven_counts_across_epochs_stop_every_rank():
