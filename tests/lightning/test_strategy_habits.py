@@ -318,9 +318,29 @@ def test_uneven_batch_counts_stop_every_rank_by_name(pipeline):
     assert run_ranks(fit_uneven, 2, [2, 3], 2, 1, pipeline) == [(None, 2), (None, 2)]
 
 
-def test_uneven_counts_across_epochs_stop_every_rank():
+def validate_uneven(rank, world, counts):
+    from lightning_shardrec.errors import UnevenBatchesError
+
+    external_launch(rank, world)
+    dm = data(4, 1, val_batches=max(counts))
+    dm.setup("validate")
+    batches = [dm.datasets["val"].batch(i) for i in range(counts[rank])]
+    t = trainer(strategy=strategy(), devices=world)
+    try:
+        t.validate(Rec(), torch.utils.data.DataLoader(_Batches(batches), batch_size=None), verbose=False)
+    except UnevenBatchesError as e:
+        return str(e)
+    return "validated"
+
+
+def test_uneven_counts_across_epochs_and_in_validation_stop_every_rank():
     for msg, _ in run_ranks(fit_uneven, 2, [2, 3], -1, 2):
         assert "uneven batch counts: the training data of ranks [0] ends after 2 batches in epoch 0" in msg
+    for rank, msg in enumerate(run_ranks(validate_uneven, 2, [3, 2])):
+        assert msg.startswith(
+            f"rank {rank}: uneven batch counts: the validation data of ranks [1] ends after 2 batches, while ranks "
+            "[0] have more (batch 2 is next)"
+        )
 
 
 # --- 7 (and issue 22.8): shardrec checkpoints read without the strategy -----------------------------------
