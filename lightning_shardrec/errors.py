@@ -35,3 +35,15 @@ def unknown_name(kind: str, name: object, available: list[str]) -> ValueError:
 
 class NonFiniteError(ShardRecError, FloatingPointError):
     """A NaN/inf reached (or came out of) a fused embedding update; the message names the table."""
+
+
+class UnevenBatchesError(ShardingError):
+    """Ranks ran different numbers of batches into one sharded module; the message names the ranks and counts."""
+
+
+class CollectiveCallError(ShardRecError):
+    """A collective sharded forward was called where the other ranks cannot be taking part."""
+
+
+class ShardedStateError(ShardRecError):
+    """A sharded module's ``state_dict()`` was asked for where only the full (gathered) one is meaningful."""

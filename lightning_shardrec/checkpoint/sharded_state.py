@@ -249,6 +249,17 @@ def convert_to_full(checkpoint_dir: str | Path, out_file: str | Path) -> None:
     inference code read it directly. The checkpoint is read without running pickled code and
     ``out_file`` is replaced atomically.
     """
+    save_file(read_full(checkpoint_dir), Path(out_file))
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a local directory written by :func:`save_sharded`."""
+    path = Path(path)
+    return path.is_dir() and (path / META_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def read_full(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """A sharded checkpoint directory as one full checkpoint dict (one process, no group, no pickled code)."""
     checkpoint_dir = Path(checkpoint_dir)
     metadata = read_metadata(checkpoint_dir)
     raise_if_any(checkpoint_dir, file_problems(checkpoint_dir, metadata))
@@ -260,7 +271,7 @@ def convert_to_full(checkpoint_dir: str | Path, out_file: str | Path) -> None:
     except CheckpointException as e:
         raise CheckpointError(f"reading checkpoint '{checkpoint_dir}' failed:\n  " + "\n  ".join(describe(e))) from None
     meta["state_dict"] = full["state_dict"]
-    save_file(meta, Path(out_file))
+    return meta
 
 
 META_FILE = "meta.pt"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -32,6 +33,18 @@ from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 Split = Callable[[KeyedJaggedTensor], tuple[KeyedJaggedTensor, list[KeyedJaggedTensor]]]
+
+
+class BatchTag(Protocol):
+    """Ints every rank adds to the header (e.g. its loop position), and the check of all ranks' tags."""
+
+    width: int
+
+    def tag(self, ahead: bool = False, ended: bool = False) -> list[int]:
+        """This rank's ints; ``ahead``: for the batch after this one (prefetch), ``ended``: which this rank lacks."""
+        ...
+
+    def check(self, tags: list[list[int]], rank: int) -> None: ...
 
 
 @dataclass
@@ -52,17 +65,22 @@ def distribute_inputs(
     groups: Sequence[EmbeddingSharding],
     env: ShardingEnv,
     device: torch.device,
+    tag: BatchTag | None = None,
 ) -> DistContext:
     """The input distribution, now.
 
     ``split`` checks the batch and cuts it into one KJT per group. Every rank then sends
     one small header (its batch size, its id count per group and destination, a
     failure flag) before any bulk collective, so a bad batch on one rank stops every
-    rank with an error instead of a hang. Then each group routes its ids.
+    rank with an error instead of a hang; ``tag``'s ints ride along and are checked the same
+    way. Then each group routes its ids.
     """
     kjt, subs, routed, error = _split_and_route(features, split, groups)
-    recv = exchange_header(_header(kjt, routed, error, env.world_size, len(groups)).to(device), env).cpu()
+    header = _with_tag(_header(kjt, routed, error, env.world_size, len(groups)), tag)
+    recv = exchange_header(header.to(device), env).cpu()
     batch_sizes, recv_values = _read_header(recv, error, env, len(groups))
+    if tag is not None:
+        tag.check(recv[:, 2 + len(groups) :].tolist(), env.rank)
     inputs = [g.input_dist(s, r, v, batch_sizes) for g, s, r, v in zip(groups, subs, routed, recv_values, strict=True)]
     return DistContext(kjt, batch_sizes, inputs, subs, routed, recv_values)
 
@@ -73,6 +91,7 @@ def start_input_dist(
     groups: Sequence[EmbeddingSharding],
     env: ShardingEnv,
     device: torch.device,
+    tag: BatchTag | None = None,
 ) -> PrefetchHandle:
     """The input distribution, started: local checks and routing now, the header all-to-all issued async.
 
@@ -82,9 +101,43 @@ def start_input_dist(
     """
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     kjt, subs, routed, error = _split_and_route(features, split, groups)
-    header = _header(kjt, routed, error, env.world_size, len(groups)).to(device)
-    recv, work = exchange_header_async(header, env)
-    return PrefetchHandle(features, groups, env, stream, kjt, subs, routed, error, recv, work)
+    header = _with_tag(_header(kjt, routed, error, env.world_size, len(groups)), tag, ahead=True)
+    recv, work = exchange_header_async(header.to(device), env)
+    return PrefetchHandle(features, groups, env, stream, kjt, subs, routed, error, recv, work, tag)
+
+
+def start_end_of_data(
+    groups: Sequence[EmbeddingSharding], env: ShardingEnv, device: torch.device, tag: BatchTag
+) -> EndOfData:
+    """Where the other ranks prefetch their next batch and this rank has none: send a header saying so (async)."""
+    header = torch.zeros(env.world_size, 2 + len(groups), dtype=torch.long)
+    recv, work = exchange_header_async(_with_tag(header, tag, ahead=True, ended=True).to(device), env)
+    return EndOfData(recv, work, tag, env, len(groups))
+
+
+class EndOfData:
+    """The header of :func:`start_end_of_data` in flight; :meth:`wait` raises unless every rank's data ended too."""
+
+    def __init__(
+        self, header: Tensor, work: torch.distributed.Work | None, tag: BatchTag, env: ShardingEnv, groups: int
+    ) -> None:
+        self._header, self._work, self._tag, self._env, self._groups = header, work, tag, env, groups
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        recv = self._header.cpu()
+        _read_header(recv, None, self._env, self._groups)
+        self._tag.check(recv[:, 2 + self._groups :].tolist(), self._env.rank)
+
+
+def _with_tag(header: Tensor, tag: BatchTag | None, ahead: bool = False, ended: bool = False) -> Tensor:
+    """``header`` with ``tag``'s ints appended to every row (unchanged without a tag)."""
+    if tag is None:
+        return header
+    ints = torch.tensor([tag.tag(ahead=ahead, ended=ended)], dtype=torch.long).expand(header.shape[0], -1)
+    return torch.cat([header, ints], 1)
 
 
 class PrefetchHandle:
@@ -102,11 +155,12 @@ class PrefetchHandle:
         error: Exception | None,
         header: Tensor,
         header_work: torch.distributed.Work | None,
+        tag: BatchTag | None = None,
     ) -> None:
         self.features = features
         self._groups, self._env, self._stream = groups, env, stream
         self._kjt, self._subs, self._routed, self._error = kjt, subs, routed, error
-        self._header, self._header_work = header, header_work
+        self._header, self._header_work, self._tag = header, header_work, tag
         self._progressed = False
         self._failure: Exception | None = None
         self._batch_sizes: list[int] = []
@@ -128,6 +182,8 @@ class PrefetchHandle:
             recv = self._header.cpu()
             try:
                 self._batch_sizes, self._recv_values = _read_header(recv, self._error, self._env, len(self._groups))
+                if self._tag is not None:
+                    self._tag.check(recv[:, 2 + len(self._groups) :].tolist(), self._env.rank)
             except (KeyError, ValueError, ShardingError) as e:  # every rank sees the flag: none issues more
                 self._failure = e
                 return
@@ -136,6 +192,11 @@ class PrefetchHandle:
                     self._pending.append(g.input_dist(s, r, v, self._batch_sizes))
                 else:
                     self._pending.append(exchange_async(r, v, g.received_keys(), self._batch_sizes, self._env))
+
+    @property
+    def failure(self) -> Exception | None:
+        """The error :meth:`wait` will raise (known once :meth:`progress` has read the header)."""
+        return self._failure
 
     def wait(self) -> DistContext:
         """The batch's :class:`DistContext` (what :func:`distribute_inputs` returns); raises a bad batch's error."""

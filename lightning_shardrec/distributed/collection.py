@@ -14,12 +14,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_shardrec.configs import BaseEmbeddingConfig
-from lightning_shardrec.distributed.batch_dist import DistContext, PrefetchHandle, Split, start_input_dist
+from lightning_shardrec.configs import BaseEmbeddingConfig, FusedOptimConfig
+from lightning_shardrec.distributed.batch_dist import (
+    BatchTag,
+    DistContext,
+    EndOfData,
+    PrefetchHandle,
+    Split,
+    start_end_of_data,
+    start_input_dist,
+)
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharding import EmbeddingSharding
 from lightning_shardrec.errors import ShardingError
-from lightning_shardrec.kernels import BatchedEmbeddingKernel
+from lightning_shardrec.kernels import BatchedEmbeddingKernel, KernelBackend
 from lightning_shardrec.planner import ShardMetadata
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
@@ -39,6 +47,8 @@ class ShardedCollection(nn.Module):
     #: handles started and not yet consumed, oldest first (at most ``max_prefetched``)
     _prefetched: tuple[PrefetchHandle, ...] = ()
     max_prefetched = 2
+    #: ints every rank adds to each (not prefetched) input distribution's header, checked on arrival
+    batch_tag: BatchTag | None = None
 
     def input_device(self) -> torch.device:
         """Where the input KJT goes before the input distribution."""
@@ -74,9 +84,21 @@ class ShardedCollection(nn.Module):
             )
         while len(self._prefetched) >= self.max_prefetched:
             self.drop_prefetched(self._prefetched[0])
-        handle = start_input_dist(features, self._split, self._groups(), self._prefetch_env, self.input_device())
+        handle = start_input_dist(
+            features, self._split, self._groups(), self._prefetch_env, self.input_device(), self.batch_tag
+        )
         self._prefetched = (*self._prefetched, handle)
         return handle
+
+    def announce_end(self) -> EndOfData | None:
+        """Where the other ranks :meth:`prefetch` their next batch and this rank has none (the same collective).
+
+        ``wait()`` on the result raises :class:`~lightning_shardrec.errors.UnevenBatchesError`
+        on every rank unless every rank's data ended; None without a prefetch group or tag.
+        """
+        if self._prefetch_env is None or self.batch_tag is None:
+            return None
+        return start_end_of_data(self._groups(), self._prefetch_env, self.input_device(), self.batch_tag)
 
     def drop_prefetched(self, handle: PrefetchHandle | None = None) -> None:
         """Drain and forget ``handle`` (default: every handle not consumed). Same calls on every rank."""
@@ -124,6 +146,12 @@ class ShardedCollection(nn.Module):
 
     def kernels(self) -> list[BatchedEmbeddingKernel]:
         return [g.kernel for g in self._groups() if g.fused and g.kernel is not None]
+
+    def rebuild_kernels(self, optim: FusedOptimConfig, backend: KernelBackend | str | None = None) -> None:
+        """Every fused group's kernel rebuilt to train with ``optim`` from fresh state (rows kept)."""
+        for g in self._groups():
+            if g.fused:
+                g.rebuild_kernel(optim, backend)
 
     def local_shards(self) -> dict[str, list[tuple[ShardMetadata, Tensor]]]:
         """``table -> [(shard metadata, [rows, cols] tensor)]`` held by this rank."""

@@ -109,7 +109,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         return _trim_vbe(out, features, self._feature_names) if features.variable_stride_per_key() else out
 
     def input_dist(self, features: KeyedJaggedTensor) -> DistContext:
-        return distribute_inputs(features, self._split, self.groups, self.env, self._device)
+        return distribute_inputs(features, self._split, self.groups, self.env, self._device, self.batch_tag)
 
     def input_device(self) -> torch.device:
         return self._device

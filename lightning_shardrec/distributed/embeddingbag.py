@@ -95,7 +95,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         return self.output_dist(self.compute(ctx), ctx)
 
     def input_dist(self, features: KeyedJaggedTensor) -> DistContext:
-        return distribute_inputs(features, self._split, self.groups, self.env, self._mean_dims.device)
+        return distribute_inputs(features, self._split, self.groups, self.env, self._mean_dims.device, self.batch_tag)
 
     def input_device(self) -> torch.device:
         return self._mean_dims.device

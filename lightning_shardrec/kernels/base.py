@@ -84,6 +84,9 @@ class BatchedEmbeddingKernel(nn.Module):
         self.hparams: dict[str, Any] = hparams_from(optim)
         self.feature_dims = [tables[t].embedding_dim for t in feature_table]
         self._device = torch.device(device)
+        #: clamp each touched row's summed gradient to ``[-v, v]`` before the rule (what
+        #: ``clip_grad_value_`` does to a table's dense gradient); None: no clipping
+        self.grad_clip_value: float | None = None
 
     # --- to implement ---------------------------------------------------------------
     def forward(self, kjt: KeyedJaggedTensor) -> Tensor:  # pragma: no cover - abstract

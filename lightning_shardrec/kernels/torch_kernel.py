@@ -132,6 +132,8 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
     ) -> None:
         """Apply the rule to the rows of ``ids``; id ``i``'s gradient is ``grad[source[i]] * weights[i]``."""
         rows, row_grad = row_updates.accumulate_rows(ids, grad, source, weights, num_rows=g.rows)
+        if self.grad_clip_value is not None:  # a dense table gradient is these per-row sums: clamp them
+            row_grad.clamp_(-self.grad_clip_value, self.grad_clip_value)
         state = self._state(g)
         if "step" in state:
             state["step"].add_(1)

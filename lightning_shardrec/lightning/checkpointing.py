@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import pickle
 from collections.abc import Mapping
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,12 @@ from lightning_shardrec.checkpoint import (
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.lightning.pipeline import TrainPipeline
+from lightning_shardrec.lightning.plain_load import install, own_load
 from lightning_shardrec.optim import FusedOptimizer
 from lightning_shardrec.planner import ShardingPlan
 
 log = logging.getLogger(__name__)
+install()  # Model.load_from_checkpoint reads sharded directories; a plain Trainer refuses to resume by name
 _FUSED_KEY = "shardrec_fused_optimizer"
 
 
@@ -64,7 +67,9 @@ class ShardedCheckpointing(DDPStrategy):
 
     def _dense_state(self) -> dict[str, torch.Tensor]:
         prefixes = tuple(f"{p}." for p in self.sharded)
-        state = self.lightning_module.state_dict()  # type: ignore[union-attr]
+        guard = getattr(self, "guard", None)
+        with nullcontext() if guard is None else guard.allow_state_dict():
+            state = self.lightning_module.state_dict()  # type: ignore[union-attr]
         return {k: v for k, v in state.items() if not k.startswith(prefixes)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -147,7 +152,8 @@ class ShardedCheckpointing(DDPStrategy):
     def _load_file(self, checkpoint_path: Any, weights_only: bool) -> dict[str, Any]:
         """Lightning's loader (``weights_only=True`` unless the caller trusts the file), errors made clear."""
         try:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            with own_load():
+                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except pickle.UnpicklingError as e:
             raise CheckpointError(
                 f"checkpoint '{checkpoint_path}' holds objects other than tensors and plain containers; refusing to "

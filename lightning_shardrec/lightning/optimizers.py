@@ -4,7 +4,8 @@
 group trained each table, derive the fused optimizer from it (SGD -> sgd,
 Adagrad -> adagrad, Adam/AdamW -> row-sparse adam/adamw, same hyper-parameters),
 and take the table parameters out so the dense optimizer never allocates state
-for them.
+for them. :func:`rule_gap` says where the fused rule differs from what the user's
+optimizer does to a table in one process (the fit-start report and ``strict_optimizer``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lightning_shardrec.configs import EmbOptimType, FusedOptimConfig
 
 
 def _sgd(group: dict[str, Any]) -> FusedOptimConfig:
+    _no_maximize("SGD", group)
     if group.get("momentum", 0) or group.get("nesterov", False):
         raise ValueError(
             f"SGD with momentum={group.get('momentum')} has no fused row-sparse form; pass "
@@ -28,6 +30,7 @@ def _sgd(group: dict[str, Any]) -> FusedOptimConfig:
 
 
 def _adagrad(group: dict[str, Any]) -> FusedOptimConfig:
+    _no_maximize("Adagrad", group)
     odd = {k: group[k] for k in ("lr_decay", "initial_accumulator_value") if group.get(k, 0)}
     if odd:
         raise ValueError(
@@ -41,6 +44,7 @@ def _adagrad(group: dict[str, Any]) -> FusedOptimConfig:
 
 def _adam(kind: EmbOptimType):  # type: ignore[no-untyped-def]
     def derive(group: dict[str, Any]) -> FusedOptimConfig:
+        _no_maximize(kind.value, group)
         if group.get("amsgrad", False):
             raise ValueError("Adam(amsgrad=True) has no fused form; pass ShardRecStrategy(embedding_optimizer=...)")
         b1, b2 = group["betas"]
@@ -54,6 +58,14 @@ def _adam(kind: EmbOptimType):  # type: ignore[no-untyped-def]
         )
 
     return derive
+
+
+def _no_maximize(name: str, group: dict[str, Any]) -> None:
+    if group.get("maximize", False):
+        raise ValueError(
+            f"{name}(maximize=True) has no fused form (the fused tables descend); negate the loss instead, or pass "
+            "ShardRecStrategy(embedding_optimizer=...) for the tables"
+        )
 
 
 _DERIVE = {
@@ -97,3 +109,94 @@ def remove_params(optimizers: list[torch.optim.Optimizer], params: Iterable[nn.P
             group["params"] = [p for p in group["params"] if id(p) not in gone]
         for p in [p for p in opt.state if id(p) in gone]:
             del opt.state[p]
+
+
+Holder = tuple[torch.optim.Optimizer, dict[str, Any]]
+
+_LAZY_ADAM = (
+    "row-sparse ('lazy') {name}: a row a batch does not touch keeps its weight and moments, while torch.optim.{name} "
+    "decays every row's moments and keeps moving every row that has any; the two agree after one step and differ "
+    "from the second on (lazy Adam is torch.optim.SparseAdam's rule and TorchRec's fused Adam)"
+)
+
+
+def rule_gap(holder: Holder | None, config: FusedOptimConfig, explicit: bool) -> str | None:
+    """How the fused ``config`` trains a table unlike ``holder``'s optimizer in one process; None: exactly alike.
+
+    ``explicit``: ``config`` came from ``embedding_optimizer``/``embedding_lr`` rather than
+    from the optimizer. Exact: plain SGD and Adagrad (no weight decay), whose update of a row
+    with a zero gradient is zero, so updating only the touched rows changes nothing.
+    """
+    if holder is None:
+        return (
+            "no optimizer of configure_optimizers holds the tables' parameters: one process would not train them, "
+            f"the fused optimizer trains them with '{config.optimizer.value}'"
+        )
+    opt, group = holder
+    name = type(opt).__name__
+    try:
+        derived: FusedOptimConfig | None = derive_fused_config(opt, group)
+    except ValueError:
+        derived = None
+    if explicit and config != derived:
+        return f"embedding_optimizer/embedding_lr set the tables' rule to {describe(config)}, not {name}'s"
+    if config.optimizer in (EmbOptimType.ADAM, EmbOptimType.ADAMW):
+        return _LAZY_ADAM.format(name="AdamW" if config.optimizer is EmbOptimType.ADAMW else "Adam")
+    if config.weight_decay:
+        return (
+            f"weight_decay={config.weight_decay} decays only the rows a batch touches; torch.optim.{name} decays "
+            "every row at every step"
+        )
+    return None
+
+
+def describe(config: FusedOptimConfig) -> str:
+    """``'adam' (lr=0.01, eps=1e-08, betas=(0.9, 0.999), weight_decay=0.0)``: the hyper-parameters the rule reads."""
+    parts = [f"lr={config.lr}"]
+    if config.optimizer is not EmbOptimType.SGD:
+        parts.append(f"eps={config.eps}")
+    if config.optimizer in (EmbOptimType.ADAM, EmbOptimType.ADAMW):
+        parts.append(f"betas=({config.beta1}, {config.beta2})")
+    parts.append(f"weight_decay={config.weight_decay}")
+    return f"'{config.optimizer.value}' ({', '.join(parts)})"
+
+
+def rule_report(
+    holder: Holder | None, config: FusedOptimConfig, explicit: bool, fused: list[str], dense: list[str], strict: bool
+) -> str:
+    """The fit-start line: which update rule each table gets and how it differs; raises under ``strict``."""
+    gap = rule_gap(holder, config, explicit) if fused else None
+    given = explicit or holder is None
+    source = "given by embedding_optimizer" if given else f"derived from {type(holder[0]).__name__}"  # type: ignore[index]
+    lines = []
+    if fused:
+        how = "exact: each row moves as in one process" if gap is None else f"differs from one process: {gap}"
+        lines.append(f"fused tables {fused} train with {describe(config)} {source}; {how}")
+    if dense:
+        owner = "the dense optimizer" if holder is None else type(holder[0]).__name__
+        lines.append(f"data-parallel tables {dense} train in {owner} itself (exact)")
+    if gap is not None and strict:
+        raise ValueError(
+            f"ShardRecStrategy(strict_optimizer=True): fused tables {fused} would train with {describe(config)}, "
+            f"which {gap}. Train the tables with SGD or Adagrad without weight_decay (exact), or drop strict_optimizer"
+        )
+    return "ShardRecStrategy: " + "; ".join(lines)
+
+
+def group_slot(optimizers: list[torch.optim.Optimizer], holder: Holder | None) -> tuple[int, int] | None:
+    """(optimizer index, group index) of ``holder``, to find the same group in a later fit."""
+    if holder is None:
+        return None
+    for i, opt in enumerate(optimizers):
+        for j, group in enumerate(opt.param_groups):
+            if opt is holder[0] and group is holder[1]:
+                return i, j
+    return None
+
+
+def group_at(optimizers: list[torch.optim.Optimizer], slot: tuple[int, int] | None) -> Holder | None:
+    """The param group at ``slot`` (see :func:`group_slot`), if the optimizers still have one there."""
+    if slot is None or slot[0] >= len(optimizers) or slot[1] >= len(optimizers[slot[0]].param_groups):
+        return None
+    opt = optimizers[slot[0]]
+    return opt, opt.param_groups[slot[1]]

@@ -37,7 +37,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_shardrec.distributed.batch_dist import PrefetchHandle
+from lightning_shardrec.distributed.batch_dist import EndOfData, PrefetchHandle
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.distributed.comm import ShardingEnv, on_stream
 from lightning_shardrec.sparse import KeyedJaggedTensor
@@ -111,17 +111,26 @@ class TrainPipeline:
         self._ahead: list[tuple[ShardedCollection, PrefetchHandle]] = []  # for the next batch
         self._warned = False
         self._fetcher: LookaheadFetcher | None = None  # the fit loop's, kept past its teardown
+        self._ended: list[EndOfData] = []  # this rank's "no next batch" headers, checked after backward
 
     # --- per step -------------------------------------------------------------------------------
     def before_step(self, trainer: Any, move: Any) -> None:
         """Called at the start of ``training_step``: prefetch the batch after this one."""
         self._retire(self._current)  # started for the previous batch: its forward had its chance
         self._current, self._ahead = self._ahead, []
+        for _, handle in self._current:  # a rank without this batch said so in its header (UnevenBatchesError)
+            if handle.failure is not None:
+                raise handle.failure
         fetcher = _lookahead(trainer)
         self._fetcher = fetcher or self._fetcher
         nxt = None if fetcher is None else fetcher.peek()
-        if nxt is None or (trainer.max_steps != -1 and trainer.global_step + 1 >= trainer.max_steps):
-            return  # end of epoch or of training: nothing to overlap with
+        if trainer.max_steps != -1 and trainer.global_step + 1 >= trainer.max_steps:
+            return  # end of training on every rank: nothing to overlap with
+        if fetcher is None:
+            return  # the user fetches the batches (dataloader_iter): nothing to look ahead at
+        if nxt is None:  # end of this rank's epoch: where other ranks prefetch a next batch, tell them there is none
+            self._ended = [e for e in (c.announce_end() for c in self.sharded.values()) if e is not None]
+            return
         with on_stream(self._stream):
             moved = move(nxt)
             kjts: list[KeyedJaggedTensor] = []
@@ -141,6 +150,12 @@ class TrainPipeline:
         if self._stream is not None:
             _hand_over(moved, self._stream)
         return moved
+
+    def after_backward(self) -> None:
+        """This rank's data ended at this batch: raise here (its collectives done) unless every rank's did."""
+        ended, self._ended = self._ended, []
+        for e in ended:
+            e.wait()
 
     def progress(self) -> None:
         """Before backward: issue the next batch's id all-to-alls (every collection, fixed order)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -33,10 +34,18 @@ from lightning_shardrec.distributed.comm import ShardingEnv, new_group_like
 from lightning_shardrec.distributed.health import RankMonitor, default_store, is_comm_failure
 from lightning_shardrec.distributed.model_parallel import find_collections, shard_modules
 from lightning_shardrec.distributed.sharding import KernelSetup
-from lightning_shardrec.kernels import parse_backend
+from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
+from lightning_shardrec.lightning import guards
 from lightning_shardrec.lightning.checkpointing import ShardedCheckpointing
-from lightning_shardrec.lightning.optimizers import derive_fused_config, find_group, remove_params
+from lightning_shardrec.lightning.optimizers import (
+    derive_fused_config,
+    find_group,
+    group_at,
+    group_slot,
+    remove_params,
+    rule_report,
+)
 from lightning_shardrec.lightning.pipeline import TrainPipeline
 from lightning_shardrec.lightning.sigterm import LaggedSigterm
 from lightning_shardrec.modules.plain_embeddings import swap_embedding_modules
@@ -83,6 +92,9 @@ class ShardRecStrategy(ShardedCheckpointing):
             in place (same call, same results, checkpoints under their own ``<path>.weight``):
             ``True`` all, ``False`` none (they stay data-parallel), or a list of module paths.
         embedding_min_rows: with ``embedding_modules=True``, modules with fewer rows stay data-parallel.
+        strict_optimizer: refuse to train fused tables with an update rule that differs from
+            what the user's optimizer does in one process (lazy Adam, row-sparse weight decay;
+            the rule each table gets is printed at every fit start).
     """
 
     strategy_name = "shardrec"
@@ -104,6 +116,7 @@ class ShardRecStrategy(ShardedCheckpointing):
         timeout: timedelta | None = timedelta(minutes=10),
         embedding_modules: bool | Sequence[str] = True,
         embedding_min_rows: int = 0,
+        strict_optimizer: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
@@ -124,6 +137,9 @@ class ShardRecStrategy(ShardedCheckpointing):
         if not (isinstance(planner_batch_size, int) and planner_batch_size > 0):
             raise ValueError(f"ShardRecStrategy: planner_batch_size must be an int > 0, got {planner_batch_size!r}")
         self._embedding_optimizer = embedding_optimizer
+        self._strict_optimizer = strict_optimizer
+        self._holder_slot: tuple[int, int] | None = None  # the param group the tables train as, across fits
+        self.guard: guards.ShardedGuard | None = None
         self._embedding_lr = embedding_lr
         self._constraints = dict(constraints or {})
         self._fixed_plan = plan
@@ -179,6 +195,8 @@ class ShardRecStrategy(ShardedCheckpointing):
         swap_embedding_modules(module, self._embedding_modules, self._embedding_min_rows)
         collections = find_collections(module)
         if not collections and not self.sharded:
+            self._adopt(module)  # sharded by an earlier Trainer's strategy
+        if not collections and not self.sharded:
             rank_zero_info("ShardRecStrategy: the LightningModule has no embedding collection; training as plain DDP")
             return super().setup(trainer)
         self.accelerator.setup(trainer)
@@ -191,18 +209,32 @@ class ShardRecStrategy(ShardedCheckpointing):
         if fitting:
             self.setup_optimizers(trainer)
         table_params = [p for c in collections.values() for p in c.parameters()]
+        table_params += [p for s in self.sharded.values() for p in _fused_params(s)]
         holder = find_group(self.optimizers, table_params) if fitting else None
+        if fitting:
+            holder = holder or group_at(self.optimizers, self._holder_slot)  # a later fit: tables not in it
+            self._holder_slot = group_slot(self.optimizers, holder)
         if collections:
             self._shard(module, self._fused_config(holder))
+            for coll in self.sharded.values():  # where a later configure_optimizers puts it = where the tables train
+                coll.register_parameter(_ANCHOR, torch.nn.Parameter(torch.empty(0, device=self.root_device)))
             _save_plan(self.plan, getattr(trainer.checkpoint_callback, "dirpath", None))
+        elif fitting:  # sharded by validate/test/predict or an earlier fit: fresh fused state, this fit's rule
+            self._config = self._fused_config(holder)
+            self.fused_optimizer = None
+            for coll in self.sharded.values():
+                coll.rebuild_kernels(self._config)
         if fitting:
             # as configure_optimizers built them: a plain run's optimizer state resumes through this
             self._groups_before = [[list(g["params"]) for g in opt.param_groups] for opt in self.optimizers]
             self._table_keys = table_parameter_keys(collections, self.sharded)
             remove_params(self.optimizers, table_params)
             dense_tables = [p for s in self.sharded.values() for g in s.groups if not g.fused for p in g.parameters()]
+            held = {id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]}
+            dense_tables = [p for p in dense_tables if id(p) not in held]
             if dense_tables and holder is not None:
                 holder[1]["params"].extend(dense_tables)  # data-parallel tables train like dense layers
+            self._fit_guards(trainer, holder)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         kernels = [k for s in self.sharded.values() for k in s.kernels()]
@@ -210,6 +242,10 @@ class ShardRecStrategy(ShardedCheckpointing):
             self.fused_optimizer = FusedOptimizer(kernels, self._config)
         if holder is not None:
             self.fused_optimizer.link_lr(holder[1])
+        for coll in self.sharded.values():  # for a later Trainer's strategy (see _adopt)
+            coll.shardrec_origin = (self.plan, self._holder_slot, self._config)  # type: ignore[assignment]
+        if self.guard is None and self.sharded:
+            self.guard = guards.ShardedGuard(self.sharded, lambda: getattr(self.lightning_module, "_trainer", None))
         if fitting:
             self.model = self._wrap_dense(self.model)
             self._register_ddp_hooks()
@@ -227,15 +263,36 @@ class ShardRecStrategy(ShardedCheckpointing):
             config = self._embedding_optimizer
         elif holder is not None:
             config = derive_fused_config(*holder)
-            rank_zero_info(
-                f"ShardRecStrategy: embedding tables train with fused '{config.optimizer.value}' "
-                f"(lr={config.lr}) derived from {type(holder[0]).__name__}"
-            )
         else:
             config = FusedOptimConfig()
         if self._embedding_lr is not None:
             config = FusedOptimConfig(**{**config.__dict__, "lr": self._embedding_lr})
         return config
+
+    def _fit_guards(self, trainer: Any, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> None:
+        """At every fit: report (or, strict, refuse) each table's rule; clip fused rows by value or refuse norm."""
+        groups = [g for s in self.sharded.values() for g in s._groups()]
+        fused = sorted({t.config.name for g in groups if g.fused for t in g.tables})
+        dense = sorted({t.config.name for g in groups if not g.fused for t in g.tables})
+        explicit = self._embedding_optimizer is not None or self._embedding_lr is not None
+        rank_zero_info(rule_report(holder, self._config, explicit, fused, dense, self._strict_optimizer))
+        clip = guards.fused_clip_value(trainer) if fused else None
+        if clip is not None:
+            for coll in self.sharded.values():
+                if any(k.backend is not KernelBackend.TORCH for k in coll.kernels()):
+                    coll.rebuild_kernels(self._config, KernelBackend.TORCH)  # clamps rows; fbgemm's TBE cannot
+                    self.fused_optimizer = None
+            for k in (k for s in self.sharded.values() for k in s.kernels()):
+                k.grad_clip_value = clip
+        if fused:
+            guards.guard_clipping(self.precision_plugin, clip)
+
+    def _adopt(self, module: torch.nn.Module) -> None:
+        """Take over the collections another ShardRecStrategy sharded (a second Trainer on the same model)."""
+        self.sharded = {n: m for n, m in module.named_modules() if isinstance(m, ShardedCollection)}
+        origin = getattr(next(iter(self.sharded.values()), None), "shardrec_origin", None)
+        if origin is not None:
+            self.plan, self._holder_slot, self._config = origin
 
     def _shard(self, module: torch.nn.Module, config: FusedOptimConfig) -> None:
         self._config = config
@@ -261,6 +318,8 @@ class ShardRecStrategy(ShardedCheckpointing):
                     prefix = f"{path}.groups.{i}"
                     fused += [n for n, _ in group.named_parameters(prefix=prefix)]
                     fused += [n for n, _ in group.named_buffers(prefix=prefix)]
+            if hasattr(sharded, _ANCHOR):
+                fused.append(f"{path}.{_ANCHOR}")
         skip = set(fused)
         if not any(p.requires_grad for n, p in model.named_parameters() if n not in skip):
             return model
@@ -270,6 +329,10 @@ class ShardRecStrategy(ShardedCheckpointing):
         return DistributedDataParallel(
             model, device_ids=self.determine_ddp_device_ids(), process_group=dense_pg, **self._ddp_kwargs
         )
+
+    def collective(self) -> AbstractContextManager[None]:
+        """Enter on every rank to call the sharded model outside the Trainer's loops (same calls on every rank)."""
+        return nullcontext() if self.guard is None else self.guard.collective()
 
     # --- pipeline (pipeline=True): logic in lightning_shardrec.lightning.pipeline ----------------
     @override
@@ -296,6 +359,8 @@ class ShardRecStrategy(ShardedCheckpointing):
         super().post_backward(closure_loss)
         if self._finite is not None:
             self._finite.check_rows()
+        if self.pipeline is not None:
+            self.pipeline.after_backward()
 
     @override
     def on_train_start(self) -> None:
@@ -345,6 +410,7 @@ class ShardRecStrategy(ShardedCheckpointing):
         if self._finite is not None:
             self._finite.remove()
             self._finite = None
+        guards.unguard_clipping(self.precision_plugin)
         if not self.sharded:
             return super().teardown()
         if isinstance(self.model, DistributedDataParallel):
@@ -362,6 +428,14 @@ class ShardRecStrategy(ShardedCheckpointing):
             strategy_registry.register(
                 cls.strategy_name, cls, description="Sharded embedding tables (TorchRec-style) + DDP for dense layers"
             )
+
+
+_ANCHOR = "shardrec_anchor"  # an empty parameter per sharded collection; its param group trains the fused tables
+
+
+def _fused_params(coll: ShardedCollection) -> list[torch.nn.Parameter]:
+    anchor = [getattr(coll, _ANCHOR)] if hasattr(coll, _ANCHOR) else []
+    return anchor + [p for g in coll.groups if g.fused for p in g.parameters()]
 
 
 @rank_zero_only

@@ -68,7 +68,7 @@ def fit_with_trainer_options(rank, world, options):
 
 
 def test_mixed_precision_and_gradient_clipping_run():
-    """bf16 autocast reaches the dense layers; clipping sees only dense grads (tables have none)."""
-    for options in ({"precision": "bf16-mixed"}, {"gradient_clip_val": 0.5}):
+    """bf16 autocast reaches the dense layers; value clipping runs (its exactness: test_strategy_habits)."""
+    for options in ({"precision": "bf16-mixed"}, {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}):
         losses = run_ranks(fit_with_trainer_options, 2, options)
         assert all(0 < x < 10 for x in losses), (options, losses)

@@ -14,7 +14,7 @@ several groups, each holding the columns in ``feature_columns``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -117,6 +117,22 @@ class EmbeddingSharding(nn.Module):
         for (t, s), dst in zip(shards, self.kernel.split_weights(), strict=True):
             shard_init(t, s, self.setup.device, out=dst)
         self._local = [(t.config.name, s) for t, s in shards]
+
+    def rebuild_kernel(self, optim: FusedOptimConfig, backend: KernelBackend | str | None = None) -> None:
+        """A new kernel training with ``optim`` (fresh optimizer state), holding the same rows bit for bit."""
+        self.setup = replace(self.setup, optim=optim, backend=self.setup.backend if backend is None else backend)
+        old = self.kernel
+        if old is None:
+            return
+        self.kernel = make_kernel(
+            list(old.tables),
+            list(old.feature_table),
+            optim,
+            pooled=self.setup.pooled,
+            device=self.setup.device,
+            kernel=self.setup.backend,
+        )
+        self.kernel.load_weights([w.detach() for w in old.split_weights()])
 
     def local_shards(self) -> list[tuple[str, ShardMetadata, Tensor]]:
         """``(table, shard metadata, [rows, cols] view)`` for every shard this rank holds."""
