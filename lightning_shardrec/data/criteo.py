@@ -17,12 +17,14 @@ or ``day_N``, Kaggle ``train.txt``; gzip or plain)::
 Malformed lines (wrong column count, bad label, non-integer dense, non-hex
 categorical, truncated/corrupt gzip) raise ``ValueError`` naming the file and the
 1-based line number, or with ``on_bad_line="skip"`` are dropped and counted in
-:attr:`CriteoReader.bad_lines` (a truncated gzip counts one bad line and ends the file).
+:attr:`CriteoReader.bad_lines` (a truncated gzip counts one bad line and ends the file;
+the rows decoded from its last ~1 KiB of compressed data are dropped with it, as deflate
+cannot tell them from junk decoded after the cut, see :mod:`~lightning_shardrec.data.gzip_stream`).
 """
 
 from __future__ import annotations
 
-import gzip
+import io
 import re
 import zlib
 from collections.abc import Iterator, Sequence
@@ -35,6 +37,7 @@ import torch
 
 from lightning_shardrec.configs import EmbeddingBagConfig
 from lightning_shardrec.data.batch import RecBatch
+from lightning_shardrec.data.gzip_stream import CheckedGzip
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 NUM_DENSE = 13
@@ -156,7 +159,9 @@ def _line_error(line: bytes) -> str | None:
 
 
 def _open(path: Path):  # type: ignore[no-untyped-def]
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")  # noqa: SIM115
+    if path.suffix == ".gz":  # not gzip.open: it returns bytes decoded from junk after a cut
+        return io.BufferedReader(CheckedGzip(path), buffer_size=1 << 16)
+    return open(path, "rb")  # noqa: SIM115
 
 
 class CriteoReader:
@@ -224,7 +229,7 @@ class CriteoReader:
                         lines = []
                         if chunk is not None:
                             yield chunk
-            except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+            except (EOFError, zlib.error) as e:
                 lost = lineno + len(lines) + 1
                 self._bad(lost, f"compressed data is truncated or corrupt ({e})")
         if lines and (chunk := self._parse(lines, lineno + 1)) is not None:
