@@ -244,11 +244,16 @@ def find_embedding_modules(model: nn.Module) -> dict[str, nn.Embedding | nn.Embe
             path = f"{prefix}{name}"
             if type(child) in (nn.Embedding, nn.EmbeddingBag):
                 found[path] = child  # type: ignore[assignment]
-            elif not (hasattr(child, "embedding_bag_configs") or hasattr(child, "embedding_configs")):
+            elif not _is_collection(child):
                 walk(child, f"{path}.")  # a collection's own tables are the collection's business
 
-    walk(model, "")
+    if not _is_collection(model):
+        walk(model, "")
     return found
+
+
+def _is_collection(module: nn.Module) -> bool:
+    return hasattr(module, "embedding_bag_configs") or hasattr(module, "embedding_configs")
 
 
 def swap_embedding_modules(

@@ -102,6 +102,12 @@ def test_swap_keeps_the_users_parameter_and_finds_nested_modules():
     assert swap_embedding_modules(model, ["item"]) == {}  # already swapped: skipped
 
 
+def test_a_collection_as_the_root_keeps_its_tables():
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=5, embedding_dim=4, name="t", feature_names=["f"])])
+    assert find_embedding_modules(ebc) == {} and swap_embedding_modules(ebc) == {}
+    assert type(ebc.embedding_bags["t"]) is nn.EmbeddingBag
+
+
 def test_which_and_min_rows():
     model = nn.Module()
     model.small = nn.Embedding(3, 2)
