@@ -2,8 +2,9 @@
 
 ``comm_precision`` halves the bytes of the output all-to-alls / reduce-scatters and of
 their gradients: the sender casts its fp32 buffer, the receiver casts back to fp32, and
-sums (reduce-scatter) are taken in fp32 after the exchange. On the wire every format is
-``int16`` (gloo and NCCL move it whatever the float type).
+sums (reduce-scatter) are taken in fp32 after the exchange. On the wire every reduced
+format is a ``float16`` tensor (bf16 bits travel reinterpreted: an all-to-all only copies
+bytes, and gloo has no int16).
 
 * ``fp32``: unchanged (bit-exact).
 * ``bf16``: fp32's range, 8 bits of mantissa (relative error <= 2^-9 per value).
@@ -16,7 +17,7 @@ sums (reduce-scatter) are taken in fp32 after the exchange. On the wire every fo
 ::
 
     splits [2, 1], x = [0.5, -2.0 | 0.25], fp16: amax 2.0 -> e = 13
-    wire  = fp16 [4096, -16384, 13 | 2048, 13] (its bits sent as int16), wire splits [3, 2]
+    wire  = fp16 [4096, -16384, 13 | 2048, 13], wire splits [3, 2]
 """
 
 from __future__ import annotations
@@ -55,14 +56,14 @@ def encode(x: Tensor, splits: list[int], precision: CommPrecision) -> tuple[Tens
     if precision is CommPrecision.FP32:
         return x, splits
     if precision is CommPrecision.BF16:
-        return x.to(torch.bfloat16).view(torch.int16), splits
+        return x.to(torch.bfloat16).view(torch.float16), splits
     e = fp16_exponent(x)
     y = (x * torch.exp2(e)).half()
     eh = e.half().reshape(1)
     parts: list[Tensor] = []
     for part in y.split(splits):
         parts += [part, eh]
-    return torch.cat(parts).view(torch.int16), [s + 1 for s in splits]
+    return torch.cat(parts), [s + 1 for s in splits]
 
 
 def decode(wire: Tensor, wire_splits: list[int], precision: CommPrecision) -> Tensor:
@@ -71,7 +72,7 @@ def decode(wire: Tensor, wire_splits: list[int], precision: CommPrecision) -> Te
         return wire
     if precision is CommPrecision.BF16:
         return wire.view(torch.bfloat16).float()
-    parts = wire.view(torch.float16).split(wire_splits)
+    parts = wire.split(wire_splits)
     return torch.cat([p[:-1].float() * torch.exp2(-p[-1:].float()) for p in parts])
 
 
