@@ -26,6 +26,21 @@ class Stat:
         return max(self.values)
 
 
+def vector_isa() -> str:
+    """The widest x86 vector extension the CPU reports: ``AVX-512``, ``AVX2``, ``AVX`` or ``-``."""
+    info = Path("/proc/cpuinfo")
+    flags: set[str] = set()
+    if info.exists():
+        for ln in info.read_text().splitlines():
+            if ln.startswith("flags"):
+                flags = set(ln.split(":", 1)[1].split())
+                break
+    for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX")):
+        if flag in flags:
+            return name
+    return "-"
+
+
 def replace_section(path: Path, heading: str, text: str) -> None:
     """Replace (or append) the section that starts with ``heading`` by ``text``.
 

@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from _report import Stat, replace_section  # noqa: E402
+from _report import Stat, replace_section, vector_isa  # noqa: E402
 
 from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimConfig
 from lightning_shardrec.configs import EmbOptimType
@@ -244,7 +244,7 @@ def machine() -> str:
             for ln in cpuinfo.read_text().splitlines()
             if ln.startswith("model name")
         ]
-        cpu = f"{models[0]} x {len(models)}" if models else cpu
+        cpu = f"{models[0]} x {len(models)} ({vector_isa()})" if models else cpu
     import fbgemm_gpu  # noqa: PLC0415 - only for its version string
 
     return (

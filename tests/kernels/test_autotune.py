@@ -14,7 +14,7 @@ from lightning_shardrec.kernels import KernelBackend, KernelChoice, TableSpec, T
 from lightning_shardrec.sparse import KeyedJaggedTensor
 from lightning_shardrec.testing import run_ranks
 
-SPECS = [TableSpec(name="t0", num_embeddings=50, embedding_dim=8), TableSpec(name="t1", num_embeddings=30, embedding_dim=8)]
+SPECS = [TableSpec(name=f"t{i}", num_embeddings=n, embedding_dim=8) for i, n in enumerate((50, 30))]
 OPTIM = FusedOptimConfig(optimizer="rowwise_adagrad", lr=0.1)
 WORK = Workload(batch_size=16, pooling=2.0)
 BOTH = {KernelBackend.FBGEMM: None, KernelBackend.TORCH: None}
@@ -164,9 +164,9 @@ def _agree_worker(rank, world, cache_dir):
     finally:
         autotune.measure = real_measure
     # through a real sharded collection: every rank's groups end on the same backends
+    from lightning_shardrec.configs import EmbeddingBagConfig
     from lightning_shardrec.distributed import DistributedModelParallel
     from lightning_shardrec.modules import EmbeddingBagCollection
-    from lightning_shardrec.configs import EmbeddingBagConfig
     from lightning_shardrec.planner import (
         EmbeddingComputeKernel,
         ParameterSharding,
@@ -175,9 +175,8 @@ def _agree_worker(rank, world, cache_dir):
         ShardMetadata,
     )
 
-    ebc = EmbeddingBagCollection(
-        [EmbeddingBagConfig(num_embeddings=40, embedding_dim=8, name=f"t{i}", feature_names=[f"f{i}"]) for i in range(2)]
-    )
+    configs = [EmbeddingBagConfig(num_embeddings=40, embedding_dim=8, name=n, feature_names=[n]) for n in ("t0", "t1")]
+    ebc = EmbeddingBagCollection(configs)
     fused = EmbeddingComputeKernel.FUSED
     rows = [ShardMetadata((0, 0), (25, 8), 0), ShardMetadata((25, 0), (15, 8), 1)]
     plan = {
