@@ -45,8 +45,9 @@ right after the variant's imports, before any model or data.
 The variants that run this project's code are in ``_e2e_workers.py``; this file generates
 the batches, runs every variant, and reports.
 
-``--write-docs`` replaces only the ``## End-to-end training`` section (keeping a
-hand-written ``Reading:`` paragraph at its end).
+``--write-docs`` replaces only this machine's part (``### <CPU model> (<ISA>)``) of the
+``## End-to-end training`` section, keeping other machines' figures and a hand-written
+``Reading:`` paragraph at its end.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ sys.path.insert(0, str(HERE))
 
 from _e2e_common import read_result, table_rows  # noqa: E402
 from _e2e_workers import WORKERS, WorkerArgs  # noqa: E402
-from _report import Stat, replace_section, vector_isa  # noqa: E402
+from _report import Stat, machine_heading, replace_machine_section, vector_isa  # noqa: E402
 
 SECTION = "## End-to-end training"
 VARIANTS = [
@@ -359,8 +360,10 @@ def make_plot(path: Path, a: argparse.Namespace, runs: dict[str, list[list[dict[
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace (or append) this script's section of ``docs/benchmarks.md``; keep a ``Reading:``."""
-    replace_section(path, SECTION, text)
+    """Replace (or add) this machine's part (``### <CPU model> (<ISA>)``) of this script's section of
+    ``docs/benchmarks.md``; other machines' figures stay beside it; keep its ``Reading:``."""
+    body = text.split("\n", 1)[1].lstrip("\n") if text.startswith(SECTION) else text
+    replace_machine_section(path, SECTION, machine_heading(), body)
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")

@@ -27,7 +27,8 @@ Definitions (per timed pass over the batches, ``N`` ids looked up, ``D`` = 64, f
   id-range check on vs off, the two collections alternating batch by batch;
   cost = (on - off) / off per repeat; and the check function alone.
 
-``--write-docs`` replaces only the ``## Kernels`` section of the given markdown file.
+``--write-docs`` replaces only this machine's part (``### <CPU model> (<ISA>)``) of the
+``## Kernels`` section of the given markdown file; other machines' figures stay.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from _report import Stat, replace_section, vector_isa  # noqa: E402
+from _report import Stat, machine_heading, replace_machine_section, vector_isa  # noqa: E402
 
 from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimConfig
 from lightning_shardrec.configs import EmbOptimType
@@ -324,8 +325,10 @@ def report(r: dict[str, Any], cmd: str) -> str:
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace (or append) this script's section of ``docs/benchmarks.md``; keep a ``Reading:``."""
-    replace_section(path, SECTION, text)
+    """Replace (or add) this machine's part (``### <CPU model> (<ISA>)``) of this script's section of
+    ``docs/benchmarks.md``; other machines' figures stay beside it; keep its ``Reading:``."""
+    body = text.split("\n", 1)[1].lstrip("\n") if text.startswith(SECTION) else text
+    replace_machine_section(path, SECTION, machine_heading(), body)
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch-size", type=int, default=1024)
