@@ -103,3 +103,50 @@ def test_reduced_precision_comms_stay_close_for_every_sharding_type():
                 moved = any(not torch.equal(a, b) for a, b in zip(low, exact, strict=True))
                 # data-parallel tables send no pooled output: nothing to round
                 assert moved is (kind != "data_parallel"), f"{kind} {precision}: comms not in {precision}"
+
+
+def _train_sequence(rank, world, kinds):
+    import test_sharded_ec as ec
+
+    from lightning_shardrec.distributed import DistributedModelParallel
+
+    proj = ec.projections()
+    results = {}
+    for kind in kinds:
+        for precision in ("fp32", "bf16"):
+            dmp = DistributedModelParallel(
+                ec.Seq(),
+                plan=ShardingPlan({"ec": ec.plan_for(kind, world)}),
+                embedding_optimizer=FusedOptimConfig(optimizer="sgd", lr=ec.LR),
+                kernel="torch",
+                comm_precision=precision,
+            )
+            dense = list(dmp.dense_parameters())
+            dense_opt = torch.optim.SGD(dense, lr=ec.LR) if dense else None
+            sizes = splits(world, False)
+            lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+            first = None
+            for bags in ec.make_data(5):
+                out = dmp(ec.kjt_of(bags, lo, hi))
+                first = [out[f].values().detach() for f in ec.FEATURES] if first is None else first
+                if dense_opt is not None:
+                    dense_opt.zero_grad()
+                (ec.seq_loss(out, proj) * world / ec.GLOBAL_BATCH).backward()
+                if dense_opt is not None:
+                    dense_opt.step()
+            shards = [w.detach().clone() for k in sorted(dmp.local_shards()) for _, w in dmp.local_shards()[k]]
+            results[kind, precision] = [*first, *shards]
+    return results
+
+
+def test_sequence_outputs_follow_comm_precision():
+    import test_sharded_ec as ec
+
+    per_rank = run_ranks(_train_sequence, 2, ec.TYPES)
+    for res in per_rank:
+        for kind in ec.TYPES:
+            exact, low = res[kind, "fp32"], res[kind, "bf16"]
+            for a, b in zip(low, exact, strict=True):
+                torch.testing.assert_close(a, b, **TOLERANCE["bf16"], msg=f"sequence {kind}")
+            moved = any(not torch.equal(a, b) for a, b in zip(low, exact, strict=True))
+            assert moved is (kind != "data_parallel"), f"sequence {kind}: rows not sent in bf16"
