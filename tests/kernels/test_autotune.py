@@ -176,15 +176,16 @@ def _agree_worker(rank, world, cache_dir):
     )
 
     configs = [EmbeddingBagConfig(num_embeddings=40, embedding_dim=8, name=n, feature_names=[n]) for n in ("t0", "t1")]
-    ebc = EmbeddingBagCollection(configs)
+    model = torch.nn.Module()
+    model.ebc = EmbeddingBagCollection(configs)
     fused = EmbeddingComputeKernel.FUSED
     rows = [ShardMetadata((0, 0), (25, 8), 0), ShardMetadata((25, 0), (15, 8), 1)]
     plan = {
         "t0": ParameterSharding(ShardingType.ROW_WISE, fused, [0, 1], rows),
         "t1": ParameterSharding(ShardingType.TABLE_WISE, fused, [0], [ShardMetadata((0, 0), (40, 8), 0)]),
     }
-    dmp = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), embedding_optimizer=OPTIM)
-    groups = [g for g in dmp.sharded[""].groups if g.fused]
+    dmp = DistributedModelParallel(model, plan=ShardingPlan({"ebc": plan}), embedding_optimizer=OPTIM)
+    groups = [g for g in dmp.sharded["ebc"].groups if g.fused]
     assert all(g.kernel is None or g.kernel.backend is g.kernel_choice.backend for g in groups)
     real = [g.kernel_choice.backend for g in groups]
     return alone, together.backend, together.seconds, empty.backend, real
