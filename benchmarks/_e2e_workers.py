@@ -195,6 +195,7 @@ def worker_shardrec(a: WorkerArgs) -> None:
         embedding_optimizer=FusedOptimConfig(optimizer="rowwise_adagrad", lr=LR, eps=EPS),
         planner_batch_size=a.batch_size,
         pipeline=a.variant == "shardrec_pipeline",
+        comm_precision="bf16" if a.variant == "shardrec_bf16" else "fp32",
     )
     timing = StepTiming()
     trainer = L.Trainer(
@@ -427,6 +428,7 @@ def worker_kernel_floor_torch(a: WorkerArgs) -> None:
 WORKERS = {
     "shardrec": worker_shardrec,
     "shardrec_pipeline": worker_shardrec,
+    "shardrec_bf16": worker_shardrec,
     "dmp_plain": worker_dmp_plain,
     "ddp_sparse": worker_ddp_sparse,
     "kernel_floor": worker_kernel_floor,

@@ -27,7 +27,8 @@ Definitions (per timed pass over the batches, ``N`` ids looked up, ``D`` = 64, f
   id-range check on vs off, the two collections alternating batch by batch;
   cost = (on - off) / off per repeat; and the check function alone.
 
-``--write-docs`` replaces only the ``## Kernels`` section of the given markdown file.
+``--write-docs`` replaces only this machine's part (``### <CPU model> (<ISA>)``) of the
+``## Kernels`` section of the given markdown file; other machines' figures stay.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from _report import Stat, replace_section  # noqa: E402
+from _report import Stat, machine_heading, replace_machine_section, vector_isa  # noqa: E402
 
 from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimConfig
 from lightning_shardrec.configs import EmbOptimType
@@ -244,7 +245,7 @@ def machine() -> str:
             for ln in cpuinfo.read_text().splitlines()
             if ln.startswith("model name")
         ]
-        cpu = f"{models[0]} x {len(models)}" if models else cpu
+        cpu = f"{models[0]} x {len(models)} ({vector_isa()})" if models else cpu
     import fbgemm_gpu  # noqa: PLC0415 - only for its version string
 
     return (
@@ -310,6 +311,11 @@ def report(r: dict[str, Any], cmd: str) -> str:
         "",
         "Forward-only rows count 1 x ids x 64 x 4 B.",
         "",
+        "`kernel=\"auto\"` on these tables (all 8 in one group, batch "
+        f"{bs}, 8 ids per bag), timed afresh: "
+        + "; ".join(f"{o}: {c}" for o, c in r.get("auto", {}).items())
+        + ".",
+        "",
         "`validate_ids` on an unsharded `EmbeddingBagCollection` forward (same batches, no "
         f"grad): on {on:.2f} ms/batch, off {off:.2f} ms/batch; cost {cost.median:+.1f}% "
         f"(spread {cost.lo:+.1f}..{cost.hi:+.1f}% over repeats; on and off alternate batch by "
@@ -324,8 +330,29 @@ def report(r: dict[str, Any], cmd: str) -> str:
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace (or append) this script's section of ``docs/benchmarks.md``; keep a ``Reading:``."""
-    replace_section(path, SECTION, text)
+    """Replace (or add) this machine's part (``### <CPU model> (<ISA>)``) of this script's section of
+    ``docs/benchmarks.md``; other machines' figures stay beside it; keep its ``Reading:``."""
+    body = text.split("\n", 1)[1].lstrip("\n") if text.startswith(SECTION) else text
+    replace_machine_section(path, SECTION, machine_heading(), body)
+def auto_choices(tables: list[EmbeddingBagConfig], batch_size: int) -> dict[str, str]:
+    """What ``kernel="auto"`` picks for these tables per optimizer, timed afresh (cache off)."""
+    import os
+
+    from lightning_shardrec.kernels import Workload, autotune, choose
+
+    specs = [TableSpec(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim) for t in tables]
+    os.environ[autotune.CACHE_ENV] = "off"
+    out = {}
+    for optimizer in ("sgd", "adagrad", "rowwise_adagrad"):
+        start = time.perf_counter()
+        choice = choose(
+            specs, list(range(len(specs))), FusedOptimConfig(optimizer=EmbOptimType.parse(optimizer)),
+            pooled=True, device="cpu", workload=Workload(batch_size=batch_size, pooling=8.0),
+        )  # fmt: skip
+        out[optimizer] = f"{choice.label()}, timed in {time.perf_counter() - start:.2f} s"
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch-size", type=int, default=1024)
@@ -345,6 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.quick:
         a.batch_size, a.batches, a.repeats, shrink, a.copy_mib = 128, 2, 2, 10, 16
     r = run(a.batch_size, a.batches, a.repeats, shrink, a.copy_mib)
+    r["auto"] = auto_choices(workload_tables(shrink), a.batch_size)
     cmd = "python benchmarks/kernel_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     text = report(r, cmd.strip())
     print(text)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_shardrec.distributed.qcomm import CommPrecision, decode, encode, wire_splits
 from lightning_shardrec.planner.topology import local_world_size_from_env
 
 
@@ -83,11 +84,41 @@ def all_to_all_async(
     return out, work
 
 
-def all_to_all_grad(tensor: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv) -> Tensor:
-    """Uneven all-to-all along dim 0 whose backward sends gradients back the same way."""
+def all_to_all_grad(
+    tensor: Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    env: ShardingEnv,
+    precision: CommPrecision = CommPrecision.FP32,
+) -> Tensor:
+    """Uneven all-to-all along dim 0 whose backward sends gradients back the same way.
+
+    ``precision`` below fp32 sends both ways in bf16/fp16 (:mod:`.qcomm`); fp32 tensors only.
+    """
     if env.world_size == 1:
         return tensor
-    return _AllToAllV.apply(tensor, out_splits, in_splits, env)
+    return _AllToAllV.apply(tensor, out_splits, in_splits, env, precision)
+
+
+def sum_over_ranks(values: list[float], env: ShardingEnv) -> list[float]:
+    """Collective: the element-wise sum of every rank's ``values`` (same length everywhere)."""
+    if env.world_size == 1:
+        return list(values)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(env.pg) == "nccl" else None
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=env.pg)
+    return [float(v) for v in t.tolist()]
+
+
+def _exchange(
+    send: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv, precision: CommPrecision
+) -> Tensor:
+    """1-D all-to-all of element counts ``in_splits`` -> ``out_splits`` in ``precision``; fp32 out."""
+    wire, wire_in = encode(send, in_splits, precision)
+    wire_out = wire_splits(out_splits, precision)
+    recv = wire.new_empty(sum(wire_out))
+    dist.all_to_all_single(recv, wire, wire_out, wire_in, group=env.pg)
+    return decode(recv, wire_out, precision)
 
 
 @dataclass(frozen=True)
@@ -142,26 +173,42 @@ def _as_slice(blocks: list[int]) -> slice | None:
 
 
 def all_to_all_pooled(
-    x: Tensor, batch_sizes: list[int], layout: ColumnBlocks, grad_scale: float, env: ShardingEnv
+    x: Tensor,
+    batch_sizes: list[int],
+    layout: ColumnBlocks,
+    grad_scale: float,
+    env: ShardingEnv,
+    precision: CommPrecision = CommPrecision.FP32,
 ) -> Tensor:
     """Pooled rows home in one step: ``x [sum_s B_s, w]`` (rows for source ``s`` in order) -> ``[B_r, D]``.
 
     Source ``s`` sends this rank ``[B_r, layout.widths[s]]``; the columns land in
     ``layout`` order with one copy (no cat, no column gather). Backward gathers the
     gradient straight into the send buffer, times ``grad_scale``, and sends it back.
+    ``precision`` below fp32: both directions travel in bf16/fp16 (:mod:`.qcomm`).
     """
-    return _PooledAllToAll.apply(x, batch_sizes, layout, grad_scale, env)
+    return _PooledAllToAll.apply(x, batch_sizes, layout, grad_scale, env, precision)
 
 
 class _PooledAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, batch_sizes: list[int], layout: ColumnBlocks, scale: float, env: ShardingEnv) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx,
+        x: Tensor,
+        batch_sizes: list[int],
+        layout: ColumnBlocks,
+        scale: float,
+        env: ShardingEnv,
+        precision: CommPrecision,
+    ) -> Tensor:
         b, width, g = batch_sizes[env.rank], x.shape[1], layout.block
         recv_splits = [b * w for w in layout.widths]
         send_splits = [bs * width for bs in batch_sizes]
-        ctx.args = (b, layout, scale, env, recv_splits, send_splits, x.shape)
+        ctx.args = (b, layout, scale, env, recv_splits, send_splits, x.shape, precision)
         if env.world_size == 1:
             recv = x.reshape(-1)
+        elif precision is not CommPrecision.FP32:
+            recv = _exchange(x.contiguous().reshape(-1), recv_splits, send_splits, env, precision)
         else:
             recv = x.new_empty(sum(recv_splits))
             dist.all_to_all_single(recv, x.contiguous().reshape(-1), recv_splits, send_splits, group=env.pg)
@@ -174,8 +221,8 @@ class _PooledAllToAll(torch.autograd.Function):
         return out.view(b, sum(layout.widths))
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
-        b, layout, scale, env, recv_splits, send_splits, shape = ctx.args
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:  # type: ignore[override]
+        b, layout, scale, env, recv_splits, send_splits, shape, precision = ctx.args
         g = layout.block
         grad = grad.reshape(b, sum(layout.widths) // g, g)  # a view, also of a column slice of a wider gradient
         back = grad.new_empty(sum(recv_splits))
@@ -187,42 +234,65 @@ class _PooledAllToAll(torch.autograd.Function):
         if scale != 1.0:
             back.mul_(scale)
         if env.world_size == 1:
-            return back.view(shape), None, None, None, None
+            return back.view(shape), None, None, None, None, None
+        if precision is not CommPrecision.FP32:
+            return _exchange(back, send_splits, recv_splits, env, precision).view(shape), None, None, None, None, None
         out = back.new_empty(sum(send_splits))
         dist.all_to_all_single(out, back, send_splits, recv_splits, group=env.pg)
-        return out.view(shape), None, None, None, None
+        return out.view(shape), None, None, None, None, None
 
 
-def reduce_scatter_grad(parts: list[Tensor], env: ShardingEnv) -> Tensor:
-    """Sum ``parts[r]`` over ranks onto rank ``r`` (uneven sizes allowed); backward all-gathers."""
+def reduce_scatter_grad(parts: list[Tensor], env: ShardingEnv, precision: CommPrecision = CommPrecision.FP32) -> Tensor:
+    """Sum ``parts[r]`` over ranks onto rank ``r`` (uneven sizes allowed); backward all-gathers.
+
+    ``precision`` below fp32: the parts travel in bf16/fp16 by one all-to-all (the same bytes
+    per rank as a ring reduce-scatter) and are summed in fp32 on arrival; so does the gradient.
+    """
     if env.world_size == 1:
         return parts[0]
-    return _ReduceScatterV.apply(env, *parts)
+    return _ReduceScatterV.apply(env, CommPrecision.parse(precision), *parts)
 
 
 class _AllToAllV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv) -> Tensor:  # type: ignore[override]
-        ctx.splits, ctx.env = (out_splits, in_splits), env
+    def forward(  # type: ignore[override]
+        ctx, x: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv, precision: CommPrecision
+    ) -> Tensor:
+        ctx.splits, ctx.env, ctx.precision = (out_splits, in_splits), env, precision
+        return _all_to_all_rows(x, out_splits, in_splits, env, precision)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        return _all_to_all_rows(grad, in_splits, out_splits, ctx.env, ctx.precision), None, None, None, None
+
+
+def _all_to_all_rows(
+    x: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv, precision: CommPrecision
+) -> Tensor:
+    """All-to-all of rows (``splits`` count rows of ``x.shape[1:]``) in ``precision``."""
+    if precision is CommPrecision.FP32:
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=env.pg)
         return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.env.pg)
-        return back, None, None, None
+    row = math.prod(x.shape[1:])
+    flat = x.contiguous().reshape(-1)
+    recv = _exchange(flat, [s * row for s in out_splits], [s * row for s in in_splits], env, precision)
+    return recv.view(sum(out_splits), *x.shape[1:])
 
 
 class _ReduceScatterV(torch.autograd.Function):
     """Uneven reduce-scatter; its backward is the uneven all-gather of the gradients."""
 
     @staticmethod
-    def forward(ctx, env: ShardingEnv, *parts: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.env, ctx.rows = env, [p.shape[0] for p in parts]
-        out = parts[env.rank].new_empty(parts[env.rank].shape)
+    def forward(ctx, env: ShardingEnv, precision: CommPrecision, *parts: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.env, ctx.rows, ctx.precision = env, [p.shape[0] for p in parts], precision
+        mine = parts[env.rank]
+        if precision is not CommPrecision.FP32:
+            send = torch.cat([p.reshape(-1) for p in parts])
+            recv = _exchange(send, [mine.numel()] * env.world_size, [p.numel() for p in parts], env, precision)
+            return recv.view(env.world_size, *mine.shape).sum(0)
+        out = mine.new_empty(mine.shape)
         dist.reduce_scatter(out, [p.contiguous() for p in parts], group=env.pg)
         return out
 
@@ -231,18 +301,18 @@ class _ReduceScatterV(torch.autograd.Function):
         env, rows = ctx.env, ctx.rows
         width = grad[0].numel() if grad.shape[0] else int(torch.tensor(grad.shape[1:]).prod())
         mine = grad.contiguous().reshape(-1)
-        gathered = mine.new_empty(sum(rows) * width)
+        splits = [r * width for r in rows]
         # every rank sends its gradient to every rank: an uneven all-gather
-        dist.all_to_all_single(
-            gathered,
-            mine.repeat(env.world_size),
-            [r * width for r in rows],
-            [mine.numel()] * env.world_size,
-            group=env.pg,
-        )
+        send, in_splits = mine.repeat(env.world_size), [mine.numel()] * env.world_size
+        if ctx.precision is not CommPrecision.FP32:
+            gathered = _exchange(send, splits, in_splits, env, ctx.precision)
+        else:
+            gathered = mine.new_empty(sum(rows) * width)
+            dist.all_to_all_single(gathered, send, splits, in_splits, group=env.pg)
         return (
             None,
-            *(g.view(r, *grad.shape[1:]) for g, r in zip(gathered.split([r * width for r in rows]), rows, strict=True)),
+            None,
+            *(g.view(r, *grad.shape[1:]) for g, r in zip(gathered.split(splits), rows, strict=True)),
         )
 
 

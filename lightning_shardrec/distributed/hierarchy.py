@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_grad
+from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, all_to_all_grad
 
 
 def host_group(env: ShardingEnv) -> ShardingEnv:
@@ -92,10 +92,16 @@ class HolderExchange:
     """The two all-to-alls of the module docstring, planned once for this rank's ``units``."""
 
     def __init__(
-        self, units: list[Unit], width: int, env: ShardingEnv, host: ShardingEnv, device: torch.device
+        self,
+        units: list[Unit],
+        width: int,
+        env: ShardingEnv,
+        host: ShardingEnv,
+        device: torch.device,
+        precision: CommPrecision = CommPrecision.FP32,
     ) -> None:
         rank, world, local = env.rank, env.world_size, env.local_world_size
-        self.env, self.host, self.width = env, host, width
+        self.env, self.host, self.width, self.precision = env, host, width, precision
         self.units = units
         self.mine = [u for u, unit in enumerate(units) if rank in unit.holders]
         self.index = {u: units[u].holders.index(rank) for u in self.mine}
@@ -146,7 +152,7 @@ class HolderExchange:
                 )
                 in_splits.append(sum(_n(span) * cols(u) for u, span in zip(us, theirs, strict=True)))
                 out_splits.append(sum(_n(rows(u, self.index[u])) * cols(u) for u in us))
-            recv = all_to_all_grad(torch.cat(send), out_splits, in_splits, self.host)
+            recv = all_to_all_grad(torch.cat(send), out_splits, in_splits, self.host, self.precision)
             anchor = recv[:0]
             parts = recv.split([_n(rows(u, self.index[u])) * cols(u) for us in self.pairs for u in us])
             for u, part in zip([u for us in self.pairs for u in us], parts, strict=True):
@@ -159,7 +165,7 @@ class HolderExchange:
             in_splits.append(batch_sizes[s] * sum(cols(u) for u in us))
         b = batch_sizes[self.env.rank]
         out_splits = [b * sum(cols(u) for u in us) for us in self.recv_from]
-        recv = all_to_all_grad(torch.cat(send), out_splits, in_splits, self.env)
+        recv = all_to_all_grad(torch.cat(send), out_splits, in_splits, self.env, self.precision)
         widths = [cols(u) for us in self.recv_from for u in us]
         got = torch.cat([p.view(b, w) for p, w in zip(recv.split([b * w for w in widths]), widths, strict=True)], 1)
         if self.exclusive:

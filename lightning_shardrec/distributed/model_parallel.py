@@ -10,7 +10,7 @@ Plain PyTorch (no Lightning)::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardrec.configs import FusedOptimConfig
-from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv
 from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
 from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from lightning_shardrec.distributed.plain_embeddings import (
@@ -38,6 +38,7 @@ from lightning_shardrec.modules.plain_embeddings import (
 from lightning_shardrec.optim import FusedOptimizer
 from lightning_shardrec.planner import (
     EmbeddingShardingPlanner,
+    ParameterConstraints,
     ParameterSharding,
     ShardingPlan,
     ShardMetadata,
@@ -105,6 +106,25 @@ def shard_modules(
     return sharded
 
 
+def pooling_of(constraints: Mapping[str, ParameterConstraints]) -> dict[str, float]:
+    """Table name -> mean ids per bag (the planner's pooling factors), for ``kernel="auto"``'s timing."""
+    return {name: sum(c.pooling_factors) / len(c.pooling_factors) for name, c in constraints.items()}
+
+
+def kernel_labels(sharded: Mapping[str, ShardedCollection]) -> dict[tuple[str, str], str]:
+    """``(module path, table) -> "fbgemm (1.9x torch)"``: each table's kernel choice, for the plan printout."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for path, coll in sharded.items():
+        for group in coll.groups:
+            if group.kernel_choice is None or not group.fused:
+                continue
+            for t in group.tables:
+                labels = out.setdefault((path, t.config.name), [])
+                if group.kernel_choice.label() not in labels:
+                    labels.append(group.kernel_choice.label())
+    return {k: "; ".join(v) for k, v in out.items()}
+
+
 class DistributedModelParallel(nn.Module):
     """Wraps ``module``: sharded embedding collections, DDP for the dense rest.
 
@@ -130,6 +150,7 @@ class DistributedModelParallel(nn.Module):
         batch_size: int = 512,
         embedding_modules: bool | Sequence[str] = True,
         embedding_min_rows: int = 0,
+        comm_precision: str = "fp32",
     ) -> None:
         super().__init__()
         reject_dynamic_tables(find_collections(module))
@@ -148,7 +169,14 @@ class DistributedModelParallel(nn.Module):
         else:
             complete = False
         self.plan = plan if complete else planner.collective_plan(module, pg=pg, fixed=plan)  # type: ignore[arg-type]
-        setup = KernelSetup(optim=optim, backend=kernel, device=self.device)
+        setup = KernelSetup(
+            optim=optim,
+            backend=kernel,
+            device=self.device,
+            batch_size=planner.batch_size,
+            pooling=pooling_of(planner.constraints),
+            comm_precision=CommPrecision.parse(comm_precision),
+        )
         self.sharded = shard_modules(module, self.plan, self.env, setup)  # type: ignore[arg-type]
         if "" in self.sharded:  # the model *is* a collection
             module = self.sharded[""]

@@ -30,9 +30,9 @@ from typing_extensions import override
 from lightning_shardrec.checkpoint import table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.collection import ShardedCollection
-from lightning_shardrec.distributed.comm import ShardingEnv, new_group_like
+from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, new_group_like
 from lightning_shardrec.distributed.health import RankMonitor, default_store, is_comm_failure
-from lightning_shardrec.distributed.model_parallel import find_collections, shard_modules
+from lightning_shardrec.distributed.model_parallel import find_collections, kernel_labels, pooling_of, shard_modules
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
@@ -69,8 +69,11 @@ class ShardRecStrategy(ShardedCheckpointing):
         embedding_lr: the tables' lr, when it should differ from the derived one.
         constraints: per table name, what the planner may do with it.
         plan: a whole or partial plan (table name -> ``ParameterSharding``) to pin.
-        kernel: ``"auto"`` (fbgemm where it runs and is the faster; torch for rowwise_adagrad
-            on CPU), ``"fbgemm"`` or ``"torch"``.
+        kernel: ``"auto"`` (each table group times the backends that can run it on this
+            machine and keeps the faster; cached, see :mod:`lightning_shardrec.kernels.autotune`),
+            ``"fbgemm"`` or ``"torch"``.
+        comm_precision: ``"fp32"`` (exact), ``"bf16"`` or ``"fp16"``: the precision of the pooled
+            embeddings' all-to-alls / reduce-scatters and their gradients (half the bytes).
         pipeline: overlap the next batch's input distribution (id all-to-alls, host-to-device copy)
             with this batch's forward/backward (see :mod:`lightning_shardrec.lightning.pipeline`);
             results are identical to ``pipeline=False``.
@@ -106,6 +109,7 @@ class ShardRecStrategy(ShardedCheckpointing):
         constraints: Mapping[str, ParameterConstraints] | None = None,
         plan: ShardingPlan | Mapping[str, ParameterSharding] | None = None,
         kernel: str = "auto",
+        comm_precision: str = "fp32",
         pipeline: bool = False,
         process_group_backend: str | None = None,
         planner_batch_size: int = 512,
@@ -144,6 +148,7 @@ class ShardRecStrategy(ShardedCheckpointing):
         self._constraints = dict(constraints or {})
         self._fixed_plan = plan
         self._kernel = parse_backend(kernel)
+        self._comm_precision = CommPrecision.parse(comm_precision)
         self._planner_batch_size = planner_batch_size
         self._planner_reserve = check_reserve(planner_reserve, "ShardRecStrategy: planner_reserve")
         if checkpoint_format not in ("sharded", "full"):
@@ -306,9 +311,16 @@ class ShardRecStrategy(ShardedCheckpointing):
             reserve=self._planner_reserve,
         )
         self.plan = planner.collective_plan(module, fixed=self._fixed_plan)  # type: ignore[arg-type]
-        _print_plan(self.plan)
-        setup = KernelSetup(optim=config, backend=self._kernel, device=self.root_device)
+        setup = KernelSetup(
+            optim=config,
+            backend=self._kernel,
+            device=self.root_device,
+            batch_size=self._planner_batch_size,
+            pooling=pooling_of(self._constraints),
+            comm_precision=self._comm_precision,
+        )
         self.sharded = shard_modules(module, self.plan, env, setup)
+        _print_plan(self.plan, kernel_labels(self.sharded))
 
     def _wrap_dense(self, model: torch.nn.Module) -> torch.nn.Module:
         fused: list[str] = []
@@ -439,8 +451,8 @@ def _fused_params(coll: ShardedCollection) -> list[torch.nn.Parameter]:
 
 
 @rank_zero_only
-def _print_plan(plan: ShardingPlan) -> None:
-    print(f"lightning_shardrec sharding plan:\n{plan}", flush=True)
+def _print_plan(plan: ShardingPlan, kernels: dict[tuple[str, str], str]) -> None:
+    print(f"lightning_shardrec sharding plan:\n{plan.table(kernels)}", flush=True)
 
 
 @rank_zero_only

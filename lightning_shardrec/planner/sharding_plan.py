@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, size_text
@@ -126,6 +126,12 @@ class ShardingPlan:
         return cls(plan, stats=None if stats is None else PlanStats(**stats))
 
     def __str__(self) -> str:
+        return self.table()
+
+    def table(self, kernels: Mapping[tuple[str, str], str] | None = None) -> str:
+        """The plan as a table; ``kernels`` ((module path, table) -> the backend chosen and why,
+        e.g. ``"fbgemm (1.9x torch)"``) fills the ``kernel`` column once the tables are sharded."""
+        kernels = kernels or {}
         header = (
             "module",
             "param",
@@ -143,7 +149,7 @@ class ShardingPlan:
                         path or "<root>",
                         name,
                         ps.sharding_type.value,
-                        ps.compute_kernel.value,
+                        _kernel(ps, kernels.get((path, name))),
                         _ranks(ps),
                         _shards(ps),
                     )
@@ -157,6 +163,10 @@ class ShardingPlan:
         if self.stats is not None:
             lines.extend(_stats_lines(self.stats))
         return "\n".join(lines)
+
+
+def _kernel(ps: ParameterSharding, chosen: str | None) -> str:
+    return ps.compute_kernel.value if chosen is None else f"{ps.compute_kernel.value}: {chosen}"
 
 
 def _ranks(ps: ParameterSharding) -> str:

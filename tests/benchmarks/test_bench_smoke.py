@@ -35,6 +35,7 @@ def test_kernel_bench_quick():
     ):
         assert f"fwd+bwd+update {case} |" in text
     assert "`validate_ids`" in text
+    assert "rowwise_adagrad: fbgemm (" in text or "rowwise_adagrad: torch (" in text  # kernel="auto"'s choice
 
 
 @pytest.mark.slow

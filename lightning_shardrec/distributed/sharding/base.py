@@ -14,15 +14,24 @@ several groups, each holding the columns in ``feature_columns``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import BaseEmbeddingConfig, FusedOptimConfig
-from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, sum_over_ranks
 from lightning_shardrec.distributed.input_dist import Routed
-from lightning_shardrec.kernels import BatchedEmbeddingKernel, KernelBackend, TableSpec, make_kernel
+from lightning_shardrec.kernels import (
+    BatchedEmbeddingKernel,
+    KernelBackend,
+    KernelChoice,
+    TableSpec,
+    Workload,
+    choose,
+    make_kernel,
+)
 from lightning_shardrec.planner import ParameterSharding, ShardMetadata
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
@@ -49,12 +58,21 @@ class SequenceDist:
 
 @dataclass(frozen=True)
 class KernelSetup:
-    """How to build this rank's kernels."""
+    """How to build this rank's kernels, and the precision of their pooled outputs' collectives.
+
+    ``batch_size`` (per rank) and ``pooling`` (table name -> mean ids per bag, default 1)
+    shape the batch ``backend="auto"`` times the candidate kernels on. ``comm_precision``:
+    ``"fp32"`` (exact), ``"bf16"`` or ``"fp16"`` for the pooled-output all-to-alls /
+    reduce-scatters and their gradients (see :mod:`lightning_shardrec.distributed.qcomm`).
+    """
 
     optim: FusedOptimConfig
     backend: KernelBackend | str
     device: torch.device
     pooled: bool = True
+    batch_size: int = 512
+    pooling: Mapping[str, float] = field(default_factory=dict)
+    comm_precision: CommPrecision | str = CommPrecision.FP32
 
 
 def shard_init(table: TableSharding, shard: ShardMetadata, device: torch.device, out: Tensor | None = None) -> Tensor:
@@ -94,25 +112,50 @@ class EmbeddingSharding(nn.Module):
         #: sequence groups: the one width of every shard, the kernel's dim
         self.seq_width = 0 if setup.pooled else _one_width(tables)
         self.kernel: BatchedEmbeddingKernel | None = None
+        self.kernel_choice: KernelChoice | None = None
+        self.comm_precision = CommPrecision.parse(setup.comm_precision)
         self._local: list[tuple[str, ShardMetadata]] = []  # (table, shard) in kernel table order
 
     def build_kernel(self, shards: list[tuple[TableSharding, ShardMetadata]], feature_table: list[int]) -> None:
-        """Build this rank's kernel over ``shards`` and copy their initial rows in."""
-        if not shards:
-            return
+        """Build this rank's kernel over ``shards`` and copy their initial rows in.
+
+        Collective for ``backend="auto"`` (every rank, also one without shards): the
+        group's timings are summed over ranks so every rank keeps the same backend.
+        """
         specs = [
             TableSpec(
                 name=f"{t.config.name}{_where(s)}", num_embeddings=s.shard_sizes[0], embedding_dim=s.shard_sizes[1]
             )
             for t, s in shards
         ]
-        self.kernel = make_kernel(
+        pooling = [self.setup.pooling.get(t.config.name, 1.0) for t in self.tables]
+        workload = Workload(
+            batch_size=self.setup.batch_size * self.env.world_size, pooling=sum(pooling) / max(len(pooling), 1)
+        )
+        env = self.env
+
+        def agree(local: dict[str, float], names: list[str]) -> dict[str, float]:
+            return dict(zip(names, sum_over_ranks([local[n] for n in names], env), strict=True))
+
+        self.kernel_choice = choose(
             specs,
             feature_table,
             self.setup.optim,
             pooled=self.setup.pooled,
             device=self.setup.device,
             kernel=self.setup.backend,
+            workload=workload,
+            agree=agree if env.world_size > 1 else None,
+        )
+        if not shards:
+            return
+        self.kernel = make_kernel(
+            specs,
+            feature_table,
+            self.setup.optim,
+            pooled=self.setup.pooled,
+            device=self.setup.device,
+            kernel=self.kernel_choice.backend,
         )
         for (t, s), dst in zip(shards, self.kernel.split_weights(), strict=True):
             shard_init(t, s, self.setup.device, out=dst)

@@ -40,7 +40,9 @@ class HostRowBlockSharding(RowBlockSharding):
         self.units = units_of(self._lanes, self.lane_columns, self.lane_ranks, self.local_lanes, env)
         #: this rank's columns of the kernel output (the pieces it holds blocks of)
         self.local_width = sum(len(self.lane_columns[j]) for j in self.local_lanes)
-        self.exchange = HolderExchange(self.units, self.width, env, host_group(env), setup.device)  # collective
+        self.exchange = HolderExchange(
+            self.units, self.width, env, host_group(env), setup.device, self.comm_precision
+        )  # collective
 
     def compute(self, kjt: KeyedJaggedTensor) -> Tensor:
         """Pooled: ``[sum_s B_s, D_local]`` partials of the pieces held here (no zero columns)."""

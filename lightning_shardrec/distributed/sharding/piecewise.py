@@ -104,7 +104,8 @@ class PiecewiseSharding(EmbeddingSharding):
         return self.kernel(kjt)
 
     def output_dist(self, out: Tensor, batch_sizes: list[int]) -> Tensor:
-        return all_to_all_pooled(out, batch_sizes, self._layout, 1.0 / self.env.world_size, self.env)
+        scale = 1.0 / self.env.world_size
+        return all_to_all_pooled(out, batch_sizes, self._layout, scale, self.env, self.comm_precision)
 
     def output_dist_sequence(self, rows: Tensor, ctx: SequenceDist) -> list[Tensor]:
         received = ctx.received
@@ -113,7 +114,7 @@ class PiecewiseSharding(EmbeddingSharding):
             rows = rows.index_select(0, index)
         # reverse of the id all-to-all: each source gets its ids' rows in the order it sent them
         routed = ctx.routed
-        back = all_to_all_grad(rows, routed.value_splits, ctx.recv_values, self.env)  # type: ignore[union-attr]
+        back = all_to_all_grad(rows, routed.value_splits, ctx.recv_values, self.env, self.comm_precision)  # type: ignore[union-attr]
         back = scale_grad(back, 1.0 / self.env.world_size)
         lpk = ctx.local.length_per_key()
         blocks = back.split([lpk[k] for keys in self.keys_per_dest for k in keys])

@@ -134,7 +134,7 @@ class RowBlockSharding(EmbeddingSharding):
         return out.new_zeros(rows, self.width).index_copy(1, self._columns, out)
 
     def output_dist(self, out: Tensor, batch_sizes: list[int]) -> Tensor:
-        pooled = reduce_scatter_grad(list(out.split(batch_sizes)), self.env)
+        pooled = reduce_scatter_grad(list(out.split(batch_sizes)), self.env, self.comm_precision)
         return scale_grad(pooled, 1.0 / self.env.world_size)
 
     def output_dist_sequence(self, rows: Tensor, ctx: SequenceDist) -> list[Tensor]:
@@ -145,7 +145,7 @@ class RowBlockSharding(EmbeddingSharding):
         if index is not None:
             rows = rows.index_select(0, index)
         routed = ctx.routed
-        back = all_to_all_grad(rows, routed.value_splits, ctx.recv_values, self.env)  # type: ignore[union-attr]
+        back = all_to_all_grad(rows, routed.value_splits, ctx.recv_values, self.env, self.comm_precision)  # type: ignore[union-attr]
         order = routed.order  # type: ignore[union-attr]
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
