@@ -86,7 +86,9 @@ class FakeTBE(nn.Module):
         for f, offs in enumerate(per_feature):
             t = self.feature_table_map[f]
             local = ids[int(offs[0]) : int(offs[-1])]
-            outs.append(F.embedding_bag(local, self.get_buffer(f"w{t}"), offs - offs[0], mode="sum", include_last_offset=True))
+            outs.append(
+                F.embedding_bag(local, self.get_buffer(f"w{t}"), offs - offs[0], mode="sum", include_last_offset=True)
+            )
         return torch.cat(outs, dim=1)
 
     @torch.no_grad()

@@ -15,7 +15,10 @@ from lightning_shardrec.optim import FusedOptimizer
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="fbgemm_gpu is not installed")
 
-SPECS = [TableSpec(name="a", num_embeddings=10, embedding_dim=4), TableSpec(name="b", num_embeddings=7, embedding_dim=8)]
+SPECS = [
+    TableSpec(name="a", num_embeddings=10, embedding_dim=4),
+    TableSpec(name="b", num_embeddings=7, embedding_dim=8),
+]
 FEATURES = [0, 1, 1]
 
 
@@ -105,7 +108,9 @@ def _adam_dmp(backend: str, world: int):
     from lightning_shardrec.planner import EmbeddingComputeKernel, ParameterSharding, ShardingPlan, ShardMetadata
 
     configs = [
-        EmbeddingBagConfig(name=s.name, num_embeddings=s.num_embeddings, embedding_dim=s.embedding_dim, feature_names=[f])
+        EmbeddingBagConfig(
+            name=s.name, num_embeddings=s.num_embeddings, embedding_dim=s.embedding_dim, feature_names=[f]
+        )
         for s, f in zip(SPECS, ["f0", "f1"], strict=True)
     ]
     torch.manual_seed(0)
@@ -119,7 +124,9 @@ def _adam_dmp(backend: str, world: int):
         ]
         plan[c.name] = ParameterSharding("row_wise", EmbeddingComputeKernel.FUSED, [0, 1 % world], shards)
     optim = FusedOptimConfig(optimizer="adam", lr=0.05)
-    return DistributedModelParallel(ebc, ShardingPlan({"": plan}), device="cpu", embedding_optimizer=optim, kernel=backend)
+    return DistributedModelParallel(
+        ebc, ShardingPlan({"": plan}), device="cpu", embedding_optimizer=optim, kernel=backend
+    )
 
 
 def _two_feature_batch(seed: int) -> KeyedJaggedTensor:

@@ -56,7 +56,9 @@ def test_auto_routes_decay_fbgemm_would_drop_to_torch_on_cuda(name: str) -> None
 def test_forced_fbgemm_refuses_decay_it_would_drop(name: str, match: str) -> None:
     optim = FusedOptimConfig(optimizer=name, weight_decay=0.01)
     with pytest.raises(ValueError, match=match):  # raised before any CUDA call
-        FbgemmBatchedEmbedding([TableSpec(name="t", num_embeddings=4, embedding_dim=8)], [0], optim, pooled=True, device=CUDA)
+        FbgemmBatchedEmbedding(
+            [TableSpec(name="t", num_embeddings=4, embedding_dim=8)], [0], optim, pooled=True, device=CUDA
+        )
 
 
 @pytest.mark.skipif(not fbgemm_available(), reason="fbgemm_gpu is not installed")
