@@ -4,6 +4,8 @@ device ends with about 1/W of its tables per rank (as a model built on ``meta`` 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import weakref
 from pathlib import Path
@@ -16,6 +18,11 @@ ROWS, DIM, TABLES = 100_000, 64, 4  # 4 x 25.6 MB of fp32
 
 
 def rss() -> int:
+    """Resident bytes, after handing freed heap memory back to the OS: glibc raises its mmap
+    threshold once a large block was freed, so later tables of this size live on the heap,
+    which ``free`` alone does not shrink."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
