@@ -125,7 +125,7 @@ def _adam_dmp(backend: str, world: int):
         plan[c.name] = ParameterSharding("row_wise", EmbeddingComputeKernel.FUSED, [0, 1 % world], shards)
     optim = FusedOptimConfig(optimizer="adam", lr=0.05)
     return DistributedModelParallel(
-        ebc, ShardingPlan({"": plan}), device="cpu", embedding_optimizer=optim, kernel=backend
+        ebc, ShardingPlan({"": plan}), device="cpu", embedding_optimizer=optim, kernel=backend, embedding_modules=False
     )
 
 
