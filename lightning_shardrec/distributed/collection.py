@@ -11,6 +11,8 @@ Prefetch (the pipelined input distribution, see :mod:`~lightning_shardrec.distri
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor, nn
 
@@ -137,6 +139,12 @@ class ShardedCollection(nn.Module):
     def state_key(self, table: str) -> str:
         """``table``'s weight key in the unsharded module's state dict, relative to this module."""
         return f"{self.weight_prefix}.{table}.weight"
+
+    def _release_full_weights(self) -> None:
+        """Drop the references to the user's full ``[rows, dim]`` weights once every shard holds
+        its copy, so the unsharded tables are freed with the module they came from."""
+        for g in self._groups():
+            g.tables = [replace(t, weight=None) for t in g.tables]
 
     def table_configs(self) -> list[BaseEmbeddingConfig]:
         return self._configs

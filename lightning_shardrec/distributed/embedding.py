@@ -68,6 +68,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         kinds = list(dict.fromkeys(SHARDINGS.values()))
         order = sorted(by_group, key=lambda k: (kinds.index(k[0]), k[1]))
         self.groups = nn.ModuleList([kind(by_group[(kind, w)], env, setup) for kind, w in order])
+        self._release_full_weights()
 
         self._feature_names = module.feature_names()
         self._embedding_names = embedding_names(configs)

@@ -57,6 +57,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         # Fixed group order (registry order), identical on every rank.
         kinds = list(dict.fromkeys(SHARDINGS.values()))
         self.groups = nn.ModuleList([k(by_kind[k], env, setup) for k in kinds if k in by_kind])
+        self._release_full_weights()
         grouped = [f for g in self.groups for f in g.feature_names]
         source = dict(zip(embedding_names(configs), module.feature_names(), strict=True))
         self._arrange = FeatureArranger(

@@ -12,6 +12,8 @@ order (feature ``f`` reads table ``feature_table[f]``); its output is
 Backward never returns a weight gradient: it applies the optimizer to the touched
 rows in place. The hyper-parameters live in ``hparams``, a dict the
 ``FusedOptimizer`` replaces with its param group so schedulers reach the kernel.
+While ``deferred`` is set (a :class:`~lightning_shardrec.optim.ScaledTableUpdates`, under
+a loss scaler), a lookup with grad enabled keeps its gradient for later instead.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class BatchedEmbeddingKernel(nn.Module):
     """Base of both backends: tables, feature->table map, optimizer and hyper-parameters."""
 
     backend: KernelBackend
+    #: set by ``ScaledTableUpdates``: lookups with grad enabled go through its ``lookup``
+    deferred: Any = None
 
     def __init__(
         self,
@@ -101,6 +105,11 @@ class BatchedEmbeddingKernel(nn.Module):
         raise NotImplementedError
 
     # --- shared ---------------------------------------------------------------------
+    def __call__(self, kjt: KeyedJaggedTensor) -> Tensor:
+        if self.deferred is not None and torch.is_grad_enabled():
+            return self.deferred.lookup(self, kjt)  # type: ignore[no-any-return]
+        return super().__call__(kjt)  # type: ignore[no-any-return]
+
     def load_weights(self, weights: list[Tensor]) -> None:
         """Copy full table (or shard) weights in, bit for bit."""
         for spec, dst, src in zip(self.tables, self.split_weights(), weights, strict=True):

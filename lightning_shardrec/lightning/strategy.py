@@ -47,9 +47,10 @@ from lightning_shardrec.lightning.optimizers import (
     rule_report,
 )
 from lightning_shardrec.lightning.pipeline import TrainPipeline
+from lightning_shardrec.lightning.precision import ScalerGlue, convert_dense
 from lightning_shardrec.lightning.sigterm import LaggedSigterm
 from lightning_shardrec.modules.plain_embeddings import swap_embedding_modules
-from lightning_shardrec.optim import FusedOptimizer
+from lightning_shardrec.optim import FusedOptimizer, ScaledTableUpdates
 from lightning_shardrec.planner import (
     EmbeddingShardingPlanner,
     ParameterConstraints,
@@ -169,6 +170,7 @@ class ShardRecStrategy(ShardedCheckpointing):
         self.sharded: dict[str, ShardedCollection] = {}
         self.plan: ShardingPlan | None = None
         self.fused_optimizer: FusedOptimizer | None = None
+        self._scaler_glue: ScalerGlue | None = None  # "16-mixed": table updates follow the GradScaler
 
     # --- setup --------------------------------------------------------------------------------
     @override
@@ -240,7 +242,7 @@ class ShardRecStrategy(ShardedCheckpointing):
             if dense_tables and holder is not None:
                 holder[1]["params"].extend(dense_tables)  # data-parallel tables train like dense layers
             self._fit_guards(trainer, holder)
-        self.precision_plugin.convert_module(self.model)
+        convert_dense(self.precision_plugin, self.model, self.sharded)  # tables keep their config's dtype
         self.model_to_device()
         kernels = [k for s in self.sharded.values() for k in s.kernels()]
         if self.fused_optimizer is None:
@@ -257,6 +259,11 @@ class ShardRecStrategy(ShardedCheckpointing):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        scaler = ScalerGlue.wanted(self.precision_plugin)
+        if fitting:
+            group = next(iter(self.sharded.values())).env.pg
+            glue = None if scaler is None else ScalerGlue(scaler, ScaledTableUpdates(kernels), group, self.root_device)
+            self._scaler_glue = glue
         if fitting and self._check_finite and self._finite is None:
             self._finite = FiniteGuard(kernels)
         if fitting and self._pipeline_on and self.sharded and self.pipeline is None:
@@ -359,6 +366,12 @@ class ShardRecStrategy(ShardedCheckpointing):
         return super().batch_to_device(batch, device, dataloader_idx) if moved is None else moved
 
     @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._scaler_glue is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        return self._scaler_glue.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
+
+    @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         if self._finite is not None:
             check_loss(closure_loss, self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
@@ -423,6 +436,8 @@ class ShardRecStrategy(ShardedCheckpointing):
             self._finite.remove()
             self._finite = None
         guards.unguard_clipping(self.precision_plugin)
+        if self._scaler_glue is not None:  # kept (skipped_steps) until the next fit replaces it
+            self._scaler_glue.updates.detach()
         if not self.sharded:
             return super().teardown()
         if isinstance(self.model, DistributedDataParallel):

@@ -2,5 +2,6 @@
 
 from lightning_shardrec.configs import EmbOptimType, FusedOptimConfig
 from lightning_shardrec.optim.fused_optimizer import FusedOptimizer
+from lightning_shardrec.optim.scaled_updates import ScaledTableUpdates
 
-__all__ = ["EmbOptimType", "FusedOptimConfig", "FusedOptimizer"]
+__all__ = ["EmbOptimType", "FusedOptimConfig", "FusedOptimizer", "ScaledTableUpdates"]
