@@ -95,3 +95,86 @@ def test_help_lists_export(monkeypatch, capsys):
     assert "{fit,validate,test,predict}" in out and "and export, which writes a quantized serving artifact" in out
     assert "export: shardrec export --ckpt CKPT --out model.pt" in out
     assert "lightning_shardrec.inference.load" in out
+
+
+def _criteo_rows(path: Path, n: int) -> None:
+    """``n`` Criteo-format lines (label, 13 ints with blanks, 26 hex ids) in ``path``."""
+    import random
+
+    rng = random.Random(0)
+    rows = []
+    for _ in range(n):
+        dense = ["" if rng.random() < 0.2 else str(rng.randint(0, 500)) for _ in range(13)]
+        cats = [f"{rng.getrandbits(32):08x}" for _ in range(26)]
+        rows.append("\t".join([str(rng.randint(0, 1)), *dense, *cats]))
+    path.write_text("\n".join(rows) + "\n")
+
+
+STRATEGY_CLASS_PATH = "lightning_shardrec.ShardRecStrategy"
+# Both shipped configs, strategy in the class-path form with init_args (criteo.yaml has it already;
+# the override adds init_args so the expanded-**kwargs crash of DDP's constructor would show on each).
+CLASS_PATH_RUNS = {
+    "config.yaml": [
+        *TINY,
+        "--trainer.strategy=" + json.dumps({"class_path": STRATEGY_CLASS_PATH, "init_args": {"pipeline": False}}),
+    ],
+    "criteo.yaml": [
+        "--trainer.strategy.init_args.pipeline=false",
+        "--data.init_args.num_embeddings=50",
+        "--data.init_args.batch_size=8",
+        "--data.init_args.val_fraction=0.1",
+        "--data.init_args.test_fraction=0.1",
+        "--model.init_args.embedding_dim=8",
+        "--model.init_args.dense_arch_layer_sizes=[16, 8]",
+        "--model.init_args.over_arch_layer_sizes=[16, 1]",
+    ],
+}
+
+
+def _cli_class_path_fit(rank, world, root, name):
+    from lightning_shardrec import ShardRecStrategy
+    from lightning_shardrec.cli import run_cli
+
+    sys.argv = ["shardrec"]
+    os.environ.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", LOCAL_WORLD_SIZE=str(world))
+    args = [
+        "fit", "--config", str(ROOT / "examples" / "dlrm" / name), *CLASS_PATH_RUNS[name],
+        "--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        f"--trainer.default_root_dir={root}",
+    ]
+    if name == "criteo.yaml":
+        args.append(f"--data.init_args.data_dir={root}/criteo")
+    cli = run_cli(args)
+    strategy = cli.trainer.strategy
+    assert type(strategy) is ShardRecStrategy and strategy.sharded
+    return cli.trainer.global_step, sorted(strategy._ddp_kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(CLASS_PATH_RUNS))
+def test_shipped_configs_train_with_the_strategy_by_class_path(name, tmp_path):
+    if name == "criteo.yaml":
+        (tmp_path / "criteo").mkdir()
+        _criteo_rows(tmp_path / "criteo" / "day_0", 200)
+    results = run_ranks(_cli_class_path_fit, 2, str(tmp_path), name)
+    for steps, ddp_kwargs in results:
+        assert steps == 2
+        assert ddp_kwargs == ["find_unused_parameters", "gradient_as_bucket_view", "static_graph"]
+
+
+def test_print_config_lists_only_the_strategys_options(tmp_path, capsys, monkeypatch):
+    import inspect
+
+    from lightning_shardrec import ShardRecStrategy
+    from lightning_shardrec.cli import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["shardrec"])
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", str(ROOT / "examples" / "dlrm" / "criteo.yaml"), "--print_config"])
+    printed = capsys.readouterr().out
+    block = printed.split("init_args:\n", 1)[1].split("\n  devices:", 1)[0]
+    keys = [line.split(":")[0].strip() for line in block.splitlines()]
+    assert keys == [p for p in inspect.signature(ShardRecStrategy).parameters]
+    assert "process_group" not in keys and "bucket_cap_mb" not in keys and len(keys) < 20

@@ -16,7 +16,7 @@ import signal
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -99,6 +99,13 @@ class ShardRecStrategy(ShardedCheckpointing):
         strict_optimizer: refuse to train fused tables with an update rule that differs from
             what the user's optimizer does in one process (lazy Adam, row-sparse weight decay;
             the rule each table gets is printed at every fit start).
+        find_unused_parameters, static_graph, gradient_as_bucket_view: passed to the dense
+            layers' ``DistributedDataParallel`` (its meaning; default ``False``).
+        start_method: how Lightning launches the ranks (``DDPStrategy``'s meaning): ``"popen"``
+            (scripts, the CLI), ``"spawn"``, ``"fork"`` or ``"forkserver"`` (notebooks).
+
+    Only these options exist (no ``**kwargs`` passed through to ``DistributedDataParallel``),
+    so a config's ``class_path: lightning_shardrec.ShardRecStrategy`` lists exactly them.
     """
 
     strategy_name = "shardrec"
@@ -122,9 +129,19 @@ class ShardRecStrategy(ShardedCheckpointing):
         embedding_modules: bool | Sequence[str] = True,
         embedding_min_rows: int = 0,
         strict_optimizer: bool = False,
-        **kwargs: Any,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
+        super().__init__(
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
         if heartbeat_timeout is not None and heartbeat_timeout <= 1.0:
             raise ValueError(f"heartbeat_timeout must be > 1 second (or None to disable), got {heartbeat_timeout}")
         self._heartbeat_timeout = heartbeat_timeout
