@@ -2,7 +2,9 @@
 
 ``RankLoads`` keeps every rank's step time and free memory, sorted by load. A
 ``Strip`` is what one fill cuts: the table's columns into column shards, or some of
-its columns into row blocks. ``fill`` takes the emptiest ranks in turn, each up to
+its columns into row blocks inside one host (table_row_wise, grid pieces). row_wise
+is not sized: :func:`fill_all_rows` gives every rank an equal contiguous block.
+``fill`` takes the emptiest ranks in turn, each up to
 the target step time and its free memory (closed form: every cost and storage term
 is affine in a shard's rows or columns), and sizes the shards to level the loads
 (water filling) or to fill the ranks in turn (McNaughton's wrap-around rule).
@@ -247,7 +249,8 @@ def fill(
     t = opt.table
     by_cols = cut.by_cols
     total = t.dim if by_cols else t.rows
-    minimum = t.min_partition if by_cols else 1
+    # row blocks over ``count`` ranks: each at least half of an equal share (never a 1-row sliver)
+    minimum = t.min_partition if by_cols else max(1, -(-total // (2 * count)) if count else 1)
     align = COLUMN_ALIGN if by_cols and t.dim % COLUMN_ALIGN == 0 else 1
     cost, mem = cut.cost, cut.mem
     chosen: list[int] = []
@@ -288,6 +291,36 @@ def fill(
         pieces.append(piece)
         offset += size
     return Placement(table=t, kind=cut.kind, pieces=tuple(pieces))
+
+
+def fill_all_rows(
+    opt: TableOptions,
+    work: Workload,
+    ranks: RankLoads,
+    limit: float,
+    cands: Sequence[int] | None,
+) -> Placement | None:
+    """row_wise (TorchRec's meaning): contiguous row blocks on every rank, in rank order.
+
+    Every rank (or every rank of the table's ``ranks`` constraint, the explicit way to row-block
+    over fewer) holds one block; blocks differ by at most one row, so their memory is balanced
+    (``20,000,000`` rows on 2 ranks: ``10,000,000`` each). A table with fewer rows than ranks has
+    one row on each of its first ``rows`` ranks. None when a block exceeds its rank's time under
+    ``limit`` or its free memory.
+    """
+    t = opt.table
+    holders = (sorted(cands) if cands is not None else list(range(len(ranks.load))))[: t.rows]
+    base, extra = divmod(t.rows, len(holders))
+    sized = {n: make_piece(t, work, ShardingType.ROW_WISE, 0, 0, n, 0, t.dim) for n in {base, base + 1}}
+    pieces, offset = [], 0
+    for i, r in enumerate(holders):
+        size = base + (i < extra)
+        piece = replace(sized[size], rank=r, row_offset=offset)
+        if ranks.load[r] + piece.cost > limit or piece.mem > ranks.free[r]:
+            return None
+        pieces.append(piece)
+        offset += size
+    return Placement(table=t, kind=ShardingType.ROW_WISE, pieces=tuple(pieces))
 
 
 def fill_host_rows(

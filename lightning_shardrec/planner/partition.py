@@ -3,10 +3,11 @@
 Binary search on a target step time ``T``. For one ``T``, tables go in decreasing
 cost: a table that fits whole goes table-wise to the fullest rank it still fits
 (best fit); otherwise it is cut, filling the emptiest ranks up to ``T`` with column
-shards, row blocks, row blocks inside one host, or a grid (column pieces, each in row
+shards, row blocks inside one host, or a grid (column pieces, each in row
 blocks inside one host), each sized in closed form to the rank's remaining time and
 memory (see :mod:`~lightning_shardrec.planner.fill`), and the cut with the least total
-work wins. The best plan over all targets is kept.
+work wins; row_wise, TorchRec's meaning, puts an equal contiguous block on every rank
+(:func:`~lightning_shardrec.planner.fill.fill_all_rows`). The best plan over all targets is kept.
 
 Best fit packs equal-cost tables onto as few ranks as it can, whatever their size. So
 once the fastest step time ``T*`` is known, one more pass spreads the tables instead
@@ -27,6 +28,7 @@ from lightning_shardrec.planner.fill import (
     Placement,
     RankLoads,
     fill,
+    fill_all_rows,
     fill_host_rows,
     strip,
 )
@@ -68,9 +70,11 @@ def place_table(
             )
             return Placement(table=t, kind=ShardingType.TABLE_WISE, pieces=(piece,))
     tries: list[Placement | None] = []
-    for kind in (ShardingType.COLUMN_WISE, ShardingType.ROW_WISE):
-        if opt.allows(kind):
-            tries.append(fill(opt, work, strip(opt, kind), ranks, limit, ranks.emptiest(cands), level))
+    if opt.allows(ShardingType.COLUMN_WISE):
+        cut = strip(opt, ShardingType.COLUMN_WISE)
+        tries.append(fill(opt, work, cut, ranks, limit, ranks.emptiest(cands), level))
+    if opt.allows(ShardingType.ROW_WISE):
+        tries.append(fill_all_rows(opt, work, ranks, limit, cands))
     if opt.allows(ShardingType.TABLE_ROW_WISE):
         whole = strip(opt, ShardingType.TABLE_ROW_WISE)
         tries.append(fill_host_rows(opt, work, whole, ranks, limit, cands, level))
