@@ -104,6 +104,11 @@ class BaseEmbeddingConfig:
             object.__setattr__(self, "feature_names", [self.name])  # TorchRec: a table reads its own name
         if self.init_fn is not None and not callable(self.init_fn):
             raise ValueError(f"{label}: init_fn must be callable on the weight tensor, got {self.init_fn!r}")
+        if "." in self.name:  # any other name works, ``items`` and ``keys`` included (modules.table_dict)
+            raise ValueError(
+                f"{label}: a table name cannot contain '.' (it separates the parts of state-dict keys "
+                f"such as 'embedding_bags.<table>.weight')"
+            )
         object.__setattr__(self, "data_type", _parse_member(DataType, self.data_type, f"{label}: data_type"))
         for name in ("num_embeddings", "embedding_dim"):
             value = getattr(self, name)

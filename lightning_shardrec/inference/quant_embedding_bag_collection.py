@@ -25,6 +25,7 @@ from lightning_shardrec.inference.rowwise import QuantDType, QuantizedRows, quan
 from lightning_shardrec.modules import EmbeddingBagCollection
 from lightning_shardrec.modules.embedding_bag_collection import check_unique_tables
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names
+from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.modules.vbe import expand_vbe, inverse_rows
 from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -99,7 +100,7 @@ class QuantEmbeddingBagCollection(nn.Module):
         self._tables = list(tables)
         self._is_weighted = is_weighted
         self.validate_ids = validate_ids
-        self.embedding_bags = nn.ModuleDict({t.name: QuantTable(t, self._dtype, device) for t in tables})
+        self.embedding_bags = TableDict({t.name: QuantTable(t, self._dtype, device) for t in tables})
         self._feature_names = [f for t in tables for f in t.feature_names]
         self._embedding_names = embedding_names(tables)  # feature@table for a feature several tables read
         self._arrange = FeatureArranger(

@@ -14,12 +14,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_shardrec.configs import BaseEmbeddingConfig, UniformInit
 from lightning_shardrec.modules.dynamic_ids import GOLDEN, DynamicIdMapper, LookupResult, mix64, shr
 from lightning_shardrec.modules.features import check_ids
+from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 ResetHook = Callable[[str, Tensor, Tensor], None]
@@ -82,7 +83,7 @@ def optimizer_reset_hook(optimizer: torch.optim.Optimizer) -> ResetHook:
     return hook
 
 
-class DynamicTables(nn.ModuleDict):
+class DynamicTables(TableDict):  # any table name (modules.table_dict)
     """The id mappers of a collection's dynamic tables, keyed by table name."""
 
     def __init__(self, tables: Sequence[BaseEmbeddingConfig], device: torch.device | str | None) -> None:

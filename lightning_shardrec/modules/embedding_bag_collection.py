@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from lightning_shardrec.configs import EmbeddingBagConfig, PoolingType
 from lightning_shardrec.modules.dynamic_tables import DynamicTables, ResetHook
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names
+from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.modules.vbe import inverse_rows
 from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -69,7 +70,7 @@ class EmbeddingBagCollection(nn.Module):
         self._tables = list(tables)
         self._is_weighted = is_weighted
         self.validate_ids = validate_ids
-        self.embedding_bags = nn.ModuleDict()
+        self.embedding_bags = TableDict()  # any table name, ``items`` and ``keys`` too
         for t in tables:
             bag = nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling.value.lower(), device=device)
             if bag.weight.device.type != "meta":

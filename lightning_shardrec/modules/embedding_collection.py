@@ -14,6 +14,7 @@ from lightning_shardrec.configs import EmbeddingConfig
 from lightning_shardrec.modules.dynamic_tables import DynamicTables, ResetHook
 from lightning_shardrec.modules.embedding_bag_collection import check_unique_tables
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names_by_table
+from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor
 
 
@@ -46,7 +47,7 @@ class EmbeddingCollection(nn.Module):
         self._tables = list(tables)
         self._need_indices = need_indices
         self.validate_ids = validate_ids
-        self.embeddings = nn.ModuleDict()
+        self.embeddings = TableDict()  # any table name, ``items`` and ``keys`` too
         for t in tables:
             emb = nn.Embedding(t.num_embeddings, t.embedding_dim, device=device)
             if emb.weight.device.type != "meta":

@@ -31,10 +31,11 @@ class DataParallelSharding(EmbeddingSharding):
 
     def __init__(self, tables: list[TableSharding], env: ShardingEnv, setup: KernelSetup) -> None:
         super().__init__(tables, env, setup)
-        self.weights = nn.ParameterDict()
+        # One per table, in ``tables`` order (a list: a ParameterDict rejects table names such as ``items``).
+        self.weights = nn.ParameterList()
         for t in tables:
             full = ShardMetadata((0, 0), (t.config.num_embeddings, t.config.embedding_dim), env.rank)
-            self.weights[t.config.name] = nn.Parameter(shard_init(t, full, setup.device).clone())
+            self.weights.append(nn.Parameter(shard_init(t, full, setup.device).clone()))
 
     def route(self, kjt: KeyedJaggedTensor) -> Routed | None:
         return None
@@ -47,16 +48,13 @@ class DataParallelSharding(EmbeddingSharding):
     def compute(self, kjt: KeyedJaggedTensor) -> Tensor:
         subs = kjt.split([t.config.num_features for t in self.tables])
         if not self.setup.pooled:  # one row per id, in the KJT's (key, bag) order
-            rows = [
-                F.embedding(sub.values().long(), self.weights[t.config.name])
-                for t, sub in zip(self.tables, subs, strict=True)
-            ]
+            rows = [F.embedding(sub.values().long(), w) for w, sub in zip(self.weights, subs, strict=True)]
             return rows[0] if len(rows) == 1 else torch.cat(rows)
         outs = []
-        for t, sub in zip(self.tables, subs, strict=True):
+        for t, w, sub in zip(self.tables, self.weights, subs, strict=True):
             rows = F.embedding_bag(
                 sub.values().long(),
-                self.weights[t.config.name],
+                w,
                 sub.offsets().long(),
                 mode="sum",
                 per_sample_weights=sub.weights_or_none(),
@@ -76,5 +74,5 @@ class DataParallelSharding(EmbeddingSharding):
     def local_shards(self) -> list[tuple[str, ShardMetadata, Tensor]]:
         return [
             (t.config.name, ShardMetadata((0, 0), tuple(p.shape), self.env.rank), p.detach())  # type: ignore[arg-type]
-            for t, p in zip(self.tables, self.weights.values(), strict=True)
+            for t, p in zip(self.tables, self.weights, strict=True)
         ]
