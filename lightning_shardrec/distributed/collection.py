@@ -72,6 +72,11 @@ class ShardedCollection(nn.Module):
             )
         self._prefetch_env = env
 
+    def disable_prefetch(self) -> None:
+        """Drop whatever is prefetched and turn prefetch off (before its group is destroyed)."""
+        self.drop_prefetched()
+        self._prefetch_env = None
+
     def prefetch(self, features: KeyedJaggedTensor) -> PrefetchHandle:
         """Start ``features``' input distribution (async); ``forward(features)`` will wait on it.
 

@@ -139,7 +139,9 @@ class RankMonitor:
     def stop(self) -> None:
         """Stop beating and mark this rank as finished (a clean exit is not a death)."""
         self._stop.set()
-        self._thread.join(timeout=2 * self.interval)
+        # Wait out a store call in flight, even on a loaded machine: a thread still inside the store
+        # when the interpreter exits can abort the process (lightning/teardown.py).
+        self._thread.join(timeout=max(30.0, 2 * self.interval))
         with contextlib.suppress(Exception):
             self.store.set(f"{_PREFIX}/beat/{self.rank}", _DONE)
 

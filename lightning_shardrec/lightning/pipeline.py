@@ -112,6 +112,7 @@ class TrainPipeline:
         self._warned = False
         self._fetcher: LookaheadFetcher | None = None  # the fit loop's, kept past its teardown
         self._ended: list[EndOfData] = []  # this rank's "no next batch" headers, checked after backward
+        self._closed = False
 
     # --- per step -------------------------------------------------------------------------------
     def before_step(self, trainer: Any, move: Any) -> None:
@@ -168,6 +169,18 @@ class TrainPipeline:
         self._current, self._ahead, self._next = [], [], None  # the next batch's: never trained, not a miss
         for coll in self.sharded.values():
             coll.drop_prefetched()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """After training (every rank): drain, turn prefetch off on the collections; the prefetch group
+        can then be destroyed. A closed pipeline still patches checkpoints (:meth:`patch_loader_states`)."""
+        self.drain()
+        for coll in self.sharded.values():
+            coll.disable_prefetch()
+        self._closed = True
 
     def _retire(self, started: list[tuple[ShardedCollection, PrefetchHandle]]) -> None:
         for coll, handle in started:

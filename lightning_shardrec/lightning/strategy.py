@@ -49,6 +49,7 @@ from lightning_shardrec.lightning.optimizers import (
 from lightning_shardrec.lightning.pipeline import TrainPipeline
 from lightning_shardrec.lightning.precision import ScalerGlue, convert_dense
 from lightning_shardrec.lightning.sigterm import LaggedSigterm
+from lightning_shardrec.lightning.teardown import destroy_default_group_at_exit, destroy_groups
 from lightning_shardrec.modules.plain_embeddings import swap_embedding_modules
 from lightning_shardrec.optim import FusedOptimizer, ScaledTableUpdates
 from lightning_shardrec.planner import (
@@ -152,6 +153,7 @@ class ShardRecStrategy(ShardedCheckpointing):
         self._pipeline_on = pipeline
         self.pipeline: TrainPipeline | None = None
         self._sigterm: LaggedSigterm | None = None  # Lightning's per-batch SIGTERM broadcast, made async
+        self._own_groups: list[dist.ProcessGroup] = []  # destroyed in teardown (lightning/teardown.py)
         if isinstance(embedding_optimizer, str):
             embedding_optimizer = FusedOptimConfig(optimizer=embedding_optimizer)  # validates the name
         if embedding_lr is not None and not (isinstance(embedding_lr, (int, float)) and embedding_lr >= 0):
@@ -192,7 +194,10 @@ class ShardRecStrategy(ShardedCheckpointing):
     # --- setup --------------------------------------------------------------------------------
     @override
     def setup_distributed(self) -> None:
+        created = not dist.is_initialized()
         super().setup_distributed()
+        if created and dist.is_initialized():
+            destroy_default_group_at_exit()
         store = default_store()
         if self.monitor is None and store is not None and self.world_size > 1:
             self.monitor = RankMonitor(
@@ -283,8 +288,9 @@ class ShardRecStrategy(ShardedCheckpointing):
             self._scaler_glue = glue
         if fitting and self._check_finite and self._finite is None:
             self._finite = FiniteGuard(kernels)
-        if fitting and self._pipeline_on and self.sharded and self.pipeline is None:
+        if fitting and self._pipeline_on and self.sharded and (self.pipeline is None or self.pipeline.closed):
             env = new_group_like(next(iter(self.sharded.values())).env, self._timeout)  # collective
+            self._own_groups.append(env.pg)  # type: ignore[arg-type]
             self.pipeline = TrainPipeline(self.sharded, env, self.root_device)
 
     def _fused_config(self, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> FusedOptimConfig:
@@ -362,6 +368,7 @@ class ShardRecStrategy(ShardedCheckpointing):
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, fused)
         # Its own group: DDP's hook-driven all-reduces never interleave with the tables' collectives.
         dense_pg = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
+        self._own_groups.append(dense_pg)
         return DistributedDataParallel(
             model, device_ids=self.determine_ddp_device_ids(), process_group=dense_pg, **self._ddp_kwargs
         )
@@ -459,6 +466,11 @@ class ShardRecStrategy(ShardedCheckpointing):
             return super().teardown()
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
+        if self.pipeline is not None and not self._failing:
+            self.pipeline.close()  # prefetch off: its group goes next
+        if not self._failing:  # after a failure a group may hold work for a dead peer: leave it to exit
+            destroy_groups(self._own_groups)
+            self._own_groups = []
         # Unlike the base class, do not copy (possibly huge) sharded tables to the CPU.
         self.precision_plugin.teardown()
         assert self.accelerator is not None
