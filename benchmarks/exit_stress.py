@@ -9,9 +9,10 @@ nothing itself) that train a tiny DLRM for ``--steps`` steps with
 pipeline prefetch, lagged SIGTERM; the health monitor's thread), save a sharded
 checkpoint with ``trainer.save_checkpoint`` and return from the script. Meanwhile
 ``--hogs`` processes spin on the CPU. A run is abnormal when either rank exits non-zero
-(-6 is SIGABRT: ``terminate called without an active exception``) or does not finish in
-``--timeout`` seconds. Prints one line per run and a summary (runs, abnormal exits, CPU);
-the exit status is the number of abnormal runs (capped at 100).
+(-6 is SIGABRT: ``terminate called without an active exception``), does not report
+its steps and saved checkpoint, or does not finish in ``--timeout`` seconds. Prints one
+line per run and a summary (runs, abnormal exits, CPU); the exit status is the number
+of abnormal runs (capped at 100).
 """
 
 from __future__ import annotations
@@ -79,12 +80,14 @@ def worker(root: str, steps: int, pipeline: bool) -> None:
         default_root_dir=root,
     )
     trainer.fit(model, datamodule=data)
-    trainer.save_checkpoint(os.path.join(root, "last.ckpt"))
-    print(f"rank {trainer.global_rank} done", flush=True)
+    path = os.path.join(root, "last.ckpt")
+    trainer.save_checkpoint(path)
+    print(f"rank {trainer.global_rank} done: {trainer.global_step} steps, saved={os.path.isdir(path)}", flush=True)
 
 
-def one_run(steps: int, pipeline: bool, timeout: float) -> tuple[list[int | None], str]:
-    """Both ranks' exit codes (None: killed after ``timeout``) and the tail of their stderr."""
+def one_run(steps: int, pipeline: bool, timeout: float) -> tuple[list[int | None], bool, str]:
+    """Both ranks' exit codes (None: killed after ``timeout``), whether both trained ``steps`` steps
+    and saved, and the tail of their stderr."""
     port = str(_free_port())
     with tempfile.TemporaryDirectory(prefix="shardrec_exit_") as root:
         procs = []
@@ -104,20 +107,22 @@ def one_run(steps: int, pipeline: bool, timeout: float) -> tuple[list[int | None
             cmd = [sys.executable, __file__, "--worker", root, "--steps", str(steps)]
             if not pipeline:
                 cmd.append("--no-pipeline")
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         codes: list[int | None] = []
         tails = []
+        finished = True
         deadline = time.monotonic() + timeout
         for p in procs:
             try:
-                _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
                 codes.append(p.returncode)
             except subprocess.TimeoutExpired:
                 p.kill()
-                _, err = p.communicate()
+                out, err = p.communicate()
                 codes.append(None)
+            finished &= f"done: {steps} steps, saved=True" in (out or "")
             tails.append(err[-400:] if err else "")
-    return codes, " | ".join(t.strip().replace("\n", " / ")[-300:] for t in tails if t.strip())
+    return codes, finished, " | ".join(t.strip().replace("\n", " / ")[-300:] for t in tails if t.strip())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(a.runs):
             t0 = time.monotonic()
-            codes, tail = one_run(a.steps, not a.no_pipeline, a.timeout)
-            bad = any(c != 0 for c in codes)
+            codes, finished, tail = one_run(a.steps, not a.no_pipeline, a.timeout)
+            bad = any(c != 0 for c in codes) or not finished
             abnormal += bad
             note = f"  stderr: {tail}" if bad else ""
             print(f"run {i + 1}/{a.runs}: exit codes {codes} ({time.monotonic() - t0:.0f} s){note}", flush=True)

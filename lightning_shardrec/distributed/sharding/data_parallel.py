@@ -48,8 +48,8 @@ class DataParallelSharding(EmbeddingSharding):
     def compute(self, kjt: KeyedJaggedTensor) -> Tensor:
         subs = kjt.split([t.config.num_features for t in self.tables])
         if not self.setup.pooled:  # one row per id, in the KJT's (key, bag) order
-            rows = [F.embedding(sub.values().long(), w) for w, sub in zip(self.weights, subs, strict=True)]
-            return rows[0] if len(rows) == 1 else torch.cat(rows)
+            per_table = [F.embedding(sub.values().long(), w) for w, sub in zip(self.weights, subs, strict=True)]
+            return per_table[0] if len(per_table) == 1 else torch.cat(per_table)
         outs = []
         for t, w, sub in zip(self.tables, self.weights, subs, strict=True):
             rows = F.embedding_bag(
