@@ -79,8 +79,9 @@ def replicated_keys(sharded: Mapping[str, Any]) -> dict[int, str]:
     keys: dict[int, str] = {}
     for path, module in sharded.items():
         for group in module.groups:
-            if not group.fused:  # a data-parallel group: ``weights``, table name -> its parameter
-                for name, weight in group.weights.items():
+            if not group.fused:  # a data-parallel group: one parameter per table, in ``tables`` order
+                for table, weight in zip(group.tables, group.weights, strict=True):
+                    name = table.config.name
                     key = module.state_key(name)
                     keys[id(weight)] = f"{path}.{key}" if path else key
     return keys
