@@ -155,13 +155,14 @@ class DistributedModelParallel(nn.Module):
         super().__init__()
         reject_dynamic_tables(find_collections(module))
         swap_embedding_modules(module, embedding_modules, embedding_min_rows)
-        self.env = ShardingEnv.from_process_group(pg)
+        # ranks per host: the planner's topology when given, so plan and execution see the same hosts
+        self.env = ShardingEnv.from_process_group(pg, planner.topology.local_world_size if planner else 0)  # type: ignore[arg-type]
         self.device = torch.device(device) if device is not None else default_device(self.env)
         optim = embedding_optimizer
         if not isinstance(optim, FusedOptimConfig):
             optim = FusedOptimConfig(optimizer=optim)
         if planner is None:
-            topology = Topology.from_process_group(pg)
+            topology = Topology.from_process_group(pg, local_world_size=self.env.local_world_size)
             planner = EmbeddingShardingPlanner(topology, batch_size=batch_size, optimizer=optim.optimizer)
         collections = find_collections(module)
         if isinstance(plan, ShardingPlan) and set(plan.plan) >= set(collections):

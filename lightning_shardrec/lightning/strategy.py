@@ -38,6 +38,7 @@ from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
 from lightning_shardrec.lightning.checkpointing import ShardedCheckpointing
+from lightning_shardrec.lightning.cluster import ranks_per_host
 from lightning_shardrec.lightning.optimizers import (
     derive_fused_config,
     find_group,
@@ -168,6 +169,7 @@ class ShardRecStrategy(ShardedCheckpointing):
         self._loaded_in_place = False
         self.sharded: dict[str, ShardedCollection] = {}
         self.plan: ShardingPlan | None = None
+        self.topology: Topology | None = None  # what the planner assumed (hosts from num_nodes x devices)
         self.fused_optimizer: FusedOptimizer | None = None
 
     # --- setup --------------------------------------------------------------------------------
@@ -301,8 +303,11 @@ class ShardRecStrategy(ShardedCheckpointing):
 
     def _shard(self, module: torch.nn.Module, config: FusedOptimConfig) -> None:
         self._config = config
-        env = ShardingEnv.from_process_group()
-        topology = Topology.from_process_group(compute_device=self.root_device.type)
+        local = ranks_per_host(dist.get_world_size(), self.num_nodes, self.num_processes)  # Lightning's hosts
+        env = ShardingEnv.from_process_group(local_world_size=local)
+        self.topology = topology = Topology.from_process_group(
+            compute_device=self.root_device.type, local_world_size=local
+        )
         planner = EmbeddingShardingPlanner(
             topology,
             batch_size=self._planner_batch_size,
