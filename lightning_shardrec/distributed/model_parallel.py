@@ -10,6 +10,7 @@ Plain PyTorch (no Lightning)::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -84,9 +85,23 @@ def table_names(collection: nn.Module) -> set[str]:
 
 
 def default_device(env: ShardingEnv) -> torch.device:
+    """CPU under gloo; under NCCL this rank's GPU (see :func:`cuda_index`)."""
     if dist.is_initialized() and dist.get_backend(env.pg) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        index = cuda_index(torch.cuda.current_device(), os.environ, torch.cuda.device_count())
+        return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def cuda_index(current: int, environ: Mapping[str, str], count: int) -> int:
+    """The GPU of this rank: the current device when set (not 0), else ``LOCAL_RANK`` (torchrun, Lightning,
+    SLURM via Lightning), else 0. Without the fallback every rank that never called ``set_device`` lands on GPU 0.
+    """
+    local = environ.get("LOCAL_RANK", "")
+    if current != 0 or not local.isdigit():
+        return current
+    if count and int(local) >= count:
+        raise ValueError(f"default device: LOCAL_RANK {local} but only {count} GPUs are visible; pass device=")
+    return int(local)
 
 
 def shard_modules(
