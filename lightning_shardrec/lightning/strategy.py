@@ -341,10 +341,12 @@ class ShardRecStrategy(ShardedCheckpointing):
         if not any(p.requires_grad for n, p in model.named_parameters() if n not in skip):
             return model
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, fused)
-        # Its own group: DDP's hook-driven all-reduces never interleave with the tables' collectives.
-        dense_pg = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
+        # Its own group: DDP's hook-driven all-reduces never interleave with the tables' collectives;
+        # created once per strategy (a repeated fit() reuses it instead of leaking another).
+        if not _live(getattr(self, "_dense_pg", None)):
+            self._dense_pg = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
         return DistributedDataParallel(
-            model, device_ids=self.determine_ddp_device_ids(), process_group=dense_pg, **self._ddp_kwargs
+            model, device_ids=self.determine_ddp_device_ids(), process_group=self._dense_pg, **self._ddp_kwargs
         )
 
     def collective(self) -> AbstractContextManager[None]:
@@ -453,6 +455,17 @@ _ANCHOR = "shardrec_anchor"  # an empty parameter per sharded collection; its pa
 def _fused_params(coll: ShardedCollection) -> list[torch.nn.Parameter]:
     anchor = [getattr(coll, _ANCHOR)] if hasattr(coll, _ANCHOR) else []
     return anchor + [p for g in coll.groups if g.fused for p in g.parameters()]
+
+
+def _live(group: Any) -> bool:
+    """Whether ``group`` is a process group still registered (not None, not destroyed by a teardown)."""
+    if group is None:
+        return False
+    try:
+        dist.get_backend(group)  # raises for a destroyed group
+    except (ValueError, RuntimeError, KeyError):
+        return False
+    return True
 
 
 @rank_zero_only
