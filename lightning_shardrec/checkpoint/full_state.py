@@ -6,7 +6,8 @@ so it loads into the plain model (``LightningModule.load_from_checkpoint``, infe
 and into a sharded model of *any* world size or plan: resharding is slicing. Fused
 optimizer state travels the same way, keyed by the weight's name.
 
-Every rank gathers every table, so this suits tables that fit in host memory.
+Saving gathers the tables on rank 0 only, one table at a time, in host memory
+(:func:`gather_full_state` with ``dst=0``), so this suits tables that fit in rank 0's host memory.
 """
 
 from __future__ import annotations
@@ -30,12 +31,19 @@ def _key(module: ShardedCollection, path: str, table: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _gather(local: dict[str, Shards]) -> list[dict[str, Shards]]:
+def _gather(local: dict[str, Shards], dst: int | None) -> list[dict[str, Shards]]:
+    """Every rank's ``local`` on rank ``dst`` (``[]`` elsewhere); ``dst=None``: on every rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [local]
-    out: list[dict[str, Shards] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, local)
-    return out  # type: ignore[return-value]
+    if dst is None:
+        out: list[dict[str, Shards] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, local)
+        return out  # type: ignore[return-value]
+    received: list[dict[str, Shards] | None] | None = None
+    if dist.get_rank() == dst:
+        received = [None] * dist.get_world_size()
+    dist.gather_object(local, received, dst=dst)
+    return received or []  # type: ignore[return-value]
 
 
 def _assemble(pieces: list[dict[str, Shards]], shapes: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
@@ -51,54 +59,59 @@ def _assemble(pieces: list[dict[str, Shards]], shapes: dict[str, tuple[int, ...]
 
 
 def gather_full_state(
-    sharded: Mapping[str, ShardedCollection],
+    sharded: Mapping[str, ShardedCollection], dst: int | None = None
 ) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
-    """Collective: every table's full weight and full fused optimizer state, on every rank."""
-    weights: dict[str, Shards] = {}
-    states: dict[str, Shards] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    state_shapes: dict[str, tuple[int, ...]] = {}
-    for path, module in sharded.items():
-        for cfg in module.table_configs():
-            shapes[_key(module, path, cfg.name)] = (cfg.num_embeddings, cfg.embedding_dim)
-        for table, shards in module.local_shards().items():
-            weights[_key(module, path, table)] = [(m.shard_offsets, w.detach().cpu()) for m, w in shards]
-        for table, shards in module.local_states().items():
-            cfg = next(c for c in module.table_configs() if c.name == table)
-            for meta, state in shards:
-                for name, t in state.items():
-                    key = f"{_key(module, path, table)}/{name}"
-                    if t.dim() == 1:  # one value per row *of this column piece*: keyed by its first column
-                        key = f"{key}@{meta.shard_offsets[1]}"
-                    if t.dim() == 0:  # a step counter, the same for every shard
-                        states[key] = [((0, 0), t.detach().cpu().reshape(1))]
-                        state_shapes[key] = (1,)
-                        continue
-                    states.setdefault(key, []).append((meta.shard_offsets, t.detach().cpu()))
-                    state_shapes[key] = (cfg.num_embeddings,) + ((cfg.embedding_dim,) if t.dim() == 2 else ())
-    weight_pieces = _gather(weights)
-    state_pieces = _gather(states)
-    all_state_shapes: dict[str, tuple[int, ...]] = {}
-    for rank_pieces in state_pieces:  # shapes of state keys that live only on other ranks
-        for key, shards in rank_pieces.items():
-            all_state_shapes.setdefault(key, state_shapes.get(key) or _state_shape(key, sharded, shards))
-    flat_states = _assemble(state_pieces, all_state_shapes)
+    """Collective: every table's full weight and full fused optimizer state, in host memory.
+
+    One table at a time: each rank copies its shards of the table to the host and rank
+    ``dst`` receives them (``gather_object``) and assembles the table, so no rank ever
+    holds another rank's shards of more than one table in flight, and ranks other than
+    ``dst`` return empty dicts. ``dst=None`` gathers on every rank (for tests and small models).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    weights: dict[str, Tensor] = {}
     nested: dict[str, dict[str, Tensor]] = {}
-    for key, t in flat_states.items():
-        weight_key, name = key.rsplit("/", 1)
-        nested.setdefault(weight_key, {})[name] = t.reshape(()) if name == "step" else t
-    return _assemble(weight_pieces, shapes), nested
-
-
-def _state_shape(key: str, sharded: Mapping[str, ShardedCollection], shards: Shards) -> tuple[int, ...]:
-    weight_key, name = key.rsplit("/", 1)
-    if name == "step":
-        return (1,)
     for path, module in sharded.items():
-        for cfg in module.table_configs():
-            if _key(module, path, cfg.name) == weight_key:
-                return (cfg.num_embeddings,) + ((cfg.embedding_dim,) if shards[0][1].dim() == 2 else ())
-    raise CheckpointError(f"optimizer state '{key}' belongs to no table of this model")
+        local_weights, local_states = module.local_shards(), module.local_states()
+        for cfg in module.table_configs():  # every rank: every table, the same order
+            key = _key(module, path, cfg.name)
+            mine = [(m.shard_offsets, w.detach().cpu()) for m, w in local_weights.get(cfg.name, [])]
+            states = _table_states(key, local_states.get(cfg.name, []))
+            pieces = _gather({key: mine, **states}, dst)
+            if dst is not None and rank != dst:
+                continue
+            shapes: dict[str, tuple[int, ...]] = {key: (cfg.num_embeddings, cfg.embedding_dim)}
+            for rank_pieces in pieces:  # state keys that live only on other ranks
+                for name, shards in rank_pieces.items():
+                    if name != key and shards:
+                        shapes.setdefault(name, _state_shape(name, cfg, shards))
+            full = _assemble(pieces, shapes)
+            weights[key] = full.pop(key)
+            for name, t in full.items():
+                weight_key, state = name.rsplit("/", 1)
+                nested.setdefault(weight_key, {})[state] = t.reshape(()) if state == "step" else t
+    return weights, nested
+
+
+def _table_states(key: str, shards: list[tuple[Any, dict[str, Tensor]]]) -> dict[str, Shards]:
+    """This rank's fused state of one table on the host, keyed ``<weight key>/<state>[@<first column>]``."""
+    states: dict[str, Shards] = {}
+    for meta, state in shards:
+        for name, t in state.items():
+            full = f"{key}/{name}"
+            if t.dim() == 1:  # one value per row *of this column piece*: keyed by its first column
+                full = f"{full}@{meta.shard_offsets[1]}"
+            if t.dim() == 0:  # a step counter, the same for every shard
+                states[full] = [((0, 0), t.detach().cpu().reshape(1))]
+                continue
+            states.setdefault(full, []).append((meta.shard_offsets, t.detach().cpu()))
+    return states
+
+
+def _state_shape(key: str, cfg: Any, shards: Shards) -> tuple[int, ...]:
+    if key.rsplit("/", 1)[1] == "step":
+        return (1,)
+    return (cfg.num_embeddings,) + ((cfg.embedding_dim,) if shards[0][1].dim() == 2 else ())
 
 
 def load_full_state(

@@ -175,13 +175,23 @@ def save_sharded(
     try:
         if rank == 0:
             clean_stale(path, keep=staging)
-        staging.mkdir(parents=True, exist_ok=True)
-        dcp.save(_non_empty({"state_dict": {**dense, **tables}, "fused": fused}), checkpoint_id=staging)
-        if rank == 0:
-            torch.save(meta, staging / META_FILE)
-    except (Exception, CheckpointException) as e:  # agreed on below, so no rank waits for one that gave up
+            staging.mkdir(parents=True, exist_ok=True)
+            (staging / SHARED_MARK).touch()
+    except Exception as e:
         error = e
-    failures = agree_failures(error)
+    failures = agree_failures(error)  # also: rank 0's directory exists before any rank looks for it
+    if not failures:
+        error = _check_shared(staging, rank)
+        failures = agree_failures(error)
+    if not failures:
+        try:
+            dcp.save(_non_empty({"state_dict": {**dense, **tables}, "fused": fused}), checkpoint_id=staging)
+            if rank == 0:
+                torch.save(meta, staging / META_FILE)
+                (staging / SHARED_MARK).unlink()
+        except (Exception, CheckpointException) as e:  # agreed on below, so no rank waits for one that gave up
+            error = e
+        failures = agree_failures(error)
     if not failures and rank == 0:
         try:
             commit(staging, path)
@@ -195,6 +205,16 @@ def save_sharded(
         raise CheckpointError(
             f"saving checkpoint '{path}' failed; what was there before is untouched:\n  " + "\n  ".join(failures)
         ) from error
+
+
+def _check_shared(staging: Path, rank: int) -> CheckpointError | None:
+    """Every rank writes into the directory rank 0 made: without a shared file system the files would scatter."""
+    if (staging / SHARED_MARK).exists():
+        return None
+    return CheckpointError(
+        f"rank {rank} does not see '{staging}', which rank 0 created: a sharded checkpoint directory must be on a "
+        "file system every rank shares (NFS, Lustre, a mounted bucket); use a shared path or checkpoint_format='full'"
+    )
 
 
 def load_sharded(
@@ -275,3 +295,4 @@ def read_full(checkpoint_dir: str | Path) -> dict[str, Any]:
 
 
 META_FILE = "meta.pt"
+SHARED_MARK = ".shared"  # rank 0's marker in the staging directory: proves every rank sees it

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.sparse import KeyedJaggedTensor
+from lightning_shardrec.sparse.keyed_jagged_tensor import async_copy
 
 
 @dataclass
@@ -59,11 +60,12 @@ class RecBatch:
         yield self.dense
         yield self.labels
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> RecBatch:
+    def to(self, device: torch.device | str, non_blocking: bool | None = None) -> RecBatch:
+        """``non_blocking=None``: asynchronous for pinned host memory going to CUDA (``pin_memory=True``)."""
         return RecBatch(
-            self.dense.to(device, non_blocking=non_blocking),
+            self.dense.to(device, non_blocking=async_copy(self.dense, device, non_blocking)),
             self.sparse.to(device, non_blocking=non_blocking),
-            self.labels.to(device, non_blocking=non_blocking),
+            self.labels.to(device, non_blocking=async_copy(self.labels, device, non_blocking)),
         )
 
     def pin_memory(self) -> RecBatch:

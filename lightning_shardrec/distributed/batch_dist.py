@@ -240,10 +240,15 @@ def _header(
     kjt: KeyedJaggedTensor, routed: list[Routed | None], error: Exception | None, world: int, num_groups: int
 ) -> Tensor:
     """``[W, 2 + G]`` int64: row ``d`` = (failed, batch size, ids for ``d`` per group)."""
+    header = torch.zeros(world, 2 + num_groups, dtype=torch.long)
     if error is not None:
-        return torch.tensor([[1] + [0] * (1 + num_groups)] * world, dtype=torch.long)
-    splits = [[0] * world if r is None else r.value_splits for r in routed]
-    return torch.tensor([[0, kjt.stride(), *(s[d] for s in splits)] for d in range(world)], dtype=torch.long)
+        header[:, 0] = 1
+        return header
+    header[:, 1] = kjt.stride()
+    for i, r in enumerate(routed):
+        if r is not None:
+            header[:, 2 + i] = torch.tensor(r.value_splits, dtype=torch.long)
+    return header
 
 
 def _read_header(
@@ -252,13 +257,13 @@ def _read_header(
     """Every rank's batch size and, per group, the ids each source sends; raises if any rank failed."""
     if error is not None:
         raise error
-    rows = recv.tolist()  # one read of the small header
-    failed = [s for s, row in enumerate(rows) if row[0]]
-    if failed:
+    columns = recv.t().tolist()  # one read of the small header, column by column (no per-rank loop)
+    if any(columns[0]):
+        failed = [s for s, flag in enumerate(columns[0]) if flag]
         raise ShardingError(
             f"rank {env.rank}: ranks {failed} rejected their batch (see their error); stopping all ranks"
         )
-    return [row[1] for row in rows], [[row[2 + i] for row in rows] for i in range(num_groups)]
+    return columns[1], columns[2 : 2 + num_groups]
 
 
 

@@ -137,6 +137,32 @@ class ColumnBlocks:
     # per source, the same blocks as a slice when they are evenly spaced (a strided copy is
     # about 2x an index_copy_ along dim 1 on CPU); None otherwise
     slices: list[slice | None] = field(default_factory=list)
+    #: (batch size, device) -> the block gathers of :meth:`gathers`, built once per batch size
+    _gathers: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def gathers(self, b: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(forward, backward)`` block-row indices for ``b`` rows: ``out = recv[forward]``, ``back = out[backward]``.
+
+        ``recv`` and ``out`` seen as rows of ``block`` columns (``[sum_s b * widths[s] / block, block]``
+        and ``[b * D / block, block]``): one index op instead of one copy per source.
+        """
+        key = (b, device)
+        if key not in self._gathers:
+            n = torch.tensor([w // self.block for w in self.widths])
+            base = torch.cumsum(n * b, 0) - n * b  # first block row of each source in recv
+            per = torch.repeat_interleave(torch.arange(len(n)), n)  # source of each block column
+            j = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+            place = torch.cat([i.cpu() for i in self.index])  # output block of each block column
+            rows = torch.arange(b).unsqueeze(1)
+            recv_pos = (base[per] + rows * n[per] + j).reshape(-1)
+            out_pos = (rows * place.numel() + place).reshape(-1)
+            forward, backward = torch.empty_like(recv_pos), torch.empty_like(out_pos)
+            forward[out_pos] = recv_pos
+            backward[recv_pos] = out_pos
+            self._gathers[key] = (forward.to(device), backward.to(device))
+        return self._gathers[key]
 
     def __post_init__(self) -> None:
         if not self.slices:
@@ -190,6 +216,11 @@ def all_to_all_pooled(
     return _PooledAllToAll.apply(x, batch_sizes, layout, grad_scale, env, precision)
 
 
+# Sources above which the pooled all-to-all places columns with one block gather instead of
+# one copy per source (a copy per source is the cheaper below; Python overhead grows with W above).
+GATHER_ABOVE = 16
+
+
 class _PooledAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -212,6 +243,9 @@ class _PooledAllToAll(torch.autograd.Function):
         else:
             recv = x.new_empty(sum(recv_splits))
             dist.all_to_all_single(recv, x.contiguous().reshape(-1), recv_splits, send_splits, group=env.pg)
+        if len(layout.widths) > GATHER_ABOVE:
+            forward, _ = layout.gathers(b, x.device)
+            return recv.view(-1, g).index_select(0, forward).view(b, sum(layout.widths))
         out = x.new_empty(b, sum(layout.widths) // g, g)
         for part, w, index, sl in zip(recv.split(recv_splits), layout.widths, layout.index, layout.slices, strict=True):
             if sl is None:
@@ -225,12 +259,18 @@ class _PooledAllToAll(torch.autograd.Function):
         b, layout, scale, env, recv_splits, send_splits, shape, precision = ctx.args
         g = layout.block
         grad = grad.reshape(b, sum(layout.widths) // g, g)  # a view, also of a column slice of a wider gradient
-        back = grad.new_empty(sum(recv_splits))
-        for part, w, index, sl in zip(back.split(recv_splits), layout.widths, layout.index, layout.slices, strict=True):
-            if sl is None:
-                torch.index_select(grad, 1, index, out=part.view(b, w // g, g))
-            else:
-                part.view(b, w // g, g).copy_(grad[:, sl])
+        if len(layout.widths) > GATHER_ABOVE:
+            _, backward = layout.gathers(b, grad.device)
+            back = grad.reshape(-1, g).index_select(0, backward).view(-1)
+        else:
+            back = grad.new_empty(sum(recv_splits))
+            for part, w, index, sl in zip(
+                back.split(recv_splits), layout.widths, layout.index, layout.slices, strict=True
+            ):
+                if sl is None:
+                    torch.index_select(grad, 1, index, out=part.view(b, w // g, g))
+                else:
+                    part.view(b, w // g, g).copy_(grad[:, sl])
         if scale != 1.0:
             back.mul_(scale)
         if env.world_size == 1:
@@ -247,10 +287,68 @@ def reduce_scatter_grad(parts: list[Tensor], env: ShardingEnv, precision: CommPr
 
     ``precision`` below fp32: the parts travel in bf16/fp16 by one all-to-all (the same bytes
     per rank as a ring reduce-scatter) and are summed in fp32 on arrival; so does the gradient.
+
+    For row blocks of one tensor prefer :func:`reduce_scatter_rows` (no per-rank list).
     """
     if env.world_size == 1:
         return parts[0]
     return _ReduceScatterV.apply(env, CommPrecision.parse(precision), *parts)
+
+
+def reduce_scatter_rows(
+    x: Tensor, rows: list[int], env: ShardingEnv, precision: CommPrecision = CommPrecision.FP32
+) -> Tensor:
+    """Sum ``x``'s row block ``r`` (``x.split(rows)[r]``) over ranks onto rank ``r``; backward all-gathers.
+
+    Equal blocks use the single-tensor collectives (no per-rank list, no copies); uneven ones
+    reduce-scatter a list and all-gather padded to the largest block. Neither builds a
+    ``W``-times copy of anything. ``precision`` below fp32: :func:`reduce_scatter_grad`'s quantized path.
+    """
+    if env.world_size == 1:
+        return x
+    if CommPrecision.parse(precision) is not CommPrecision.FP32:
+        return reduce_scatter_grad(list(x.split(rows)), env, precision)
+    return _ReduceScatterRows.apply(x, rows, env)
+
+
+def _reduce_scatter_single(out: Tensor, x: Tensor, group: dist.ProcessGroup | None) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, x, group=group)
+
+
+def _all_gather_single(out: Tensor, x: Tensor, group: dist.ProcessGroup | None) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, rows: list[int], env: ShardingEnv) -> Tensor:  # type: ignore[override]
+        ctx.rows, ctx.env = rows, env
+        out = x.new_empty((rows[env.rank], *x.shape[1:]))
+        if rows.count(rows[0]) == len(rows):
+            _reduce_scatter_single(out, x.contiguous(), env.pg)
+        else:
+            dist.reduce_scatter(out, [p.contiguous() for p in x.split(rows)], group=env.pg)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        return _gather_rows(grad, ctx.rows, ctx.env), None, None
+
+
+def _gather_rows(grad: Tensor, rows: list[int], env: ShardingEnv) -> Tensor:
+    """All-gather of every rank's ``[rows[r], ...]`` gradient into ``[sum(rows), ...]`` (padded when uneven)."""
+    most = max(rows)
+    mine = grad.contiguous()
+    if rows[env.rank] != most:
+        mine = torch.cat([mine, mine.new_zeros((most - rows[env.rank], *mine.shape[1:]))])
+    gathered = mine.new_empty((most * env.world_size, *mine.shape[1:]))
+    _all_gather_single(gathered, mine, env.pg)
+    if rows.count(most) == len(rows):
+        return gathered
+    keep = torch.cat([torch.arange(r * most, r * most + n) for r, n in enumerate(rows)])  # rare: uneven batches
+    return gathered.index_select(0, keep.to(gathered.device, non_blocking=True))
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -298,17 +396,16 @@ class _ReduceScatterV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if ctx.precision is CommPrecision.FP32:
+            gathered = _gather_rows(grad, ctx.rows, ctx.env)
+            return (None, None, *gathered.split(ctx.rows))
         env, rows = ctx.env, ctx.rows
         width = grad[0].numel() if grad.shape[0] else int(torch.tensor(grad.shape[1:]).prod())
         mine = grad.contiguous().reshape(-1)
         splits = [r * width for r in rows]
-        # every rank sends its gradient to every rank: an uneven all-gather
+        # quantized: every rank sends its gradient to every rank (an uneven all-gather by all-to-all)
         send, in_splits = mine.repeat(env.world_size), [mine.numel()] * env.world_size
-        if ctx.precision is not CommPrecision.FP32:
-            gathered = _exchange(send, splits, in_splits, env, ctx.precision)
-        else:
-            gathered = mine.new_empty(sum(rows) * width)
-            dist.all_to_all_single(gathered, send, splits, in_splits, group=env.pg)
+        gathered = _exchange(send, splits, in_splits, env, ctx.precision)
         return (
             None,
             None,

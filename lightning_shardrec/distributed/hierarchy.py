@@ -122,55 +122,101 @@ class HolderExchange:
         if sorted(set(cols)) != list(range(width)):
             missing = sorted(set(range(width)) - set(cols))
             raise ValueError(f"HolderExchange: output columns {missing} of {width} come from no unit")
-        inverse = [0] * width
-        for p, c in enumerate(cols):
-            inverse[c] = p
-        self.gather = torch.tensor(inverse if self.exclusive else cols, dtype=torch.long, device=device)
+        self._cols = torch.tensor(cols, dtype=torch.long)
+        self._device = device
+        self._plans: dict[tuple[int, ...], _Plan] = {}  # per batch-size signature (one in a steady run)
 
-    def __call__(self, partial: Tensor, batch_sizes: list[int]) -> Tensor:
-        """``partial [sum_s B_s, D_local]`` (this rank's kernel output) -> ``[B_r, width]`` summed."""
-        world = self.env.world_size
+    def _plan(self, batch_sizes: list[int]) -> _Plan:
+        """The splits, row spans and output placement for these batch sizes (built once, then reused)."""
+        world, units = self.env.world_size, self.units
         offsets = [0]
         for b in batch_sizes:
             offsets.append(offsets[-1] + b)
 
         def rows(u: int, c: int) -> tuple[int, int]:
-            chunk = self.units[u].chunk(c, world)
+            chunk = units[u].chunk(c, world)
             return offsets[chunk.start], offsets[chunk.stop]
 
         def cols(u: int) -> int:
-            return len(self.units[u].columns)
+            return len(units[u].columns)
 
-        own = {u: _slice(partial, rows(u, self.index[u]), self.units[u].local) for u in self.mine}
-        anchor = partial.reshape(-1)[:0]  # keeps every rank's collectives in the graph
+        own = [(u, rows(u, self.index[u]), units[u].local) for u in self.mine]
+        host_send, host_in, host_out, host_recv = [], [], [], []
         if self.host_active:
-            send, in_splits, out_splits = [anchor], [], []
             for q, us in enumerate(self.pairs):
-                theirs = [rows(u, self.units[u].holders.index(self.h0 + q)) for u in us]
-                send.extend(
-                    _slice(partial, span, self.units[u].local).reshape(-1) for u, span in zip(us, theirs, strict=True)
-                )
-                in_splits.append(sum(_n(span) * cols(u) for u, span in zip(us, theirs, strict=True)))
-                out_splits.append(sum(_n(rows(u, self.index[u])) * cols(u) for u in us))
-            recv = all_to_all_grad(torch.cat(send), out_splits, in_splits, self.host, self.precision)
-            anchor = recv[:0]
-            parts = recv.split([_n(rows(u, self.index[u])) * cols(u) for us in self.pairs for u in us])
-            for u, part in zip([u for us in self.pairs for u in us], parts, strict=True):
-                own[u] = own[u] + part.view(-1, cols(u))
-        send, in_splits = [anchor], []
+                theirs = [rows(u, units[u].holders.index(self.h0 + q)) for u in us]
+                host_send += [(span, units[u].local) for u, span in zip(us, theirs, strict=True)]
+                host_in.append(sum(_n(span) * cols(u) for u, span in zip(us, theirs, strict=True)))
+                host_out.append(sum(_n(rows(u, self.index[u])) * cols(u) for u in us))
+                host_recv += [(self.mine.index(u), _n(rows(u, self.index[u])) * cols(u), cols(u)) for u in us]
+        world_send = []
         for s, us in enumerate(self.send_to):
             for u in us:
                 lo = offsets[s] - rows(u, self.index[u])[0]
-                send.append(own[u][lo : lo + batch_sizes[s]].reshape(-1))
-            in_splits.append(batch_sizes[s] * sum(cols(u) for u in us))
+                world_send.append((self.mine.index(u), lo, lo + batch_sizes[s]))
+        whole = len(self.mine) == 1 and [(a, b) for _, a, b in world_send] == [(0, _n(own[0][1]))]
         b = batch_sizes[self.env.rank]
-        out_splits = [b * sum(cols(u) for u in us) for us in self.recv_from]
-        recv = all_to_all_grad(torch.cat(send), out_splits, in_splits, self.env, self.precision)
+        # output position of every received value: [b, w] blocks side by side -> [b, width]
         widths = [cols(u) for us in self.recv_from for u in us]
-        got = torch.cat([p.view(b, w) for p, w in zip(recv.split([b * w for w in widths]), widths, strict=True)], 1)
+        starts = torch.tensor([0, *widths]).cumsum(0)[:-1]
+        block = torch.repeat_interleave(torch.arange(len(widths)), torch.tensor(widths, dtype=torch.long) * b)
+        within = torch.arange(int(block.numel())) - torch.repeat_interleave(starts * b, torch.tensor(widths) * b)
+        w_of = torch.tensor(widths)[block]
+        column = self._cols[starts[block] + within % w_of]
+        pos = (within // w_of) * self.width + column
         if self.exclusive:
-            return got.index_select(1, self.gather)
-        return got.new_zeros(b, self.width).index_add(1, self.gather, got)
+            pos = torch.empty_like(pos).index_put_((pos,), torch.arange(pos.numel()))  # out[p] = recv[inverse[p]]
+        return _Plan(
+            own=own,
+            host_send=host_send,
+            host_splits=(host_out, host_in),
+            host_recv=host_recv,
+            world_send=world_send,
+            whole=whole,
+            world_splits=(
+                [b * sum(cols(u) for u in us) for us in self.recv_from],
+                [batch_sizes[s] * sum(cols(u) for u in us) for s, us in enumerate(self.send_to)],
+            ),
+            pos=pos.to(self._device),
+            rows=b,
+        )
+
+    def __call__(self, partial: Tensor, batch_sizes: list[int]) -> Tensor:
+        """``partial [sum_s B_s, D_local]`` (this rank's kernel output) -> ``[B_r, width]`` summed."""
+        plan = self._plans.get(tuple(batch_sizes))
+        if plan is None:
+            plan = self._plans[tuple(batch_sizes)] = self._plan(batch_sizes)
+        own = [_slice(partial, span, local) for _, span, local in plan.own]
+        anchor = partial.reshape(-1)[:0]  # keeps every rank's collectives in the graph
+        if self.host_active:
+            send = [anchor, *(_slice(partial, span, local).reshape(-1) for span, local in plan.host_send)]
+            recv = all_to_all_grad(torch.cat(send), *plan.host_splits, self.host, self.precision)
+            anchor = recv[:0]
+            for (i, _, w), part in zip(plan.host_recv, recv.split([n for _, n, _ in plan.host_recv]), strict=True):
+                own[i] = own[i] + part.view(-1, w)
+        if plan.whole:  # one unit here: its rows are already in source order
+            send_buffer = torch.cat([anchor, own[0].reshape(-1)])
+        else:
+            send_buffer = torch.cat([anchor, *(own[i][lo:hi].reshape(-1) for i, lo, hi in plan.world_send)])
+        recv = all_to_all_grad(send_buffer, *plan.world_splits, self.env, self.precision)
+        if self.exclusive:
+            return recv.index_select(0, plan.pos).view(plan.rows, self.width)
+        return recv.new_zeros(plan.rows * self.width).index_add(0, plan.pos, recv).view(plan.rows, self.width)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """:class:`HolderExchange`'s bookkeeping for one batch-size signature."""
+
+    own: list[tuple[int, tuple[int, int], tuple[int, int] | None]]  # (unit, rows, local columns) per unit held
+    host_send: list[tuple[tuple[int, int], tuple[int, int] | None]]  # step (1): (rows, columns) pieces sent
+    host_splits: tuple[list[int], list[int]]  # step (1): (out, in) splits
+    host_recv: list[tuple[int, int, int]]  # step (1): (index into own, numel, columns) per piece received
+    world_send: list[tuple[int, int, int]]  # step (2): (index into own, first row, end row) per piece sent
+    whole: bool  # step (2) sends own[0] whole
+    world_splits: tuple[list[int], list[int]]  # step (2): (out, in) splits
+    pos: Tensor  # exclusive: out[p] = recv[pos[p]]; else out[pos[i]] += recv[i]
+    rows: int  # this rank's batch size
 
 
 def _n(span: tuple[int, int]) -> int:

@@ -10,6 +10,7 @@ Plain PyTorch (no Lightning)::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -84,9 +85,23 @@ def table_names(collection: nn.Module) -> set[str]:
 
 
 def default_device(env: ShardingEnv) -> torch.device:
+    """CPU under gloo; under NCCL this rank's GPU (see :func:`cuda_index`)."""
     if dist.is_initialized() and dist.get_backend(env.pg) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        index = cuda_index(torch.cuda.current_device(), os.environ, torch.cuda.device_count())
+        return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def cuda_index(current: int, environ: Mapping[str, str], count: int) -> int:
+    """The GPU of this rank: the current device when set (not 0), else ``LOCAL_RANK`` (torchrun, Lightning,
+    SLURM via Lightning), else 0. Without the fallback every rank that never called ``set_device`` lands on GPU 0.
+    """
+    local = environ.get("LOCAL_RANK", "")
+    if current != 0 or not local.isdigit():
+        return current
+    if count and int(local) >= count:
+        raise ValueError(f"default device: LOCAL_RANK {local} but only {count} GPUs are visible; pass device=")
+    return int(local)
 
 
 def shard_modules(
@@ -155,13 +170,14 @@ class DistributedModelParallel(nn.Module):
         super().__init__()
         reject_dynamic_tables(find_collections(module))
         swap_embedding_modules(module, embedding_modules, embedding_min_rows)
-        self.env = ShardingEnv.from_process_group(pg)
+        # ranks per host: the planner's topology when given, so plan and execution see the same hosts
+        self.env = ShardingEnv.from_process_group(pg, planner.topology.local_world_size if planner else 0)  # type: ignore[arg-type]
         self.device = torch.device(device) if device is not None else default_device(self.env)
         optim = embedding_optimizer
         if not isinstance(optim, FusedOptimConfig):
             optim = FusedOptimConfig(optimizer=optim)
         if planner is None:
-            topology = Topology.from_process_group(pg)
+            topology = Topology.from_process_group(pg, local_world_size=self.env.local_world_size)
             planner = EmbeddingShardingPlanner(topology, batch_size=batch_size, optimizer=optim.optimizer)
         collections = find_collections(module)
         if isinstance(plan, ShardingPlan) and set(plan.plan) >= set(collections):

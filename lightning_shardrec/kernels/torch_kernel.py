@@ -1,4 +1,4 @@
-"""Portable kernel: plain PyTorch ops, runs on CPU, CUDA (without fbgemm) and MPS.
+"""Portable kernel: plain PyTorch ops, for CPU and CUDA (without fbgemm); tested on CPU only (never on MPS).
 
 Tables of one dim share one flat ``[sum(rows), D]`` buffer, so a lookup over all
 of them is one ``embedding_bag`` (pooled) or ``index_select`` (sequence) call.

@@ -73,7 +73,7 @@ class ShardedCheckpointing(DDPStrategy):
         return {k: v for k, v in state.items() if not k.startswith(prefixes)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the unsharded model's state dict (tables gathered), on every rank."""
+        """Collective: the unsharded model's state dict (tables gathered), on every rank (tests, small models)."""
         if not self.sharded:
             return self.lightning_module.state_dict()  # type: ignore[union-attr]
         weights, _ = gather_full_state(self.sharded)
@@ -85,7 +85,8 @@ class ShardedCheckpointing(DDPStrategy):
             return super().lightning_module_state_dict()
         if self._checkpoint_format == "sharded":
             return self._dense_state()  # tables go to DCP in save_checkpoint
-        weights, self._fused_states = gather_full_state(self.sharded)
+        # tables gathered on rank 0 only (the rank that writes the file), one at a time, on the host
+        weights, self._fused_states = gather_full_state(self.sharded, dst=0)
         return {**self._dense_state(), **weights}
 
     @override

@@ -33,13 +33,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_shardrec.distributed.batch_dist import EndOfData, PrefetchHandle
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.distributed.comm import ShardingEnv, on_stream
+from lightning_shardrec.lightning.handover import hand_over, tensors_in
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 
@@ -134,8 +134,7 @@ class TrainPipeline:
             return
         with on_stream(self._stream):
             moved = move(nxt)
-            kjts: list[KeyedJaggedTensor] = []
-            apply_to_collection(moved, KeyedJaggedTensor, kjts.append)
+            kjts = [t for t in tensors_in(moved) if isinstance(t, KeyedJaggedTensor)]  # also in custom batch types
             for coll in self.sharded.values():
                 kjt = _input_of(coll, kjts)
                 if kjt is not None:
@@ -149,7 +148,7 @@ class TrainPipeline:
             return None
         moved, self._next = self._next[1], None
         if self._stream is not None:
-            _hand_over(moved, self._stream)
+            hand_over(moved, self._stream)  # every tensor of the batch, custom batch types included
         return moved
 
     def after_backward(self) -> None:
@@ -219,11 +218,3 @@ def _input_of(coll: ShardedCollection, kjts: list[KeyedJaggedTensor]) -> KeyedJa
     need = set(coll.feature_names())
     found = [k for k in kjts if need <= set(k.keys())]
     return found[0] if len(found) == 1 else None
-
-
-
-def _hand_over(batch: Any, stream: torch.cuda.Stream) -> None:
-    """The current stream waits for the side stream's copies, and owns the batch's memory from now on."""
-    current = torch.cuda.current_stream(stream.device)
-    current.wait_stream(stream)
-    apply_to_collection(batch, (torch.Tensor, KeyedJaggedTensor), lambda t: t.record_stream(current))

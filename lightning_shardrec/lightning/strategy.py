@@ -38,6 +38,7 @@ from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
 from lightning_shardrec.lightning.checkpointing import ShardedCheckpointing
+from lightning_shardrec.lightning.cluster import ranks_per_host
 from lightning_shardrec.lightning.optimizers import (
     derive_fused_config,
     find_group,
@@ -188,6 +189,7 @@ class ShardRecStrategy(ShardedCheckpointing):
         self._loaded_in_place = False
         self.sharded: dict[str, ShardedCollection] = {}
         self.plan: ShardingPlan | None = None
+        self.topology: Topology | None = None  # what the planner assumed (hosts from num_nodes x devices)
         self.fused_optimizer: FusedOptimizer | None = None
         self._scaler_glue: ScalerGlue | None = None  # "16-mixed": table updates follow the GradScaler
 
@@ -331,8 +333,11 @@ class ShardRecStrategy(ShardedCheckpointing):
 
     def _shard(self, module: torch.nn.Module, config: FusedOptimConfig) -> None:
         self._config = config
-        env = ShardingEnv.from_process_group()
-        topology = Topology.from_process_group(compute_device=self.root_device.type)
+        local = ranks_per_host(dist.get_world_size(), self.num_nodes, self.num_processes)  # Lightning's hosts
+        env = ShardingEnv.from_process_group(local_world_size=local)
+        self.topology = topology = Topology.from_process_group(
+            compute_device=self.root_device.type, local_world_size=local
+        )
         planner = EmbeddingShardingPlanner(
             topology,
             batch_size=self._planner_batch_size,
@@ -367,10 +372,12 @@ class ShardRecStrategy(ShardedCheckpointing):
             return model
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, fused)
         # Its own group: DDP's hook-driven all-reduces never interleave with the tables' collectives.
-        dense_pg = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
-        self._own_groups.append(dense_pg)
+        # A repeated fit() reuses it; teardown destroys it (lightning/teardown.py), and the next fit makes another.
+        if not _live(getattr(self, "_dense_pg", None)):
+            self._dense_pg = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
+            self._own_groups.append(self._dense_pg)
         return DistributedDataParallel(
-            model, device_ids=self.determine_ddp_device_ids(), process_group=dense_pg, **self._ddp_kwargs
+            model, device_ids=self.determine_ddp_device_ids(), process_group=self._dense_pg, **self._ddp_kwargs
         )
 
     def collective(self) -> AbstractContextManager[None]:
@@ -438,7 +445,7 @@ class ShardRecStrategy(ShardedCheckpointing):
         if not is_comm_failure(exception):
             self.monitor.report_failure(exception)  # the other ranks name this rank and its error
             return
-        lost = self.monitor.explain()
+        lost = self.monitor.explain(cause=exception)
         if lost is not None:
             message = (
                 f"lightning_shardrec: {lost}. Rank {self.global_rank} stops too. Restart the job and resume "
@@ -492,6 +499,17 @@ _ANCHOR = "shardrec_anchor"  # an empty parameter per sharded collection; its pa
 def _fused_params(coll: ShardedCollection) -> list[torch.nn.Parameter]:
     anchor = [getattr(coll, _ANCHOR)] if hasattr(coll, _ANCHOR) else []
     return anchor + [p for g in coll.groups if g.fused for p in g.parameters()]
+
+
+def _live(group: Any) -> bool:
+    """Whether ``group`` is a process group still registered (not None, not destroyed by a teardown)."""
+    if group is None:
+        return False
+    try:
+        dist.get_backend(group)  # raises for a destroyed group
+    except (ValueError, RuntimeError, KeyError):
+        return False
+    return True
 
 
 @rank_zero_only

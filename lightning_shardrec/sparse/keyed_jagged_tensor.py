@@ -27,6 +27,13 @@ from lightning_shardrec.sparse.jagged_tensor import JaggedTensor, _check_data, _
 from lightning_shardrec.sparse.kjt_checks import check_kjt_args, check_per_key, segment_sums, stride_per_key_of
 
 
+def async_copy(t: Tensor, device: torch.device | str, non_blocking: bool | None) -> bool:
+    """``non_blocking`` as given, or (None) whether ``t`` is pinned host memory bound for CUDA."""
+    if non_blocking is not None:
+        return non_blocking
+    return torch.device(device).type == "cuda" and t.device.type == "cpu" and t.is_pinned()
+
+
 class KeyedJaggedTensor:
     """Jagged bags for several keys: ``KeyedJaggedTensor(keys, values, weights, lengths, offsets, stride, ...)``.
 
@@ -362,14 +369,16 @@ class KeyedJaggedTensor:
         return out
 
     def to(
-        self, device: torch.device | str, non_blocking: bool = False, dtype: torch.dtype | None = None
+        self, device: torch.device | str, non_blocking: bool | None = None, dtype: torch.dtype | None = None
     ) -> KeyedJaggedTensor:
-        """A copy on ``device``; ``dtype`` (as TorchRec) converts the weights only."""
+        """A copy on ``device``; ``dtype`` (as TorchRec) converts the weights only. ``non_blocking=None``
+        (what Lightning's batch transfer passes): asynchronous for pinned host memory going to CUDA
+        (stream-ordered, so safe), blocking otherwise."""
 
         def move_weights(t: Tensor) -> Tensor:
-            return t.to(device, dtype=dtype, non_blocking=non_blocking)
+            return t.to(device, dtype=dtype, non_blocking=async_copy(t, device, non_blocking))
 
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking), move_weights)
+        return self._map(lambda t: t.to(device, non_blocking=async_copy(t, device, non_blocking)), move_weights)
 
     def pin_memory(self) -> KeyedJaggedTensor:
         return self._map(lambda t: t.pin_memory())

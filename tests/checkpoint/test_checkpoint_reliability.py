@@ -297,3 +297,23 @@ def test_malicious_meta_file_runs_no_code(tmp_path):
     (tmp_path / "meta.pt").write_bytes(b"PK\x03\x04 truncated")
     with pytest.raises(CheckpointError, match="is truncated or corrupt"):
         load_file(tmp_path / "meta.pt", "checkpoint file")
+
+
+def unshared_save(rank, world, root):
+    """Each rank sees its own directory, as ranks on hosts without a shared file system would."""
+    from lightning_shardrec.checkpoint import save_sharded
+
+    sharded = make(world, {"t": (8, 4)})
+    path = Path(root) / f"host{rank}" / "ckpt"
+    try:
+        save_sharded(path, sharded, {}, {"step": 1}, rank)
+    except CheckpointError as e:
+        return str(e), path.exists()
+    return None, path.exists()
+
+
+def test_sharded_save_refuses_a_directory_the_ranks_do_not_share(tmp_path):
+    for message, exists in run_ranks(unshared_save, 2, str(tmp_path)):
+        assert message is not None and not exists
+        assert "rank 1 does not see" in message
+        assert "must be on a file system every rank shares" in message

@@ -204,3 +204,30 @@ def test_sharded_checkpoint_reshards_grid(tmp_path: Path, optim: str, save, load
 )
 def test_full_state_moves_into_and_out_of_grid(world: int, save_kind: str, load_kind: str, local: int | None) -> None:
     check(run_ranks(full_run, world, save_kind, load_kind, "rowwise_adagrad", local), save_kind)
+
+
+def gather_run(rank, world, kind, optim):
+    """``gather_full_state`` onto rank 0 and onto every rank, from the same filled model."""
+    from lightning_shardrec.checkpoint import gather_full_state
+
+    source = make(world, kind, optim)
+    fill(source)
+    return gather_full_state(source, dst=0), gather_full_state(source)
+
+
+@pytest.mark.parametrize(("kind", "optim"), [("grid_shard", "adagrad"), ("row_wise", "rowwise_adagrad")])
+def test_full_state_gathers_on_rank_0_only(kind: str, optim: str) -> None:
+    results = run_ranks(gather_run, 3, kind, optim)
+    (weights, states), (every_w, every_s) = results[0]
+    for table, (n, d) in TABLES.items():
+        key = f"embedding_bags.{table}.weight"
+        assert torch.equal(weights[key], cell(table, 0, torch.arange(n), torch.arange(d)))
+    assert sorted(weights) == sorted(every_w) and sorted(states) == sorted(every_s)
+    for key in every_w:
+        assert torch.equal(weights[key], every_w[key]), key
+        assert sorted(states[key]) == sorted(every_s[key])
+        for name, t in every_s[key].items():
+            assert torch.equal(states[key][name], t), (key, name)
+    for (on_zero, every) in results[1:]:
+        assert on_zero == ({}, {})  # no full table, no full state on the other ranks
+        assert sorted(every[0]) == sorted(every_w)

@@ -32,7 +32,8 @@ def test_column_blocks_rejects_a_non_permutation():
         ColumnBlocks.from_columns([0, 1, 1], [2, 2])
 
 
-def _exchange(rank, world, batch_sizes, width, columns):
+def _exchange(rank, world, batch_sizes, width, columns, gather_above=16):
+    from lightning_shardrec.distributed import comm
     from lightning_shardrec.distributed.comm import (
         ColumnBlocks,
         ShardingEnv,
@@ -54,8 +55,12 @@ def _exchange(rank, world, batch_sizes, width, columns):
     grad = torch.randn(b, 2 * sum(widths))[:, ::2]  # a strided gradient, as a column slice delivers
     ref.backward(grad)
     ref_grad, x.grad = x.grad.clone(), None
-    out = all_to_all_pooled(x, batch_sizes, ColumnBlocks.from_columns(columns, widths), 1.0 / world, env)
-    out.backward(grad)
+    saved, comm.GATHER_ABOVE = comm.GATHER_ABOVE, gather_above  # 0: the block gather of many sources
+    try:
+        out = all_to_all_pooled(x, batch_sizes, ColumnBlocks.from_columns(columns, widths), 1.0 / world, env)
+        out.backward(grad)
+    finally:
+        comm.GATHER_ABOVE = saved
     return torch.equal(out, ref), torch.equal(x.grad, ref_grad)
 
 
@@ -67,7 +72,32 @@ def _exchange(rank, world, batch_sizes, width, columns):
         (3, [2, 0, 4], [2, 3, 1], [5, 0, 1, 2, 3, 4]),
     ],
 )
-def test_pooled_all_to_all_matches_the_unfused_chain(world, batch_sizes, width, columns):
-    for rank, (same_out, same_grad) in enumerate(run_ranks(_exchange, world, batch_sizes, width, columns)):
+@pytest.mark.parametrize("gather_above", [16, 0])
+def test_pooled_all_to_all_matches_the_unfused_chain(world, batch_sizes, width, columns, gather_above):
+    results = run_ranks(_exchange, world, batch_sizes, width, columns, gather_above)
+    for rank, (same_out, same_grad) in enumerate(results):
+        assert same_out, f"rank {rank}: forward differs"
+        assert same_grad, f"rank {rank}: gradient differs"
+
+
+def _reduce_scatter(rank, world, rows):
+    from lightning_shardrec.distributed.comm import ShardingEnv, reduce_scatter_grad, reduce_scatter_rows
+
+    env = ShardingEnv.from_process_group()
+    torch.manual_seed(rank)
+    x = torch.randn(sum(rows), 3, requires_grad=True)
+    grad = torch.randn(rows[rank], 3)
+    ref = reduce_scatter_grad(list(x.split(rows)), env)  # the list form: reduce-scatter, backward all-to-all
+    ref.backward(grad)
+    ref_grad, x.grad = x.grad.clone(), None
+    out = reduce_scatter_rows(x, rows, env)
+    out.backward(grad)
+    # the single-tensor reduce-scatter may add the ranks' parts in another order: equal within rounding
+    return torch.allclose(out, ref, rtol=1e-6, atol=1e-6), torch.equal(x.grad, ref_grad)
+
+
+@pytest.mark.parametrize(("world", "rows"), [(2, [3, 3]), (3, [2, 0, 4]), (3, [4, 4, 4])])
+def test_reduce_scatter_rows_matches_the_list_form(world, rows):
+    for rank, (same_out, same_grad) in enumerate(run_ranks(_reduce_scatter, world, rows)):
         assert same_out, f"rank {rank}: forward differs"
         assert same_grad, f"rank {rank}: gradient differs"

@@ -519,3 +519,14 @@ def test_lengths_offsets_constructors_agree(kjt: KeyedJaggedTensor) -> None:
     by_lengths = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values(), kjt.lengths(), kjt.weights_or_none())
     assert_same(by_offsets, kjt)
     assert_same(by_lengths, kjt)
+
+
+def test_to_is_asynchronous_only_for_pinned_memory_going_to_cuda():
+    from lightning_shardrec.sparse.keyed_jagged_tensor import async_copy
+
+    t = torch.ones(2)
+    assert async_copy(t, "cuda", None) is False  # pageable host memory: a blocking copy
+    assert async_copy(t, "cpu", None) is False
+    assert async_copy(t, "cuda", True) is True  # an explicit choice is kept
+    if torch.cuda.is_available():
+        assert async_copy(t.pin_memory(), "cuda:0", None) is True

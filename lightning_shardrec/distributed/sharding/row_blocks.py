@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_grad, reduce_scatter_grad, scale_grad
+from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_grad, reduce_scatter_rows, scale_grad
 from lightning_shardrec.distributed.input_dist import Routed, RowBlocks, exchange, route_by_row, source_major
 from lightning_shardrec.distributed.sharding.base import (
     EmbeddingSharding,
@@ -134,7 +134,7 @@ class RowBlockSharding(EmbeddingSharding):
         return out.new_zeros(rows, self.width).index_copy(1, self._columns, out)
 
     def output_dist(self, out: Tensor, batch_sizes: list[int]) -> Tensor:
-        pooled = reduce_scatter_grad(list(out.split(batch_sizes)), self.env, self.comm_precision)
+        pooled = reduce_scatter_rows(out, batch_sizes, self.env, self.comm_precision)
         return scale_grad(pooled, 1.0 / self.env.world_size)
 
     def output_dist_sequence(self, rows: Tensor, ctx: SequenceDist) -> list[Tensor]:
