@@ -17,6 +17,7 @@ runs skip the timing. ``LIGHTNING_SHARDREC_KERNEL=fbgemm|torch`` pins every ``au
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -216,7 +217,11 @@ def _bucket(x: float) -> int:
 
 
 class VerdictCache:
-    """``key -> Timings`` in ``<dir>/kernel_choice.json`` (read once, written atomically)."""
+    """``key -> Timings`` in ``<dir>/kernel_choice.json``, written atomically.
+
+    The ranks of one machine write it at the same time (each its own groups), so a write
+    re-reads and merges under an exclusive lock: no rank's verdict is lost.
+    """
 
     def __init__(self, directory: Path | None) -> None:
         self.path = None if directory is None else directory / "kernel_choice.json"
@@ -228,14 +233,15 @@ class VerdictCache:
     def put(self, key: str, seconds: Timings) -> None:
         if self.path is None:
             return
-        data = self._read()
-        data[key] = seconds
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
+            with _locked(self.path.with_name(self.path.name + ".lock")):
+                data = self._read()
+                data[key] = seconds
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+                with os.fdopen(fd, "w") as f:
+                    json.dump(data, f, indent=1, sort_keys=True)
+                os.replace(tmp, self.path)
         except OSError:
             pass  # a read-only home: time again next run
 
@@ -247,6 +253,22 @@ class VerdictCache:
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
+
+
+@contextlib.contextmanager
+def _locked(path: Path):  # type: ignore[no-untyped-def]
+    """An exclusive advisory lock on ``path`` (POSIX ``flock``; elsewhere no lock)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # --- the choice -----------------------------------------------------------------------------

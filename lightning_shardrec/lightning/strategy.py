@@ -101,8 +101,9 @@ class ShardRecStrategy(ShardedCheckpointing):
         strict_optimizer: refuse to train fused tables with an update rule that differs from
             what the user's optimizer does in one process (lazy Adam, row-sparse weight decay;
             the rule each table gets is printed at every fit start).
-        find_unused_parameters, static_graph, gradient_as_bucket_view: passed to the dense
-            layers' ``DistributedDataParallel`` (its meaning; default ``False``).
+        find_unused_parameters: passed to the dense layers' ``DistributedDataParallel`` (default ``False``).
+        static_graph: passed to the dense layers' ``DistributedDataParallel`` (default ``False``).
+        gradient_as_bucket_view: passed to the dense layers' ``DistributedDataParallel`` (default ``False``).
         start_method: how Lightning launches the ranks (``DDPStrategy``'s meaning): ``"popen"``
             (scripts, the CLI), ``"spawn"``, ``"fork"`` or ``"forkserver"`` (notebooks).
 
