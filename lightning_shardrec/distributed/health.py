@@ -6,23 +6,22 @@ peer", NCCL: a timeout) without saying which rank went away, and a rank that han
 ``RankMonitor`` runs a daemon thread per rank that
 
 * writes a heartbeat counter to the rendezvous store every ``interval`` seconds, and
-* watches one neighbour ((rank + 1) % W, so the store sees O(W) traffic): a counter
-  that has not moved for ``dead_after`` seconds calls ``on_dead(rank, what)``
-  (``what``: "stopped (...)").
+* watches one neighbour ((rank + 1) % W, so the store sees O(W) traffic): a neighbour
+  on this host whose process is gone, or a counter that has not moved for
+  ``dead_after`` seconds, calls ``on_dead(rank, what)`` (``what``: "died (...)").
 
 After a failed collective, :meth:`RankMonitor.explain` names the lost rank within
-about ``2.5 * interval`` seconds: a rank that raised says so itself
-(:meth:`report_failure`), a dead or hung one by a heartbeat that stopped (a killed
-process's heartbeat thread dies with it). Liveness comes from the store only, never
-from process ids: ranks in containers that share a hostname but not a PID namespace
-cannot see each other's processes. Only ``torch.distributed`` is used; the monitor
-works with gloo and NCCL alike.
+about a second: a rank that raised says so itself (:meth:`report_failure`), a local
+rank that was killed is found by its pid, a remote one by a heartbeat that stopped.
+Only ``torch.distributed`` is used; the monitor works with gloo and NCCL alike.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -33,10 +32,7 @@ log = logging.getLogger(__name__)
 
 _PREFIX = "shardrec/health"
 _DONE = "done"
-# Said of a rank whose heartbeat stopped when the collective failed because a peer closed its connection.
-_GONE = "died (its connection closed and its heartbeat stopped: killed or crashed)"
-# Collective errors that mean a peer process is gone (it closed its sockets), not merely slow.
-_CLOSED = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
+_GONE = "died (its process is gone: killed or crashed)"
 # Messages of collectives that lost a peer (gloo, NCCL, the TCP store).
 _COMM_FAILURES = (
     "connection closed by peer",
@@ -93,6 +89,7 @@ class RankMonitor:
         self.store.delete_key(f"{_PREFIX}/failed/{rank}")  # a store can outlive a run (several fits, one group)
         if rank == 0:
             self.store.delete_key(f"{_PREFIX}/lost")
+        self.store.set(f"{_PREFIX}/where/{rank}", f"{socket.gethostname()}:{os.getpid()}")
         self._beat()
         self._thread = threading.Thread(target=self._run, name=f"shardrec-heartbeat-{rank}", daemon=True)
         self._thread.start()
@@ -105,13 +102,19 @@ class RankMonitor:
     def _run(self) -> None:
         neighbour = (self.rank + 1) % self.world_size
         last, since = None, time.monotonic()
+        local_pid = None
         while not self._stop.wait(self.interval):
             try:
                 self._beat()
                 seen = self._read(f"beat/{neighbour}") if neighbour != self.rank else None
+                if local_pid is None and neighbour != self.rank:
+                    local_pid = self._local_pid(neighbour) or 0
             except Exception:  # the store's host (rank 0) is gone
-                seen, neighbour = None, 0
+                seen, neighbour, local_pid = None, 0, 0
             now = time.monotonic()
+            if local_pid and seen != _DONE and not _alive(local_pid):
+                self._declare(neighbour, _GONE)
+                return
             if seen != last or seen == _DONE:
                 last, since = seen, now
             elif self.dead_after is not None and now - since > self.dead_after:
@@ -125,6 +128,14 @@ class RankMonitor:
         log.error("lightning_shardrec: rank %d %s", rank, what)
         if self.on_dead is not None and not self._stop.is_set():
             self.on_dead(rank, what)
+
+    def _local_pid(self, rank: int) -> int | None:
+        """``rank``'s pid when it runs on this host (its death is then visible at once)."""
+        where = self._read(f"where/{rank}")
+        if where is None:
+            return None
+        host, pid = where.rsplit(":", 1)
+        return int(pid) if host == socket.gethostname() else None
 
     def stop(self) -> None:
         """Stop beating and mark this rank as finished (a clean exit is not a death)."""
@@ -141,21 +152,19 @@ class RankMonitor:
         with contextlib.suppress(Exception):
             self.store.set(f"{_PREFIX}/failed/{self.rank}", f"{type(exc).__name__}: {exc}"[:500])
 
-    def explain(self, wait: float | None = None, cause: BaseException | None = None) -> str | None:
+    def explain(self, wait: float | None = None) -> str | None:
         """Which rank went away, after a failed collective: ``"rank 1 ..."``, or None if all look alive.
 
         Checks, in order: ranks that reported an exception, a declaration by any
-        watchdog, then (waiting up to ``wait`` seconds, default 2.5 heartbeats) ranks whose
-        heartbeat does not move. Such a rank *died* when ``cause`` (the collective's
-        error) says a peer closed its connection, else it *stopped* (killed or hung).
+        watchdog, local ranks whose process is gone, then (waiting up to ``wait``
+        seconds, default 3 heartbeats) ranks whose heartbeat does not move.
         """
-        gone = cause is not None and any(m in str(cause).lower() for m in _CLOSED)
         try:
-            return self._explain(2.5 * self.interval if wait is None else wait, gone)
+            return self._explain(3 * self.interval if wait is None else wait)
         except Exception:  # the store itself is unreachable: it lives in rank 0's process
             return "rank 0 is unreachable (it hosts the rendezvous store: killed, crashed or its host is down)"
 
-    def _explain(self, wait: float, gone: bool) -> str | None:
+    def _explain(self, wait: float) -> str | None:
         others = [r for r in range(self.world_size) if r != self.rank]
         failed = {r: self._read(f"failed/{r}") for r in others}
         raised = [f"rank {r} failed with {msg}" for r, msg in failed.items() if msg]
@@ -165,6 +174,9 @@ class RankMonitor:
         if lost:
             rank, what = lost.split("|", 1)
             return f"rank {rank} {what}"
+        gone = [r for r in others if (pid := self._local_pid(r)) is not None and not _alive(pid)]
+        if gone:
+            return ", ".join(f"rank {r}" for r in gone) + f" {_GONE}"
         first = {r: self._read(f"beat/{r}") for r in others}
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
@@ -175,14 +187,28 @@ class RankMonitor:
         stuck = [r for r in first if self._read(f"beat/{r}") == first[r] and first[r] != _DONE]
         if not stuck:
             return None
-        what = _GONE if gone else f"stopped (no heartbeat for {wait:.1f} s: killed or hung)"
-        return ", ".join(f"rank {r}" for r in stuck) + f" {what}"
+        return ", ".join(f"rank {r}" for r in stuck) + f" stopped (no heartbeat for {wait:.1f} s: killed or hung)"
 
     def _read(self, key: str) -> str | None:
         full = f"{_PREFIX}/{key}"
         if not self.store.check([full]):
             return None
         return self.store.get(full).decode()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (killed, not yet reaped by its parent) still answers kill(0).
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def default_store() -> dist.Store | None:

@@ -446,7 +446,7 @@ class ShardRecStrategy(ShardedCheckpointing):
         if not is_comm_failure(exception):
             self.monitor.report_failure(exception)  # the other ranks name this rank and its error
             return
-        lost = self.monitor.explain(cause=exception)
+        lost = self.monitor.explain()
         if lost is not None:
             message = (
                 f"lightning_shardrec: {lost}. Rank {self.global_rank} stops too. Restart the job and resume "

@@ -24,6 +24,7 @@ def train(rank, world, kind, pipelined, weighted=True, miss_at=None):
         Rec(PoolingType.MEAN, weighted),
         plan=ShardingPlan({"ebc": plan_for(kind, world)}),
         embedding_optimizer=FusedOptimConfig(optimizer="adagrad", lr=0.1, eps=1e-8),
+        kernel="torch",  # compared bit for bit: one kernel, not a timed choice
     )
     opt = make_optimizers(list(dmp.dense_parameters()), "adagrad")
     coll = dmp.sharded["ebc"]
@@ -85,7 +86,7 @@ def sequence(rank, world, pipelined, kind):
     from lightning_shardrec.distributed.comm import new_group_like
     from lightning_shardrec.planner import ShardingPlan
 
-    dmp = DistributedModelParallel(Seq(), plan=ShardingPlan({"ec": seq_plan(kind, world)}))
+    dmp = DistributedModelParallel(Seq(), plan=ShardingPlan({"ec": seq_plan(kind, world)}), kernel="torch")
     coll = dmp.sharded["ec"]
     proj = projections()
     lo, hi = rank * 6, rank * 6 + 6
@@ -119,7 +120,9 @@ def bad_prefetch(rank, world):
     from lightning_shardrec.distributed.comm import new_group_like
     from lightning_shardrec.planner import ShardingPlan
 
-    dmp = DistributedModelParallel(Rec(PoolingType.SUM, False), plan=ShardingPlan({"ebc": ebc_plan("row_wise", world)}))
+    dmp = DistributedModelParallel(
+        Rec(PoolingType.SUM, False), plan=ShardingPlan({"ebc": ebc_plan("row_wise", world)}), kernel="torch"
+    )
     coll = dmp.sharded["ebc"]
     messages = []
     try:

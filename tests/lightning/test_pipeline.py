@@ -48,7 +48,7 @@ def fit(rank, world, pipeline, kind, options, source="datamodule", ckpt_in=None,
 
     external_launch(rank, world)
     constraints = {f"t_{f}": ParameterConstraints(sharding_types=[kind]) for f in ("big", "mid", "tiny")}
-    strategy = ShardRecStrategy(constraints=constraints, pipeline=pipeline)
+    strategy = ShardRecStrategy(constraints=constraints, pipeline=pipeline, kernel="torch")  # bitwise: one kernel
     t = trainer(strategy=strategy, devices=world, use_distributed_sampler=False, **options)
     model = Rec("adagrad")
     if source == "partial":
