@@ -147,6 +147,8 @@ def test_lazy_adam_leaves_untouched_rows():
         pooled=True,
         device="cpu",
     )
+    with torch.no_grad():  # a kernel's rows start uninitialised (NaN is possible)
+        k.split_weights()[0].copy_(torch.rand(4, 4))
     before = k.split_weights()[0].clone()
     k(KeyedJaggedTensor(["f"], torch.tensor([1]), lengths=torch.tensor([1]))).sum().backward()
     after = k.split_weights()[0]
@@ -196,6 +198,7 @@ def test_torch_backend_mixed_dims_keeps_feature_order():
 def test_lr_scheduler_reaches_kernel(backend):
     optim = FusedOptimConfig(optimizer="sgd", lr=1.0)
     k = kernel(backend, optim)
+    k.load_weights(init_weights())  # a kernel's rows start uninitialised (NaN is possible)
     fused = FusedOptimizer([k], optim)
     sched = torch.optim.lr_scheduler.LambdaLR(fused, lambda step: 0.0)  # lr -> 0 from the start
     assert fused.param_groups[0]["lr"] == 0.0
