@@ -51,7 +51,7 @@ from lightning_shardrec.lightning.pipeline import TrainPipeline
 from lightning_shardrec.lightning.precision import ScalerGlue, convert_dense
 from lightning_shardrec.lightning.sigterm import LaggedSigterm
 from lightning_shardrec.lightning.teardown import destroy_default_group_at_exit, destroy_groups
-from lightning_shardrec.modules.plain_embeddings import swap_embedding_modules
+from lightning_shardrec.modules.plain_embeddings import check_embedding_options, swap_embedding_modules
 from lightning_shardrec.optim import FusedOptimizer, ScaledTableUpdates
 from lightning_shardrec.planner import (
     EmbeddingShardingPlanner,
@@ -176,16 +176,7 @@ class ShardRecStrategy(ShardedCheckpointing):
         if checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"checkpoint_format must be 'sharded' or 'full', got {checkpoint_format!r}")
         self._checkpoint_format = checkpoint_format
-        if not isinstance(embedding_modules, bool) and (
-            isinstance(embedding_modules, str) or not all(isinstance(p, str) for p in embedding_modules)
-        ):
-            raise TypeError(
-                f"ShardRecStrategy: embedding_modules must be True, False or a list of module paths, "
-                f"got {embedding_modules!r}"
-            )
-        if isinstance(embedding_min_rows, bool) or not isinstance(embedding_min_rows, int) or embedding_min_rows < 0:
-            raise ValueError(f"ShardRecStrategy: embedding_min_rows must be an int >= 0, got {embedding_min_rows!r}")
-        self._embedding_modules = embedding_modules if isinstance(embedding_modules, bool) else list(embedding_modules)
+        self._embedding_modules = check_embedding_options(embedding_modules, embedding_min_rows, "ShardRecStrategy")
         self._embedding_min_rows = embedding_min_rows
         self._loaded_in_place = False
         self.sharded: dict[str, ShardedCollection] = {}

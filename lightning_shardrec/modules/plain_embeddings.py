@@ -256,6 +256,17 @@ def _is_collection(module: nn.Module) -> bool:
     return hasattr(module, "embedding_bag_configs") or hasattr(module, "embedding_configs")
 
 
+def check_embedding_options(
+    which: bool | Sequence[str], min_rows: int, owner: str = "swap_embedding_modules"
+) -> bool | list[str]:
+    """``which`` (``True``, ``False`` or module paths) as a bool or a list; ``min_rows`` an int >= 0."""
+    if not isinstance(which, bool) and (isinstance(which, str) or not all(isinstance(p, str) for p in which)):
+        raise TypeError(f"{owner}: embedding_modules must be True, False or a list of module paths, got {which!r}")
+    if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 0:
+        raise ValueError(f"{owner}: embedding_min_rows must be an int >= 0, got {min_rows!r}")
+    return which if isinstance(which, bool) else list(which)
+
+
 def swap_embedding_modules(
     model: nn.Module, which: bool | Sequence[str] = True, min_rows: int = 0
 ) -> dict[str, PlainModule]:
@@ -266,17 +277,14 @@ def swap_embedding_modules(
     paths, or whose weight another module also uses (tied weights), is refused: sharding it
     would leave the other user with a stale copy.
     """
+    which = check_embedding_options(which, min_rows)
     if which is False:
         return {}
-    if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 0:
-        raise ValueError(f"embedding_min_rows must be an int >= 0, got {min_rows!r}")
     found = find_embedding_modules(model)
     done = {p for p, m in model.named_modules() if isinstance(getattr(m, "spec", None), PlainSpec)}
     if which is True:
         chosen = [p for p, m in found.items() if m.num_embeddings >= min_rows]
     else:
-        if isinstance(which, str) or not all(isinstance(p, str) for p in which):
-            raise TypeError(f"embedding_modules must be True, False or a list of module paths, got {which!r}")
         which = [p for p in which if p not in done]  # swapped by an earlier setup (validate, then fit)
         unknown = [p for p in which if p not in found]
         if unknown:

@@ -160,3 +160,12 @@ def test_plain_checkpoint_resumes_sharded(tmp_path):
     ).fit(want, torch.utils.data.DataLoader(batches(0, GLOBAL) * 2, batch_size=None), ckpt_path=tmp_path / "plain.ckpt")
     for k, v in want.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}\n{m}")
+
+
+def test_strategy_options_are_checked_by_name():
+    from lightning_shardrec import ShardRecStrategy
+
+    with pytest.raises(TypeError, match="ShardRecStrategy: embedding_modules must be True, False or a list of module"):
+        ShardRecStrategy(embedding_modules="user_emb")
+    with pytest.raises(ValueError, match="ShardRecStrategy: embedding_min_rows must be an int >= 0, got -5"):
+        ShardRecStrategy(embedding_min_rows=-5)
