@@ -5,14 +5,14 @@ process-group setup, ``barrier``/``reduce``/``all_gather``). What it adds, in
 ``setup``: plan and shard the module's embedding collections, move the tables out
 of the user's optimizer into the fused in-backward optimizer (derived from the
 user's, lr linked so schedulers move both), and wrap only the dense rest in DDP.
-Checkpoints: :mod:`lightning_shardrec.lightning.checkpointing`; rank failures and
-NaN checks: :mod:`lightning_shardrec.distributed.health`, :mod:`lightning_shardrec.kernels.finite`.
+Checkpoints: :mod:`lightning_shardrec.lightning.checkpointing`; rank failures:
+:mod:`lightning_shardrec.lightning.rank_failures` (on :mod:`lightning_shardrec.distributed.health`);
+NaN checks: :mod:`lightning_shardrec.kernels.finite`.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -31,13 +31,11 @@ from lightning_shardrec.checkpoint import table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, new_group_like
-from lightning_shardrec.distributed.health import RankMonitor, default_store, is_comm_failure
 from lightning_shardrec.distributed.model_parallel import find_collections, kernel_labels, pooling_of, shard_modules
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
-from lightning_shardrec.lightning.checkpointing import ShardedCheckpointing
 from lightning_shardrec.lightning.cluster import ranks_per_host
 from lightning_shardrec.lightning.optimizers import (
     derive_fused_config,
@@ -49,8 +47,9 @@ from lightning_shardrec.lightning.optimizers import (
 )
 from lightning_shardrec.lightning.pipeline import TrainPipeline
 from lightning_shardrec.lightning.precision import ScalerGlue, convert_dense
+from lightning_shardrec.lightning.rank_failures import RankFailureHandling
 from lightning_shardrec.lightning.sigterm import LaggedSigterm
-from lightning_shardrec.lightning.teardown import destroy_default_group_at_exit, destroy_groups
+from lightning_shardrec.lightning.teardown import destroy_groups
 from lightning_shardrec.modules.plain_embeddings import check_embedding_options, swap_embedding_modules
 from lightning_shardrec.optim import FusedOptimizer, ScaledTableUpdates
 from lightning_shardrec.planner import (
@@ -63,7 +62,7 @@ from lightning_shardrec.planner import (
 from lightning_shardrec.planner.memory import DEFAULT_RESERVE, check_reserve
 
 
-class ShardRecStrategy(ShardedCheckpointing):
+class ShardRecStrategy(RankFailureHandling):
     """Embedding tables sharded and trained in backward; dense layers data-parallel.
 
     Args:
@@ -148,8 +147,6 @@ class ShardRecStrategy(ShardedCheckpointing):
         if heartbeat_timeout is not None and heartbeat_timeout <= 1.0:
             raise ValueError(f"heartbeat_timeout must be > 1 second (or None to disable), got {heartbeat_timeout}")
         self._heartbeat_timeout = heartbeat_timeout
-        self.monitor: RankMonitor | None = None
-        self._failing = False
         self._check_finite = check_finite
         self._finite: FiniteGuard | None = None
         self._pipeline_on = pipeline
@@ -186,31 +183,6 @@ class ShardRecStrategy(ShardedCheckpointing):
         self._scaler_glue: ScalerGlue | None = None  # "16-mixed": table updates follow the GradScaler
 
     # --- setup --------------------------------------------------------------------------------
-    @override
-    def setup_distributed(self) -> None:
-        created = not dist.is_initialized()
-        super().setup_distributed()
-        if created and dist.is_initialized():
-            destroy_default_group_at_exit()
-        store = default_store()
-        if self.monitor is None and store is not None and self.world_size > 1:
-            self.monitor = RankMonitor(
-                store, self.global_rank, self.world_size, dead_after=self._heartbeat_timeout, on_dead=self._on_dead_rank
-            )
-
-    def _on_dead_rank(self, rank: int, what: str) -> None:
-        """The watchdog found a dead or hung rank while this one may be blocked in a collective: exit."""
-        if self._failing:
-            return  # the main thread is already reporting a failure
-        print(
-            f"lightning_shardrec: rank {rank} {what}. Rank {self.global_rank} exits. "
-            "Restart the job and resume with trainer.fit(model, ckpt_path='last')",
-            flush=True,
-        )
-        if self.launcher is not None:  # the ranks this process launched (Lightning's subprocess launcher)
-            self.launcher.kill(signal.SIGKILL)
-        os._exit(1)
-
     @override
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
@@ -427,34 +399,14 @@ class ShardRecStrategy(ShardedCheckpointing):
             self._sigterm.remove()
         super().on_train_end()
 
-    # --- failures and teardown ------------------------------------------------------------------
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        self._failing = True
-        if self.monitor is None:
-            return
-        if not is_comm_failure(exception):
-            self.monitor.report_failure(exception)  # the other ranks name this rank and its error
-            return
-        lost = self.monitor.explain()
-        if lost is not None:
-            message = (
-                f"lightning_shardrec: {lost}. Rank {self.global_rank} stops too. Restart the job and resume "
-                "with trainer.fit(model, ckpt_path='last')"
-            )
-            print(message, flush=True)  # before anything can kill this process
-            exception.args = (f"{message}\n{exception.args[0] if exception.args else ''}", *exception.args[1:])
-
+    # --- teardown (failures: lightning_shardrec.lightning.rank_failures) ------------------------
     @override
     def teardown(self) -> None:
         if self._sigterm is not None:  # after a failure too: give the loop its check back, wait for nobody
             self._sigterm.remove(wait=False)
             self._sigterm.close()
             self._sigterm = None
-        if self.monitor is not None:
-            self.monitor.stop()
-            self.monitor = None
+        self.stop_monitor()
         if self._finite is not None:
             self._finite.remove()
             self._finite = None

@@ -1,0 +1,72 @@
+"""What the strategy does when a rank fails: name it, stop every rank, say how to resume.
+
+The half of :class:`~lightning_shardrec.lightning.ShardRecStrategy` that runs the
+:class:`~lightning_shardrec.distributed.health.RankMonitor` (heartbeats in the rendezvous
+store): a rank that raised reports its error, a killed or hung one is named by the
+watchdog or after a failed collective, and every rank exits with that name instead of a
+transport error or a 10-minute collective timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch.distributed as dist
+from typing_extensions import override
+
+from lightning_shardrec.distributed.health import RankMonitor, default_store, is_comm_failure
+from lightning_shardrec.lightning.checkpointing import ShardedCheckpointing
+from lightning_shardrec.lightning.teardown import destroy_default_group_at_exit
+
+_RESUME = "Restart the job and resume with trainer.fit(model, ckpt_path='last')"
+
+
+class RankFailureHandling(ShardedCheckpointing):
+    """Rank-failure detection and reporting for the strategy (``heartbeat_timeout``: see the strategy)."""
+
+    _heartbeat_timeout: float | None
+    monitor: RankMonitor | None = None
+    _failing = False
+
+    @override
+    def setup_distributed(self) -> None:
+        created = not dist.is_initialized()
+        super().setup_distributed()
+        if created and dist.is_initialized():
+            destroy_default_group_at_exit()
+        store = default_store()
+        if self.monitor is None and store is not None and self.world_size > 1:
+            self.monitor = RankMonitor(
+                store, self.global_rank, self.world_size, dead_after=self._heartbeat_timeout, on_dead=self._on_dead_rank
+            )
+
+    def _on_dead_rank(self, rank: int, what: str) -> None:
+        """The watchdog found a dead or hung rank while this one may be blocked in a collective: exit."""
+        if self._failing:
+            return  # the main thread is already reporting a failure
+        print(f"lightning_shardrec: rank {rank} {what}. Rank {self.global_rank} exits. {_RESUME}", flush=True)
+        if self.launcher is not None:  # the ranks this process launched (Lightning's subprocess launcher)
+            self.launcher.kill(signal.SIGKILL)
+        os._exit(1)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._failing = True
+        if self.monitor is None:
+            return
+        if not is_comm_failure(exception):
+            self.monitor.report_failure(exception)  # the other ranks name this rank and its error
+            return
+        lost = self.monitor.explain()
+        if lost is not None:
+            message = f"lightning_shardrec: {lost}. Rank {self.global_rank} stops too. {_RESUME}"
+            print(message, flush=True)  # before anything can kill this process
+            exception.args = (f"{message}\n{exception.args[0] if exception.args else ''}", *exception.args[1:])
+
+    def stop_monitor(self) -> None:
+        """Stop the heartbeat thread (teardown, after a failure too)."""
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
