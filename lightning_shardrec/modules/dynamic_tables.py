@@ -145,3 +145,22 @@ class DynamicTables(TableDict):  # any table name (modules.table_dict)
 
 def _offsets(lengths: Tensor) -> Tensor:
     return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).long()
+
+
+class HasDynamicTables:
+    """The collections' surface for their dynamic tables (mixed into EBC and EC)."""
+
+    dynamic_tables: DynamicTables | None
+
+    def _make_dynamic_tables(self, tables: Sequence[BaseEmbeddingConfig], device: torch.device | str | None) -> None:
+        dynamic = any(t.dynamic is not None for t in tables)
+        self.dynamic_tables = DynamicTables(tables, device) if dynamic else None
+
+    def register_reset_hook(self, hook: ResetHook) -> None:
+        """Call ``hook(table, weight, slots)`` whenever rows of a dynamic table are reset."""
+        if self.dynamic_tables is not None:
+            self.dynamic_tables.register_reset_hook(hook)
+
+    def dynamic_stats(self) -> dict[str, dict[str, int]]:
+        """Per dynamic table: occupancy, capacity, admissions, evictions, misses, ... (ints)."""
+        return {} if self.dynamic_tables is None else self.dynamic_tables.stats()

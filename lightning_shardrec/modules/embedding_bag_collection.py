@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import EmbeddingBagConfig, PoolingType
-from lightning_shardrec.modules.dynamic_tables import DynamicTables, ResetHook
+from lightning_shardrec.modules.dynamic_tables import HasDynamicTables
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names
 from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.modules.vbe import inverse_rows
@@ -37,7 +37,7 @@ def pool(rows: Tensor, lengths: Tensor, num_features: int, mean: bool) -> Tensor
     return out.transpose(0, 1).reshape(batch, num_features * dim)
 
 
-class EmbeddingBagCollection(nn.Module):
+class EmbeddingBagCollection(HasDynamicTables, nn.Module):
     """Pooled embeddings: ``forward(kjt) -> KeyedTensor`` of ``[B, sum(dims)]``.
 
     Keys come out in feature order (table by table, each table's ``feature_names``
@@ -84,17 +84,7 @@ class EmbeddingBagCollection(nn.Module):
         self._rows = [t.num_embeddings for t in tables for _ in t.feature_names]
         self._table_of = [t.name for t in tables for _ in t.feature_names]
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
-        dynamic = any(t.dynamic is not None for t in tables)
-        self.dynamic_tables = DynamicTables(self._tables, device) if dynamic else None
-
-    def register_reset_hook(self, hook: ResetHook) -> None:
-        """Call ``hook(table, weight, slots)`` whenever rows of a dynamic table are reset."""
-        if self.dynamic_tables is not None:
-            self.dynamic_tables.register_reset_hook(hook)
-
-    def dynamic_stats(self) -> dict[str, dict[str, int]]:
-        """Per dynamic table: occupancy, capacity, admissions, evictions, misses, ... (ints)."""
-        return {} if self.dynamic_tables is None else self.dynamic_tables.stats()
+        self._make_dynamic_tables(self._tables, device)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._tables

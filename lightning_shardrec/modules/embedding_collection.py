@@ -11,14 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_shardrec.configs import EmbeddingConfig
-from lightning_shardrec.modules.dynamic_tables import DynamicTables, ResetHook
+from lightning_shardrec.modules.dynamic_tables import HasDynamicTables
 from lightning_shardrec.modules.embedding_bag_collection import check_unique_tables
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names_by_table
 from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor
 
 
-class EmbeddingCollection(nn.Module):
+class EmbeddingCollection(HasDynamicTables, nn.Module):
     """Sequence embeddings: ``forward(kjt) -> {feature: JaggedTensor}``.
 
     Each JaggedTensor has ``values [N_f, dim]`` (one row per id) and the feature's
@@ -59,17 +59,7 @@ class EmbeddingCollection(nn.Module):
         self._arrange = FeatureArranger(self._feature_names, "EmbeddingCollection", self._embedding_names)
         self._rows = [t.num_embeddings for t in tables for _ in t.feature_names]
         self._table_of = [t.name for t in tables for _ in t.feature_names]
-        dynamic = any(t.dynamic is not None for t in tables)
-        self.dynamic_tables = DynamicTables(self._tables, device) if dynamic else None
-
-    def register_reset_hook(self, hook: ResetHook) -> None:
-        """Call ``hook(table, weight, slots)`` whenever rows of a dynamic table are reset."""
-        if self.dynamic_tables is not None:
-            self.dynamic_tables.register_reset_hook(hook)
-
-    def dynamic_stats(self) -> dict[str, dict[str, int]]:
-        """Per dynamic table: occupancy, capacity, admissions, evictions, misses, ... (ints)."""
-        return {} if self.dynamic_tables is None else self.dynamic_tables.stats()
+        self._make_dynamic_tables(self._tables, device)
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         return self._tables
