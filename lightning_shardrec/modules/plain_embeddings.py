@@ -100,7 +100,9 @@ def bag_features(
     weights = None if per_sample_weights is None else per_sample_weights.reshape(-1)
     if spec.padding_idx is not None:  # torch leaves padding ids out of their bag
         keep = values != spec.padding_idx
-        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths)
+        bag = torch.repeat_interleave(
+            torch.arange(lengths.numel(), device=values.device), lengths, output_size=values.numel()
+        )  # output_size: no device sync
         lengths = torch.zeros_like(lengths).index_add_(0, bag, keep.to(lengths.dtype))
         values = values[keep]
         weights = None if weights is None else weights[keep]
