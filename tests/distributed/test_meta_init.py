@@ -5,11 +5,17 @@ sharding type, pooled and sequence."""
 
 from __future__ import annotations
 
+import warnings
+
+import pytest
 import torch
 from _plans import plan_of
 from torch import nn
 
-from lightning_shardrec.planner import ShardingType
+from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_shardrec.distributed.sharding import TableSharding
+from lightning_shardrec.distributed.sharding.base import shard_init
+from lightning_shardrec.planner import EmbeddingComputeKernel, ParameterSharding, ShardingType, ShardMetadata
 from lightning_shardrec.testing import run_ranks
 
 SHAPES = {"t_big": (40, 8), "t_small": (2, 12), "t_mid": (10, 8)}  # t_small: fewer rows than ranks
@@ -70,3 +76,22 @@ def test_meta_built_shards_equal_cpu_built_shards_for_every_sharding_type() -> N
     for results in run_ranks(shards_of, 2):
         assert len(results) == 2 * len(TYPES) * 2
         assert all(same for *_, same in results), [r for r in results if not r[-1]]
+
+
+def test_a_custom_init_fn_on_meta_is_exact_whole_and_warns_in_pieces() -> None:
+    config = EmbeddingBagConfig(num_embeddings=20, embedding_dim=4, name="t_custom", init_fn=lambda w: w.normal_())
+    torch.manual_seed(2)
+    real = EmbeddingBagCollection([config]).embedding_bags["t_custom"].weight.detach()
+    torch.manual_seed(2)
+    meta = EmbeddingBagCollection([config], device="meta")
+    whole, top = ShardMetadata((0, 0), (20, 4), 0), ShardMetadata((10, 0), (10, 4), 1)
+    plan = ParameterSharding("row_wise", EmbeddingComputeKernel.FUSED, [0, 1], [whole, top])
+    table = TableSharding(config, plan, None, meta.init_seed("t_custom"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(shard_init(table, whole, torch.device("cpu")), real)  # table-wise / data-parallel: exact
+    with pytest.warns(
+        UserWarning, match=r"table 't_custom' was built on meta and has a custom init_fn.*\[10:20, 0:4\]"
+    ):
+        part = shard_init(table, top, torch.device("cpu"))
+    assert part.shape == (10, 4) and not torch.equal(part, real[10:])

@@ -14,6 +14,7 @@ several groups, each holding the columns in ``feature_columns``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -32,7 +33,7 @@ from lightning_shardrec.kernels import (
     choose,
     make_kernel,
 )
-from lightning_shardrec.modules.table_init import init_block
+from lightning_shardrec.modules.table_init import init_block, is_uniform
 from lightning_shardrec.planner import ParameterSharding, ShardMetadata
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
@@ -93,6 +94,15 @@ def shard_init(table: TableSharding, shard: ShardMetadata, device: torch.device,
         if table.weight is not None:
             out.copy_(table.weight.detach()[r0 : r0 + rows, c0 : c0 + cols])
         elif table.seed is not None:
+            whole = (rows, cols) == (table.config.num_embeddings, table.config.embedding_dim)
+            if not whole and not is_uniform(table.config):
+                warnings.warn(
+                    f"table '{table.config.name}' was built on meta and has a custom init_fn, which cannot be "
+                    f"evaluated block by block: its shard {_where(shard)} gets init_fn on its own (seeded), so it "
+                    "differs from the table built whole (devices=1). Build the table on a real device, or use "
+                    "weight_init_min/weight_init_max",
+                    stacklevel=2,
+                )
             init_block(table.config, table.seed, out, r0, c0)
         else:
             table.config.init_weight(out)
