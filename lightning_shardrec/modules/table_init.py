@@ -22,7 +22,7 @@ their tables on ``meta`` (``ShardRecStrategy.tensor_init_context`` enters it).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -128,7 +128,7 @@ class SeededTables:
 
     _init_seeds: dict[str, int]
 
-    def _draw_seeds(self, tables: list[BaseEmbeddingConfig]) -> None:
+    def _draw_seeds(self, tables: Sequence[BaseEmbeddingConfig]) -> None:
         self._init_seeds = {t.name: draw_seed() for t in tables}
 
     def init_seed(self, table: str) -> int | None:
