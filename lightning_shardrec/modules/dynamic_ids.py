@@ -61,17 +61,6 @@ def mix64(x: Tensor) -> Tensor:
     return z ^ shr(z, 31)
 
 
-def mix64_(z: Tensor, scratch: Tensor) -> Tensor:
-    """:func:`mix64` in place on ``z`` (int64; ``scratch`` an int64 tensor of its shape): no allocations."""
-    z.add_(GOLDEN)
-    for shift, mult in ((30, _C1), (27, _C2), (31, None)):
-        torch.bitwise_right_shift(z, shift, out=scratch)
-        z.bitwise_xor_(scratch.bitwise_and_((1 << (64 - shift)) - 1))
-        if mult is not None:
-            z.mul_(mult)
-    return z
-
-
 def bucket_of(ids: Tensor, num_buckets: int) -> Tensor:
     """Bucket in ``[0, num_buckets)`` of every raw int64 id: the top 63 hash bits mod ``num_buckets``."""
     return shr(mix64(ids.long()), 1) % num_buckets

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.configs import BaseEmbeddingConfig, UniformInit
-from lightning_shardrec.modules.dynamic_ids import GOLDEN, mix64, mix64_
+from lightning_shardrec.modules.dynamic_ids import _C1, _C2, GOLDEN, mix64
 
 _ON_META: ContextVar[bool] = ContextVar("lightning_shardrec_tables_on_meta", default=False)
 _BLOCK_CPU = 1 << 15  # elements hashed at once on CPU: scratch stays in cache (2**16 measured 10x slower)
@@ -103,6 +103,17 @@ def init_block(config: BaseEmbeddingConfig, seed: int, out: Tensor, r0: int = 0,
 
 def _columns(c0: int, cols: int, device: torch.device) -> Tensor:
     return torch.arange(c0, c0 + cols, device=device, dtype=torch.int64) * GOLDEN
+
+
+def mix64_(z: Tensor, scratch: Tensor) -> Tensor:
+    """:func:`~lightning_shardrec.modules.dynamic_ids.mix64` in place on int64 ``z`` (``scratch``: its shape)."""
+    z.add_(GOLDEN)
+    for shift, mult in ((30, _C1), (27, _C2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=scratch)
+        z.bitwise_xor_(scratch.bitwise_and_((1 << (64 - shift)) - 1))
+        if mult is not None:
+            z.mul_(mult)
+    return z
 
 
 def _unit(row_seeds: Tensor, col: Tensor, z: Tensor, tmp: Tensor, out: Tensor) -> Tensor:

@@ -13,7 +13,8 @@ from lightning_shardrec import (
     EmbeddingCollection,
     EmbeddingConfig,
 )
-from lightning_shardrec.modules.table_init import init_block, table_device, tables_on_meta, unit_uniform
+from lightning_shardrec.modules.dynamic_ids import mix64
+from lightning_shardrec.modules.table_init import init_block, mix64_, table_device, tables_on_meta, unit_uniform
 
 
 def bag_tables() -> list[EmbeddingBagConfig]:
@@ -154,3 +155,8 @@ def test_a_custom_init_fn_runs_on_the_whole_table_from_the_seed() -> None:
     init_block(config, ebc.init_seed("t"), again, 10)
     assert torch.equal(part, again)  # deterministic, but (documented) not the whole table's rows 10..19
     assert not torch.equal(part, whole[10:20])
+
+
+def test_the_in_place_mix_is_mix64() -> None:
+    x = torch.tensor([0, 1, -1, 2**62, -(2**63), 123456789])
+    assert torch.equal(mix64_(x.clone(), torch.empty_like(x)), mix64(x))
