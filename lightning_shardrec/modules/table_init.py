@@ -76,10 +76,10 @@ def init_block(config: BaseEmbeddingConfig, seed: int, out: Tensor, r0: int = 0,
     """Fill ``out [n, m]`` with rows ``[r0, r0 + n)`` x columns ``[c0, c0 + m)`` of table ``config``'s init.
 
     Uniform init: row ``r``'s seed is ``mix64(r) + seed``, element ``(r, c)`` is
-    :func:`unit_uniform` of it scaled to the table's range, computed on ``out``'s device
-    a block of rows at a time (no full-size temporary). Custom ``init_fn``: called on
-    ``out`` with torch's RNG seeded from (seed, r0, c0) inside a forked RNG (equal to the
-    whole table's block only when ``out`` is the whole table).
+    :func:`unit_uniform` of it scaled to the table's range, computed a block of rows at a
+    time (no full-size temporary) on ``out``'s device when it is CUDA, else on CPU.
+    Custom ``init_fn``: called on ``out`` with torch's RNG seeded from (seed, r0, c0) inside
+    a forked RNG (equal to the whole table's block only when ``out`` is the whole table).
     """
     if out.device.type == "meta" or out.numel() == 0:
         return
@@ -89,16 +89,18 @@ def init_block(config: BaseEmbeddingConfig, seed: int, out: Tensor, r0: int = 0,
             _custom(config, seed, out, r0, c0)
             return
         low, high = config.init_range()
+        where = out.device if out.device.type == "cuda" else torch.device("cpu")  # MPS has no float64
         step = max(1, (_BLOCK_CUDA if out.is_cuda else _BLOCK_CPU) // cols)
         shape = (min(step, rows), cols)
-        z = torch.empty(shape, dtype=torch.int64, device=out.device)
-        tmp, unit = torch.empty_like(z), torch.empty(shape, dtype=torch.float64, device=out.device)
-        col = _columns(c0, cols, out.device)
+        z = torch.empty(shape, dtype=torch.int64, device=where)
+        tmp, unit = torch.empty_like(z), torch.empty(shape, dtype=torch.float64, device=where)
+        col = _columns(c0, cols, where)
         for start in range(0, rows, step):
             n = min(step, rows - start)
-            ids = torch.arange(r0 + start, r0 + start + n, device=out.device, dtype=torch.int64)
+            ids = torch.arange(r0 + start, r0 + start + n, device=where, dtype=torch.int64)
             u = _unit(mix64(ids) + seed, col, z[:n], tmp[:n], unit[:n]).mul_(high - low).add_(low)
-            out[start : start + n] = u if out.dtype == torch.float32 else u.float()  # fp32 rounding first
+            exact = out.dtype == torch.float32 and out.device == where
+            out[start : start + n] = u if exact else u.float()  # fp32 rounding first, then dtype / device
 
 
 def _columns(c0: int, cols: int, device: torch.device) -> Tensor:
