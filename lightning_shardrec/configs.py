@@ -67,9 +67,11 @@ class BaseEmbeddingConfig:
     Several features may share a table (``feature_names``; empty: ``[name]``, as TorchRec).
     Rows start uniform in ``[weight_init_min, weight_init_max]``, by default
     ``±sqrt(1 / num_embeddings)`` (``init_fn`` is then a :class:`UniformInit`, never None,
-    as TorchRec); an ``init_fn`` of yours (called on the ``[rows, dim]`` weight, or on
-    each shard of it) replaces that. ``need_pos`` is accepted (it marks
-    position-weighted tables in TorchRec; every sharding type here takes weights).
+    as TorchRec); the collections draw them from a per-table seed, block by block
+    (:mod:`lightning_shardrec.modules.table_init`). An ``init_fn`` of yours (called on the
+    ``[rows, dim]`` weight, or on each shard of a table built on ``meta``) replaces that.
+    ``need_pos`` is accepted (it marks position-weighted tables in TorchRec; every
+    sharding type here takes weights).
     TorchRec's virtual-table fields (``input_dim``, ``total_num_buckets``,
     ``use_virtual_table``, ``virtual_table_eviction_policy``, ``enable_embedding_update``)
     keep their positions; any value but the default raises :class:`UnsupportedFeatureError`.

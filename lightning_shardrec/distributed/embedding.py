@@ -61,9 +61,10 @@ class ShardedEmbeddingCollection(ShardedCollection):
         for t in inner:
             weight = module.embeddings[t.name].weight
             real = None if weight.device.type == "meta" else weight
+            seed = module.init_seed(t.name)
             for width, part in _split_by_width(plan[t.name]):
                 key = (SHARDINGS[part.sharding_type], width)
-                by_group.setdefault(key, []).append(TableSharding(t, part, real))
+                by_group.setdefault(key, []).append(TableSharding(t, part, real, seed))
         # Fixed group order (registry order, then width), identical on every rank.
         kinds = list(dict.fromkeys(SHARDINGS.values()))
         order = sorted(by_group, key=lambda k: (kinds.index(k[0]), k[1]))

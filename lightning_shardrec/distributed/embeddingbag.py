@@ -53,7 +53,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         for t in inner:
             weight = module.embedding_bags[t.name].weight
             real = None if weight.device.type == "meta" else weight
-            by_kind.setdefault(SHARDINGS[plan[t.name].sharding_type], []).append(TableSharding(t, plan[t.name], real))
+            seed = module.init_seed(t.name)
+            table = TableSharding(t, plan[t.name], real, seed)
+            by_kind.setdefault(SHARDINGS[plan[t.name].sharding_type], []).append(table)
         # Fixed group order (registry order), identical on every rank.
         kinds = list(dict.fromkeys(SHARDINGS.values()))
         self.groups = nn.ModuleList([k(by_kind[k], env, setup) for k in kinds if k in by_kind])

@@ -13,8 +13,8 @@ NaN checks: :mod:`lightning_shardrec.kernels.finite`.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -51,6 +51,7 @@ from lightning_shardrec.lightning.rank_failures import RankFailureHandling
 from lightning_shardrec.lightning.sigterm import LaggedSigterm
 from lightning_shardrec.lightning.teardown import destroy_groups
 from lightning_shardrec.modules.plain_embeddings import check_embedding_options, swap_embedding_modules
+from lightning_shardrec.modules.table_init import tables_on_meta
 from lightning_shardrec.optim import FusedOptimizer, ScaledTableUpdates
 from lightning_shardrec.planner import (
     EmbeddingShardingPlanner,
@@ -181,6 +182,15 @@ class ShardRecStrategy(RankFailureHandling):
         self.topology: Topology | None = None  # what the planner assumed (hosts from num_nodes x devices)
         self.fused_optimizer: FusedOptimizer | None = None
         self._scaler_glue: ScalerGlue | None = None  # "16-mixed": table updates follow the GradScaler
+
+    # --- model construction -------------------------------------------------------------------
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module()`` and ``configure_model``: dense layers on the device as usual, the
+        collections' tables on ``meta`` (each rank builds only its shards, from the tables' seeds, in setup)."""
+        with super().tensor_init_context(empty_init), tables_on_meta():
+            yield
 
     # --- setup --------------------------------------------------------------------------------
     @override

@@ -18,9 +18,10 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_shardrec.configs import BaseEmbeddingConfig, UniformInit
-from lightning_shardrec.modules.dynamic_ids import GOLDEN, DynamicIdMapper, LookupResult, mix64, shr
+from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper, LookupResult, mix64
 from lightning_shardrec.modules.features import check_ids
 from lightning_shardrec.modules.table_dict import TableDict
+from lightning_shardrec.modules.table_init import unit_uniform
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 ResetHook = Callable[[str, Tensor, Tensor], None]
@@ -43,9 +44,7 @@ def fresh_rows(table: BaseEmbeddingConfig, slots: Tensor, generations: Tensor, w
     seeds = row_seeds(table, slots, generations)
     dim = weight.shape[1]
     if table.init_fn is None or isinstance(table.init_fn, UniformInit):
-        cols = torch.arange(dim, device=seeds.device, dtype=torch.int64) * GOLDEN
-        bits = shr(mix64(seeds[:, None] + cols), 11)  # 53 random bits
-        unit = bits.to(torch.float64) * 2.0**-53
+        unit = unit_uniform(seeds, 0, dim)  # as a static table's rows (modules.table_init)
         lo, hi = table.init_range() if table.init_fn is None else (table.init_fn.low, table.init_fn.high)
         return (lo + (hi - lo) * unit).to(weight.dtype)
     rows = torch.empty(len(slots), dim, dtype=weight.dtype)

@@ -16,6 +16,7 @@ from lightning_shardrec.configs import EmbeddingBagConfig, PoolingType
 from lightning_shardrec.modules.dynamic_tables import HasDynamicTables
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names
 from lightning_shardrec.modules.table_dict import TableDict
+from lightning_shardrec.modules.table_init import SeededTables, table_device
 from lightning_shardrec.modules.vbe import inverse_rows
 from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -37,7 +38,7 @@ def pool(rows: Tensor, lengths: Tensor, num_features: int, mean: bool) -> Tensor
     return out.transpose(0, 1).reshape(batch, num_features * dim)
 
 
-class EmbeddingBagCollection(HasDynamicTables, nn.Module):
+class EmbeddingBagCollection(SeededTables, HasDynamicTables, nn.Module):
     """Pooled embeddings: ``forward(kjt) -> KeyedTensor`` of ``[B, sum(dims)]``.
 
     Keys come out in feature order (table by table, each table's ``feature_names``
@@ -71,10 +72,12 @@ class EmbeddingBagCollection(HasDynamicTables, nn.Module):
         self._is_weighted = is_weighted
         self.validate_ids = validate_ids
         self.embedding_bags = TableDict()  # any table name, ``items`` and ``keys`` too
+        self._draw_seeds(self._tables)  # one draw per table, on meta too (modules.table_init)
+        where = table_device(device)
         for t in tables:
-            bag = nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling.value.lower(), device=device)
-            if bag.weight.device.type != "meta":
-                t.init_weight(bag.weight)
+            empty = torch.empty(t.num_embeddings, t.embedding_dim, device=where)  # _weight: no torch init, no RNG
+            bag = nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling.value.lower(), _weight=empty)
+            self._init_table(t, bag.weight)
             self.embedding_bags[t.name] = bag
         self._feature_names = [f for t in tables for f in t.feature_names]
         self._embedding_names = embedding_names(tables)
@@ -106,7 +109,7 @@ class EmbeddingBagCollection(HasDynamicTables, nn.Module):
 
     def reset_parameters(self) -> None:
         for t in self._tables:
-            t.init_weight(self.embedding_bags[t.name].weight)
+            self._init_table(t, self.embedding_bags[t.name].weight)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         kjt = self._arrange(features)

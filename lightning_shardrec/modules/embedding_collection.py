@@ -15,10 +15,11 @@ from lightning_shardrec.modules.dynamic_tables import HasDynamicTables
 from lightning_shardrec.modules.embedding_bag_collection import check_unique_tables
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names_by_table
 from lightning_shardrec.modules.table_dict import TableDict
+from lightning_shardrec.modules.table_init import SeededTables, table_device
 from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor
 
 
-class EmbeddingCollection(HasDynamicTables, nn.Module):
+class EmbeddingCollection(SeededTables, HasDynamicTables, nn.Module):
     """Sequence embeddings: ``forward(kjt) -> {feature: JaggedTensor}``.
 
     Each JaggedTensor has ``values [N_f, dim]`` (one row per id) and the feature's
@@ -48,10 +49,12 @@ class EmbeddingCollection(HasDynamicTables, nn.Module):
         self._need_indices = need_indices
         self.validate_ids = validate_ids
         self.embeddings = TableDict()  # any table name, ``items`` and ``keys`` too
+        self._draw_seeds(self._tables)  # one draw per table, on meta too (modules.table_init)
+        where = table_device(device)
         for t in tables:
-            emb = nn.Embedding(t.num_embeddings, t.embedding_dim, device=device)
-            if emb.weight.device.type != "meta":
-                t.init_weight(emb.weight)
+            empty = torch.empty(t.num_embeddings, t.embedding_dim, device=where)  # _weight: no torch init, no RNG
+            emb = nn.Embedding(t.num_embeddings, t.embedding_dim, _weight=empty)
+            self._init_table(t, emb.weight)
             self.embeddings[t.name] = emb
         self._feature_names = [f for t in tables for f in t.feature_names]
         self._embedding_names_by_table = embedding_names_by_table(tables)
@@ -91,7 +94,7 @@ class EmbeddingCollection(HasDynamicTables, nn.Module):
 
     def reset_parameters(self) -> None:
         for t in self._tables:
-            t.init_weight(self.embeddings[t.name].weight)
+            self._init_table(t, self.embeddings[t.name].weight)
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         kjt = self._arrange(features)

@@ -175,7 +175,8 @@ class PlainEmbeddingBag(EmbeddingBagCall, EmbeddingBagCollection):
             data_type=_data_type(module.weight, path),
             pooling=PoolingType.MEAN if module.mode == "mean" else PoolingType.SUM,
         )
-        super().__init__([config], is_weighted=module.mode == "sum", device="meta")
+        with torch.random.fork_rng(devices=[]):  # the user's weight: no table seed drawn from their RNG
+            super().__init__([config], is_weighted=module.mode == "sum", device="meta")
         self.embedding_bags[config.name].weight = module.weight
         self.spec = PlainSpec(path, "EmbeddingBag", module.mode, module.padding_idx, module.include_last_offset)
 
@@ -185,7 +186,8 @@ class PlainMaxEmbeddingBag(EmbeddingBagCall, EmbeddingCollection):
 
     def __init__(self, module: nn.EmbeddingBag, path: str) -> None:
         config = _sequence_config(module, path)
-        super().__init__([config], device="meta")
+        with torch.random.fork_rng(devices=[]):  # the user's weight: no table seed drawn from their RNG
+            super().__init__([config], device="meta")
         self.embeddings[config.name].weight = module.weight
         self.spec = PlainSpec(path, "EmbeddingBag", "max", module.padding_idx, module.include_last_offset)
 
@@ -195,7 +197,8 @@ class PlainEmbedding(EmbeddingCall, EmbeddingCollection):
 
     def __init__(self, module: nn.Embedding, path: str) -> None:
         config = _sequence_config(module, path)
-        super().__init__([config], device="meta")
+        with torch.random.fork_rng(devices=[]):  # the user's weight: no table seed drawn from their RNG
+            super().__init__([config], device="meta")
         self.embeddings[config.name].weight = module.weight
         self.spec = PlainSpec(path, "Embedding", "lookup", module.padding_idx)
 

@@ -54,12 +54,12 @@ def shard(model: nn.Module, kind: str, world: int, sequence: bool) -> object:
     )
 
 
-def build(sequence: bool, rows: int = ROWS) -> Wrapper:
+def build(sequence: bool, rows: int = ROWS, device: str | None = "cpu") -> Wrapper:
     from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 
     cls, cfg = (EmbeddingCollection, EmbeddingConfig) if sequence else (EmbeddingBagCollection, EmbeddingBagConfig)
     tables = [cfg(name=f"t{i}", num_embeddings=rows, embedding_dim=DIM, feature_names=[f"f{i}"]) for i in range(TABLES)]
-    return Wrapper(cls(tables, device="cpu"))
+    return Wrapper(cls(tables, device=device))
 
 
 def weights_die(rank: int, world: int) -> list[bool]:
@@ -105,3 +105,41 @@ def test_resident_memory_of_a_cpu_built_model_ends_near_its_share() -> None:
             assert held == total // 2
             # its share (1/W of the tables) plus allocator slack; before the fix: the whole tables stayed
             assert after < held + 0.15 * total, (kind, built, after, held)
+
+
+def peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def resident_built_under_the_context(rank: int, world: int) -> tuple[set[str], int, int, int, int]:
+    """Tables created under ``tables_on_meta()`` (what ``ShardRecStrategy.tensor_init_context`` enters)."""
+    from lightning_shardrec.modules.table_init import tables_on_meta
+
+    shard(build(sequence=False, rows=50), "row_wise", world, sequence=False)  # imports and first-use costs, not ours
+    gc.collect()
+    before = rss()
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from here
+    with tables_on_meta():
+        model = build(sequence=False, device=None)
+    devices = {p.device.type for p in model.parameters()}
+    built = rss()
+    dmp = shard(model, "row_wise", world, sequence=False)
+    gc.collect()
+    peak = peak_rss()
+    held = sum(w.numel() * w.element_size() for s in dmp.local_shards().values() for _, w in s)
+    del dmp, model
+    gc.collect()
+    return devices, built - before, peak - before, held, before
+
+
+def test_tables_built_under_the_strategy_context_never_exist_in_full_on_a_rank() -> None:
+    total = ROWS * DIM * 4 * TABLES
+    for devices, built, peak, held, _ in run_ranks(resident_built_under_the_context, 2):
+        assert devices == {"meta"}
+        assert built < 0.05 * total  # building allocated nothing of the tables
+        assert held == total // 2
+        # the highest resident memory while sharding: this rank's half plus the hash's small scratch
+        assert peak < held + 0.05 * total, (peak, held, total)

@@ -21,8 +21,16 @@ class Rec(L.LightningModule):
         scheduler: bool = False,
         manual: bool = False,
         bad_id_at: int | None = None,
+        late: bool = False,
     ) -> None:
         super().__init__()
+        if not late:  # late: LateRec builds in configure_model
+            self.build()
+        self.optimizer, self.lr, self.scheduler = optimizer, lr, scheduler
+        self.automatic_optimization = not manual
+        self.bad_id_at = bad_id_at  # step at which rank 1 feeds an out-of-range id
+
+    def build(self) -> None:
         torch.manual_seed(0)
         self.ebc = EmbeddingBagCollection(
             [
@@ -31,9 +39,6 @@ class Rec(L.LightningModule):
             ]
         )
         self.mlp = torch.nn.Linear(3 + sum(d for _, _, d, _ in TABLES), 1)
-        self.optimizer, self.lr, self.scheduler = optimizer, lr, scheduler
-        self.automatic_optimization = not manual
-        self.bad_id_at = bad_id_at  # step at which rank 1 feeds an out-of-range id
 
     def forward(self, batch):
         x = torch.cat([batch.dense, self.ebc(batch.sparse).values()], 1)
@@ -66,6 +71,17 @@ class Rec(L.LightningModule):
             return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class LateRec(Rec):
+    """Rec with its layers built in ``configure_model`` (under the strategy's ``tensor_init_context``)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(late=True, **kwargs)
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "mlp"):
+            self.build()
 
 
 def data(batch_size: int, num_batches: int, seed: int = 1, val_batches: int = 0) -> SyntheticRecDataModule:

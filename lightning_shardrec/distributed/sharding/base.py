@@ -14,6 +14,7 @@ several groups, each holding the columns in ``feature_columns``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -32,17 +33,20 @@ from lightning_shardrec.kernels import (
     choose,
     make_kernel,
 )
+from lightning_shardrec.modules.table_init import init_block, is_uniform
 from lightning_shardrec.planner import ParameterSharding, ShardMetadata
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 
 @dataclass(frozen=True)
 class TableSharding:
-    """A table of the collection, its plan, and its full weight when the user built one."""
+    """A table of the collection, its plan, its full weight when the user built one, and its init seed."""
 
     config: BaseEmbeddingConfig
     plan: ParameterSharding
     weight: Tensor | None  # [rows, dim] on a real device, or None (built on meta)
+    #: the collection's seed of this table (modules.table_init); None: the config's init, per shard
+    seed: int | None = None
 
 
 @dataclass
@@ -76,9 +80,12 @@ class KernelSetup:
 
 
 def shard_init(table: TableSharding, shard: ShardMetadata, device: torch.device, out: Tensor | None = None) -> Tensor:
-    """The shard's initial rows: the user's weights sliced bit for bit, else the table's init.
+    """The shard's initial rows: the user's weights sliced bit for bit, else the table's seeded init.
 
-    Written into ``out`` when given (the kernel's own storage: no second copy of the shard).
+    Built from the seed, the shard equals the same block of the table the collection builds
+    on a real device (:func:`~lightning_shardrec.modules.table_init.init_block`; a custom
+    ``init_fn`` only for a shard that is the whole table). Written into ``out`` when given
+    (the kernel's own storage: no second copy of the shard).
     """
     (r0, c0), (rows, cols) = shard.shard_offsets, shard.shard_sizes
     if out is None:
@@ -86,6 +93,17 @@ def shard_init(table: TableSharding, shard: ShardMetadata, device: torch.device,
     with torch.no_grad():
         if table.weight is not None:
             out.copy_(table.weight.detach()[r0 : r0 + rows, c0 : c0 + cols])
+        elif table.seed is not None:
+            whole = (rows, cols) == (table.config.num_embeddings, table.config.embedding_dim)
+            if not whole and not is_uniform(table.config):
+                warnings.warn(
+                    f"table '{table.config.name}' was built on meta and has a custom init_fn, which cannot be "
+                    f"evaluated block by block: its shard {_where(shard)} gets init_fn on its own (seeded), so it "
+                    "differs from the table built whole (devices=1). Build the table on a real device, or use "
+                    "weight_init_min/weight_init_max",
+                    stacklevel=2,
+                )
+            init_block(table.config, table.seed, out, r0, c0)
         else:
             table.config.init_weight(out)
     return out

@@ -1,0 +1,152 @@
+"""Seeded, block-independent table init: every block of a table is a function of (seed, row, col).
+
+A collection draws one seed per table from torch's global CPU generator when it
+creates the table (:func:`draw_seed`: the only random numbers a table's init takes, so
+the dense layers built after it see the same RNG stream whether the table is real or
+on ``meta``), and keeps it (:class:`SeededTables`). Rows ``[r0, r0 + n)`` x columns
+``[c0, c0 + m)`` of the default uniform init are a counter-based hash of
+``(seed, row, col)`` (:func:`init_block`), so a shard initialised on its own on any
+rank and device equals the same block of the whole table, bit for bit::
+
+    init_block(config, seed, full)                      # the whole [rows, dim] table
+    init_block(config, seed, shard, r0=64, c0=8)        # == full[64:64+n, 8:8+m]
+
+A custom ``init_fn`` cannot be evaluated block by block: it is called on the whole
+table (torch's RNG seeded from the table seed, the global stream untouched); a shard
+of a table that was never built whole (built on ``meta``) gets ``init_fn`` on the shard
+alone, seeded from (seed, r0, c0), and differs from the whole table's block.
+
+:func:`tables_on_meta` makes collections built inside it without a ``device`` put
+their tables on ``meta`` (``ShardRecStrategy.tensor_init_context`` enters it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+from torch import Tensor
+
+from lightning_shardrec.configs import BaseEmbeddingConfig, UniformInit
+from lightning_shardrec.modules.dynamic_ids import _C1, _C2, GOLDEN, mix64
+
+_ON_META: ContextVar[bool] = ContextVar("lightning_shardrec_tables_on_meta", default=False)
+_BLOCK_CPU = 1 << 15  # elements hashed at once on CPU: scratch stays in cache (2**16 measured 10x slower)
+_BLOCK_CUDA = 1 << 24  # on CUDA: few launches
+_SEEDS = 1 << 62
+
+
+@contextmanager
+def tables_on_meta() -> Iterator[None]:
+    """Collections built inside (with ``device=None``) create their tables on ``meta``."""
+    token = _ON_META.set(True)
+    try:
+        yield
+    finally:
+        _ON_META.reset(token)
+
+
+def table_device(device: torch.device | str | None) -> torch.device | str | None:
+    """Where a collection creates its tables: ``meta`` under :func:`tables_on_meta` when no device is given."""
+    return "meta" if device is None and _ON_META.get() else device
+
+
+def draw_seed() -> int:
+    """A table seed in ``[0, 2**62)``: one draw from torch's global CPU generator."""
+    return int(torch.randint(0, _SEEDS, (1,), device="cpu").item())
+
+
+def unit_uniform(row_seeds: Tensor, c0: int, cols: int) -> Tensor:
+    """``[len(row_seeds), cols]`` float64 in ``[0, 1)``: the top 53 bits of
+    ``mix64(row_seed + (c0 + j) * GOLDEN)`` for column ``c0 + j``, times ``2**-53``."""
+    z = torch.empty(len(row_seeds), cols, dtype=torch.int64, device=row_seeds.device)
+    out = torch.empty(z.shape, dtype=torch.float64, device=z.device)
+    _unit(row_seeds, _columns(c0, cols, z.device), z, torch.empty_like(z), out)
+    return out
+
+
+def is_uniform(config: BaseEmbeddingConfig) -> bool:
+    """Whether the table's init is the (block-evaluable) default uniform one."""
+    return config.init_fn is None or isinstance(config.init_fn, UniformInit)
+
+
+def init_block(config: BaseEmbeddingConfig, seed: int, out: Tensor, r0: int = 0, c0: int = 0) -> None:
+    """Fill ``out [n, m]`` with rows ``[r0, r0 + n)`` x columns ``[c0, c0 + m)`` of table ``config``'s init.
+
+    Uniform init: row ``r``'s seed is ``mix64(r) + seed``, element ``(r, c)`` is
+    :func:`unit_uniform` of it scaled to the table's range, computed a block of rows at a
+    time (no full-size temporary) on ``out``'s device when it is CUDA, else on CPU.
+    Custom ``init_fn``: called on ``out`` with torch's RNG seeded from (seed, r0, c0) inside
+    a forked RNG (equal to the whole table's block only when ``out`` is the whole table).
+    """
+    if out.device.type == "meta" or out.numel() == 0:
+        return
+    rows, cols = out.shape
+    with torch.no_grad():
+        if not is_uniform(config):
+            _custom(config, seed, out, r0, c0)
+            return
+        low, high = config.init_range()
+        where = out.device if out.device.type == "cuda" else torch.device("cpu")  # MPS has no float64
+        step = max(1, (_BLOCK_CUDA if out.is_cuda else _BLOCK_CPU) // cols)
+        shape = (min(step, rows), cols)
+        z = torch.empty(shape, dtype=torch.int64, device=where)
+        tmp, unit = torch.empty_like(z), torch.empty(shape, dtype=torch.float64, device=where)
+        col = _columns(c0, cols, where)
+        for start in range(0, rows, step):
+            n = min(step, rows - start)
+            ids = torch.arange(r0 + start, r0 + start + n, device=where, dtype=torch.int64)
+            u = _unit(mix64(ids) + seed, col, z[:n], tmp[:n], unit[:n]).mul_(high - low).add_(low)
+            exact = out.dtype == torch.float32 and out.device == where
+            out[start : start + n] = u if exact else u.float()  # fp32 rounding first, then dtype / device
+
+
+def _columns(c0: int, cols: int, device: torch.device) -> Tensor:
+    return torch.arange(c0, c0 + cols, device=device, dtype=torch.int64) * GOLDEN
+
+
+def mix64_(z: Tensor, scratch: Tensor) -> Tensor:
+    """:func:`~lightning_shardrec.modules.dynamic_ids.mix64` in place on int64 ``z`` (``scratch``: its shape)."""
+    z.add_(GOLDEN)
+    for shift, mult in ((30, _C1), (27, _C2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=scratch)
+        z.bitwise_xor_(scratch.bitwise_and_((1 << (64 - shift)) - 1))
+        if mult is not None:
+            z.mul_(mult)
+    return z
+
+
+def _unit(row_seeds: Tensor, col: Tensor, z: Tensor, tmp: Tensor, out: Tensor) -> Tensor:
+    """In place (``z``, ``tmp`` int64 scratch): ``out = shr(mix64(row_seeds[:, None] + col), 11) * 2**-53``."""
+    mix64_(torch.add(row_seeds[:, None], col, out=z), tmp)
+    torch.bitwise_right_shift(z, 11, out=tmp)
+    out.copy_(tmp.bitwise_and_((1 << 53) - 1))
+    return out.mul_(2.0**-53)
+
+
+def _custom(config: BaseEmbeddingConfig, seed: int, out: Tensor, r0: int, c0: int) -> None:
+    if (r0, c0) != (0, 0):
+        mixed = mix64(torch.tensor([seed, r0, c0], dtype=torch.int64))
+        seed = int(mix64(mixed[0] ^ mix64(mixed[1] + mixed[2])))
+    devices = [out.device.index or 0] if out.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+        config.init_fn(out)  # type: ignore[misc]  # set in __post_init__
+
+
+class SeededTables:
+    """A collection's table seeds (mixed into EBC and EC): one per table, drawn at construction."""
+
+    _init_seeds: dict[str, int]
+
+    def _draw_seeds(self, tables: Sequence[BaseEmbeddingConfig]) -> None:
+        self._init_seeds = {t.name: draw_seed() for t in tables}
+
+    def init_seed(self, table: str) -> int | None:
+        """The seed table ``table``'s rows are drawn from (None: a collection unpickled from before seeds)."""
+        return getattr(self, "_init_seeds", {}).get(table)
+
+    def _init_table(self, config: BaseEmbeddingConfig, weight: Tensor) -> None:
+        init_block(config, self._init_seeds[config.name], weight)
