@@ -32,13 +32,9 @@ from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
 from lightning_shardrec.modules.dynamic_tables import fresh_rows
 from lightning_shardrec.modules.table_dict import TableDict
-from lightning_shardrec.planner import ShardingType
+from lightning_shardrec.planner.tables import DYNAMIC_TYPES
 from lightning_shardrec.sparse import KeyedJaggedTensor
 from lightning_shardrec.sparse.ops import segment_ids
-
-#: the sharding types that can hold a dynamic table
-DYNAMIC_TYPES = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE)
-
 
 def check_dynamic_plan(table: TableSharding) -> tuple[int, int]:
     """``(num_buckets, slots_per_bucket)`` of a dynamic table whose plan cuts only at bucket boundaries."""
