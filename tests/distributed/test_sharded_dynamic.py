@@ -70,7 +70,8 @@ def module(pooled: bool, weighted: bool):
 
 
 def batches(weighted: bool) -> list[tuple[dict, dict | None, torch.Tensor]]:
-    """Global batches of raw ids from a drifting pool (old ids fade, new ones come), 0-4 ids per bag."""
+    """Global batches of raw ids from a drifting pool (old ids fade, new ones come), 0-4 ids per bag;
+    step 2 has no ``item`` ids at all."""
     rng = random.Random(11)
     pool = [rng.choice([-1, 1]) * rng.randrange(2**62) for _ in range(150)]
     g = torch.Generator().manual_seed(5)
@@ -81,6 +82,8 @@ def batches(weighted: bool) -> list[tuple[dict, dict | None, torch.Tensor]]:
             f: [[rng.choice(window if f != "i" else window[:20]) for _ in range(rng.randrange(5))] for _ in range(GLOBAL)]
             for f in ("u1", "u2", "i")
         }
+        if step == 2:  # no item ids anywhere: its mappers still take the step
+            bags["i"] = [[] for _ in range(GLOBAL)]
         bags["c"] = [[rng.randrange(10) for _ in range(rng.randrange(3))] for _ in range(GLOBAL)]
         wts = {f: [[rng.random() + 0.5 for _ in b] for b in bags[f]] for f in bags} if weighted else None
         out.append((bags, wts, torch.randn(GLOBAL, 40, generator=g)))
