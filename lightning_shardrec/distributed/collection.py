@@ -178,7 +178,7 @@ class ShardedCollection(nn.Module):
         out: dict[str, DynamicIdMapper] = {}
         for g in self._groups():
             if isinstance(g, DynamicBlockSharding):
-                out.update((name, g.mapper(name)) for name in g.mappers.keys())
+                out.update((name, g.mapper(name)) for name in g.mappers)
         return out
 
     def kernels(self) -> list[BatchedEmbeddingKernel]:

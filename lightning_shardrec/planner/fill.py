@@ -305,9 +305,9 @@ def fill_all_rows(
     Every rank (or every rank of the table's ``ranks`` constraint, the explicit way to row-block
     over fewer) holds one block; blocks differ by at most one row, so their memory is balanced
     (``20,000,000`` rows on 2 ranks: ``10,000,000`` each). A table with fewer rows than ranks has
-    one row on each of its first ``rows`` ranks. A dynamic table's blocks are whole buckets (near-equal
-    bucket counts, on its first ``num_buckets`` ranks when it has fewer buckets than ranks). None when a block exceeds its rank's time under
-    ``limit`` or its free memory.
+    one row on each of its first ``rows`` ranks. A dynamic table's blocks are whole buckets
+    (near-equal bucket counts; on its first ``num_buckets`` ranks when it has fewer buckets).
+    None when a block exceeds its rank's time under ``limit`` or its free memory.
     """
     t = opt.table
     # a dynamic table's blocks are whole buckets: near-equal bucket counts, unit = slots per bucket

@@ -51,11 +51,18 @@ def tables(pooled: bool) -> list:
     pool = {"pooling": PoolingType.MEAN} if pooled else {}
     return [
         cls(
-            name="user", embedding_dim=8, num_embeddings=48, feature_names=["u1", "u2"],
-            dynamic=DynamicConfig(num_buckets=6, ttl_steps=2, seed=3), **pool,
+            name="user",
+            embedding_dim=8,
+            num_embeddings=48,
+            feature_names=["u1", "u2"],
+            dynamic=DynamicConfig(num_buckets=6, ttl_steps=2, seed=3),
+            **pool,
         ),
         cls(
-            name="item", embedding_dim=4 if pooled else 8, num_embeddings=24, feature_names=["i"],
+            name="item",
+            embedding_dim=4 if pooled else 8,
+            num_embeddings=24,
+            feature_names=["i"],
             dynamic=DynamicConfig(num_buckets=4, eviction="lfu", min_count=2, candidates_per_bucket=2),
         ),
         cls(name="s", embedding_dim=4 if pooled else 8, num_embeddings=10, feature_names=["c"]),
@@ -79,7 +86,10 @@ def batches(weighted: bool) -> list[tuple[dict, dict | None, torch.Tensor]]:
     for step in range(STEPS):
         window = pool[step * 15 : step * 15 + 60]
         bags = {
-            f: [[rng.choice(window if f != "i" else window[:20]) for _ in range(rng.randrange(5))] for _ in range(GLOBAL)]
+            f: [
+                [rng.choice(window if f != "i" else window[:20]) for _ in range(rng.randrange(5))]
+                for _ in range(GLOBAL)
+            ]
             for f in ("u1", "u2", "i")
         }
         if step == 2:  # no item ids anywhere: its mappers still take the step
@@ -119,7 +129,9 @@ def capacities(pooled: bool) -> dict[str, tuple[int, int, int]]:
 def loss_of(out, target: torch.Tensor) -> torch.Tensor:
     """Every output row meets a random, nonzero weight (so every row looked up gets a gradient)."""
     if isinstance(out, dict):  # sequence: per feature [N_f, D]
-        return sum((jt.values() * target[i % GLOBAL, : jt.values().shape[1]]).sum() for i, jt in enumerate(out.values()))
+        return sum(
+            (jt.values() * target[i % GLOBAL, : jt.values().shape[1]]).sum() for i, jt in enumerate(out.values())
+        )
     return (out.values() * target[: out.values().shape[0], : out.values().shape[1]]).sum()
 
 
@@ -137,7 +149,9 @@ def train_sharded(rank: int, world: int, cases: list) -> list:
         backend = "fbgemm" if optim in ("sgd", "adagrad", "rowwise_adagrad") and kind == "row_wise" else "torch"
         config = FusedOptimConfig(optimizer=optim, lr=LR, eps=EPS.get(optim, 1e-8))
         dmp = DistributedModelParallel(
-            module(pooled, weighted), plan=plan(world, kind, capacities(pooled)), embedding_optimizer=config,
+            module(pooled, weighted),
+            plan=plan(world, kind, capacities(pooled)),
+            embedding_optimizer=config,
             kernel=backend,
         )
         sizes = splits(world, uneven=kind == "table_wise")
@@ -209,7 +223,7 @@ def reference_optimizer(name: str, model) -> torch.optim.Optimizer:
     return opt
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(pooled: bool, weighted: bool, optim: str):
     """The unsharded run: outputs per step (and eval), final state dict, stats."""
     model = module(pooled, weighted)
@@ -244,11 +258,7 @@ def check_outputs(case, world: int, results: list, ref_outs: list) -> None:
                 pieces[f] = want[start : start + total]
                 start += total
             want = torch.cat(
-                [
-                    pieces[f][sum(n[f][: bounds[r]]) : sum(n[f][: bounds[r + 1]])]
-                    for r in range(world)
-                    for f in bags
-                ]
+                [pieces[f][sum(n[f][: bounds[r]]) : sum(n[f][: bounds[r + 1]])] for r in range(world) for f in bags]
             )
             got = torch.cat([r[0][step] for r in results])
         torch.testing.assert_close(got, want, **TOL, msg=f"{case} world {world} step {step} forward")

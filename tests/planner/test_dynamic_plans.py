@@ -23,7 +23,10 @@ from lightning_shardrec.planner import (
 def dyn(name: str = "d", rows: int = 60, buckets: int = 5, dim: int = 8, seq: bool = False):
     kind = EmbeddingConfig if seq else EmbeddingBagConfig
     return kind(
-        name=name, embedding_dim=dim, num_embeddings=rows, feature_names=[f"{name}_f"],
+        name=name,
+        embedding_dim=dim,
+        num_embeddings=rows,
+        feature_names=[f"{name}_f"],
         dynamic=DynamicConfig(num_buckets=buckets),
     )
 
@@ -66,7 +69,8 @@ def test_constraints_asking_for_a_type_that_cannot_hold_it_are_refused(kind: str
     c = ParameterConstraints(sharding_types=["table_wise", kind])
     with pytest.raises(
         PlannerError,
-        match=rf"dynamic table 'd': sharding_types \['{kind}'\] cannot hold a dynamic table; valid: table_wise, row_wise",
+        match=rf"dynamic table 'd': sharding_types \['{kind}'\] cannot hold a dynamic table; "
+        r"valid: table_wise, row_wise",
     ):
         planner(2, d=c).plan(EmbeddingBagCollection([dyn()], device="meta"))
 
@@ -92,30 +96,54 @@ def _row_wise(cuts: list[int], dim: int = 8) -> ParameterSharding:
 
 def test_a_given_plan_that_splits_a_bucket_or_uses_another_type_is_refused() -> None:
     module = EmbeddingBagCollection([dyn()], device="meta")
-    with pytest.raises(PlannerError, match=r"table 'd': dynamic table shard 0 rows \[0, 30\) split a bucket: "
-                       r"blocks must start and end at multiples of 12 \(slots per bucket, 5 buckets\)"):
+    with pytest.raises(
+        PlannerError,
+        match=r"table 'd': dynamic table shard 0 rows \[0, 30\) split a bucket: "
+        r"blocks must start and end at multiples of 12 \(slots per bucket, 5 buckets\)",
+    ):
         planner(2).plan(module, fixed={"d": _row_wise([0, 30, 60])})
     cw = ParameterSharding(
-        ShardingType.COLUMN_WISE, EmbeddingComputeKernel.FUSED, [0, 1],
+        ShardingType.COLUMN_WISE,
+        EmbeddingComputeKernel.FUSED,
+        [0, 1],
         [ShardMetadata((0, 0), (60, 4), 0), ShardMetadata((0, 4), (60, 4), 1)],
     )
-    with pytest.raises(PlannerError, match=r"table 'd': sharding type 'column_wise' cannot hold a dynamic table; "
-                       r"valid: table_wise, row_wise"):
+    with pytest.raises(
+        PlannerError,
+        match=r"table 'd': sharding type 'column_wise' cannot hold a dynamic table; "
+        r"valid: table_wise, row_wise",
+    ):
         planner(2).plan(module, fixed={"d": cw})
-    assert blocks(planner(2).plan(module, fixed={"d": _row_wise([0, 36, 60])}).plan[""]["d"]) == [(0, 36, 0), (36, 24, 1)]
+    assert blocks(planner(2).plan(module, fixed={"d": _row_wise([0, 36, 60])}).plan[""]["d"]) == [
+        (0, 36, 0),
+        (36, 24, 1),
+    ]
 
 
 def test_the_sharded_module_checks_a_complete_plan_too() -> None:
     """DistributedModelParallel skips the planner for a complete plan: the sharding checks it."""
     table = dyn()
-    with pytest.raises(ShardingError, match=r"dynamic table 'd': shard 0 holds rows \[0, 30\), which splits a bucket; "
-                       r"blocks must start and end at multiples of 12 \(slots per bucket, 5 buckets\)"):
+    with pytest.raises(
+        ShardingError,
+        match=r"dynamic table 'd': shard 0 holds rows \[0, 30\), which splits a bucket; "
+        r"blocks must start and end at multiples of 12 \(slots per bucket, 5 buckets\)",
+    ):
         check_dynamic_plan(TableSharding(table, _row_wise([0, 30, 60]), None))
-    grid = ParameterSharding(ShardingType.GRID_SHARD, EmbeddingComputeKernel.FUSED, [0], [ShardMetadata((0, 0), (60, 8), 0)])
-    with pytest.raises(ShardingError, match=r"dynamic table 'd': sharding type 'grid_shard' cannot hold it; "
-                       r"valid: table_wise, row_wise"):
+    grid = ParameterSharding(
+        ShardingType.GRID_SHARD, EmbeddingComputeKernel.FUSED, [0], [ShardMetadata((0, 0), (60, 8), 0)]
+    )
+    with pytest.raises(
+        ShardingError,
+        match=r"dynamic table 'd': sharding type 'grid_shard' cannot hold it; "
+        r"valid: table_wise, row_wise",
+    ):
         check_dynamic_plan(TableSharding(table, grid, None))
-    cols = ParameterSharding(ShardingType.ROW_WISE, EmbeddingComputeKernel.FUSED, [0], [ShardMetadata((0, 0), (60, 4), 0)])
-    with pytest.raises(ShardingError, match=r"dynamic table 'd': shard 0 holds columns \[0, 4\); a dynamic table's "
-                       r"shards hold all 8 columns"):
+    cols = ParameterSharding(
+        ShardingType.ROW_WISE, EmbeddingComputeKernel.FUSED, [0], [ShardMetadata((0, 0), (60, 4), 0)]
+    )
+    with pytest.raises(
+        ShardingError,
+        match=r"dynamic table 'd': shard 0 holds columns \[0, 4\); a dynamic table's "
+        r"shards hold all 8 columns",
+    ):
         check_dynamic_plan(TableSharding(table, cols, None))

@@ -6,13 +6,13 @@ send each source its share across hosts (:class:`HostRowBlockSharding`). Dynamic
 (table-wise or row-wise by bucket ranges) have their own mechanism, :class:`DynamicBlockSharding`.
 """
 
+from lightning_shardrec.configs import BaseEmbeddingConfig
 from lightning_shardrec.distributed.sharding.base import EmbeddingSharding, KernelSetup, TableSharding
 from lightning_shardrec.distributed.sharding.data_parallel import DataParallelSharding
 from lightning_shardrec.distributed.sharding.dynamic_blocks import DynamicBlockSharding
 from lightning_shardrec.distributed.sharding.host_blocks import HostRowBlockSharding
 from lightning_shardrec.distributed.sharding.piecewise import PiecewiseSharding
 from lightning_shardrec.distributed.sharding.row_blocks import RowBlockSharding
-from lightning_shardrec.configs import BaseEmbeddingConfig
 from lightning_shardrec.planner import ParameterSharding, ShardingType
 
 #: Mechanism per sharding type. Types that share a mechanism are looked up together,

@@ -36,6 +36,7 @@ from lightning_shardrec.planner.tables import DYNAMIC_TYPES
 from lightning_shardrec.sparse import KeyedJaggedTensor
 from lightning_shardrec.sparse.ops import segment_ids
 
+
 def check_dynamic_plan(table: TableSharding) -> tuple[int, int]:
     """``(num_buckets, slots_per_bucket)`` of a dynamic table whose plan cuts only at bucket boundaries."""
     config, plan = table.config, table.plan
@@ -131,7 +132,9 @@ class DynamicBlockSharding(RowBlockSharding):
             rows[start:end] = torch.where(slots >= 0, slots - mapper.row_offset, -1)
         keep = rows >= 0
         if bool(keep.all()):
-            return KeyedJaggedTensor._trusted(kjt.keys(), rows, kjt.weights_or_none(), kjt.lengths(), kjt.stride()), None
+            return KeyedJaggedTensor._trusted(
+                kjt.keys(), rows, kjt.weights_or_none(), kjt.lengths(), kjt.stride()
+            ), None
         lengths = kjt.lengths()
         bag = segment_ids(lengths, total=values.numel())
         kept = torch.bincount(bag[keep], minlength=lengths.numel()).to(lengths.dtype)
