@@ -21,6 +21,7 @@ from lightning_shardrec.distributed.batch_dist import DistContext, distribute_in
 from lightning_shardrec.distributed.collection import ShardedCollection, check_static_ids, static_features
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharding import KINDS, EmbeddingSharding, KernelSetup, TableSharding, mechanism
+from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.modules import EmbeddingBagCollection
 from lightning_shardrec.modules.features import FeatureArranger, embedding_names, unshare_features
 from lightning_shardrec.modules.vbe import expand_vbe, inverse_rows
@@ -126,6 +127,12 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         kjt = self._arrange(features)
         if kjt.variable_stride_per_key():  # VBE: send the expanded batch (same pooled rows as expanding them)
             owner = "ShardedEmbeddingBagCollection"
+            if self._static is not None:  # expanding would count repeated bags as sightings
+                dynamic = sorted({self._table_names[i] for i in range(len(self._rows)) if i not in self._static})
+                raise ShardingError(
+                    f"{owner}: dynamic tables {dynamic} do not take a variable-batch (VBE) KeyedJaggedTensor yet; "
+                    "send a fixed-batch KJT"
+                )
             kjt = expand_vbe(kjt, inverse_rows(features, self._arrange.feature_names, owner))
         if self._is_weighted and kjt.weights_or_none() is None:
             raise ValueError("EmbeddingBagCollection(is_weighted=True) got a KeyedJaggedTensor without weights")

@@ -311,3 +311,20 @@ def test_sharded_dynamic_tables_match_unsharded(world: int) -> None:
 @pytest.mark.slow
 def test_sharded_dynamic_tables_match_unsharded_on_four_ranks() -> None:
     run_world(4, CASES)
+
+
+def vbe_is_refused(rank: int, world: int) -> bool:
+    from lightning_shardrec.distributed import DistributedModelParallel
+    from lightning_shardrec.errors import ShardingError
+    from tests.modules.test_vbe import KEYS, vbe
+
+    table = EmbeddingBagConfig(name="d", embedding_dim=4, num_embeddings=8, feature_names=KEYS, dynamic=DynamicConfig())
+    dmp = DistributedModelParallel(EmbeddingBagCollection([table]), kernel="torch")
+    with pytest.raises(ShardingError, match=r"dynamic tables \['d'\] do not take a variable-batch \(VBE\) KeyedJagged"):
+        dmp(vbe())
+    return True
+
+
+def test_variable_batch_kjt_is_refused_for_sharded_dynamic_tables() -> None:
+    """A sharded EBC expands a VBE batch: repeated bags would count as sightings (the unsharded EBC refuses it too)."""
+    assert run_ranks(vbe_is_refused, 1) == [True]

@@ -77,12 +77,13 @@ class DynamicBlockSharding(RowBlockSharding):
         config = {t.config.name: t.config for t in tables}
         self._configs = [config[name] for name, _ in self._local]  # kernel table order
         self.mappers = TableDict()
+        slots_of = {t.config.name: s for t, (_, s) in zip(tables, layouts, strict=True)}
         for name, shard in self._local:
-            slots = layouts[[t.config.name for t in tables].index(name)][1]
+            slots, dynamic = slots_of[name], config[name].dynamic
+            assert dynamic is not None  # internal: only dynamic tables come here
             lo, rows = shard.shard_offsets[0] // slots, shard.shard_sizes[0] // slots
-            cfg = config[name]
             self.mappers[name] = DynamicIdMapper(
-                name, cfg.dynamic, cfg.num_embeddings, bucket_range=(lo, lo + rows), device=device
+                name, dynamic, config[name].num_embeddings, bucket_range=(lo, lo + rows), device=device
             )
         # kernel feature range of each kernel table (a table's lanes are contiguous)
         ft = self.kernel.feature_table if self.kernel is not None else []
