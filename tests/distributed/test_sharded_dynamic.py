@@ -4,8 +4,8 @@ Pooled (EBC, weighted too) and sequence (EC) collections with two dynamic tables
 time-to-live; LFU with ``min_count`` admission and a small candidate table) beside a static
 one, each dynamic table row-wise by bucket ranges or table-wise, trained with every fused
 optimizer: per step the forward outputs, and after training every table's weights, the id
-mappers' slot and candidate buffers, their step and (summed over ranks) counters, and an eval
-forward equal the unsharded run's. Evictions, expirations, misses and dropped candidates
+mappers' slot and candidate buffers, their step and (summed over ranks) counters, and eval and no_grad
+forwards equal the unsharded run's. Evictions, expirations, misses and dropped candidates
 happen (asserted), so eviction, ttl and admission are exercised.
 """
 
@@ -162,9 +162,12 @@ def train_sharded(rank: int, world: int, cases: list) -> list:
             outs.append(flat(out))
             target = target[lo:hi] if pooled else target
             (loss_of(out, target) * world).backward()
-        dmp.eval()
+        last = kjt_of(*batches(weighted)[-1][:2], lo, hi)
+        dmp.eval()  # eval, then no_grad in training mode: nothing admitted, evicted or counted
+        outs.append(flat(dmp(last)))
+        dmp.train()
         with torch.no_grad():
-            outs.append(flat(dmp(kjt_of(*batches(weighted)[-1][:2], lo, hi))))
+            outs.append(flat(dmp(last)))
         sharded = dmp.sharded[""]
         mappers = {
             name: (m.row_offset, m.bucket_lo * m.cands_per_bucket, {k: v.clone() for k, v in m.state_dict().items()})
@@ -225,7 +228,7 @@ def reference_optimizer(name: str, model) -> torch.optim.Optimizer:
 
 @functools.cache
 def reference(pooled: bool, weighted: bool, optim: str):
-    """The unsharded run: outputs per step (and eval), final state dict, stats."""
+    """The unsharded run: outputs per step (then eval, then no_grad), final state dict, stats."""
     model = module(pooled, weighted)
     opt = reference_optimizer(optim, model)
     outs = []
@@ -235,9 +238,12 @@ def reference(pooled: bool, weighted: bool, optim: str):
         opt.zero_grad()
         loss_of(out, target).backward()
         opt.step()
+    last = kjt_of(*batches(weighted)[-1][:2], 0, GLOBAL)
     model.eval()
+    outs.append(flat(model(last)))
+    model.train()
     with torch.no_grad():
-        outs.append(flat(model(kjt_of(*batches(weighted)[-1][:2], 0, GLOBAL))))
+        outs.append(flat(model(last)))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return outs, state, model.dynamic_stats()
 
