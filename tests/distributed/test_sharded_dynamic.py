@@ -309,14 +309,20 @@ def run_world(world: int, cases: list) -> None:
         check(case, world, [r[i] for r in results])
 
 
+def cases_for(world: int) -> list:
+    """1 and 2 ranks: every case; 3 and 4 ranks: complementary halves, each still with every
+    optimizer, pooled and sequence, row-wise and table-wise."""
+    return CASES if world <= 2 else [c for i, c in enumerate(CASES) if i % 2 == world % 2]
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_sharded_dynamic_tables_match_unsharded(world: int) -> None:
-    run_world(world, CASES)
+    run_world(world, cases_for(world))
 
 
 @pytest.mark.slow
 def test_sharded_dynamic_tables_match_unsharded_on_four_ranks() -> None:
-    run_world(4, CASES)
+    run_world(4, cases_for(4))
 
 
 def vbe_is_refused(rank: int, world: int) -> bool:
