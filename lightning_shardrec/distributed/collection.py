@@ -27,11 +27,27 @@ from lightning_shardrec.distributed.batch_dist import (
     start_input_dist,
 )
 from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.sharding import EmbeddingSharding
+from lightning_shardrec.distributed.sharding import DynamicBlockSharding, EmbeddingSharding
 from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.kernels import BatchedEmbeddingKernel, KernelBackend
+from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
+from lightning_shardrec.modules.features import check_ids
 from lightning_shardrec.planner import ShardMetadata
 from lightning_shardrec.sparse import KeyedJaggedTensor
+
+
+def static_features(tables: list[BaseEmbeddingConfig]) -> list[int] | None:
+    """Positions of the features whose (per-feature) ``tables`` are static; None: all are."""
+    static = [i for i, t in enumerate(tables) if t.dynamic is None]
+    return None if len(static) == len(tables) else static
+
+
+def check_static_ids(kjt: KeyedJaggedTensor, rows: list[int], names: list[str], static: list[int] | None) -> None:
+    """:func:`check_ids` on the features of static tables (a dynamic table takes any int64 id)."""
+    if static is None:
+        check_ids(kjt, rows, names)
+    elif static:
+        check_ids(kjt.permute(static), [rows[i] for i in static], [names[i] for i in static])
 
 
 class ShardedCollection(nn.Module):
@@ -156,6 +172,14 @@ class ShardedCollection(nn.Module):
 
     def feature_names(self) -> list[str]:
         return self._feature_names
+
+    def dynamic_mappers(self) -> dict[str, DynamicIdMapper]:
+        """This rank's id mapper of each dynamic table it holds buckets of (``bucket_lo/hi``, ``row_offset``)."""
+        out: dict[str, DynamicIdMapper] = {}
+        for g in self._groups():
+            if isinstance(g, DynamicBlockSharding):
+                out.update((name, g.mapper(name)) for name in g.mappers)
+        return out
 
     def kernels(self) -> list[BatchedEmbeddingKernel]:
         return [g.kernel for g in self._groups() if g.fused and g.kernel is not None]

@@ -23,12 +23,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.distributed.batch_dist import DistContext, distribute_inputs
-from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.distributed.collection import ShardedCollection, check_static_ids, static_features
 from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.sharding import SHARDINGS, EmbeddingSharding, KernelSetup, TableSharding
+from lightning_shardrec.distributed.sharding import KINDS, EmbeddingSharding, KernelSetup, TableSharding, mechanism
 from lightning_shardrec.distributed.sharding.base import SequenceDist
 from lightning_shardrec.modules import EmbeddingCollection
-from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names, unshare_features
+from lightning_shardrec.modules.features import FeatureArranger, embedding_names, unshare_features
 from lightning_shardrec.modules.vbe import pad_vbe
 from lightning_shardrec.planner import ParameterSharding
 from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor
@@ -63,11 +63,10 @@ class ShardedEmbeddingCollection(ShardedCollection):
             real = None if weight.device.type == "meta" else weight
             seed = module.init_seed(t.name)
             for width, part in _split_by_width(plan[t.name]):
-                key = (SHARDINGS[part.sharding_type], width)
+                key = (mechanism(t, part), width)
                 by_group.setdefault(key, []).append(TableSharding(t, part, real, seed))
         # Fixed group order (registry order, then width), identical on every rank.
-        kinds = list(dict.fromkeys(SHARDINGS.values()))
-        order = sorted(by_group, key=lambda k: (kinds.index(k[0]), k[1]))
+        order = sorted(by_group, key=lambda k: (KINDS.index(k[0]), k[1]))
         self.groups = nn.ModuleList([kind(by_group[(kind, w)], env, setup) for kind, w in order])
         self._release_full_weights()
 
@@ -78,6 +77,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         table_of = {f: t for t in inner for f in t.feature_names}
         self._rows = [table_of[f].num_embeddings for f in names]
         self._table_names = [table_of[f].name for f in names]
+        self._static = static_features([table_of[f] for f in names])
         # Each group reads its features from one KJT (a feature may feed several groups).
         position = {f: i for i, f in enumerate(names)}
         grouped = [position[f] for g in self.groups for f in g.feature_names]
@@ -145,7 +145,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         if kjt.weights_or_none() is not None:  # sequence lookups ignore weights: do not send them
             kjt = KeyedJaggedTensor._trusted(kjt.keys(), kjt.values(), None, kjt.lengths(), kjt.stride())
         if self.validate_ids:
-            check_ids(kjt, self._rows, self._table_names)
+            check_static_ids(kjt, self._rows, self._table_names, self._static)
         kjt = kjt.to(self._device)
         grouped = kjt if self._grouped is None else kjt.permute(self._grouped)
         return kjt, grouped.split(self._group_sizes)

@@ -18,11 +18,12 @@ from torch import Tensor, nn
 
 from lightning_shardrec.configs import PoolingType
 from lightning_shardrec.distributed.batch_dist import DistContext, distribute_inputs
-from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.distributed.collection import ShardedCollection, check_static_ids, static_features
 from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.sharding import SHARDINGS, EmbeddingSharding, KernelSetup, TableSharding
+from lightning_shardrec.distributed.sharding import KINDS, EmbeddingSharding, KernelSetup, TableSharding, mechanism
+from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.modules import EmbeddingBagCollection
-from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names, unshare_features
+from lightning_shardrec.modules.features import FeatureArranger, embedding_names, unshare_features
 from lightning_shardrec.modules.vbe import expand_vbe, inverse_rows
 from lightning_shardrec.planner import ParameterSharding
 from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
@@ -55,10 +56,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             real = None if weight.device.type == "meta" else weight
             seed = module.init_seed(t.name)
             table = TableSharding(t, plan[t.name], real, seed)
-            by_kind.setdefault(SHARDINGS[plan[t.name].sharding_type], []).append(table)
+            by_kind.setdefault(mechanism(t, plan[t.name]), []).append(table)
         # Fixed group order (registry order), identical on every rank.
-        kinds = list(dict.fromkeys(SHARDINGS.values()))
-        self.groups = nn.ModuleList([k(by_kind[k], env, setup) for k in kinds if k in by_kind])
+        self.groups = nn.ModuleList([k(by_kind[k], env, setup) for k in KINDS if k in by_kind])
         self._release_full_weights()
         grouped = [f for g in self.groups for f in g.feature_names]
         source = dict(zip(embedding_names(configs), module.feature_names(), strict=True))
@@ -68,6 +68,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         table_of = {f: t for t in inner for f in t.feature_names}
         self._rows = [table_of[f].num_embeddings for f in grouped]
         self._table_names = [table_of[f].name for f in grouped]
+        self._static = static_features([table_of[f] for f in grouped])
         self._group_sizes = [len(g.feature_names) for g in self.groups]
         self._feature_names = module.feature_names()
         self._embedding_names = embedding_names(configs)
@@ -126,13 +127,19 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         kjt = self._arrange(features)
         if kjt.variable_stride_per_key():  # VBE: send the expanded batch (same pooled rows as expanding them)
             owner = "ShardedEmbeddingBagCollection"
+            if self._static is not None:  # expanding would count repeated bags as sightings
+                dynamic = sorted({self._table_names[i] for i in range(len(self._rows)) if i not in self._static})
+                raise ShardingError(
+                    f"{owner}: dynamic tables {dynamic} do not take a variable-batch (VBE) KeyedJaggedTensor yet; "
+                    "send a fixed-batch KJT"
+                )
             kjt = expand_vbe(kjt, inverse_rows(features, self._arrange.feature_names, owner))
         if self._is_weighted and kjt.weights_or_none() is None:
             raise ValueError("EmbeddingBagCollection(is_weighted=True) got a KeyedJaggedTensor without weights")
         if not self._is_weighted and kjt.weights_or_none() is not None:
             kjt = KeyedJaggedTensor._trusted(kjt.keys(), kjt.values(), None, kjt.lengths(), kjt.stride())
         if self.validate_ids:
-            check_ids(kjt, self._rows, self._table_names)
+            check_static_ids(kjt, self._rows, self._table_names, self._static)
         return kjt.to(self._mean_dims.device)
 
 

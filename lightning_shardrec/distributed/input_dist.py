@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all, all_to_all_async
+from lightning_shardrec.modules.dynamic_ids import bucket_of
 from lightning_shardrec.sparse import KeyedJaggedTensor
 from lightning_shardrec.sparse.ops import complete_cumsum, gather_index, permute_2d, segment_ids
 
@@ -68,21 +69,38 @@ class RowBlocks:
     rank: Tensor  # [num_blocks]
 
 
-def route_by_row(kjt: KeyedJaggedTensor, feature_table: Tensor, blocks: RowBlocks, world_size: int) -> Routed:
+@dataclass(frozen=True)
+class BucketRows:
+    """Dynamic tables' buckets, per table of :class:`RowBlocks`: ``num_buckets [T]``, ``slots [T]`` per bucket."""
+
+    num_buckets: Tensor
+    slots: Tensor
+
+
+def route_by_row(
+    kjt: KeyedJaggedTensor, feature_table: Tensor, blocks: RowBlocks, world_size: int, buckets: BucketRows | None = None
+) -> Routed:
     """Bucketize ids by row block: each id goes to its block's rank, rebased to the block.
 
     Every destination gets lengths for all ``K * B`` bags (zero where it owns none of
-    a bag's ids); ids keep their (key, bag) order within a destination.
+    a bag's ids); ids keep their (key, bag) order within a destination. With ``buckets``
+    (dynamic tables) an id's row is the first slot of its bucket, ``bucket_of(id) * slots``,
+    and the raw id is sent (the owner's id mapper turns it into a slot).
     """
     values = kjt.values()
     num_bags = kjt.lengths().numel()
     bag = segment_ids(kjt.lengths(), total=values.numel())
     table = feature_table[torch.div(bag, max(kjt.stride(), 1), rounding_mode="floor")]
-    global_row = blocks.table_base[table] + values.long()
+    if buckets is None:
+        global_row = blocks.table_base[table] + values.long()
+    else:
+        bucket = bucket_of(values, buckets.num_buckets[table])
+        global_row = blocks.table_base[table] + bucket * buckets.slots[table]
     block = torch.searchsorted(blocks.starts, global_row, right=True) - 1
     dest = blocks.rank[block]
     order = torch.sort(dest, stable=True).indices
-    local = (values.long() - blocks.row_start[block]).index_select(0, order)
+    sent = values.long() if buckets is not None else values.long() - blocks.row_start[block]
+    local = sent.index_select(0, order)
     lengths = torch.bincount(dest * num_bags + bag, minlength=world_size * num_bags)
     weights = kjt.weights_or_none()
     return Routed(

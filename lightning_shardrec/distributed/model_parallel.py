@@ -62,21 +62,6 @@ def find_collections(module: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in module.named_modules() if type(m) in _SHARDED}
 
 
-def reject_dynamic_tables(collections: dict[str, nn.Module]) -> None:
-    """Dynamic tables run unsharded only, for now (issue 20: sharding them is the next slice)."""
-    dynamic = [
-        f"'{t.name}' (module '{path}')"
-        for path, c in collections.items()
-        for t in (c.embedding_configs() if isinstance(c, EmbeddingCollection) else c.embedding_bag_configs())  # type: ignore[operator]
-        if t.dynamic is not None
-    ]
-    if dynamic:
-        raise NotImplementedError(
-            f"DistributedModelParallel: dynamic tables {', '.join(dynamic)} cannot be sharded yet; "
-            "use them in the unsharded EmbeddingBagCollection / EmbeddingCollection"
-        )
-
-
 def table_names(collection: nn.Module) -> set[str]:
     """Names of a collection's tables, pooled (``embedding_bag_configs``) or sequence."""
     if isinstance(collection, EmbeddingCollection | ShardedEmbeddingCollection):
@@ -168,7 +153,6 @@ class DistributedModelParallel(nn.Module):
         comm_precision: str = "fp32",
     ) -> None:
         super().__init__()
-        reject_dynamic_tables(find_collections(module))
         swap_embedding_modules(module, embedding_modules, embedding_min_rows)
         # ranks per host: the planner's topology when given, so plan and execution see the same hosts
         self.env = ShardingEnv.from_process_group(pg, planner.topology.local_world_size if planner else 0)  # type: ignore[arg-type]

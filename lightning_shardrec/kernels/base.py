@@ -120,6 +120,23 @@ class BatchedEmbeddingKernel(nn.Module):
             with torch.no_grad():
                 dst.copy_(src)
 
+    def reset_rows(self, table: int, rows: Tensor, values: Tensor) -> None:
+        """Write ``values [U, dim]`` into rows ``rows [U]`` (unique) of kernel table ``table`` and
+        reset those rows' optimizer state to its initial value (zero for every rule here: Adagrad
+        sums, row-wise sums, Adam moments); shared scalars (Adam's ``step``) are kept.
+
+        A dynamic table's newly assigned slots start this way (see ``docs/dynamic-tables.md``).
+        """
+        if rows.numel() == 0:
+            return
+        with torch.no_grad():
+            weight = self.split_weights()[table]
+            rows = rows.to(device=weight.device, dtype=torch.long)
+            weight.index_copy_(0, rows, values.to(device=weight.device, dtype=weight.dtype))
+            for state in self.split_states()[table].values():
+                if state.dim() > 0:
+                    state.index_fill_(0, rows.to(state.device), 0)
+
     def extra_repr(self) -> str:
         names = ", ".join(f"{t.name}[{t.num_embeddings}x{t.embedding_dim}]" for t in self.tables)
         kind = "pooled" if self.pooled else "sequence"

@@ -61,8 +61,9 @@ def mix64(x: Tensor) -> Tensor:
     return z ^ shr(z, 31)
 
 
-def bucket_of(ids: Tensor, num_buckets: int) -> Tensor:
-    """Bucket in ``[0, num_buckets)`` of every raw int64 id: the top 63 hash bits mod ``num_buckets``."""
+def bucket_of(ids: Tensor, num_buckets: int | Tensor) -> Tensor:
+    """Bucket in ``[0, num_buckets)`` of every raw int64 id: the top 63 hash bits mod ``num_buckets``
+    (an int, or a tensor of per-id bucket counts)."""
     return shr(mix64(ids.long()), 1) % num_buckets
 
 

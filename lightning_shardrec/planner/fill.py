@@ -305,16 +305,20 @@ def fill_all_rows(
     Every rank (or every rank of the table's ``ranks`` constraint, the explicit way to row-block
     over fewer) holds one block; blocks differ by at most one row, so their memory is balanced
     (``20,000,000`` rows on 2 ranks: ``10,000,000`` each). A table with fewer rows than ranks has
-    one row on each of its first ``rows`` ranks. None when a block exceeds its rank's time under
-    ``limit`` or its free memory.
+    one row on each of its first ``rows`` ranks. A dynamic table's blocks are whole buckets
+    (near-equal bucket counts; on its first ``num_buckets`` ranks when it has fewer buckets).
+    None when a block exceeds its rank's time under ``limit`` or its free memory.
     """
     t = opt.table
-    holders = (sorted(cands) if cands is not None else list(range(len(ranks.load))))[: t.rows]
-    base, extra = divmod(t.rows, len(holders))
-    sized = {n: make_piece(t, work, ShardingType.ROW_WISE, 0, 0, n, 0, t.dim) for n in {base, base + 1}}
+    # a dynamic table's blocks are whole buckets: near-equal bucket counts, unit = slots per bucket
+    unit = t.slots_per_bucket or 1
+    units = t.num_buckets or t.rows
+    holders = (sorted(cands) if cands is not None else list(range(len(ranks.load))))[:units]
+    base, extra = divmod(units, len(holders))
+    sized = {n * unit: make_piece(t, work, ShardingType.ROW_WISE, 0, 0, n * unit, 0, t.dim) for n in {base, base + 1}}
     pieces, offset = [], 0
     for i, r in enumerate(holders):
-        size = base + (i < extra)
+        size = (base + (i < extra)) * unit
         piece = replace(sized[size], rank=r, row_offset=offset)
         if ranks.load[r] + piece.cost > limit or piece.mem > ranks.free[r]:
             return None

@@ -41,6 +41,9 @@ class TableSpec:
     compute_kernels: tuple[EmbeddingComputeKernel, ...]
     min_partition: int
     ranks: tuple[int, ...] | None
+    #: dynamic tables: buckets and slots per bucket (row blocks are whole buckets); 0 for static tables
+    num_buckets: int = 0
+    slots_per_bucket: int = 0
 
     @property
     def key(self) -> tuple[str, str]:
@@ -132,6 +135,16 @@ def table_specs(
                 )
                 continue
             types = tuple(pc.sharding_types or list(ShardingType))
+            buckets = slots = 0
+            if config.dynamic is not None:
+                buckets, slots = config.dynamic.layout(config.num_embeddings, config.name)
+                problem = _dynamic_problem(label, pc, buckets)
+                if problem:
+                    problems.append(problem)
+                    continue
+                types = tuple(pc.sharding_types or DYNAMIC_TYPES)
+                if pc.ranks is not None and len(pc.ranks) > buckets:  # row_wise would need a block per rank
+                    types = tuple(t for t in types if t is not ShardingType.ROW_WISE)
             kernels = tuple(pc.compute_kernels or list(EmbeddingComputeKernel))
             specs.append(
                 TableSpec(
@@ -149,8 +162,30 @@ def table_specs(
                         pc.min_partition or DEFAULT_MIN_PARTITION, config.embedding_dim
                     ),
                     ranks=tuple(pc.ranks) if pc.ranks is not None else None,
+                    num_buckets=buckets,
+                    slots_per_bucket=slots,
                 )
             )
     if problems:
         raise PlannerError("invalid tables or constraints:\n  " + "\n  ".join(problems))
     return specs
+
+
+#: the sharding types that can hold a dynamic table (row blocks of whole buckets, or all of it)
+DYNAMIC_TYPES = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE)
+
+
+def _dynamic_problem(label: str, pc: ParameterConstraints, buckets: int) -> str | None:
+    """Why ``pc`` cannot hold a dynamic table of ``buckets`` buckets, or None."""
+    valid = ", ".join(t.value for t in DYNAMIC_TYPES)
+    asked = pc.sharding_types or []
+    bad = [t.value for t in asked if t not in DYNAMIC_TYPES]
+    if bad:
+        return f"dynamic table {label}: sharding_types {bad} cannot hold a dynamic table; valid: {valid}"
+    if asked == [ShardingType.ROW_WISE] and pc.ranks is not None and len(pc.ranks) > buckets:
+        return (
+            f"dynamic table {label}: row_wise over ranks {list(pc.ranks)} needs a block of whole buckets on "
+            f"each of {len(pc.ranks)} ranks, but the table has {buckets} buckets; pin at most {buckets} ranks "
+            "or allow table_wise"
+        )
+    return None

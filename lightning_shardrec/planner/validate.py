@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from lightning_shardrec.planner.tables import TableSpec
+from lightning_shardrec.planner.tables import DYNAMIC_TYPES, TableSpec
 from lightning_shardrec.planner.topology import Topology
 from lightning_shardrec.planner.types import (
     EmbeddingComputeKernel,
@@ -150,4 +150,20 @@ def sharding_problems(table: TableSpec, ps: ParameterSharding, topology: Topolog
         problems.append(
             f"{ps.sharding_type.value} uses compute kernel 'fused', got {ps.compute_kernel.value!r}"
         )
+    if table.num_buckets:
+        problems += _dynamic(table, ps)
     return problems + VALIDATORS[ps.sharding_type](table, ps, topology)
+
+
+def _dynamic(t: TableSpec, ps: ParameterSharding) -> list[str]:
+    """A dynamic table: table_wise, or row_wise blocks that start and end on bucket boundaries."""
+    if ps.sharding_type not in DYNAMIC_TYPES:
+        valid = ", ".join(k.value for k in DYNAMIC_TYPES)
+        return [f"sharding type '{ps.sharding_type.value}' cannot hold a dynamic table; valid: {valid}"]
+    slots = t.slots_per_bucket
+    return [
+        f"dynamic table shard {i} rows [{s.shard_offsets[0]}, {s.shard_offsets[0] + s.shard_sizes[0]}) split a "
+        f"bucket: blocks must start and end at multiples of {slots} (slots per bucket, {t.num_buckets} buckets)"
+        for i, s in enumerate(ps.shards)
+        if s.shard_offsets[0] % slots or s.shard_sizes[0] % slots
+    ]

@@ -273,3 +273,35 @@ def test_kernel_errors_list_choices():
         kernel("fbgemm", FusedOptimConfig(optimizer="adam"))
     with pytest.raises(ValueError, match=r"a sequence kernel needs one embedding_dim"):
         kernel("torch", FusedOptimConfig(), pooled=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_reset_rows_writes_rows_and_restarts_their_state(backend, name):
+    """A dynamic table's new slot: given rows written, their optimizer state back to its
+    initial value; other rows (weights and state) and Adam's shared step untouched."""
+    if backend == "fbgemm" and name == "adam":
+        pytest.skip("fbgemm's CPU TBE has no adam")
+    k = kernel(backend, FusedOptimConfig(optimizer=name, lr=0.05))
+    k.load_weights(init_weights())
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        (k(random_batch(gen)) * torch.randn(4, 20, generator=gen)).sum().backward()
+    before_w = [w.clone() for w in k.split_weights()]
+    before_s = [{n: t.clone() for n, t in s.items()} for s in k.split_states()]
+    assert any(t.abs().sum() > 0 for s in before_s for n, t in s.items() if n != "step") or name == "sgd"
+    rows, values = torch.tensor([1, 4, 7]), torch.randn(3, 8, generator=gen)
+    k.reset_rows(0, rows, values)
+    other = torch.tensor([r for r in range(12) if r not in rows.tolist()])
+    w, s = k.split_weights(), k.split_states()
+    torch.testing.assert_close(w[0][rows], values)
+    torch.testing.assert_close(w[0][other], before_w[0][other])
+    torch.testing.assert_close(w[1], before_w[1])
+    for n, t in s[0].items():
+        if n == "step":
+            assert float(t) == float(before_s[0][n]) == 2.0
+            continue
+        assert (t[rows] == 0).all(), n
+        torch.testing.assert_close(t[other], before_s[0][n][other])
+    for n, t in s[1].items():
+        torch.testing.assert_close(t, before_s[1][n])

@@ -2,15 +2,18 @@
 
 Row-wise tables reduce their pooled partials over all ranks (:class:`RowBlockSharding`);
 table-row-wise and grid tables, whose blocks share a host, reduce inside the host and
-send each source its share across hosts (:class:`HostRowBlockSharding`).
+send each source its share across hosts (:class:`HostRowBlockSharding`). Dynamic tables
+(table-wise or row-wise by bucket ranges) have their own mechanism, :class:`DynamicBlockSharding`.
 """
 
+from lightning_shardrec.configs import BaseEmbeddingConfig
 from lightning_shardrec.distributed.sharding.base import EmbeddingSharding, KernelSetup, TableSharding
 from lightning_shardrec.distributed.sharding.data_parallel import DataParallelSharding
+from lightning_shardrec.distributed.sharding.dynamic_blocks import DynamicBlockSharding
 from lightning_shardrec.distributed.sharding.host_blocks import HostRowBlockSharding
 from lightning_shardrec.distributed.sharding.piecewise import PiecewiseSharding
 from lightning_shardrec.distributed.sharding.row_blocks import RowBlockSharding
-from lightning_shardrec.planner import ShardingType
+from lightning_shardrec.planner import ParameterSharding, ShardingType
 
 #: Mechanism per sharding type. Types that share a mechanism are looked up together,
 #: in one group, with one set of collectives per batch.
@@ -23,13 +26,25 @@ SHARDINGS: dict[ShardingType, type[EmbeddingSharding]] = {
     ShardingType.DATA_PARALLEL: DataParallelSharding,
 }
 
+#: Every mechanism, in the fixed order a collection's groups follow (identical on every rank).
+KINDS: list[type[EmbeddingSharding]] = [*dict.fromkeys(SHARDINGS.values()), DynamicBlockSharding]
+
+
+def mechanism(config: BaseEmbeddingConfig, plan: ParameterSharding) -> type[EmbeddingSharding]:
+    """The mechanism that runs ``config``'s table under ``plan`` (dynamic tables: their own)."""
+    return DynamicBlockSharding if config.dynamic is not None else SHARDINGS[plan.sharding_type]
+
+
 __all__ = [
+    "KINDS",
     "SHARDINGS",
     "DataParallelSharding",
+    "DynamicBlockSharding",
     "EmbeddingSharding",
     "HostRowBlockSharding",
     "KernelSetup",
     "PiecewiseSharding",
     "RowBlockSharding",
     "TableSharding",
+    "mechanism",
 ]
