@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import DynamicConfig, EvictionPolicy
+from lightning_shardrec.modules.dynamic_layout import BUFFERS, DynamicLayout, layout_problems
 
 COUNTERS = ("admissions", "evictions", "expirations", "misses", "dropped_candidates")
 _INT64_MAX = torch.iinfo(torch.int64).max
@@ -157,6 +158,24 @@ class DynamicIdMapper(nn.Module):
         }
         out.update(zip(COUNTERS, (int(c) for c in self.counters.sum(0).tolist()), strict=True))
         return out
+
+    def layout(self) -> DynamicLayout:
+        """The whole table's layout (``dim`` unknown here: 0)."""
+        return DynamicLayout(self.table, self.num_buckets, self.slots_per_bucket, self.cands_per_bucket, 0)
+
+    def _load_from_state_dict(  # type: ignore[no-untyped-def]
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        """A whole-table mapper refuses a state dict of another layout with a message naming the table."""
+        if (self.bucket_lo, self.bucket_hi) == (0, self.num_buckets):
+            saved = {b: tuple(state_dict[prefix + b].shape) for b in BUFFERS if prefix + b in state_dict}
+            changed = [p for p in layout_problems(self.layout(), saved, where=prefix) if p.startswith("dynamic")]
+            if saved and changed:
+                error_msgs.extend(changed)
+                return
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def _count(self, name: str, bucket: Tensor, amount: Tensor | None = None) -> None:
         """Add ``amount [N]`` (default: 1 each) to counter ``name`` of local buckets ``bucket [N]``."""
