@@ -59,8 +59,7 @@ def mapper_prefix(path: str, table: str) -> str:
 
 def local_mappers(module: ShardedCollection) -> dict[str, DynamicIdMapper]:
     """This rank's mappers by table (``dynamic_mappers()`` of the sharded collection)."""
-    get = getattr(module, "dynamic_mappers", None)
-    return {} if get is None else get()
+    return module.dynamic_mappers()
 
 
 def bucket_ranges(module: ShardedCollection, config: BaseEmbeddingConfig) -> list[tuple[int, int, int]]:
