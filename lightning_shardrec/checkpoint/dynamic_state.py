@@ -154,7 +154,7 @@ def dynamic_problems(
             problems += found
             if any(p.startswith("dynamic table") for p in found):
                 changed.update((prefix, wkey))
-        root = mapper_prefix(path, "")
+        root = f"{path}.dynamic_tables." if path else "dynamic_tables."
         saved = sorted({k[len(root) :].rsplit(".", 1)[0] for k in shapes if k.startswith(root)})
         for table in (t for t in saved if t not in dynamic):
             problems.append(

@@ -168,6 +168,8 @@ def load_full_state(
             continue
         for table, state_shards in module.local_states().items():
             key, cfg = _key(module, path, table), configs[table]
+            if key in changed:  # refused by name above
+                continue
             saved = states.get(key, {})
             for meta, state in state_shards:
                 for name, t in state.items():

@@ -27,7 +27,7 @@ BATCH = 12  # global samples per step (divisible by 1, 2, 3 and 4)
 Phase = tuple[int, int, int, str | None]  # world size, first and last step, format saved at the end
 
 
-def _ebc():
+def _ebc(tables: dict = TABLES, dims: dict[str, int] | None = None):
     from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingBagConfig
 
     torch.manual_seed(0)
@@ -35,12 +35,12 @@ def _ebc():
         [
             EmbeddingBagConfig(
                 name=n,
-                embedding_dim=DIM,
+                embedding_dim=(dims or {}).get(n, DIM),
                 num_embeddings=rows,
                 feature_names=[f"f_{n}"],
                 dynamic=None if dyn is None else DynamicConfig(**dyn),
             )
-            for n, (rows, dyn, _) in TABLES.items()
+            for n, (rows, dyn, _) in tables.items()
         ]
     )
 
@@ -73,20 +73,21 @@ def _coef(lo: int, hi: int) -> torch.Tensor:
     return torch.arange(BATCH * len(TABLES) * DIM, dtype=torch.float32).reshape(BATCH, -1)[lo:hi].sin()
 
 
-def _plan(world: int):
+def _plan(world: int, tables: dict = TABLES, dims: dict[str, int] | None = None):
     from lightning_shardrec import DynamicConfig
     from lightning_shardrec.planner import EmbeddingComputeKernel, ParameterSharding, ShardingType, ShardMetadata
 
     out = {}
-    for i, (name, (rows, dyn, kind)) in enumerate(TABLES.items()):
+    for i, (name, (rows, dyn, kind)) in enumerate(tables.items()):
+        dim = (dims or {}).get(name, DIM)
         if kind == "table_wise":
-            shards = [ShardMetadata((0, 0), (rows, DIM), (i + 1) % world)]
+            shards = [ShardMetadata((0, 0), (rows, dim), (i + 1) % world)]
         else:  # contiguous row (bucket) blocks, as even as whole buckets allow
             unit = rows // DynamicConfig(**dyn).layout(rows, name)[0] if dyn else 1
             units = rows // unit
             cuts = [unit * (units * r // world) for r in range(world + 1)]
             shards = [
-                ShardMetadata((a, 0), (b - a, DIM), r)
+                ShardMetadata((a, 0), (b - a, dim), r)
                 for r, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True))
                 if b > a
             ]
@@ -171,3 +172,68 @@ def test_resume_2_to_3_to_2_ranks_is_exact(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_resume_2_to_1_to_4_to_3_ranks_is_exact(tmp_path: Path) -> None:
     _check([(2, 0, 3, "sharded"), (1, 3, 6, "full"), (4, 6, 9, "sharded"), (3, 9, 12, None)], tmp_path)
+
+
+D, E, S = TABLES["d"], TABLES["e"], TABLES["s"]
+CHANGES = [  # (tables, dims) of the model loading the checkpoint, and the message each format gives
+    (
+        {**TABLES, "d": (16, {**D[1], "num_buckets": 4}, "row_wise")},
+        None,
+        r"dynamic table 'd': num_buckets changed: the checkpoint has 8, the model 4; a dynamic table resumes only "
+        r"with the layout it was saved with",
+    ),
+    (
+        {**TABLES, "d": (32, D[1], "row_wise")},
+        None,
+        r"dynamic table 'd': capacity \(num_embeddings\) changed: the checkpoint has 16, the model 32",
+    ),
+    (
+        {**TABLES, "e": (12, {**E[1], "min_count": 2}, "table_wise")},
+        None,
+        r"dynamic table 'e': candidates per bucket \(candidates_per_bucket; 0 when min_count is 1\) changed: "
+        r"the checkpoint has 0, the model 3",
+    ),
+    (TABLES, {"e": 8}, r"dynamic table 'e': embedding_dim changed: the checkpoint has 4, the model 8"),
+    (
+        {**TABLES, "s": (10, {"num_buckets": 5}, "row_wise")},
+        None,
+        r"dynamic table 's': the checkpoint holds no id mapping for it \('dynamic_tables.s.slot_ids', ...\): it was "
+        r"saved as a static table",
+    ),
+    (
+        {**TABLES, "d": (16, None, "row_wise")},
+        None,
+        r"table 'd': the checkpoint holds an id mapping for it \('dynamic_tables.d.\*': saved as a dynamic table\), "
+        r"the model's table is not dynamic",
+    ),
+]
+
+
+def _refused(rank: int, world: int, path: str) -> list[str]:
+    from lightning_shardrec.checkpoint import gather_full_state, load_full_state, load_sharded, save_sharded
+    from lightning_shardrec.distributed import DistributedModelParallel
+    from lightning_shardrec.errors import CheckpointError
+    from lightning_shardrec.planner import ShardingPlan
+
+    source = DistributedModelParallel(_ebc(), plan=ShardingPlan({"": _plan(world)}), device="cpu")
+    save_sharded(f"{path}/dcp", source.sharded, {}, {}, rank)
+    weights, states = gather_full_state(source.sharded)
+    messages = []
+    for tables, dims, match in CHANGES:
+        plan = ShardingPlan({"": _plan(world, tables, dims)})
+        target = DistributedModelParallel(_ebc(tables, dims), plan=plan, device="cpu")
+        before = gather_full_state(target.sharded)[0]
+        with pytest.raises(CheckpointError, match=match) as sharded:
+            load_sharded(f"{path}/dcp", target.sharded, {}, rank)
+        with pytest.raises(CheckpointError, match=match) as full:
+            load_full_state(target.sharded, weights, states)
+        after = gather_full_state(target.sharded)[0]
+        assert all(torch.equal(after[k], v) for k, v in before.items())  # nothing was loaded
+        messages += [str(sharded.value), str(full.value)]
+    return messages
+
+
+def test_a_changed_dynamic_table_is_refused_by_name(tmp_path: Path) -> None:
+    messages = run_ranks(_refused, 2, str(tmp_path))[0]
+    # the named line replaces the generic shape lines of that table
+    assert len(messages) == 2 * len(CHANGES) and not any("checkpoint has shape" in m for m in messages), messages
