@@ -27,13 +27,23 @@ BATCH = 12  # global samples per step (divisible by 1, 2, 3 and 4)
 Phase = tuple[int, int, int, str | None]  # world size, first and last step, format saved at the end
 
 
-def _ebc(tables: dict = TABLES, dims: dict[str, int] | None = None):
-    from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingBagConfig
+def _ebc(tables: dict = TABLES, dims: dict[str, int] | None = None, pooled: bool = True):
+    """The tables in an ``EmbeddingBagCollection`` (``pooled``) or an ``EmbeddingCollection``."""
+    from lightning_shardrec import (
+        DynamicConfig,
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        EmbeddingCollection,
+        EmbeddingConfig,
+    )
 
     torch.manual_seed(0)
-    return EmbeddingBagCollection(
+    collection, config = (
+        (EmbeddingBagCollection, EmbeddingBagConfig) if pooled else (EmbeddingCollection, EmbeddingConfig)
+    )
+    return collection(
         [
-            EmbeddingBagConfig(
+            config(
                 name=n,
                 embedding_dim=(dims or {}).get(n, DIM),
                 num_embeddings=rows,
@@ -96,17 +106,27 @@ def _plan(world: int, tables: dict = TABLES, dims: dict[str, int] | None = None)
     return out
 
 
-def _phase(rank: int, world: int, first: int, last: int, load: str | None, save: str | None, path: str):
+def _phase(
+    rank: int,
+    world: int,
+    first: int,
+    last: int,
+    load: str | None,
+    save: str | None,
+    path: str,
+    optim: str = "adagrad",
+    pooled: bool = True,
+):
     from lightning_shardrec.checkpoint import gather_full_state, load_full_state, load_sharded, save_sharded
     from lightning_shardrec.configs import FusedOptimConfig
     from lightning_shardrec.distributed import DistributedModelParallel
     from lightning_shardrec.planner import ShardingPlan
 
     dmp = DistributedModelParallel(
-        _ebc(),
+        _ebc(pooled=pooled),
         plan=ShardingPlan({"": _plan(world)}),
         device="cpu",
-        embedding_optimizer=FusedOptimConfig(optimizer="adagrad", lr=LR, eps=EPS),
+        embedding_optimizer=FusedOptimConfig(optimizer=optim, lr=LR, eps=EPS),
     )
     if load == "sharded":
         load_sharded(f"{path}/dcp", dmp.sharded, {}, rank)
@@ -116,8 +136,12 @@ def _phase(rank: int, world: int, first: int, last: int, load: str | None, save:
     batches = _batches()
     lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
     for step in range(first, last):
-        pooled = dmp(_kjt(batches[step], lo, hi)).values()
-        ((pooled * _coef(lo, hi)).pow(2).sum() / (hi - lo)).backward()  # a mean: DMP averages over ranks
+        out = dmp(_kjt(batches[step], lo, hi))
+        if pooled:
+            loss = (out.values() * _coef(lo, hi)).pow(2).sum()
+        else:  # a sequence lookup: per id rows
+            loss = sum((jt.values() * _coef(0, 1)[:, :DIM]).pow(2).sum() for jt in out.values())
+        (loss / (hi - lo)).backward()  # a mean: DMP averages over ranks
     if save == "sharded":
         save_sharded(f"{path}/dcp", dmp.sharded, {}, {}, rank)
     weights, states = gather_full_state(dmp.sharded, dst=0)
@@ -237,3 +261,28 @@ def test_a_changed_dynamic_table_is_refused_by_name(tmp_path: Path) -> None:
     messages = run_ranks(_refused, 2, str(tmp_path))[0]
     # the named line replaces the generic shape lines of that table
     assert len(messages) == 2 * len(CHANGES) and not any("checkpoint has shape" in m for m in messages), messages
+
+
+@pytest.mark.parametrize(
+    ("optim", "pooled"), [("rowwise_adagrad", False), pytest.param("adam", True, marks=pytest.mark.slow)]
+)
+def test_per_row_and_step_states_and_sequence_tables_resume_exactly(tmp_path: Path, optim: str, pooled: bool) -> None:
+    """Row-wise Adagrad's per-row state, Adam's moments and shared step, an EmbeddingCollection:
+    3 ranks (DCP) -> 2 ranks (full) -> 3 ranks equals 2 ranks straight through (itself equal to
+    the unsharded run, see tests/distributed/test_sharded_dynamic.py)."""
+    weights, states = run_ranks(_phase, 2, 0, 9, None, None, str(tmp_path / "straight"), optim, pooled)[0]
+    load = None
+    for world, first, last, save in [(3, 0, 3, "sharded"), (2, 3, 6, "full"), (3, 6, 9, None)]:
+        got, got_states = run_ranks(_phase, world, first, last, load, save, str(tmp_path), optim, pooled)[0]
+        load = save
+    assert sorted(got) == sorted(weights) and sorted(got_states) == sorted(states)
+    for key, value in weights.items():
+        if "dynamic_tables" in key:
+            assert torch.equal(got[key], value), key
+        else:
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-4, msg=key)
+    for key, named in states.items():
+        assert sorted(got_states[key]) == sorted(named), key
+        for name, value in named.items():
+            torch.testing.assert_close(got_states[key][name], value, rtol=1e-4, atol=1e-4, msg=f"{key}/{name}")
+    assert weights["dynamic_tables.d.counters"][:, 1].sum() > 0  # evictions happened
