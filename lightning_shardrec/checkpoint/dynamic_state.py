@@ -68,7 +68,7 @@ def bucket_ranges(module: ShardedCollection, config: BaseEmbeddingConfig) -> lis
     rows = {
         (s.shard_offsets[0], s.shard_sizes[0], s.rank)
         for g in module.groups
-        for t in g.tables  # type: ignore[attr-defined]
+        for t in g.tables  # type: ignore[union-attr]
         if t.config.name == config.name
         for s in t.plan.shards
     }

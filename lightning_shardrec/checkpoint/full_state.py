@@ -15,6 +15,7 @@ Saving gathers the tables on rank 0 only, one table at a time, in host memory
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -22,7 +23,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_shardrec.checkpoint.dynamic_state import (
-    Chunks,
     DynamicLayout,
     assemble,
     dynamic_configs,
@@ -45,7 +45,7 @@ def _key(module: ShardedCollection, path: str, table: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _gather(local: dict[str, Shards] | Chunks, dst: int | None) -> list[dict[str, Shards]]:
+def _gather(local: dict[str, Any], dst: int | None) -> list[dict[str, Any]]:
     """Every rank's ``local`` on rank ``dst`` (``[]`` elsewhere); ``dst=None``: on every rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [local]
@@ -109,7 +109,7 @@ def gather_full_state(
             layout, prefix = DynamicLayout.of(cfg), mapper_prefix(path, cfg.name)
             chunks = _gather(mapper_chunks(layout, prefix, mappers.get(cfg.name)), dst)
             if dst is None or rank == dst:
-                weights.update(assemble(layout, prefix, chunks))  # type: ignore[arg-type]
+                weights.update(assemble(layout, prefix, chunks))
     return weights, nested
 
 
@@ -228,7 +228,7 @@ def _mapping_copies(
 
 
 def _weight_problems(
-    module: ShardedCollection, path: str, weights: Mapping[str, Tensor], changed: set[str] = frozenset()
+    module: ShardedCollection, path: str, weights: Mapping[str, Tensor], changed: AbstractSet[str] = frozenset()
 ) -> list[str]:
     """Every table of ``module`` missing from ``weights`` or of another shape; tables the module lacks.
 
