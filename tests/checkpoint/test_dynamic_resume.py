@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_shardrec.checkpoint import convert_to_full
 from lightning_shardrec.testing import run_ranks
 from tests.modules._dynamic_reference import stream
 
@@ -185,6 +186,11 @@ def _check(phases: list[Phase], path: Path) -> None:
             torch.testing.assert_close(states[key]["sum"], value, rtol=1e-4, atol=1e-4, msg=f"{world} {key}")
         load = save
         assert state["dynamic_tables.d.step"] == last and state["dynamic_tables.e.step"] == last
+        if save == "sharded":  # convert_to_full: the gathered state, loadable into the plain module
+            convert_to_full(path / "dcp", path / "converted.pt")
+            converted = torch.load(path / "converted.pt", weights_only=True)["state_dict"]
+            assert sorted(converted) == sorted(state) and all(torch.equal(converted[k], weights[k]) for k in state)
+            _ebc().load_state_dict(converted)  # strict
     counters = state["dynamic_tables.d.counters"].sum(0).tolist() + state["dynamic_tables.e.counters"].sum(0).tolist()
     assert counters[1] > 0 and counters[5 + 1] + counters[5 + 2] > 0  # evictions / expirations happened
 
