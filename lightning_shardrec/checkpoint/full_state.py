@@ -4,7 +4,9 @@ A full state dict uses the unsharded module's keys (``<path>.embedding_bags.<tab
 ``<path>.embeddings.<table>.weight``),
 so it loads into the plain model (``LightningModule.load_from_checkpoint``, inference)
 and into a sharded model of *any* world size or plan: resharding is slicing. Fused
-optimizer state travels the same way, keyed by the weight's name.
+optimizer state travels the same way, keyed by the weight's name. A dynamic table's
+id mapping is gathered into, and sliced from, the unsharded module's global tensors
+(:mod:`.dynamic_state`).
 
 Saving gathers the tables on rank 0 only, one table at a time, in host memory
 (:func:`gather_full_state` with ``dst=0``), so this suits tables that fit in rank 0's host memory.
@@ -13,15 +15,27 @@ Saving gathers the tables on rank 0 only, one table at a time, in host memory
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_shardrec.checkpoint.dynamic_state import (
+    DynamicLayout,
+    assemble,
+    dynamic_configs,
+    dynamic_problems,
+    local_mappers,
+    mapper_chunks,
+    mapper_copies,
+    mapper_prefix,
+)
 from lightning_shardrec.checkpoint.validate import pooled
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
+from lightning_shardrec.modules.dynamic_layout import BUFFERS
 
 Shards = list[tuple[tuple[int, int], Tensor]]
 
@@ -31,7 +45,7 @@ def _key(module: ShardedCollection, path: str, table: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _gather(local: dict[str, Shards], dst: int | None) -> list[dict[str, Shards]]:
+def _gather(local: dict[str, Any], dst: int | None) -> list[dict[str, Any]]:
     """Every rank's ``local`` on rank ``dst`` (``[]`` elsewhere); ``dst=None``: on every rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [local]
@@ -90,6 +104,12 @@ def gather_full_state(
             for name, t in full.items():
                 weight_key, state = name.rsplit("/", 1)
                 nested.setdefault(weight_key, {})[state] = t.reshape(()) if state == "step" else t
+        mappers = local_mappers(module)
+        for cfg in dynamic_configs(module):  # the id mapping: global tensors, like the unsharded module's
+            layout, prefix = DynamicLayout.of(cfg), mapper_prefix(path, cfg.name)
+            chunks = _gather(mapper_chunks(layout, prefix, mappers.get(cfg.name)), dst)
+            if dst is None or rank == dst:
+                weights.update(assemble(layout, prefix, chunks))
     return weights, nested
 
 
@@ -129,10 +149,15 @@ def load_full_state(
     """
     problems: list[str] = list(also)
     copies: list[tuple[Tensor, Tensor]] = []
+    changed: set[str] = set()
+    if weights is not None:
+        named, changed = dynamic_problems(sharded, {k: tuple(v.shape) for k, v in weights.items()})
+        problems += named
     for path, module in sharded.items():
         configs = {c.name: c for c in module.table_configs()}
         if weights is not None:
-            problems += _weight_problems(module, path, weights)
+            problems += _weight_problems(module, path, weights, changed)
+            copies += _mapping_copies(module, path, weights, changed)
             for table, shards in module.local_shards().items():
                 key = _key(module, path, table)
                 if key in weights and tuple(weights[key].shape) == _size(configs[table]):
@@ -143,6 +168,8 @@ def load_full_state(
             continue
         for table, state_shards in module.local_states().items():
             key, cfg = _key(module, path, table), configs[table]
+            if key in changed:  # refused by name above
+                continue
             saved = states.get(key, {})
             for meta, state in state_shards:
                 for name, t in state.items():
@@ -185,13 +212,35 @@ def _size(cfg: Any) -> tuple[int, int]:
     return (cfg.num_embeddings, cfg.embedding_dim)
 
 
-def _weight_problems(module: ShardedCollection, path: str, weights: Mapping[str, Tensor]) -> list[str]:
-    """Every table of ``module`` missing from ``weights`` or of another shape; tables the module lacks."""
+def _mapping_copies(
+    module: ShardedCollection, path: str, state: Mapping[str, Tensor], changed: set[str]
+) -> list[tuple[Tensor, Tensor]]:
+    """This rank's mappers' slices of the saved global mapping tensors (tables whose keys are all there)."""
+    copies = []
+    mappers = local_mappers(module)
+    for cfg in dynamic_configs(module):
+        prefix, mapper = mapper_prefix(path, cfg.name), mappers.get(cfg.name)
+        layout = DynamicLayout.of(cfg)
+        fits = all(tuple(state[prefix + b].shape) == layout.size(b) for b in BUFFERS if prefix + b in state)
+        if mapper is not None and prefix not in changed and fits and all(prefix + b in state for b in BUFFERS):
+            copies += mapper_copies(layout, prefix, mapper, state)
+    return copies
+
+
+def _weight_problems(
+    module: ShardedCollection, path: str, weights: Mapping[str, Tensor], changed: AbstractSet[str] = frozenset()
+) -> list[str]:
+    """Every table of ``module`` missing from ``weights`` or of another shape; tables the module lacks.
+
+    Tables in ``changed`` (dynamic tables refused by name, see :func:`.dynamic_state.dynamic_problems`) are skipped.
+    """
     problems = []
     known = set()
     for cfg in module.table_configs():
         key = _key(module, path, cfg.name)
         known.add(key)
+        if key in changed:
+            continue
         if key not in weights:
             problems.append(f"'{key}': in the model, missing from the checkpoint")
         elif tuple(weights[key].shape) != _size(cfg):

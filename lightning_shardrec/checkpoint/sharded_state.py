@@ -10,6 +10,9 @@ row-wise loads into 3 ranks column-wise, in place, without gathering a table.
 Per-row optimizer state (row-wise Adagrad) belongs to one column piece, so it is
 keyed by the piece's first column (``.../sum@8``); a different column split takes
 the state of the saved piece its first column falls in.
+
+A dynamic table's id mapping enters as global tensors chunked by bucket range
+(:mod:`.dynamic_state`), so it reshards like a row-wise table.
 """
 
 from __future__ import annotations
@@ -37,6 +40,16 @@ from lightning_shardrec.checkpoint.atomic import (
     save_file,
     staging_path,
     sync,
+)
+from lightning_shardrec.checkpoint.dynamic_state import (
+    DynamicLayout,
+    bucket_ranges,
+    dynamic_configs,
+    dynamic_expected,
+    dynamic_problems,
+    local_mappers,
+    mapper_pieces,
+    mapper_prefix,
 )
 from lightning_shardrec.checkpoint.safe_load import (
     SafeEmptyLoadPlanner,
@@ -69,11 +82,12 @@ def _sharded(
     shards: list[tuple[tuple[int, ...], tuple[int, ...], int]],
     local: list[tuple[tuple[int, ...], Tensor]],
     rank: int,
+    dtype: torch.dtype = torch.float32,
 ) -> ShardedTensor:
     """A ShardedTensor over ``local`` views, with the plan's ``shards`` as global metadata (no collective)."""
     device = local[0][1].device if local else torch.device("cpu")
     metas = [_shard_meta(o, s, r, device) for o, s, r in shards]
-    dtype = local[0][1].dtype if local else torch.float32
+    dtype = local[0][1].dtype if local else dtype
     global_meta = ShardedTensorMetadata(
         shards_metadata=metas, size=torch.Size(size), tensor_properties=TensorProperties(dtype=dtype)
     )
@@ -140,7 +154,23 @@ def sharded_state_dict(
                         if target is None:
                             more.append(target := {})
                         target[state_key] = value
+        tables.update(_mapper_entries(path, module, rank))
     return tables, fused, more
+
+
+def _mapper_entries(path: str, module: ShardedCollection, rank: int) -> dict[str, Any]:
+    """This rank's view of every dynamic table's mapping: ShardedTensors by bucket range, ``step`` plain."""
+    out: dict[str, Any] = {}
+    mappers = local_mappers(module)
+    for cfg in dynamic_configs(module):
+        layout, ranges = DynamicLayout.of(cfg), bucket_ranges(module, cfg)
+        for piece in mapper_pieces(layout, mapper_prefix(path, cfg.name), ranges, mappers.get(cfg.name)):
+            local = [] if piece.local is None else [(piece.offsets, piece.local)]
+            if piece.chunks:
+                out[piece.key] = _sharded(piece.size, piece.chunks, local, rank, dtype=torch.int64)
+            elif piece.local is not None:  # written once (DCP keeps one copy of a replicated tensor)
+                out[piece.key] = piece.local
+    return out
 
 
 def _saved_piece(saved_keys: set[str], prefix: str, col: int) -> str:
@@ -243,7 +273,14 @@ def load_sharded(
         expected = expected_sizes(state)
         for extra in more:
             expected.update(expected_sizes({"fused": extra}))
-        problems += metadata_problems(metadata, expected) + file_problems(path, metadata)
+        expected.update({f"state_dict.{k}": size for k, size in dynamic_expected(sharded).items()})
+        shapes = {
+            k.split(".", 1)[1]: tuple(md.size)
+            for k, md in metadata.state_dict_metadata.items()
+            if k.startswith("state_dict.") and hasattr(md, "size")
+        }
+        named, changed = dynamic_problems(sharded, shapes)
+        problems += named + metadata_problems(metadata, expected, ignore=tuple(changed)) + file_problems(path, metadata)
     raise_if_any(path, pooled(problems))
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())

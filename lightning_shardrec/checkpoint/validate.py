@@ -38,13 +38,22 @@ def expected_sizes(state: Mapping[str, Mapping[str, Any]]) -> dict[str, tuple[in
 
 
 def metadata_problems(
-    metadata: Metadata, expected: Mapping[str, tuple[int, ...] | None], strict_prefix: str = "state_dict."
+    metadata: Metadata,
+    expected: Mapping[str, tuple[int, ...] | None],
+    strict_prefix: str = "state_dict.",
+    ignore: tuple[str, ...] = (),
 ) -> list[str]:
-    """Missing keys, non-tensor entries and shape mismatches; saved keys under ``strict_prefix`` the model lacks."""
+    """Missing keys, non-tensor entries and shape mismatches; saved keys under ``strict_prefix`` the model lacks.
+
+    Keys (past their group, ``state_dict.`` / ``fused.``) starting with an ``ignore`` prefix are not
+    checked: their problem is already reported another way (a dynamic table whose layout changed).
+    """
     saved = metadata.state_dict_metadata
     problems = []
     for key, size in expected.items():
         md = saved.get(key)
+        if ignore and key.split(".", 1)[1].startswith(ignore):
+            continue
         if md is None:
             problems.append(f"{_name(key)}: in the model, missing from the checkpoint")
         elif size is None:
@@ -56,7 +65,7 @@ def metadata_problems(
         elif (held := sum(math.prod(c.sizes) for c in md.chunks)) < math.prod(size):
             problems.append(f"{_name(key)}: checkpoint holds {held} of its {math.prod(size)} values (shards missing)")
     for key in sorted(saved):
-        if key.startswith(strict_prefix) and key not in expected:
+        if key.startswith(strict_prefix) and key not in expected and not key.split(".", 1)[1].startswith(ignore):
             problems.append(f"{_name(key)}: in the checkpoint, not in the model")
     return problems
 

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import DynamicConfig, EvictionPolicy
+from lightning_shardrec.modules.dynamic_layout import BUFFERS, DynamicLayout, layout_problems
 
 COUNTERS = ("admissions", "evictions", "expirations", "misses", "dropped_candidates")
 _INT64_MAX = torch.iinfo(torch.int64).max
@@ -93,7 +94,8 @@ class DynamicIdMapper(nn.Module):
     Buffers (``W = hi - lo`` local buckets): ``slot_ids / slot_step / slot_count /
     slot_gen [W*S]`` (the held id, last step seen (``-1``: empty), sightings, times
     assigned), ``cand_ids / cand_step / cand_count [W*K]`` (admission candidates),
-    ``step`` (training steps taken) and ``counters [5]`` (:data:`COUNTERS`).
+    ``step`` (training steps taken) and ``counters [W, 5]`` (:data:`COUNTERS` of each
+    local bucket, so a reshard keeps them exact; :meth:`stats` sums them).
     """
 
     slot_ids: Tensor
@@ -138,9 +140,9 @@ class DynamicIdMapper(nn.Module):
             ("cand_ids", cands, 0),
             ("cand_step", cands, -1),
             ("cand_count", cands, 0),
-            ("counters", len(COUNTERS), 0),
         ):
             buf(name, n, fill)
+        self.register_buffer("counters", torch.zeros(hi - lo, len(COUNTERS), dtype=torch.int64, device=device))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
 
     @property
@@ -154,11 +156,32 @@ class DynamicIdMapper(nn.Module):
             "capacity": self.capacity,
             "candidates": int((self.cand_step >= 0).sum()),
         }
-        out.update(zip(COUNTERS, (int(c) for c in self.counters.tolist()), strict=True))
+        out.update(zip(COUNTERS, (int(c) for c in self.counters.sum(0).tolist()), strict=True))
         return out
 
-    def _count(self, name: str, amount: Tensor | int) -> None:
-        self.counters[COUNTERS.index(name)] += amount
+    def layout(self) -> DynamicLayout:
+        """The whole table's layout (``dim`` unknown here: 0)."""
+        return DynamicLayout(self.table, self.num_buckets, self.slots_per_bucket, self.cands_per_bucket, 0)
+
+    def _load_from_state_dict(  # type: ignore[no-untyped-def]
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        """A whole-table mapper refuses a state dict of another layout with a message naming the table."""
+        if (self.bucket_lo, self.bucket_hi) == (0, self.num_buckets):
+            saved = {b: tuple(state_dict[prefix + b].shape) for b in BUFFERS if prefix + b in state_dict}
+            changed = [p for p in layout_problems(self.layout(), saved, where=prefix) if p.startswith("dynamic")]
+            if saved and changed:
+                error_msgs.extend(changed)
+                return
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def _count(self, name: str, bucket: Tensor, amount: Tensor | None = None) -> None:
+        """Add ``amount [N]`` (default: 1 each) to counter ``name`` of local buckets ``bucket [N]``."""
+        col = torch.full_like(bucket, COUNTERS.index(name))
+        value = torch.ones_like(bucket) if amount is None else amount.long()
+        self.counters.index_put_((bucket, col), value, accumulate=True)
 
     def map(self, ids: Tensor, train: bool) -> LookupResult:
         """:meth:`lookup` at this mapper's own step, which a training lookup advances."""
@@ -200,7 +223,8 @@ class DynamicIdMapper(nn.Module):
         miss = (~hit).nonzero().squeeze(1)
         got, new = self._admit(uniq[miss], bucket[miss], counts[miss], step)
         slot[miss] = got
-        self._count("misses", counts[miss][got < 0].sum())
+        lost = got < 0
+        self._count("misses", bucket[miss][lost], counts[miss][lost])
         glob = torch.where(slot >= 0, slot + self.row_offset, -1)
         return LookupResult(glob[inverse], new + self.row_offset, self.slot_gen[new])
 
@@ -209,7 +233,7 @@ class DynamicIdMapper(nn.Module):
         if ttl is None:
             return
         old = (self.slot_step >= 0) & (step - self.slot_step > ttl)
-        self._count("expirations", old.sum())
+        self.counters[:, COUNTERS.index("expirations")] += old.view(-1, self.slots_per_bucket).sum(1)
         self.slot_step[old], self.slot_count[old] = -1, 0
         old_cands = (self.cand_step >= 0) & (step - self.cand_step > ttl)
         self.cand_step[old_cands], self.cand_count[old_cands] = -1, 0
@@ -236,8 +260,8 @@ class DynamicIdMapper(nn.Module):
         got[ready] = placed
         new = placed[placed >= 0]
         self.slot_gen[new] += 1
-        self._count("admissions", new.numel())
-        self._count("evictions", displaced)
+        self._count("admissions", new // self.slots_per_bucket)
+        self._count("evictions", displaced // self.slots_per_bucket)
         if cand is not None and has_cand is not None:
             admitted = got >= 0
             freed = cand[admitted & has_cand]
@@ -254,7 +278,8 @@ class DynamicIdMapper(nn.Module):
                 self.cands_per_bucket,
                 False,
             )
-            self._count("dropped_candidates", lost + (where < 0).sum())
+            width = self.cands_per_bucket
+            self._count("dropped_candidates", torch.cat([lost // width, bucket[fresh][where < 0]]))
         return got, new
 
     @staticmethod
@@ -290,11 +315,11 @@ class DynamicIdMapper(nn.Module):
 
         Ids go by most ``total`` then lowest id; entries free first, then (not seen
         this step) by policy, ties by lowest index. Returns each id's local entry
-        (``-1``: none left) and how many occupied entries were taken over.
+        (``-1``: none left) and the occupied entries taken over.
         """
         held, last, count = table
         if ids.numel() == 0:
-            return torch.full_like(ids, -1), ids.new_zeros(())
+            return torch.full_like(ids, -1), ids.new_zeros(0)
         order = torch.sort(-total, stable=True).indices  # ids arrive sorted, so ties stay by id
         order = order[torch.sort(bucket[order], stable=True).indices]
         b_sorted = bucket[order]
@@ -313,7 +338,7 @@ class DynamicIdMapper(nn.Module):
         wins = rank < free.sum(dim=1)[row]
         target = ranked.view(-1)[row * width + rank.clamp(max=width - 1)]
         chosen = target[wins]
-        displaced = (last[chosen] >= 0).sum()
+        displaced = chosen[last[chosen] >= 0]
         held[chosen], last[chosen], count[chosen] = ids[order][wins], step, total[order][wins]
         out = torch.full_like(ids, -1)
         out[order] = torch.where(wins, target, -1)

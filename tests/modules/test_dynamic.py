@@ -143,6 +143,8 @@ def test_bucket_ranges_map_like_the_whole_table() -> None:
         assert sorted(new) == sorted(zip(want.new_slots.tolist(), want.new_generations.tolist(), strict=True))
     summed = {k: sum(p.stats()[k] for p in parts) for k in whole.stats()}
     assert summed == whole.stats() and whole.stats()["evictions"] > 0
+    assert whole.counters.shape == (5, 5) and [p.counters.shape[0] for p in parts] == [2, 1, 2]
+    assert torch.equal(torch.cat([p.counters for p in parts]), whole.counters)  # per bucket: exact on reshard
 
 
 def test_fresh_rows_depend_only_on_table_slot_generation() -> None:
