@@ -14,6 +14,7 @@ from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingB
 from lightning_shardrec.lightning import DynamicTableMonitor
 from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
 from lightning_shardrec.modules.dynamic_stats import FIELDS
+from lightning_shardrec.testing import run_ranks
 
 
 class DynRec(L.LightningModule):
@@ -91,3 +92,41 @@ def test_add_dynamic_monitor_only_for_dynamic_models_and_once(tmp_path):
     assert isinstance(added, DynamicTableMonitor) and added in trainer.callbacks
     assert add_dynamic_monitor(trainer, DynRec()) is None
     assert sum(isinstance(c, DynamicTableMonitor) for c in trainer.callbacks) == 1
+
+
+def _data_for(batch_size: int) -> SyntheticRecDataModule:
+    tables = [{"name": "user", "num_embeddings": 120}, {"name": "item", "num_embeddings": 30}]
+    return SyntheticRecDataModule(num_dense=3, tables=tables, batch_size=batch_size, num_batches=6, val_batches=0,
+                                  seed=1)
+
+
+def fit_sharded(rank, world, tmp):
+    from _models import external_launch
+
+    from lightning_shardrec import ShardRecStrategy
+
+    external_launch(rank, world)
+    out = []
+    for log_stats, steps in ((True, 6), (False, 1)):
+        trainer = L.Trainer(accelerator="cpu", devices=world, logger=CSVLogger(tmp, name="", version=str(log_stats)),
+                            strategy=ShardRecStrategy(log_dynamic_stats=log_stats, heartbeat_timeout=None),
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            max_steps=steps, log_every_n_steps=3)
+        trainer.fit(DynRec(), _data_for(8))
+        monitors = [c for c in trainer.callbacks if isinstance(c, DynamicTableMonitor)]
+        out.append(([m.last for m in monitors], trainer.strategy.sharded["ebc"].dynamic_stats()))
+    return out
+
+
+def test_sharded_figures_are_sums_over_ranks_and_match_one_process(tmp_path):
+    """2 ranks (the strategy adds the monitor) log what one process logs; log_dynamic_stats=False adds none."""
+    plain = DynRec()
+    _trainer(tmp_path / "plain", [DynamicTableMonitor()], max_steps=6, log_every_n_steps=3).fit(plain, _data_for(16))
+    want = plain.ebc.dynamic_stats()
+    assert want["t_user"]["evictions"] > 0
+    rank0, rank1 = run_ranks(fit_sharded, 2, str(tmp_path / "two"))
+    (last0, stats0), (last1, stats1) = rank0[0], rank1[0]
+    assert stats0 == stats1 == want  # after fit: every rank gets the sums
+    assert last0 == last1 == [{f"dynamic/t_user/{k}": float(v) for k, v in want["t_user"].items()}]
+    assert _logged(tmp_path / "two" / "True") == _logged(tmp_path / "plain")  # the same figures at steps 3 and 6
+    assert rank0[1][0] == rank1[1][0] == []  # log_dynamic_stats=False: no monitor
