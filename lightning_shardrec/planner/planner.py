@@ -22,6 +22,7 @@ from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, Mem
 from lightning_shardrec.planner.partition import Placement, RankLoads, partition
 from lightning_shardrec.planner.perf import Workload, host_charges, shard_perf
 from lightning_shardrec.planner.sharding_plan import GiB, PlanStats, ShardingPlan
+from lightning_shardrec.planner.dynamic_plan import dynamic_layouts
 from lightning_shardrec.planner.storage import resident_bytes, shard_storage
 from lightning_shardrec.planner.tables import TablesInput, TableSpec, find_tables, table_specs
 from lightning_shardrec.planner.topology import ComputeDevice, Topology
@@ -253,7 +254,7 @@ class EmbeddingShardingPlanner:
             lower_bound=lower / topo.world_size,
             reserve=self.reserve,
         )
-        return ShardingPlan(plan, stats=stats)
+        return ShardingPlan(plan, stats=stats, dynamic=dynamic_layouts(specs, work))
 
     def _fixed(
         self, fixed: FixedPlan | None, specs: list[TableSpec]
