@@ -103,7 +103,7 @@ class ShardingPlan:
         return self.plan.get(module_path)
 
     def to_json(self, indent: int | None = 2) -> str:
-        data = {
+        data: dict[str, object] = {
             "plan": {
                 path: {name: ps.to_dict() for name, ps in tables.items()}
                 for path, tables in self.plan.items()
