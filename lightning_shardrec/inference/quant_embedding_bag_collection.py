@@ -210,8 +210,9 @@ class QuantEmbeddingBagCollection(nn.Module):
         return module
 
     def nbytes(self) -> int:
-        """Bytes of the stored rows (scale/bias included)."""
-        return sum(self.table(t.name).nbytes() for t in self._tables)
+        """Bytes of the stored rows (scale/bias included) and of the dynamic tables' id maps."""
+        id_maps = 0 if self.id_maps is None else sum(b.nbytes for b in self.id_maps.buffers())
+        return sum(self.table(t.name).nbytes() for t in self._tables) + id_maps
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         kjt = self._arrange(features)

@@ -173,6 +173,7 @@ def test_state_dict_keys_and_sizes():
     assert sd["embedding_bags.users.weight"].shape == (33, 8)  # capacity + the zero row, 16 dims in 8 bytes
     assert sd["id_maps.users.ids"].shape == sd["id_maps.users.rows"].shape == (32,)
     assert sd["embedding_bags.ctx.weight"].shape == (10, 2) and "id_maps.ctx.ids" not in sd
+    assert q.nbytes() == (33 * (8 + 4) + 32 * 16) + (25 * (4 + 4) + 24 * 16) + 10 * (2 + 4)  # rows + id maps
     # free / expired slots are stored as zeros, like the zero row
     rows = q.table("users").rows()
     dead = torch.ones(33, dtype=torch.bool)
