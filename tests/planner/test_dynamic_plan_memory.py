@@ -63,3 +63,25 @@ def test_plan_printout_and_json_round_trip():
     static = _plan(None)
     assert "dynamic" not in static.to_json() and "dynamic" not in static.table()
     assert DynamicLayout(**layout.to_dict()) == layout
+
+
+def test_plan_cli_sizes_dynamic_tables(tmp_path, capsys):
+    from lightning_shardrec.plan import main
+
+    (tmp_path / "t.yaml").write_text(
+        "tables:\n"
+        "  - {name: u, num_embeddings: 4096, embedding_dim: 16, dynamic: {min_count: 2}}\n"
+        "  - {name: v, num_embeddings: 64, embedding_dim: 16, dynamic: true}\n"
+        "  - {name: s, num_embeddings: 100, embedding_dim: 8}\n"
+    )
+    argv = ["--tables", str(tmp_path / "t.yaml"), "--world-size", "2", "--device", "cpu", "--batch-size", "8"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    u, v = 4096 * 32 + 256 * (16 * 24 + 40), 64 * 32 + 4 * 40  # slots, candidates and counters
+    assert f"+ dynamic tables' id maps {size_text(u + v)}" in text
+    assert "<root>.u: capacity 4096 = 256 buckets x 16 slots, 16 candidates/bucket" in text
+    assert "<root>.v: capacity 64 = 4 buckets x 16 slots, no candidates (min_count 1)" in text
+    bad = "tables:\n  - {name: u, num_embeddings: 64, embedding_dim: 4, dynamic: {ttl: 3}}\n"
+    (tmp_path / "t.yaml").write_text(bad)
+    assert main(argv) == 2
+    assert "dynamic must be true or a mapping of DynamicConfig fields (eviction, ttl_steps," in capsys.readouterr().err
