@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 from lightning_shardrec.configs import EmbOptimType
 from lightning_shardrec.errors import PlannerError, UnsupportedFeatureError
+from lightning_shardrec.planner.dynamic_plan import dynamic_layouts
 from lightning_shardrec.planner.enumerate import TableOptions, prefers_data_parallel, table_options
 from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, check_reserve
 from lightning_shardrec.planner.partition import Placement, RankLoads, partition
 from lightning_shardrec.planner.perf import Workload, host_charges, shard_perf
 from lightning_shardrec.planner.sharding_plan import GiB, PlanStats, ShardingPlan
-from lightning_shardrec.planner.dynamic_plan import dynamic_layouts
 from lightning_shardrec.planner.storage import resident_bytes, shard_storage
 from lightning_shardrec.planner.tables import TablesInput, TableSpec, find_tables, table_specs
 from lightning_shardrec.planner.topology import ComputeDevice, Topology
