@@ -1,23 +1,25 @@
-"""Serving a dynamic table: a frozen raw id -> row mapping, looked up with ``searchsorted``.
+"""Serving a dynamic table: its frozen raw id -> row mapping, looked up by bucket (vectorised).
 
 A trained dynamic table (:mod:`lightning_shardrec.modules.dynamic_ids`) maps raw int64
 ids to slots with a mapper that admits and evicts. Serving needs only what the
 unsharded module does in ``eval()``: a resident, unexpired id reads its row, any other
 id reads zeros. :class:`QuantIdMap` freezes that as two buffers of the table's
-capacity ``C``::
+capacity ``C = B * S`` (``B`` buckets of ``S`` slots), in slot order::
 
-    ids   int64 [C]   the live ids, sorted, then padding (int64 max)
-    rows  int64 [C]   the row each live id reads; C (the all-zero row) for padding
+    ids   int64 [C]   the id each slot holds
+    live  bool  [C]   whether it serves it (resident and not expired)
 
-    slot:   0    1    2    3          (C = 4; slot 1 free, slot 3 expired)
-    held:   -7   .    42   9
-    ids  = [-7, 42, max, max]   rows = [0, 2, 4, 4]
+    S = 2, B = 2: slot   0     1   |  2     3          (slot 1 free, slot 3 expired)
+                  ids  [-7,    0   | 42,    9 ]
+                  live [True, False| True, False]
 
-A lookup is ``p = searchsorted(ids, x)``; ``x`` hits when ``ids[p] == x`` and reads
-``rows[p]``, else it reads row ``C``, which the quantized table keeps all zeros (so a
-missing id adds nothing to a SUM bag and still counts in a MEAN bag's size, as in the
-training module). Padding sorts last, so a live id equal to int64 max is found before
-it; padding itself reads row ``C``. Fixed shapes keep ``load_state_dict`` strict.
+An id is looked up only in its own bucket ``bucket_of(id, B)`` (the training hash): it
+is compared with the bucket's ``S`` held ids where the slot is live, and its match is
+its row (the slot); without one it reads row ``C``. That is one gather of ``S``
+contiguous int64 per id, no per-id Python and no search over the whole table. Row
+``C`` of the quantized table is all zeros, so a missing id adds nothing to a SUM bag
+and still counts in a MEAN bag's size, as in the training module. Fixed shapes keep
+``load_state_dict`` strict.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
+from lightning_shardrec.configs import DynamicConfig
+from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper, bucket_of
 
-_PAD = torch.iinfo(torch.int64).max
+_CHUNK = 1 << 22  # elements of an [ids, S] gather done at once
 
 
 def live_slots(mapper: DynamicIdMapper) -> tuple[Tensor, Tensor]:
@@ -44,35 +47,45 @@ class QuantIdMap(nn.Module):
     """Raw int64 ids -> rows of one dynamic table, ``C`` (the zero row) where an id is not live."""
 
     ids: Tensor
-    rows: Tensor
+    live: Tensor
 
-    def __init__(self, capacity: int, device: torch.device | str | None = None) -> None:
+    def __init__(self, table: str, config: DynamicConfig, capacity: int, device: torch.device | str | None = None):
         super().__init__()
         self.capacity = capacity
-        self.register_buffer("ids", torch.full((capacity,), _PAD, dtype=torch.int64, device=device))
-        self.register_buffer("rows", torch.full((capacity,), capacity, dtype=torch.int64, device=device))
+        self.num_buckets, self.slots_per_bucket = config.layout(capacity, table)
+        self.register_buffer("ids", torch.zeros(capacity, dtype=torch.int64, device=device))
+        self.register_buffer("live", torch.zeros(capacity, dtype=torch.bool, device=device))
 
     @torch.no_grad()
-    def set_live(self, ids: Tensor, rows: Tensor) -> None:
-        """Serve ``ids [n]`` (unique) from ``rows [n]`` (in ``[0, C)``); every other id reads row ``C``."""
-        n = ids.numel()
-        if n > self.capacity or rows.numel() != n:
-            raise ValueError(
-                f"QuantIdMap: {n} ids and {rows.numel()} rows for a table of capacity {self.capacity} "
-                "(need as many rows as ids, at most the capacity)"
-            )
-        order = torch.sort(ids.to(self.ids.device, torch.int64), stable=True)
-        self.ids.fill_(_PAD)
-        self.rows.fill_(self.capacity)
-        self.ids[:n] = order.values
-        self.rows[:n] = rows.to(self.rows.device, torch.int64)[order.indices]
+    def set_live(self, ids: Tensor, slots: Tensor) -> None:
+        """Serve ``ids [n]`` from their ``slots [n]`` (slot ``s`` in bucket ``s // S``, as the
+        mapper placed them); every other id reads row ``C``."""
+        if ids.shape != slots.shape or ids.dim() != 1:
+            raise ValueError(f"QuantIdMap: ids {tuple(ids.shape)} and slots {tuple(slots.shape)} must be [n] each")
+        slots = slots.to(self.ids.device, torch.int64)
+        if slots.numel() and not 0 <= int(slots.min()) <= int(slots.max()) < self.capacity:
+            raise ValueError(f"QuantIdMap: slots must be in [0, {self.capacity}), got {slots.min()}..{slots.max()}")
+        self.ids.zero_()
+        self.live.zero_()
+        self.ids[slots] = ids.to(self.ids.device, torch.int64)
+        self.live[slots] = True
 
     def live_rows(self) -> Tensor:
         """The rows some id reads (``[n]``)."""
-        return self.rows[self.rows < self.capacity]
+        return self.live.nonzero().squeeze(1)
 
     def forward(self, ids: Tensor) -> Tensor:
         """Rows ``[N]`` int64 of raw ids ``[N]`` (any int64); ``C`` where the id is not live."""
         ids = ids.to(self.ids.device, torch.int64)
-        pos = torch.searchsorted(self.ids, ids).clamp_(max=self.capacity - 1)
-        return torch.where(self.ids[pos] == ids, self.rows[pos], self.capacity)
+        width = self.slots_per_bucket
+        held_all, live_all = self.ids.view(-1, width), self.live.view(-1, width)
+        out = torch.empty_like(ids)
+        step = max(1, _CHUNK // width)
+        for start in range(0, ids.numel(), step):  # chunks bound memory, not a per-id loop
+            part = ids[start : start + step]
+            bucket = bucket_of(part, self.num_buckets)
+            match = (held_all.index_select(0, bucket) == part.unsqueeze(1)) & live_all.index_select(0, bucket)
+            first = match.view(torch.uint8).argmax(dim=1, keepdim=True)  # the match (0 if none)
+            hit = match.gather(1, first).squeeze(1)
+            out[start : start + step] = torch.where(hit, bucket * width + first.squeeze(1), self.capacity)
+        return out

@@ -16,8 +16,8 @@ bytes, so a state dict written under one backend serves under the other.
 A dynamic table (``dynamic=DynamicConfig(...)``) keeps one more, all-zero row
 (``[capacity + 1, ...]``) and its frozen id mapping (:mod:`~lightning_shardrec.inference.id_map`)::
 
-    id_maps.<table>.ids                    int64 [capacity]           live raw ids, sorted
-    id_maps.<table>.rows                   int64 [capacity]           the row each reads
+    id_maps.<table>.ids                    int64 [capacity]           the raw id each slot (row) holds
+    id_maps.<table>.live                   bool  [capacity]           whether the slot serves it
 
 so it serves raw int64 ids as the float module does in ``eval()``: live ids read
 their row, any other id reads zeros (and still counts in a MEAN bag's size).
@@ -112,7 +112,7 @@ class QuantEmbeddingBagCollection(nn.Module):
         self._is_weighted = is_weighted
         self.validate_ids = validate_ids
         self.embedding_bags = TableDict({t.name: QuantTable(t, self._dtype, device) for t in tables})
-        dynamic = {t.name: QuantIdMap(t.num_embeddings, device) for t in tables if t.dynamic is not None}
+        dynamic = {t.name: QuantIdMap(t.name, t.dynamic, t.num_embeddings, device) for t in tables if t.dynamic}
         self.id_maps = TableDict(dynamic) if dynamic else None
         self._feature_names = [f for t in tables for f in t.feature_names]
         self._embedding_names = embedding_names(tables)  # feature@table for a feature several tables read

@@ -13,6 +13,7 @@ from lightning_shardrec import (
 )
 from lightning_shardrec.inference import QuantDType, QuantEmbeddingBagCollection, quantize_rows, row_error_bound
 from lightning_shardrec.inference.id_map import QuantIdMap
+from lightning_shardrec.modules.dynamic_ids import bucket_of
 
 needs_fbgemm = pytest.mark.skipif(not _fbgemm.fbgemm_inference_available(), reason="fbgemm_gpu inference TBE absent")
 BACKENDS = ["torch", pytest.param("fbgemm", marks=needs_fbgemm)]
@@ -151,17 +152,28 @@ def test_unknown_evicted_and_expired_ids_read_zeros(backend):
     torch.testing.assert_close(q(kjt)["i"], ebc(kjt)["i"], rtol=0, atol=0.05)
 
 
-def test_id_map_sorted_lookup_and_int64_max():
-    m = QuantIdMap(4)
-    top = torch.iinfo(torch.int64).max
-    m.set_live(torch.tensor([top, -7, 42]), torch.tensor([3, 0, 2]))
-    assert m.ids.tolist() == [-7, 42, top, top] and m.rows.tolist() == [0, 2, 3, 4]
-    got = m(torch.tensor([42, top, -7, 5, top - 1, torch.iinfo(torch.int64).min]))
-    assert got.tolist() == [2, 3, 0, 4, 4, 4]
-    m.set_live(torch.tensor([9]), torch.tensor([1]))  # padding reads the zero row, even as int64 max
-    assert m(torch.tensor([top, 9, -7])).tolist() == [4, 1, 4]
-    with pytest.raises(ValueError, match=r"QuantIdMap: 5 ids and 5 rows for a table of capacity 4"):
-        m.set_live(torch.arange(5), torch.arange(5))
+def test_id_map_looks_up_each_id_in_its_bucket():
+    top, bottom = torch.iinfo(torch.int64).max, torch.iinfo(torch.int64).min
+    m = QuantIdMap("t", DynamicConfig(num_buckets=3), 6)  # 3 buckets of 2 slots
+    ids, slots, taken = [], [], {0: 0, 1: 0, 2: 0}
+    for i in [top, bottom, -7, 42, 0, 1, 2, 3]:  # each id into the next free slot of its bucket, while there is one
+        b = int(bucket_of(torch.tensor([i]), 3))
+        if taken[b] < 2:
+            ids.append(i)
+            slots.append(2 * b + taken[b])
+            taken[b] += 1
+    ids, slots = torch.tensor(ids), torch.tensor(slots)
+    assert top in ids.tolist() and bottom in ids.tolist() and len(ids) >= 4
+    m.set_live(ids, slots)
+    assert torch.equal(m(ids), slots)
+    assert m(torch.tensor([5, -1, 100, top - 1])).tolist() == [6, 6, 6, 6]  # not live: the zero row
+    m.set_live(ids[:1], slots[:1])  # the others' slots are no longer live, though the ids match
+    assert m(ids).tolist() == [int(slots[0])] + [6] * (len(ids) - 1)
+    assert m(torch.empty(0, dtype=torch.long)).shape == (0,)
+    with pytest.raises(ValueError, match=r"QuantIdMap: slots must be in \[0, 6\), got"):
+        m.set_live(torch.tensor([1]), torch.tensor([6]))
+    with pytest.raises(ValueError, match=r"QuantIdMap: ids \(2,\) and slots \(1,\) must be \[n\] each"):
+        m.set_live(torch.tensor([1, 2]), torch.tensor([0]))
     with pytest.raises(KeyError, match=r"table 'ctx' is not dynamic; dynamic tables: \['items', 'users'\]"):
         QuantEmbeddingBagCollection.from_float(_trained(False)[0], "fp16").id_map("ctx")
 
@@ -171,9 +183,9 @@ def test_state_dict_keys_and_sizes():
     q = QuantEmbeddingBagCollection.from_float(ebc, "int4", backend="torch")
     sd = q.state_dict()
     assert sd["embedding_bags.users.weight"].shape == (33, 8)  # capacity + the zero row, 16 dims in 8 bytes
-    assert sd["id_maps.users.ids"].shape == sd["id_maps.users.rows"].shape == (32,)
+    assert sd["id_maps.users.ids"].shape == sd["id_maps.users.live"].shape == (32,)
     assert sd["embedding_bags.ctx.weight"].shape == (10, 2) and "id_maps.ctx.ids" not in sd
-    assert q.nbytes() == (33 * (8 + 4) + 32 * 16) + (25 * (4 + 4) + 24 * 16) + 10 * (2 + 4)  # rows + id maps
+    assert q.nbytes() == (33 * (8 + 4) + 32 * 9) + (25 * (4 + 4) + 24 * 9) + 10 * (2 + 4)  # rows + id maps
     # free / expired slots are stored as zeros, like the zero row
     rows = q.table("users").rows()
     dead = torch.ones(33, dtype=torch.bool)
