@@ -170,6 +170,9 @@ def test_id_map_looks_up_each_id_in_its_bucket():
     m.set_live(ids[:1], slots[:1])  # the others' slots are no longer live, though the ids match
     assert m(ids).tolist() == [int(slots[0])] + [6] * (len(ids) - 1)
     assert m(torch.empty(0, dtype=torch.long)).shape == (0,)
+    zero = int(bucket_of(torch.tensor([0]), 3))  # id 0 live in the 2nd slot of its bucket, the 1st free (held 0)
+    m.set_live(torch.tensor([0]), torch.tensor([2 * zero + 1]))
+    assert m(torch.tensor([0, 1])).tolist() == [2 * zero + 1, 6]
     with pytest.raises(ValueError, match=r"QuantIdMap: slots must be in \[0, 6\), got"):
         m.set_live(torch.tensor([1]), torch.tensor([6]))
     with pytest.raises(ValueError, match=r"QuantIdMap: ids \(2,\) and slots \(1,\) must be \[n\] each"):
