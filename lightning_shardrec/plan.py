@@ -17,11 +17,13 @@ headroom). ``tables.yaml``::
           kind: bag                  # bag (EmbeddingBagConfig) or sequence (EmbeddingConfig)
           pooling_factors: [20.0]    # constraints, all optional (ParameterConstraints fields)
           sharding_types: [row_wise, table_wise]
+          dynamic: {min_count: 2}    # a dynamic table (DynamicConfig fields; `dynamic: true` for defaults)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +34,7 @@ import yaml
 from lightning_shardrec.configs import (
     BaseEmbeddingConfig,
     DataType,
+    DynamicConfig,
     EmbeddingBagConfig,
     EmbeddingConfig,
     EmbOptimType,
@@ -46,7 +49,7 @@ from lightning_shardrec.planner import (
     Topology,
 )
 from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, cuda_capacity, size_text
-from lightning_shardrec.planner.storage import resident_bytes
+from lightning_shardrec.planner.storage import id_map_bytes, resident_bytes
 from lightning_shardrec.planner.tables import TRAIN_WEIGHT_BYTES, table_specs
 
 CONFIG_KEYS = ("name", "num_embeddings", "embedding_dim", "feature_names", "data_type")
@@ -66,10 +69,11 @@ GPUS_PER_HOST = 8  # cuda default: real GPU machines have 8 per host
 def _table(entry: Any, where: str) -> tuple[BaseEmbeddingConfig, ParameterConstraints | None]:
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: each table is a mapping of fields, got {entry!r}")
-    extra = sorted(set(entry) - set(CONFIG_KEYS) - set(CONSTRAINT_KEYS) - {"kind"})
+    extra = sorted(set(entry) - set(CONFIG_KEYS) - set(CONSTRAINT_KEYS) - {"kind", "dynamic"})
     if extra:
         raise ValueError(
-            f"{where}: unknown table field(s) {extra}; available: {', '.join((*CONFIG_KEYS, 'kind', *CONSTRAINT_KEYS))}"
+            f"{where}: unknown table field(s) {extra}; available: "
+            f"{', '.join((*CONFIG_KEYS, 'kind', 'dynamic', *CONSTRAINT_KEYS))}"
         )
     kind = str(entry.get("kind", "bag"))
     if kind not in KINDS:
@@ -83,9 +87,24 @@ def _table(entry: Any, where: str) -> tuple[BaseEmbeddingConfig, ParameterConstr
                 f"data_type in {where}", fields["data_type"], list(DataType.__members__)
             )
         fields["data_type"] = DataType[value]
+    if entry.get("dynamic") not in (None, False):
+        fields["dynamic"] = _dynamic(entry["dynamic"], where)
     config = KINDS[kind](**fields)
     cons = {k: entry[k] for k in CONSTRAINT_KEYS if k in entry}
     return config, ParameterConstraints(**cons) if cons else None
+
+
+def _dynamic(value: Any, where: str) -> DynamicConfig:
+    """``dynamic: true`` or a mapping of ``DynamicConfig`` fields."""
+    names = [f.name for f in dataclasses.fields(DynamicConfig)]
+    if value is True:
+        return DynamicConfig()
+    unknown = sorted(set(value) - set(names)) if isinstance(value, dict) else None
+    if unknown is None or unknown:
+        raise ValueError(
+            f"{where}: dynamic must be true or a mapping of DynamicConfig fields ({', '.join(names)}), got {value!r}"
+        )
+    return DynamicConfig(**value)
 
 
 def load_tables(
@@ -204,6 +223,7 @@ def assumptions(
     for spec in specs:
         w, st = resident_bytes(spec, work)
         weights, state = weights + w, state + st
+    id_maps = sum(id_map_bytes(spec) for spec in specs)
     lines = [
         "assumptions:",
         f"  ranks: {topo.world_size} = {topo.num_hosts} host(s) x {topo.local_world_size} {unit}(s) per host "
@@ -215,7 +235,8 @@ def assumptions(
         f"  batch: {work.batch_size} per rank, {work.global_batch} global",
         f"  optimizer: {_state_text(work.optimizer)}",
         f"  tables: {len(specs)}, weights {size_text(weights)} (fp32 rows, {TRAIN_WEIGHT_BYTES} bytes per "
-        f"element, as the training kernels allocate them) + optimizer state {size_text(state)}",
+        f"element, as the training kernels allocate them) + optimizer state {size_text(state)}"
+        + (f" + dynamic tables' id maps {size_text(id_maps)}" if id_maps else ""),
     ]
     narrow = sorted(c.name for cs in tables.values() for c in cs if c.data_type is not DataType.FP32)
     if narrow:

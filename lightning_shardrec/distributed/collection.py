@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import BaseEmbeddingConfig, FusedOptimConfig
@@ -31,6 +32,7 @@ from lightning_shardrec.distributed.sharding import DynamicBlockSharding, Embedd
 from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.kernels import BatchedEmbeddingKernel, KernelBackend
 from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
+from lightning_shardrec.modules.dynamic_stats import FIELDS, mapper_stats, stats_dict
 from lightning_shardrec.modules.features import check_ids
 from lightning_shardrec.planner import ShardMetadata
 from lightning_shardrec.sparse import KeyedJaggedTensor
@@ -206,6 +208,19 @@ class ShardedCollection(nn.Module):
                 for (name, meta, _), state in zip(g.local_shards(), g.local_states(), strict=True):
                     out.setdefault(name, []).append((meta, state))
         return out
+
+    def dynamic_stats(self) -> dict[str, dict[str, int]]:
+        """Collective over ``env.pg``: per dynamic table, its figures (``modules.dynamic_stats.FIELDS``)
+        summed over the ranks' mappers, tables in config order (every rank the same tensor)."""
+        names = [t.name for t in self._configs if t.dynamic is not None]
+        if not names:
+            return {}
+        local = torch.zeros(len(names), len(FIELDS), dtype=torch.int64, device=self.input_device())
+        for name, mapper in self.dynamic_mappers().items():
+            local[names.index(name)] += mapper_stats(mapper).to(local.device)
+        if self.env.world_size > 1:
+            dist.all_reduce(local, group=self.env.pg)
+        return stats_dict(names, local)
 
     def _groups(self) -> list[EmbeddingSharding]:
         return list(self.groups)  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv
+from lightning_shardrec.distributed.dynamic_stats import dynamic_stats
 from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
 from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from lightning_shardrec.distributed.plain_embeddings import (
@@ -216,6 +217,11 @@ class DistributedModelParallel(nn.Module):
         fused = {id(t) for s in self.sharded.values() for g in s.groups if g.fused for t in g.parameters()}
         fused |= {id(t) for s in self.sharded.values() for g in s.groups if g.fused for t in g.buffers()}
         return (p for p in self.module.parameters() if id(p) not in fused)
+
+    def dynamic_stats(self) -> dict[str, dict[str, int]]:
+        """Collective: per dynamic table, occupancy, capacity, admissions, ... summed over ranks
+        (:func:`~lightning_shardrec.distributed.dynamic_stats.dynamic_stats`); call on every rank."""
+        return dynamic_stats(self.module)
 
     def local_shards(self) -> dict[str, list[tuple[ShardMetadata, Tensor]]]:
         """``'<module path>.<embedding_bags|embeddings>.<table>.weight' -> [(shard, tensor)]`` held here.

@@ -15,8 +15,12 @@ The artifact is one ``torch.save`` file of plain data, loadable with
     dtype           "int8" | "int4" | "fp16"
     dense           bool                    nn.Linear layers dynamically quantized (int8)
     collections     {path: {"is_weighted": bool, "tables": [{name, num_embeddings, embedding_dim,
-                                                              feature_names, pooling}]}}
-    state_dict      the quantized model's state dict (uint8 rows + fp16 scale/bias, fp32 dense)
+                                                              feature_names, pooling, dynamic}]}}
+    state_dict      the quantized model's state dict (uint8 rows + fp16 scale/bias, fp32 dense;
+                    a dynamic table's frozen id mapping, ``id_maps.<table>.ids/rows``)
+
+``dynamic`` is ``None`` for a static table, else the table's ``DynamicConfig`` as a
+dict of plain values; its raw int64 ids are served as in the float module's ``eval()``.
 
 :func:`load` rebuilds the model from ``factory(**factory_kwargs)`` on the CPU, swaps
 its collections for empty quantized ones built from ``collections``, quantizes the
@@ -32,6 +36,7 @@ import export, load``): ``lightning_shardrec.inference.export`` names the module
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -41,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_shardrec.configs import EmbeddingBagConfig, PoolingType
+from lightning_shardrec.configs import DynamicConfig, EmbeddingBagConfig, PoolingType
 from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.inference.lookup import QuantBackend
 from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection
@@ -237,16 +242,24 @@ def _describe(module: nn.Module) -> dict[str, Any]:
         raise TypeError(f"expected a QuantEmbeddingBagCollection, got {type(module).__name__}")
     tables = [
         {"name": t.name, "num_embeddings": t.num_embeddings, "embedding_dim": t.embedding_dim,
-         "feature_names": list(t.feature_names), "pooling": t.pooling.value}
+         "feature_names": list(t.feature_names), "pooling": t.pooling.value, "dynamic": _dynamic_spec(t.dynamic)}
         for t in module.embedding_bag_configs()
     ]
     return {"is_weighted": module.is_weighted(), "tables": tables}
 
 
+def _dynamic_spec(config: DynamicConfig | None) -> dict[str, Any] | None:
+    if config is None:
+        return None
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)} | {"eviction": config.eviction.value}
+
+
 def _table(spec: Mapping[str, Any]) -> EmbeddingBagConfig:
+    dynamic = spec.get("dynamic")  # absent in artifacts written before dynamic tables
     return EmbeddingBagConfig(
         num_embeddings=spec["num_embeddings"], embedding_dim=spec["embedding_dim"], name=spec["name"],
         feature_names=list(spec["feature_names"]), pooling=PoolingType(spec["pooling"]),
+        dynamic=None if dynamic is None else DynamicConfig(**dynamic),
     )
 
 

@@ -12,6 +12,15 @@ pooling, optional per-id weights. The rows are stored row-wise quantized (see
 Lookups run on fbgemm's integer TBE or the torch fallback
 (:class:`~lightning_shardrec.inference.lookup.QuantBackend`); both read these same
 bytes, so a state dict written under one backend serves under the other.
+
+A dynamic table (``dynamic=DynamicConfig(...)``) keeps one more, all-zero row
+(``[capacity + 1, ...]``) and its frozen id mapping (:mod:`~lightning_shardrec.inference.id_map`)::
+
+    id_maps.<table>.ids                    int64 [capacity]           the raw id each slot (row) holds
+    id_maps.<table>.live                   bool  [capacity]           whether the slot serves it
+
+so it serves raw int64 ids as the float module does in ``eval()``: live ids read
+their row, any other id reads zeros (and still counts in a MEAN bag's size).
 """
 
 from __future__ import annotations
@@ -20,9 +29,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import EmbeddingBagConfig, PoolingType
+from lightning_shardrec.inference.id_map import QuantIdMap, live_slots
 from lightning_shardrec.inference.lookup import FbgemmQuantLookup, QuantBackend, QuantLookup, TorchQuantLookup
 from lightning_shardrec.inference.rowwise import QuantDType, QuantizedRows, quantize_rows
 from lightning_shardrec.modules import EmbeddingBagCollection
+from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
 from lightning_shardrec.modules.embedding_bag_collection import check_unique_tables
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names
 from lightning_shardrec.modules.table_dict import TableDict
@@ -38,7 +49,7 @@ class QuantTable(nn.Module):
     def __init__(self, config: EmbeddingBagConfig, dtype: QuantDType, device: torch.device | str | None) -> None:
         super().__init__()
         self.dtype = dtype
-        rows, dim = config.num_embeddings, config.embedding_dim
+        rows, dim = config.num_embeddings + (config.dynamic is not None), config.embedding_dim  # + zero row
         if dtype is QuantDType.FP16:
             self.register_buffer("weight", torch.zeros(rows, dim, dtype=torch.float16, device=device))
         else:
@@ -101,12 +112,14 @@ class QuantEmbeddingBagCollection(nn.Module):
         self._is_weighted = is_weighted
         self.validate_ids = validate_ids
         self.embedding_bags = TableDict({t.name: QuantTable(t, self._dtype, device) for t in tables})
+        dynamic = {t.name: QuantIdMap(t.name, t.dynamic, t.num_embeddings, device) for t in tables if t.dynamic}
+        self.id_maps = TableDict(dynamic) if dynamic else None
         self._feature_names = [f for t in tables for f in t.feature_names]
         self._embedding_names = embedding_names(tables)  # feature@table for a feature several tables read
         self._arrange = FeatureArranger(
             self._feature_names, "QuantEmbeddingBagCollection", self._embedding_names, is_weighted=is_weighted
         )
-        self._rows = [t.num_embeddings for t in tables for _ in t.feature_names]
+        self._rows = [t.num_embeddings + (t.dynamic is not None) for t in tables for _ in t.feature_names]
         self._table_of = [t.name for t in tables for _ in t.feature_names]
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
         self._mean = [t.pooling is PoolingType.MEAN for t in tables for _ in t.feature_names]
@@ -123,12 +136,6 @@ class QuantEmbeddingBagCollection(nn.Module):
     ) -> QuantEmbeddingBagCollection:
         """Quantize a trained (unsharded, or loaded from a gathered checkpoint) collection."""
         device = ebc.device
-        dynamic = [t.name for t in ebc.embedding_bag_configs() if t.dynamic is not None]
-        if dynamic:
-            raise NotImplementedError(
-                f"QuantEmbeddingBagCollection.from_float: dynamic tables {dynamic} cannot be quantized yet "
-                "(the export of their id mapping is not built)"
-            )
         if device.type == "meta":
             raise ValueError(
                 "QuantEmbeddingBagCollection.from_float: the EmbeddingBagCollection is on the meta device "
@@ -146,9 +153,21 @@ class QuantEmbeddingBagCollection(nn.Module):
             bag = ebc.embedding_bags[t.name]
             if not isinstance(bag, nn.EmbeddingBag):  # pragma: no cover - EmbeddingBagCollection builds these
                 raise TypeError(f"embedding_bags.{t.name} is {type(bag).__name__}, not nn.EmbeddingBag")
-            rows = quantize_rows(bag.weight, q._dtype)
+            weight = bag.weight.detach()
+            if t.dynamic is not None and ebc.dynamic_tables is not None:
+                weight = q._freeze_ids(t.name, ebc.dynamic_tables.mapper(t.name), weight)
+            rows = quantize_rows(weight, q._dtype)
             q.table(t.name).set_rows(rows, copy=True)
         return q
+
+    def _freeze_ids(self, table: str, mapper: DynamicIdMapper, weight: Tensor) -> Tensor:
+        """Keep ``mapper``'s live ids; return ``weight`` with only their rows, plus the zero row."""
+        id_map = self.id_map(table)
+        id_map.set_live(*live_slots(mapper))
+        keep = torch.zeros(weight.shape[0] + 1, 1, dtype=torch.bool, device=weight.device)
+        keep[id_map.live_rows().to(weight.device)] = True
+        padded = torch.cat([weight, weight.new_zeros(1, weight.shape[1])])
+        return torch.where(keep, padded, 0.0)  # free and expired rows are stored as zeros too
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._tables
@@ -182,14 +201,25 @@ class QuantEmbeddingBagCollection(nn.Module):
             raise TypeError(f"embedding_bags.{name} is {type(module).__name__}, not QuantTable")
         return module
 
+    def id_map(self, name: str) -> QuantIdMap:
+        """Dynamic table ``name``'s raw id -> row mapping."""
+        module = None if self.id_maps is None else self.id_maps._modules.get(name)
+        if not isinstance(module, QuantIdMap):
+            dynamic = [] if self.id_maps is None else sorted(self.id_maps.keys())
+            raise KeyError(f"QuantEmbeddingBagCollection: table {name!r} is not dynamic; dynamic tables: {dynamic}")
+        return module
+
     def nbytes(self) -> int:
-        """Bytes of the stored rows (scale/bias included)."""
-        return sum(self.table(t.name).nbytes() for t in self._tables)
+        """Bytes of the stored rows (scale/bias included) and of the dynamic tables' id maps."""
+        id_maps = 0 if self.id_maps is None else sum(b.nbytes for b in self.id_maps.buffers())
+        return sum(self.table(t.name).nbytes() for t in self._tables) + id_maps
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         kjt = self._arrange(features)
         if kjt.variable_stride_per_key():  # VBE: look up the expanded batch (the same rows as pool-then-expand)
             kjt = expand_vbe(kjt, inverse_rows(features, self._feature_names, "QuantEmbeddingBagCollection"))
+        if self.id_maps is not None:
+            kjt = self._map_ids(kjt)
         weights = kjt.weights_or_none() if self._is_weighted else None
         if self._is_weighted and weights is None:
             raise ValueError("QuantEmbeddingBagCollection(is_weighted=True) got a KeyedJaggedTensor without weights")
@@ -199,6 +229,19 @@ class QuantEmbeddingBagCollection(nn.Module):
         if any(self._mean):
             pooled = pooled / self._mean_divisor(kjt.lengths(), kjt.stride())
         return KeyedTensor(self._embedding_names, self._dims, pooled)
+
+    def _map_ids(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``kjt`` with each dynamic table's raw ids replaced by their rows (the zero row if not live)."""
+        values, starts = kjt.values().long(), kjt.offset_per_key()
+        parts, k = [], 0
+        for t in self._tables:
+            part = values[starts[k] : starts[k + t.num_features]]
+            parts.append(part if t.dynamic is None else self.id_map(t.name)(part))
+            k += t.num_features
+        parts.append(values[starts[-1] :])  # a tail past the last bag is no id
+        return KeyedJaggedTensor._trusted(
+            kjt.keys(), torch.cat(parts), kjt.weights_or_none(), kjt.lengths(), kjt.stride(), kjt.length_per_key()
+        )
 
     def _mean_divisor(self, lengths: Tensor, batch: int) -> Tensor:
         """``[B, sum dims]``: the bag size under MEAN features, 1 under SUM ones."""

@@ -1,5 +1,6 @@
 """The Lightning layer: ``ShardRecStrategy``, registered as ``strategy="shardrec"`` on import."""
 
+from lightning_shardrec.lightning.dynamic_monitor import DynamicTableMonitor
 from lightning_shardrec.lightning.strategy import ShardRecStrategy
 
-__all__ = ["ShardRecStrategy"]
+__all__ = ["DynamicTableMonitor", "ShardRecStrategy"]

@@ -37,6 +37,7 @@ from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
 from lightning_shardrec.lightning.cluster import ranks_per_host
+from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
 from lightning_shardrec.lightning.optimizers import (
     derive_fused_config,
     find_group,
@@ -104,6 +105,9 @@ class ShardRecStrategy(RankFailureHandling):
         find_unused_parameters: passed to the dense layers' ``DistributedDataParallel`` (default ``False``).
         static_graph: passed to the dense layers' ``DistributedDataParallel`` (default ``False``).
         gradient_as_bucket_view: passed to the dense layers' ``DistributedDataParallel`` (default ``False``).
+        log_dynamic_stats: add a :class:`~lightning_shardrec.lightning.dynamic_monitor.DynamicTableMonitor`
+            (each dynamic table's occupancy, admissions, evictions, misses, ... summed over ranks, logged
+            every ``log_every_n_steps``) when the model has dynamic tables and the Trainer has none.
         start_method: how Lightning launches the ranks (``DDPStrategy``'s meaning): ``"popen"``
             (scripts, the CLI), ``"spawn"``, ``"fork"`` or ``"forkserver"`` (notebooks).
 
@@ -135,6 +139,7 @@ class ShardRecStrategy(RankFailureHandling):
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
+        log_dynamic_stats: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(
@@ -162,6 +167,7 @@ class ShardRecStrategy(RankFailureHandling):
             raise ValueError(f"ShardRecStrategy: planner_batch_size must be an int > 0, got {planner_batch_size!r}")
         self._embedding_optimizer = embedding_optimizer
         self._strict_optimizer = strict_optimizer
+        self._log_dynamic_stats = log_dynamic_stats
         self._holder_slot: tuple[int, int] | None = None  # the param group the tables train as, across fits
         self.guard: guards.ShardedGuard | None = None
         self._embedding_lr = embedding_lr
@@ -240,6 +246,8 @@ class ShardRecStrategy(RankFailureHandling):
             if dense_tables and holder is not None:
                 holder[1]["params"].extend(dense_tables)  # data-parallel tables train like dense layers
             self._fit_guards(trainer, holder)
+            if self._log_dynamic_stats:
+                add_dynamic_monitor(trainer, module)  # every rank: gathering the figures is collective
         convert_dense(self.precision_plugin, self.model, self.sharded)  # tables keep their config's dtype
         self.model_to_device()
         kernels = [k for s in self.sharded.values() for k in s.kernels()]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from lightning_shardrec.configs import EmbOptimType
 from lightning_shardrec.errors import PlannerError, UnsupportedFeatureError
+from lightning_shardrec.planner.dynamic_plan import dynamic_layouts
 from lightning_shardrec.planner.enumerate import TableOptions, prefers_data_parallel, table_options
 from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, check_reserve
 from lightning_shardrec.planner.partition import Placement, RankLoads, partition
@@ -253,7 +254,7 @@ class EmbeddingShardingPlanner:
             lower_bound=lower / topo.world_size,
             reserve=self.reserve,
         )
-        return ShardingPlan(plan, stats=stats)
+        return ShardingPlan(plan, stats=stats, dynamic=dynamic_layouts(specs, work))
 
     def _fixed(
         self, fixed: FixedPlan | None, specs: list[TableSpec]

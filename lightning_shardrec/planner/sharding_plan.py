@@ -6,6 +6,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lightning_shardrec.planner.dynamic_plan import DynamicLayout, DynamicLayouts, dynamic_lines, layouts_from_dict
 from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, size_text
 from lightning_shardrec.planner.types import ParameterSharding, ShardingType
 
@@ -88,23 +89,29 @@ class PlanStats:
 
 @dataclass(frozen=True)
 class ShardingPlan:
-    """How every table of every collection is sharded (``==`` compares only ``plan``)."""
+    """How every table of every collection is sharded (``==`` compares only ``plan``).
+
+    ``dynamic``: the planner's layout of each dynamic table (capacity, memory with its id map).
+    """
 
     plan: dict[str, dict[str, ParameterSharding]]
     stats: PlanStats | None = field(default=None, compare=False, kw_only=True)
+    dynamic: DynamicLayouts = field(default_factory=dict, compare=False, kw_only=True)
 
     def get_plan_for_module(self, module_path: str) -> dict[str, ParameterSharding] | None:
         """The table shardings of the collection at ``module_path`` (``""`` = root), or None."""
         return self.plan.get(module_path)
 
     def to_json(self, indent: int | None = 2) -> str:
-        data = {
+        data: dict[str, object] = {
             "plan": {
                 path: {name: ps.to_dict() for name, ps in tables.items()}
                 for path, tables in self.plan.items()
             },
             "stats": None if self.stats is None else self.stats.to_dict(),
         }
+        if any(self.dynamic.values()):
+            data["dynamic"] = {p: {n: d.to_dict() for n, d in t.items()} for p, t in self.dynamic.items()}
         return json.dumps(data, indent=indent)
 
     @classmethod
@@ -123,7 +130,8 @@ class ShardingPlan:
             for path, tables in data["plan"].items()
         }
         stats = data.get("stats")
-        return cls(plan, stats=None if stats is None else PlanStats(**stats))
+        dynamic = layouts_from_dict(data.get("dynamic") or {})
+        return cls(plan, stats=None if stats is None else PlanStats(**stats), dynamic=dynamic)
 
     def __str__(self) -> str:
         return self.table()
@@ -147,7 +155,7 @@ class ShardingPlan:
                 rows.append(
                     (
                         path or "<root>",
-                        name,
+                        _param(name, self.dynamic.get(path, {}).get(name)),
                         ps.sharding_type.value,
                         _kernel(ps, kernels.get((path, name))),
                         _ranks(ps),
@@ -160,9 +168,14 @@ class ShardingPlan:
             for r in rows
         ]
         lines.insert(1, "-+-".join("-" * w for w in widths) + "-+-" + "-" * len(header[-1]))
+        lines.extend(dynamic_lines(self.dynamic))
         if self.stats is not None:
             lines.extend(_stats_lines(self.stats))
         return "\n".join(lines)
+
+
+def _param(name: str, dynamic: DynamicLayout | None) -> str:
+    return name if dynamic is None else f"{name} (dynamic, {dynamic.capacity} slots)"
 
 
 def _kernel(ps: ParameterSharding, chosen: str | None) -> str:

@@ -1,6 +1,7 @@
 """Storage half of the cost model: bytes a shard takes on its rank's table memory.
 
-weights (``rows*cols*elem``) + optimizer state (``rows*state_per_row(cols)*4``) +
+weights (``rows*cols*elem``) + optimizer state (``rows*state_per_row(cols)*4``) + a dynamic
+table's id map (``rows * TableSpec.id_map_row_bytes``: 4 int64 per slot, 3 per candidate) +
 buffers: the ids it receives (``*8``), and its output and output gradient (``*4`` each,
 full ``[B*Q, cols]`` partials for row_wise / table_row_wise / grid_shard). data_parallel also keeps
 a dense gradient of the whole table and only the local batch's buffers.
@@ -17,7 +18,7 @@ from lightning_shardrec.planner.types import ShardingType
 
 
 def _resident(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
-    return rows * (cols * t.elem_bytes + w.state_per_row(cols) * STATE_BYTES)
+    return rows * (cols * t.elem_bytes + w.state_per_row(cols) * STATE_BYTES + t.id_map_row_bytes)
 
 
 def _buffers(t: TableSpec, batch: int, frac: float, cols: int, partial_out: bool) -> float:
@@ -54,6 +55,11 @@ def shard_storage(
 ) -> int:
     """Bytes a ``rows x cols`` shard of ``table`` needs on its rank."""
     return math.ceil(STORAGE[kind](table, work, rows, cols))
+
+
+def id_map_bytes(table: TableSpec) -> int:
+    """Bytes of a dynamic table's id map (its mapper's buffers), 0 for a static table."""
+    return math.ceil(table.rows * table.id_map_row_bytes)
 
 
 def resident_bytes(table: TableSpec, work: Workload) -> tuple[int, int]:

@@ -22,6 +22,7 @@ COLUMN_ALIGN = 4  # column shards are multiples of 4 wide (fbgemm's row alignmen
 #: change training storage); tests/planner/test_memory.py checks this against both kernels.
 TRAIN_WEIGHT_BYTES = 4
 
+ID_MAP_BYTES = 8  # a dynamic table's id map: int64 buffers
 TablesInput = nn.Module | Mapping[str, Sequence[BaseEmbeddingConfig]]
 
 
@@ -44,6 +45,16 @@ class TableSpec:
     #: dynamic tables: buckets and slots per bucket (row blocks are whole buckets); 0 for static tables
     num_buckets: int = 0
     slots_per_bucket: int = 0
+    #: dynamic tables: admission candidates per bucket (0: ids are admitted at first sight)
+    cands_per_bucket: int = 0
+
+    @property
+    def id_map_row_bytes(self) -> float:
+        """A dynamic table's id-map bytes per row: 4 int64 per slot (id, last step, count,
+        generation), 3 per candidate (id, last step, count) and 5 counters per bucket; 0 if static."""
+        if not self.num_buckets:
+            return 0.0
+        return ID_MAP_BYTES * (4 + (3 * self.cands_per_bucket + 5) / self.slots_per_bucket)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -164,6 +175,7 @@ def table_specs(
                     ranks=tuple(pc.ranks) if pc.ranks is not None else None,
                     num_buckets=buckets,
                     slots_per_bucket=slots,
+                    cands_per_bucket=config.dynamic.candidate_slots(slots) if config.dynamic is not None else 0,
                 )
             )
     if problems:

@@ -6,7 +6,13 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType, SyntheticRecDataModule
+from lightning_shardrec import (
+    DynamicConfig,
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    PoolingType,
+    SyntheticRecDataModule,
+)
 
 FEATURES = [("user", 200, PoolingType.SUM), ("item", 60, PoolingType.MEAN), ("ctx", 10, PoolingType.SUM)]
 NUM_DENSE = 3
@@ -48,3 +54,20 @@ def trainer(**kwargs) -> L.Trainer:
                 enable_model_summary=False, num_sanity_val_steps=0)
     base.update(kwargs)
     return L.Trainer(**base)
+
+
+class DynRec(L.LightningModule):
+    """TinyRec whose 'user' table is dynamic: ``capacity`` slots for its 200 ids (rows get evicted)."""
+
+    forward, training_step, configure_optimizers = TinyRec.forward, TinyRec.training_step, TinyRec.configure_optimizers
+
+    def __init__(self, dim: int = 8, capacity: int = 32) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        tables = [EmbeddingBagConfig(num_embeddings=n, embedding_dim=dim, name=f"t_{f}", feature_names=[f], pooling=p)
+                  for f, n, p in FEATURES]
+        tables[0] = EmbeddingBagConfig(num_embeddings=capacity, embedding_dim=dim, name="t_user",
+                                       feature_names=["user"], dynamic=DynamicConfig(eviction="lru", ttl_steps=3))
+        self.ebc = EmbeddingBagCollection(tables)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(NUM_DENSE + dim * len(FEATURES), 16), torch.nn.ReLU(),
+                                       torch.nn.Linear(16, 1))

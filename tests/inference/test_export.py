@@ -127,3 +127,62 @@ def test_export_errors(checkpoint, tmp_path):
     torch.save({"state_dict": {}}, tmp_path / "plain.pt")
     with pytest.raises(CheckpointError, match=r"is not a lightning_shardrec.quantized artifact"):
         load(tmp_path / "plain.pt")
+
+
+_SERVE = """
+import sys, torch
+from lightning_shardrec import KeyedJaggedTensor, _fbgemm
+from lightning_shardrec.data import RecBatch
+from lightning_shardrec.inference import load
+batches = torch.load(sys.argv[2], weights_only=True)
+outs = {}
+for backend in ["torch"] + (["fbgemm"] if _fbgemm.fbgemm_inference_available() else []):
+    model = load(sys.argv[1], backend=backend)
+    with torch.no_grad():
+        outs[backend] = [model(RecBatch(b["dense"], KeyedJaggedTensor(b["keys"], b["values"], lengths=b["lengths"]),
+                                        b["labels"])) for b in batches]
+torch.save(outs, sys.argv[3])
+"""
+
+
+def test_dynamic_table_export_cli_and_serving_in_a_fresh_process(tmp_path):
+    """A dynamic table trained by a Trainer (rows evicted), exported by the CLI, served from raw ids
+    in another process: identical to the in-process quantized model, within tolerance of the float one in eval."""
+    from _quant_models import DynRec
+
+    torch.manual_seed(0)
+    model = DynRec()
+    t = trainer(max_steps=6)
+    t.fit(model, data(num_batches=6))
+    stats = model.ebc.dynamic_stats()["t_user"]
+    assert stats["evictions"] > 0
+    t.save_checkpoint(tmp_path / "dyn.ckpt")
+    out = tmp_path / "dyn.pt"
+    assert main(["--ckpt", str(tmp_path / "dyn.ckpt"), "--model", "_quant_models:DynRec", "--out", str(out)]) == 0
+    spec = torch.load(out, weights_only=True)["collections"]["ebc"]["tables"][0]
+    assert spec["dynamic"] == {"eviction": "lru", "ttl_steps": 3, "min_count": 1, "num_buckets": None,
+                               "candidates_per_bucket": None, "seed": 0}
+    state = torch.load(tmp_path / "dyn.ckpt", weights_only=True)
+    reference = DynRec(**state["hyper_parameters"])
+    reference.load_state_dict(state["state_dict"])
+    reference.eval()
+    in_process = quantize(reference, "int8", inplace=False)
+    batches = _batches()
+    plain = [{"dense": b.dense, "labels": b.labels, "keys": b.sparse.keys(), "values": b.sparse.values(),
+              "lengths": b.sparse.lengths()} for b in batches]
+    torch.save(plain, tmp_path / "batches.pt")
+    env = {**__import__("os").environ, "PYTHONPATH": f"{HERE}:{HERE.parent.parent}"}
+    cmd = [sys.executable, "-c", _SERVE, str(out), str(tmp_path / "batches.pt"), str(tmp_path / "outs.pt")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    served = torch.load(tmp_path / "outs.pt", weights_only=True)
+    mapper = reference.ebc.dynamic_tables.mapper("t_user")
+    missed = 0
+    for i, batch in enumerate(batches):
+        with torch.no_grad():
+            expected, exact = in_process(batch), reference(batch)
+        for outs in served.values():
+            torch.testing.assert_close(outs[i], expected, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(outs[i], exact, rtol=0.02, atol=0.02)
+        missed += int((mapper.lookup(batch.sparse["user"].values(), int(mapper.step), False).slots < 0).sum())
+    assert missed > 0  # raw ids that are not live were served (as zeros)

@@ -219,17 +219,6 @@ def test_state_dict_round_trip_resumes_exactly() -> None:
     assert a.dynamic_stats() == b.dynamic_stats()
 
 
-def test_quantizing_dynamic_tables_is_refused_for_now() -> None:
-    from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection
-
-    table = EmbeddingBagConfig(
-        name="d", embedding_dim=2, num_embeddings=4, feature_names=["a"], dynamic=DynamicConfig()
-    )
-    ebc = EmbeddingBagCollection([table])
-    with pytest.raises(NotImplementedError, match=r"dynamic tables \['d'\] cannot be quantized yet"):
-        QuantEmbeddingBagCollection.from_float(ebc)
-
-
 def test_variable_batch_kjt_is_refused_for_dynamic_tables() -> None:
     from tests.modules.test_vbe import KEYS, vbe
 

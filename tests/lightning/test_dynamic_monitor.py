@@ -1,0 +1,132 @@
+"""DynamicTableMonitor: dynamic-table figures logged through the Trainer's loggers every N steps."""
+
+from __future__ import annotations
+
+import csv
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingBagConfig, SyntheticRecDataModule
+from lightning_shardrec.lightning import DynamicTableMonitor
+from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
+from lightning_shardrec.modules.dynamic_stats import FIELDS
+from lightning_shardrec.testing import run_ranks
+
+
+class DynRec(L.LightningModule):
+    """'user' is dynamic (24 slots for 120 ids: rows get evicted), 'item' static."""
+
+    def __init__(self, dynamic: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        cfg = DynamicConfig(eviction="lru", min_count=2) if dynamic else None
+        self.ebc = EmbeddingBagCollection([
+            EmbeddingBagConfig(num_embeddings=24, embedding_dim=4, name="t_user", feature_names=["user"], dynamic=cfg),
+            EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t_item", feature_names=["item"]),
+        ])
+        self.mlp = torch.nn.Linear(3 + 8, 1)
+
+    def forward(self, batch):
+        return self.mlp(torch.cat([batch.dense, self.ebc(batch.sparse).values()], 1)).squeeze(1)
+
+    def training_step(self, batch, i):
+        return F.binary_cross_entropy_with_logits(self(batch), batch.labels)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _data() -> SyntheticRecDataModule:
+    tables = [{"name": "user", "num_embeddings": 120}, {"name": "item", "num_embeddings": 30}]
+    return SyntheticRecDataModule(num_dense=3, tables=tables, batch_size=16, num_batches=8, val_batches=0, seed=1)
+
+
+def _trainer(tmp_path, callbacks, **kwargs) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name="", version=""),
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=callbacks, **kwargs)
+
+
+def _logged(tmp_path, prefix: str = "dynamic/") -> dict[int, dict[str, float]]:
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    out: dict[int, dict[str, float]] = {}
+    for row in rows:
+        values = {k: float(v) for k, v in row.items() if k.startswith(prefix) and v != ""}
+        if values:
+            out.setdefault(int(row["step"]), {}).update(values)
+    return out
+
+
+def test_figures_logged_every_n_steps_match_the_module(tmp_path):
+    model = DynRec()
+    monitor = DynamicTableMonitor(every_n_steps=2)
+    _trainer(tmp_path, [monitor], max_steps=6, log_every_n_steps=50).fit(model, _data())
+    logged = _logged(tmp_path)
+    assert sorted(logged) == [2, 4, 6]
+    final = model.ebc.dynamic_stats()["t_user"]
+    assert set(final) == set(FIELDS)
+    assert logged[6] == monitor.last == {f"dynamic/t_user/{k}": float(v) for k, v in final.items()}
+    assert final["evictions"] > 0 and final["misses"] > 0 and final["occupancy"] == final["capacity"] == 24
+    assert logged[2]["dynamic/t_user/admissions"] <= logged[4]["dynamic/t_user/admissions"] <= final["admissions"]
+    assert not any("t_item" in k for k in monitor.last)  # static tables have no figures
+
+
+def test_default_interval_is_log_every_n_steps_and_errors(tmp_path):
+    _trainer(tmp_path, [DynamicTableMonitor(prefix="dyn")], max_steps=6, log_every_n_steps=3).fit(DynRec(), _data())
+    logged = _logged(tmp_path, "dyn/")
+    assert sorted(logged) == [3, 6] and "dyn/t_user/occupancy" in logged[3]
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=r"DynamicTableMonitor: every_n_steps must be an int >= 1 or None .*got"):
+            DynamicTableMonitor(every_n_steps=bad)
+
+
+def test_add_dynamic_monitor_only_for_dynamic_models_and_once(tmp_path):
+    trainer = _trainer(tmp_path, [])
+    assert add_dynamic_monitor(trainer, DynRec(dynamic=False)) is None
+    added = add_dynamic_monitor(trainer, DynRec())
+    assert isinstance(added, DynamicTableMonitor) and added in trainer.callbacks
+    assert add_dynamic_monitor(trainer, DynRec()) is None
+    assert sum(isinstance(c, DynamicTableMonitor) for c in trainer.callbacks) == 1
+
+
+def _data_for(batch_size: int) -> SyntheticRecDataModule:
+    tables = [{"name": "user", "num_embeddings": 120}, {"name": "item", "num_embeddings": 30}]
+    return SyntheticRecDataModule(num_dense=3, tables=tables, batch_size=batch_size, num_batches=6, val_batches=0,
+                                  seed=1)
+
+
+def fit_sharded(rank, world, tmp):
+    from _models import external_launch
+
+    from lightning_shardrec import ShardRecStrategy
+
+    external_launch(rank, world)
+    out = []
+    for log_stats, steps in ((True, 6), (False, 1)):
+        trainer = L.Trainer(accelerator="cpu", devices=world, logger=CSVLogger(tmp, name="", version=str(log_stats)),
+                            strategy=ShardRecStrategy(log_dynamic_stats=log_stats, heartbeat_timeout=None),
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            max_steps=steps, log_every_n_steps=3)
+        trainer.fit(DynRec(), _data_for(8))
+        monitors = [c for c in trainer.callbacks if isinstance(c, DynamicTableMonitor)]
+        out.append(([m.last for m in monitors], trainer.strategy.sharded["ebc"].dynamic_stats()))
+    return out
+
+
+def test_sharded_figures_are_sums_over_ranks_and_match_one_process(tmp_path):
+    """2 ranks (the strategy adds the monitor) log what one process logs; log_dynamic_stats=False adds none."""
+    plain = DynRec()
+    _trainer(tmp_path / "plain", [DynamicTableMonitor()], max_steps=6, log_every_n_steps=3).fit(plain, _data_for(16))
+    want = plain.ebc.dynamic_stats()
+    assert want["t_user"]["evictions"] > 0
+    rank0, rank1 = run_ranks(fit_sharded, 2, str(tmp_path / "two"))
+    (last0, stats0), (last1, stats1) = rank0[0], rank1[0]
+    assert stats0 == stats1 == want  # after fit: every rank gets the sums
+    assert last0 == last1 == [{f"dynamic/t_user/{k}": float(v) for k, v in want["t_user"].items()}]
+    assert _logged(tmp_path / "two" / "True") == _logged(tmp_path / "plain")  # the same figures at steps 3 and 6
+    assert rank0[1][0] == rank1[1][0] == []  # log_dynamic_stats=False: no monitor
