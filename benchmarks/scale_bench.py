@@ -1,6 +1,6 @@
 """Per-step bookkeeping of the output and input distributions at a simulated world size.
 
-    python benchmarks/scale_bench.py [--worlds 8,64,512] [--batch 64] [--repeats 5]
+    python benchmarks/scale_bench.py [--worlds 8,64,512] [--batch 64] [--repeats 5] [--cases "row-wise,header"]
 
 One process plays rank 0 of a ``W``-rank job: the collectives are replaced by local
 stand-ins (an all-to-all copies what fits of its input into its output, a reduce-scatter
@@ -358,6 +358,7 @@ def main() -> None:
     parser.add_argument("--worlds", default="8,64,512")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
     args = parser.parse_args()
     torch.set_num_threads(1)
     worlds = [int(w) for w in args.worlds.split(",")]
@@ -365,7 +366,8 @@ def main() -> None:
     print("| case | " + " | ".join(f"W={w}: before / after (ms)" for w in worlds) + " |")
     print("|---|" + "---:|" * len(worlds))
     with fake_collectives():
-        for name, case in CASES.items():
+        for name in args.cases.split(","):
+            case = CASES[name]
             cells = []
             for w in worlds:
                 before, after = case(w, args.batch, True), case(w, args.batch, False)
