@@ -84,19 +84,20 @@ class Whereabouts:
         Gone: no such pid, a zombie (killed, not yet reaped), or another process that
         reused the pid (a different start time).
         """
+        foreign = False
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:
-            pass  # another user's process: /proc still tells its state and start time
+            foreign = True  # another user's process: /proc may still tell its state and start time
         if not os.path.isdir("/proc/self"):
             return True  # no /proc: kill(0) is all there is
         try:
             with open(f"/proc/{self.pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except FileNotFoundError:
-            return False  # exited between the two calls
+            return foreign  # exited between the two calls, or hidden (/proc mounted with hidepid)
         except OSError:
             return True
         if fields[0] == "Z":

@@ -82,3 +82,16 @@ def test_a_reused_pid_is_not_the_rank(sleeper):
     assert not Whereabouts(pid_namespace(), sleeper.pid, started + 1).alive()
     # no start time published (no /proc at the rank): the pid alone decides
     assert Whereabouts(pid_namespace(), sleeper.pid, None).alive()
+
+
+@linux
+def test_another_users_process_hidden_from_proc_counts_as_alive(sleeper, monkeypatch):
+    where = Whereabouts.of(sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()  # its /proc entry is gone, as another user's is under hidepid=2
+
+    def refuse(pid, sig):
+        raise PermissionError(1, "Operation not permitted")  # kill(0) on another user's live process
+
+    monkeypatch.setattr(os, "kill", refuse)
+    assert where.alive()
