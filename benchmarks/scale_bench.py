@@ -1,6 +1,6 @@
 """Per-step bookkeeping of the output and input distributions at a simulated world size.
 
-    python benchmarks/scale_bench.py [--worlds 8,64,512] [--batch 64] [--repeats 5]
+    python benchmarks/scale_bench.py [--worlds 8,64,512] [--batch 64] [--repeats 5] [--cases "row-wise,header"]
 
 One process plays rank 0 of a ``W``-rank job: the collectives are replaced by local
 stand-ins (an all-to-all copies what fits of its input into its output, a reduce-scatter
@@ -10,9 +10,13 @@ real collective would move data. Per step (forward + backward where there is one
 
 * ``pooled a2a``: table/column-wise output dist (``all_to_all_pooled``): ``W`` sources,
   each sending this rank a ``[B, 16]`` table slice.
+* ``pooled a2a fp16``: the same with ``comm_precision="fp16"`` (``before``: the wire
+  format's list of every peer's part and exponent).
 * ``holders``: table-row-wise (``HolderExchange``), 8 ranks per host, one 16-wide table
   per host on all its ranks: host all-to-all, then the world all-to-all home.
 * ``row-wise``: ``reduce_scatter_grad`` of a ``[W * B, 64]`` partial (backward: all-gather).
+* ``row-wise bf16`` / ``fp16``: the same with ``comm_precision`` (``before``: a list per
+  rank, fp16's per-peer wire list, and the backward's ``W``-times copy of the gradient).
 * ``header``: the input dist's per-batch header, built and read (``_header``, ``_read_header``), 4 groups.
 
 ``B`` (``--batch``) is the per-rank batch size. Nothing here measures the network.
@@ -35,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_shardrec.distributed import comm
+from lightning_shardrec.distributed import comm, qcomm
 from lightning_shardrec.distributed.batch_dist import _header, _read_header
 from lightning_shardrec.distributed.comm import (
     ColumnBlocks,
@@ -46,6 +50,7 @@ from lightning_shardrec.distributed.comm import (
 )
 from lightning_shardrec.distributed.hierarchy import HolderExchange, Unit
 from lightning_shardrec.distributed.input_dist import Routed
+from lightning_shardrec.distributed.qcomm import CommPrecision, fp16_exponent
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 LOCAL = 8  # ranks per host
@@ -72,6 +77,53 @@ class _LegacyReduceScatter(torch.autograd.Function):
         )
         parts = gathered.split([r * width for r in rows])
         return (None, *(g.view(r, *grad.shape[1:]) for g, r in zip(parts, rows, strict=True)))
+
+
+def _legacy_encode(x: torch.Tensor, splits: list[int], precision: CommPrecision) -> tuple[torch.Tensor, list[int]]:
+    """The former fp16 wire encoder: a list of every peer's part and exponent, then a cat."""
+    if precision is not CommPrecision.FP16:
+        return qcomm.encode(x, splits, precision)
+    e = fp16_exponent(x)
+    y, eh = (x * torch.exp2(e)).half(), e.half().reshape(1)
+    return torch.cat([t for part in y.split(splits) for t in (part, eh)]), [n + 1 for n in splits]
+
+
+def _legacy_decode(wire: torch.Tensor, wire_splits: list[int], precision: CommPrecision) -> torch.Tensor:
+    if precision is not CommPrecision.FP16:
+        return qcomm.decode(wire, wire_splits, precision)
+    return torch.cat([p[:-1].float() * torch.exp2(-p[-1:].float()) for p in wire.split(wire_splits)])
+
+
+def _legacy_exchange(send: torch.Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv, fp16: bool):
+    """The former quantized all-to-all: fp16 cut into a list per peer, an exponent after each part."""
+    precision = CommPrecision.FP16 if fp16 else CommPrecision.BF16
+    wire, wire_in = _legacy_encode(send, in_splits, precision)
+    wire_out = qcomm.wire_splits(out_splits, precision)
+    recv = wire.new_empty(sum(wire_out))
+    dist.all_to_all_single(recv, wire, wire_out, wire_in, group=env.pg)
+    return _legacy_decode(recv, wire_out, precision)
+
+
+class _LegacyReduceScatterQ(torch.autograd.Function):
+    """The former bf16/fp16 reduce-scatter: per-rank lists, and a ``W``-times copy of the gradient."""
+
+    @staticmethod
+    def forward(ctx, env: ShardingEnv, fp16: bool, *parts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.env, ctx.rows, ctx.fp16 = env, [p.shape[0] for p in parts], fp16
+        mine = parts[env.rank]
+        send = torch.cat([p.reshape(-1) for p in parts])
+        recv = _legacy_exchange(send, [mine.numel()] * env.world_size, [p.numel() for p in parts], env, fp16)
+        return recv.view(env.world_size, *mine.shape).sum(0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        env, rows = ctx.env, ctx.rows
+        width = grad[0].numel()
+        mine = grad.contiguous().reshape(-1)
+        splits = [r * width for r in rows]
+        gathered = _legacy_exchange(mine.repeat(env.world_size), splits, [mine.numel()] * env.world_size, env, ctx.fp16)
+        parts = gathered.split(splits)
+        return (None, None, *(g.view(r, *grad.shape[1:]) for g, r in zip(parts, rows, strict=True)))
 
 
 def _legacy_holders(self: HolderExchange, partial: torch.Tensor, batch_sizes: list[int]) -> torch.Tensor:
@@ -180,6 +232,23 @@ def pooled_case(world: int, batch: int, before: bool) -> Callable[[], None]:
     return step
 
 
+def pooled_fp16_case(world: int, batch: int, before: bool) -> Callable[[], None]:
+    env = ShardingEnv(0, world, None, LOCAL if world % LOCAL == 0 else world)
+    width = 16
+    layout = ColumnBlocks.from_columns(list(range(width * world)), [width] * world)
+    x = torch.randn(batch * world, width, requires_grad=True)
+    sizes = [batch] * world
+
+    def step() -> None:
+        if before:  # the wire format's per-peer lists
+            comm.encode, comm.decode = _legacy_encode, _legacy_decode
+        out = all_to_all_pooled(x, sizes, layout, 1.0 / world, env, CommPrecision.FP16)
+        out.backward(torch.ones_like(out))
+        comm.encode, comm.decode = qcomm.encode, qcomm.decode
+
+    return step
+
+
 def holders_case(world: int, batch: int, before: bool) -> Callable[[], None]:
     env = ShardingEnv(0, world, None, LOCAL)
     host = ShardingEnv(0, LOCAL, None, LOCAL)
@@ -212,6 +281,25 @@ def rowwise_case(world: int, batch: int, before: bool) -> Callable[[], None]:
     return step
 
 
+def rowwise_low_case(precision: CommPrecision) -> Callable[[int, int, bool], Callable[[], None]]:
+    def case(world: int, batch: int, before: bool) -> Callable[[], None]:
+        env = ShardingEnv(0, world, None, LOCAL if world % LOCAL == 0 else world)
+        x = torch.randn(batch * world, 64, requires_grad=True)
+        sizes = [batch] * world
+        fp16 = precision is CommPrecision.FP16
+
+        def step() -> None:
+            if before:
+                rows = _LegacyReduceScatterQ.apply(env, fp16, *x.split(sizes))
+            else:
+                rows = reduce_scatter_rows(x, sizes, env, precision)
+            rows.backward(torch.ones_like(rows))
+
+        return step
+
+    return case
+
+
 def _legacy_header(kjt: KeyedJaggedTensor, routed: list[Routed], world: int, groups: int) -> list[list[int]]:
     """The former header: built and read row by row in Python."""
     splits = [r.value_splits for r in routed]
@@ -238,7 +326,15 @@ def header_case(world: int, batch: int, before: bool) -> Callable[[], None]:
     return step
 
 
-CASES = {"pooled a2a": pooled_case, "holders": holders_case, "row-wise": rowwise_case, "header": header_case}
+CASES = {
+    "pooled a2a": pooled_case,
+    "pooled a2a fp16": pooled_fp16_case,
+    "holders": holders_case,
+    "row-wise": rowwise_case,
+    "row-wise bf16": rowwise_low_case(CommPrecision.BF16),
+    "row-wise fp16": rowwise_low_case(CommPrecision.FP16),
+    "header": header_case,
+}
 
 
 def measure(step: Callable[[], None], repeats: int) -> float:
@@ -262,6 +358,7 @@ def main() -> None:
     parser.add_argument("--worlds", default="8,64,512")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
     args = parser.parse_args()
     torch.set_num_threads(1)
     worlds = [int(w) for w in args.worlds.split(",")]
@@ -269,7 +366,8 @@ def main() -> None:
     print("| case | " + " | ".join(f"W={w}: before / after (ms)" for w in worlds) + " |")
     print("|---|" + "---:|" * len(worlds))
     with fake_collectives():
-        for name, case in CASES.items():
+        for name in args.cases.split(","):
+            case = CASES[name]
             cells = []
             for w in worlds:
                 before, after = case(w, args.batch, True), case(w, args.batch, False)

@@ -77,7 +77,7 @@ def distribute_inputs(
     """
     kjt, subs, routed, error = _split_and_route(features, split, groups)
     header = _with_tag(_header(kjt, routed, error, env.world_size, len(groups)), tag)
-    recv = exchange_header(header.to(device), env).cpu()
+    recv = exchange_header(_to_device(header, device), env).cpu()
     batch_sizes, recv_values = _read_header(recv, error, env, len(groups))
     if tag is not None:
         tag.check(recv[:, 2 + len(groups) :].tolist(), env.rank)
@@ -102,7 +102,7 @@ def start_input_dist(
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     kjt, subs, routed, error = _split_and_route(features, split, groups)
     header = _with_tag(_header(kjt, routed, error, env.world_size, len(groups)), tag, ahead=True)
-    recv, work = exchange_header_async(header.to(device), env)
+    recv, work = exchange_header_async(_to_device(header, device), env)
     return PrefetchHandle(features, groups, env, stream, kjt, subs, routed, error, recv, work, tag)
 
 
@@ -111,7 +111,7 @@ def start_end_of_data(
 ) -> EndOfData:
     """Where the other ranks prefetch their next batch and this rank has none: send a header saying so (async)."""
     header = torch.zeros(env.world_size, 2 + len(groups), dtype=torch.long)
-    recv, work = exchange_header_async(_with_tag(header, tag, ahead=True, ended=True).to(device), env)
+    recv, work = exchange_header_async(_to_device(_with_tag(header, tag, ahead=True, ended=True), device), env)
     return EndOfData(recv, work, tag, env, len(groups))
 
 
@@ -130,6 +130,17 @@ class EndOfData:
         recv = self._header.cpu()
         _read_header(recv, None, self._env, self._groups)
         self._tag.check(recv[:, 2 + self._groups :].tolist(), self._env.rank)
+
+
+def _to_device(header: Tensor, device: torch.device) -> Tensor:
+    """The host-built header on the collective's device; to CUDA from pinned memory without blocking.
+
+    A pageable copy would wait for everything queued on the stream (a second host sync per
+    step next to the unavoidable read of the received header).
+    """
+    if device.type != "cuda":
+        return header.to(device)
+    return header.pin_memory().to(device, non_blocking=True)
 
 
 def _with_tag(header: Tensor, tag: BatchTag | None, ahead: bool = False, ended: bool = False) -> Tensor:
@@ -264,7 +275,6 @@ def _read_header(
             f"rank {env.rank}: ranks {failed} rejected their batch (see their error); stopping all ranks"
         )
     return columns[1], columns[2 : 2 + num_groups]
-
 
 
 def _hand_over(ctx: DistContext, stream: torch.cuda.Stream) -> None:

@@ -16,7 +16,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_shardrec.distributed.qcomm import CommPrecision, decode, encode, wire_splits
+from lightning_shardrec.distributed.qcomm import (
+    CommPrecision,
+    decode,
+    decode_rows,
+    encode,
+    encode_rows,
+    wire_splits,
+    wire_width,
+)
 from lightning_shardrec.planner.topology import local_world_size_from_env
 
 
@@ -285,14 +293,15 @@ class _PooledAllToAll(torch.autograd.Function):
 def reduce_scatter_grad(parts: list[Tensor], env: ShardingEnv, precision: CommPrecision = CommPrecision.FP32) -> Tensor:
     """Sum ``parts[r]`` over ranks onto rank ``r`` (uneven sizes allowed); backward all-gathers.
 
-    ``precision`` below fp32: the parts travel in bf16/fp16 by one all-to-all (the same bytes
-    per rank as a ring reduce-scatter) and are summed in fp32 on arrival; so does the gradient.
+    ``precision`` below fp32: :func:`reduce_scatter_rows` of the parts side by side.
 
     For row blocks of one tensor prefer :func:`reduce_scatter_rows` (no per-rank list).
     """
     if env.world_size == 1:
         return parts[0]
-    return _ReduceScatterV.apply(env, CommPrecision.parse(precision), *parts)
+    if CommPrecision.parse(precision) is not CommPrecision.FP32:
+        return reduce_scatter_rows(torch.cat(parts), [p.shape[0] for p in parts], env, precision)
+    return _ReduceScatterV.apply(env, *parts)
 
 
 def reduce_scatter_rows(
@@ -302,12 +311,18 @@ def reduce_scatter_rows(
 
     Equal blocks use the single-tensor collectives (no per-rank list, no copies); uneven ones
     reduce-scatter a list and all-gather padded to the largest block. Neither builds a
-    ``W``-times copy of anything. ``precision`` below fp32: :func:`reduce_scatter_grad`'s quantized path.
+    ``W``-times copy of anything.
+
+    ``precision`` below fp32: the blocks travel in bf16/fp16 by one equal all-to-all of a
+    ``[W, block]`` wire buffer (the same bytes per rank as a ring reduce-scatter) and are
+    summed in fp32 on arrival; the gradient is all-gathered in bf16/fp16 (:mod:`.qcomm`).
+    Uneven blocks are padded to the largest.
     """
     if env.world_size == 1:
         return x
-    if CommPrecision.parse(precision) is not CommPrecision.FP32:
-        return reduce_scatter_grad(list(x.split(rows)), env, precision)
+    precision = CommPrecision.parse(precision)
+    if precision is not CommPrecision.FP32:
+        return _ReduceScatterRowsQ.apply(x, rows, env, precision)
     return _ReduceScatterRows.apply(x, rows, env)
 
 
@@ -337,6 +352,60 @@ class _ReduceScatterRows(torch.autograd.Function):
         return _gather_rows(grad, ctx.rows, ctx.env), None, None
 
 
+class _ReduceScatterRowsQ(torch.autograd.Function):
+    """:func:`reduce_scatter_rows` in bf16/fp16: buffers shaped ``[W, ...]``, no per-rank list."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x: Tensor, rows: list[int], env: ShardingEnv, precision: CommPrecision
+    ) -> Tensor:
+        ctx.rows, ctx.env, ctx.precision = rows, env, precision
+        width, most = math.prod(x.shape[1:]), max(rows)
+        send = _pad_blocks(x.reshape(sum(rows), width), rows).view(env.world_size, most * width)
+        wire = encode_rows(send, precision)
+        recv = torch.empty_like(wire)
+        dist.all_to_all_single(recv, wire, group=env.pg)  # row s of recv: source s's block for this rank
+        got = decode_rows(recv, precision)
+        mine = rows[env.rank]
+        got = got if mine == most else got[:, : mine * width]
+        return got.sum(0).view(mine, *x.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        rows, env, precision = ctx.rows, ctx.env, ctx.precision
+        width, most = math.prod(grad.shape[1:]), max(rows)
+        mine = grad.contiguous().reshape(-1)
+        if rows[env.rank] != most:
+            mine = torch.cat([mine, mine.new_zeros((most - rows[env.rank]) * width)])
+        wire = encode_rows(mine.view(1, -1), precision).view(-1)
+        gathered = wire.new_empty(env.world_size * wire.numel())
+        _all_gather_single(gathered, wire, env.pg)
+        rows_of = decode_rows(gathered.view(env.world_size, wire_width(most * width, precision)), precision)
+        back = _unpad_blocks(rows_of.reshape(env.world_size * most, width), rows)
+        return back.view(sum(rows), *grad.shape[1:]), None, None, None
+
+
+def _keep(rows: list[int], most: int, device: torch.device) -> Tensor:
+    """Where block ``r``'s ``rows[r]`` rows sit in blocks of ``most``: ``rows [1, 3], most 3 -> [0, 3, 4, 5]``."""
+    keep = torch.cat([torch.arange(r * most, r * most + n) for r, n in enumerate(rows)])  # rare: uneven batches
+    return keep.to(device, non_blocking=True)
+
+
+def _pad_blocks(x: Tensor, rows: list[int]) -> Tensor:
+    """``[sum(rows), n]`` -> ``[W * max(rows), n]``, block ``r`` zero-padded (a view when even)."""
+    most = max(rows)
+    if rows.count(most) == len(rows):
+        return x.contiguous()
+    out = x.new_zeros((most * len(rows), x.shape[1]))
+    return out.index_copy_(0, _keep(rows, most, x.device), x)
+
+
+def _unpad_blocks(x: Tensor, rows: list[int]) -> Tensor:
+    """Inverse of :func:`_pad_blocks`."""
+    most = max(rows)
+    return x if rows.count(most) == len(rows) else x.index_select(0, _keep(rows, most, x.device))
+
+
 def _gather_rows(grad: Tensor, rows: list[int], env: ShardingEnv) -> Tensor:
     """All-gather of every rank's ``[rows[r], ...]`` gradient into ``[sum(rows), ...]`` (padded when uneven)."""
     most = max(rows)
@@ -347,8 +416,7 @@ def _gather_rows(grad: Tensor, rows: list[int], env: ShardingEnv) -> Tensor:
     _all_gather_single(gathered, mine, env.pg)
     if rows.count(most) == len(rows):
         return gathered
-    keep = torch.cat([torch.arange(r * most, r * most + n) for r, n in enumerate(rows)])  # rare: uneven batches
-    return gathered.index_select(0, keep.to(gathered.device, non_blocking=True))
+    return gathered.index_select(0, _keep(rows, most, gathered.device))
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -383,34 +451,17 @@ class _ReduceScatterV(torch.autograd.Function):
     """Uneven reduce-scatter; its backward is the uneven all-gather of the gradients."""
 
     @staticmethod
-    def forward(ctx, env: ShardingEnv, precision: CommPrecision, *parts: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.env, ctx.rows, ctx.precision = env, [p.shape[0] for p in parts], precision
+    def forward(ctx, env: ShardingEnv, *parts: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.env, ctx.rows = env, [p.shape[0] for p in parts]
         mine = parts[env.rank]
-        if precision is not CommPrecision.FP32:
-            send = torch.cat([p.reshape(-1) for p in parts])
-            recv = _exchange(send, [mine.numel()] * env.world_size, [p.numel() for p in parts], env, precision)
-            return recv.view(env.world_size, *mine.shape).sum(0)
         out = mine.new_empty(mine.shape)
         dist.reduce_scatter(out, [p.contiguous() for p in parts], group=env.pg)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        if ctx.precision is CommPrecision.FP32:
-            gathered = _gather_rows(grad, ctx.rows, ctx.env)
-            return (None, None, *gathered.split(ctx.rows))
-        env, rows = ctx.env, ctx.rows
-        width = grad[0].numel() if grad.shape[0] else int(torch.tensor(grad.shape[1:]).prod())
-        mine = grad.contiguous().reshape(-1)
-        splits = [r * width for r in rows]
-        # quantized: every rank sends its gradient to every rank (an uneven all-gather by all-to-all)
-        send, in_splits = mine.repeat(env.world_size), [mine.numel()] * env.world_size
-        gathered = _exchange(send, splits, in_splits, env, ctx.precision)
-        return (
-            None,
-            None,
-            *(g.view(r, *grad.shape[1:]) for g, r in zip(gathered.split(splits), rows, strict=True)),
-        )
+        gathered = _gather_rows(grad, ctx.rows, ctx.env)
+        return (None, *gathered.split(ctx.rows))
 
 
 def exchange_header(rows: Tensor, env: ShardingEnv) -> Tensor:

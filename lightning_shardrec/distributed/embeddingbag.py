@@ -114,7 +114,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             b = ctx.local.stride()
             lengths = ctx.local.lengths().view(len(self._rows), b).t().clamp(min=1).to(pooled.dtype)  # [B, F]
             divisor = torch.where(self._mean_features, lengths, torch.ones_like(lengths))
-            pooled = pooled / divisor.repeat_interleave(self._mean_dims, dim=1)
+            # output_size: the width is known here; without it CUDA reads the repeats' sum back (a host sync)
+            pooled = pooled / divisor.repeat_interleave(self._mean_dims, dim=1, output_size=pooled.shape[1])
         if self._reorder is not None:
             pooled = pooled.index_select(1, self._reorder)
         return KeyedTensor(self._embedding_names, self._dims, pooled)

@@ -7,12 +7,13 @@ peer", NCCL: a timeout) without saying which rank went away, and a rank that han
 
 * writes a heartbeat counter to the rendezvous store every ``interval`` seconds, and
 * watches one neighbour ((rank + 1) % W, so the store sees O(W) traffic): a neighbour
-  on this host whose process is gone, or a counter that has not moved for
+  in this PID namespace whose process is gone, or a counter that has not moved for
   ``dead_after`` seconds, calls ``on_dead(rank, what)`` (``what``: "died (...)").
 
 After a failed collective, :meth:`RankMonitor.explain` names the lost rank within
-about a second: a rank that raised says so itself (:meth:`report_failure`), a local
-rank that was killed is found by its pid, a remote one by a heartbeat that stopped.
+about a second: a rank that raised says so itself (:meth:`report_failure`), a killed
+rank whose pid this process can see (:mod:`.whereabouts`: same host *and* PID namespace,
+same start time) is found by its pid, any other by a heartbeat that stopped.
 Only ``torch.distributed`` is used; the monitor works with gloo and NCCL alike.
 """
 
@@ -20,13 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 
 import torch.distributed as dist
+
+from lightning_shardrec.distributed.whereabouts import Whereabouts
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class RankMonitor:
         self.store.delete_key(f"{_PREFIX}/failed/{rank}")  # a store can outlive a run (several fits, one group)
         if rank == 0:
             self.store.delete_key(f"{_PREFIX}/lost")
-        self.store.set(f"{_PREFIX}/where/{rank}", f"{socket.gethostname()}:{os.getpid()}")
+        self.store.set(f"{_PREFIX}/where/{rank}", Whereabouts.of().encode())
         self._beat()
         self._thread = threading.Thread(target=self._run, name=f"shardrec-heartbeat-{rank}", daemon=True)
         self._thread.start()
@@ -102,17 +103,18 @@ class RankMonitor:
     def _run(self) -> None:
         neighbour = (self.rank + 1) % self.world_size
         last, since = None, time.monotonic()
-        local_pid = None
+        local: Whereabouts | None = None  # its process, if this one can see its pid
+        looked = neighbour == self.rank
         while not self._stop.wait(self.interval):
             try:
                 self._beat()
                 seen = self._read(f"beat/{neighbour}") if neighbour != self.rank else None
-                if local_pid is None and neighbour != self.rank:
-                    local_pid = self._local_pid(neighbour) or 0
+                if not looked and self._read(f"where/{neighbour}") is not None:  # published (it may start late)
+                    local, looked = self._local(neighbour), True
             except Exception:  # the store's host (rank 0) is gone
-                seen, neighbour, local_pid = None, 0, 0
+                seen, neighbour, local, looked = None, 0, None, True
             now = time.monotonic()
-            if local_pid and seen != _DONE and not _alive(local_pid):
+            if local is not None and seen != _DONE and not local.alive():
                 self._declare(neighbour, _GONE)
                 return
             if seen != last or seen == _DONE:
@@ -129,13 +131,11 @@ class RankMonitor:
         if self.on_dead is not None and not self._stop.is_set():
             self.on_dead(rank, what)
 
-    def _local_pid(self, rank: int) -> int | None:
-        """``rank``'s pid when it runs on this host (its death is then visible at once)."""
-        where = self._read(f"where/{rank}")
-        if where is None:
-            return None
-        host, pid = where.rsplit(":", 1)
-        return int(pid) if host == socket.gethostname() else None
+    def _local(self, rank: int) -> Whereabouts | None:
+        """``rank``'s process when this one can see its pid (its death is then visible at once)."""
+        text = self._read(f"where/{rank}")
+        where = Whereabouts.decode(text) if text is not None else None
+        return where if where is not None and where.visible() else None
 
     def stop(self) -> None:
         """Stop beating and mark this rank as finished (a clean exit is not a death)."""
@@ -174,7 +174,7 @@ class RankMonitor:
         if lost:
             rank, what = lost.split("|", 1)
             return f"rank {rank} {what}"
-        gone = [r for r in others if (pid := self._local_pid(r)) is not None and not _alive(pid)]
+        gone = [r for r in others if (where := self._local(r)) is not None and not where.alive()]
         if gone:
             return ", ".join(f"rank {r}" for r in gone) + f" {_GONE}"
         first = {r: self._read(f"beat/{r}") for r in others}
@@ -194,21 +194,6 @@ class RankMonitor:
         if not self.store.check([full]):
             return None
         return self.store.get(full).decode()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (killed, not yet reaped by its parent) still answers kill(0).
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def default_store() -> dist.Store | None:

@@ -57,6 +57,8 @@ def encode(x: Tensor, splits: list[int], precision: CommPrecision) -> tuple[Tens
         return x, splits
     if precision is CommPrecision.BF16:
         return x.to(torch.bfloat16).view(torch.float16), splits
+    if splits and splits.count(splits[0]) == len(splits):  # one [W, s] block per peer: no per-peer list
+        return encode_rows(x.view(len(splits), splits[0]), precision).view(-1), [s + 1 for s in splits]
     e = fp16_exponent(x)
     y = (x * torch.exp2(e)).half()
     eh = e.half().reshape(1)
@@ -72,8 +74,41 @@ def decode(wire: Tensor, wire_splits: list[int], precision: CommPrecision) -> Te
         return wire
     if precision is CommPrecision.BF16:
         return wire.view(torch.bfloat16).float()
+    if wire_splits and wire_splits.count(wire_splits[0]) == len(wire_splits):
+        return decode_rows(wire.view(len(wire_splits), wire_splits[0]), precision).view(-1)
     parts = wire.split(wire_splits)
     return torch.cat([p[:-1].float() * torch.exp2(-p[-1:].float()) for p in parts])
+
+
+def encode_rows(x: Tensor, precision: CommPrecision) -> Tensor:
+    """``[P, n]`` fp32, row ``p`` for peer ``p`` -> ``[P, wire_width(n)]`` wire rows, one scale for all.
+
+    The same bits per peer as :func:`encode` with equal splits, in one buffer: the shape an
+    equal all-to-all or an all-gather (``P = 1``) sends without a per-peer list.
+    """
+    if precision is CommPrecision.FP32:
+        return x
+    if precision is CommPrecision.BF16:
+        return x.to(torch.bfloat16).view(torch.float16)
+    e = fp16_exponent(x)
+    wire = x.new_empty((x.shape[0], x.shape[1] + 1), dtype=torch.float16)
+    torch.mul(x, torch.exp2(e), out=wire[:, :-1])  # scaled in fp32, rounded to fp16 once
+    wire[:, -1] = e
+    return wire
+
+
+def decode_rows(wire: Tensor, precision: CommPrecision) -> Tensor:
+    """Inverse of :func:`encode_rows` for ``[P, wire_width(n)]`` rows from ``P`` senders: ``[P, n]`` fp32."""
+    if precision is CommPrecision.FP32:
+        return wire
+    if precision is CommPrecision.BF16:
+        return wire.view(torch.bfloat16).float()
+    return wire[:, :-1] * torch.exp2(-wire[:, -1:].float())
+
+
+def wire_width(n: int, precision: CommPrecision) -> int:
+    """The wire elements of ``n`` payload elements for one peer."""
+    return n + 1 if precision is CommPrecision.FP16 else n
 
 
 def wire_splits(splits: list[int], precision: CommPrecision) -> list[int]:

@@ -140,8 +140,7 @@ def check_ids(features: KeyedJaggedTensor, num_embeddings: list[int], table_name
     values = features.values()[: features.offset_per_key()[-1]]  # a tail past the last bag is no id
     if values.numel() == 0:
         return
-    low, high = torch.aminmax(values)
-    low, high = int(low), int(high)
+    low, high = torch.stack(torch.aminmax(values)).tolist()  # one read (one host sync on CUDA)
     if low >= 0 and high < min(num_embeddings):  # one pass settles the common case
         return
     lpk = features.length_per_key()
@@ -150,8 +149,8 @@ def check_ids(features: KeyedJaggedTensor, num_embeddings: list[int], table_name
         small = [k for k, n in enumerate(num_embeddings) if n <= high and lpk[k]]
         if not small:
             return
-        maxima = torch.stack([values[starts[k] : starts[k + 1]].max() for k in small])
-        if bool((maxima < torch.tensor([num_embeddings[k] for k in small], device=values.device)).all()):
+        maxima = torch.stack([values[starts[k] : starts[k + 1]].max() for k in small]).tolist()
+        if all(m < num_embeddings[k] for m, k in zip(maxima, small, strict=True)):
             return
     limits = torch.tensor(num_embeddings, device=values.device).repeat_interleave(
         torch.tensor(lpk, device=values.device), output_size=values.numel()

@@ -6,6 +6,7 @@ key (VBE: key ``k`` has ``stride_per_key()[k]`` bags), exactly as TorchRec.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -75,7 +76,7 @@ def permute(kjt: KeyedJaggedTensor, indices: Sequence[int], indices_tensor: Tens
             stride_per_key_per_rank=[spkpr[i] for i in indices],
         )
     if indices_tensor is None:
-        indices_tensor = torch.tensor(list(indices), dtype=torch.long, device=kjt.device())
+        indices_tensor = _index_tensor(tuple(indices), kjt.device())
     total = kjt.offset_per_key()[-1]
     values, weights = kjt.values(), kjt.weights_or_none()
     if values.shape[0] != total:  # a tail past the last bag is not part of any key
@@ -89,6 +90,14 @@ def permute(kjt: KeyedJaggedTensor, indices: Sequence[int], indices_tensor: Tens
         permuted_values_numel=sum(new_lpk),
     )
     return type(kjt)._trusted(new_keys, values, weights, lengths.reshape(-1), kjt.stride(), new_lpk)
+
+
+@functools.lru_cache(maxsize=256)
+def _index_tensor(indices: tuple[int, ...], device: torch.device) -> Tensor:
+    """``indices`` on ``device``, made once: a permutation is fixed per collection, and each
+    ``torch.tensor(list, device="cuda")`` is a blocking copy (it waits for the stream)."""
+    with torch.inference_mode(False):  # made under inference mode, it could not join autograd later
+        return torch.tensor(indices, dtype=torch.long, device=device)
 
 
 def _segments_index(starts: list[int], sizes: list[int], device: torch.device) -> Tensor:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -9,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_shardrec.distributed.health import RankMonitor, is_comm_failure
+from lightning_shardrec.distributed.whereabouts import Whereabouts
 
 PREFIX = "shardrec/health"
 
@@ -109,3 +114,73 @@ def test_is_comm_failure(exc, comm):
 def test_bad_timing_is_refused(interval, dead_after):
     with pytest.raises(ValueError, match="must"):
         RankMonitor(dist.HashStore(), 0, 2, interval=interval, dead_after=dead_after)
+
+
+# --- the pid check: only for a rank in this PID namespace (whereabouts.py) ----------------------
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PID namespaces and /proc are Linux's")
+
+
+def killed_process() -> int:
+    proc = subprocess.Popen(["sleep", "60"])
+    proc.kill()
+    proc.wait()
+    return proc.pid
+
+
+def publish(store: dist.Store, rank: int, pid: int, *, beside: bool) -> None:
+    """Rank ``rank``'s whereabouts: in this PID namespace, or in a container beside this one (same host)."""
+    where = Whereabouts.of(os.getpid())
+    if beside:
+        boot, dev_ino, host = where.namespace.split("/", 2)
+        dev, ino = dev_ino.split(":")
+        where = dataclasses.replace(where, namespace=f"{boot}/{dev}:{int(ino) + 1}/{host}")
+    store.set(f"{PREFIX}/where/{rank}", dataclasses.replace(where, pid=pid, started=None).encode())
+
+
+@linux
+def test_explain_names_a_killed_rank_in_this_namespace_by_its_pid(others):
+    publish(others, 1, killed_process(), beside=False)
+    monitor = RankMonitor(others, 0, 3, interval=0.1, dead_after=None)
+    try:
+        started = time.monotonic()
+        assert monitor.explain(wait=5) == "rank 1 died (its process is gone: killed or crashed)"
+        assert time.monotonic() - started < 1  # at once, not after waiting for heartbeats
+    finally:
+        monitor.stop()
+
+
+@linux
+def test_a_rank_in_another_pid_namespace_is_judged_by_its_heartbeat_only(others):
+    # rank 1 beats in a container beside this one; its pid number means nothing here
+    publish(others, 1, killed_process(), beside=True)
+    monitor = RankMonitor(others, 0, 3, interval=0.1, dead_after=None)
+    try:
+        assert monitor.explain(wait=0.5) == "rank 2 stopped (no heartbeat for 0.5 s: killed or hung)"
+    finally:
+        monitor.stop()
+
+
+@linux
+@pytest.mark.parametrize("beside", [False, True])
+def test_watchdog_names_a_killed_neighbour_at_once_only_in_its_namespace(beside):
+    store = dist.HashStore()
+    stop = threading.Event()
+    beats = threading.Thread(target=beat_forever, args=(store, 1, stop), daemon=True)
+    beats.start()  # rank 1's heartbeat goes on: healthy, or so it seems from another namespace
+    publish(store, 1, killed_process(), beside=beside)
+    calls: list[tuple[int, str]] = []
+    monitor = RankMonitor(store, 0, 2, interval=0.05, dead_after=60, on_dead=lambda r, why: calls.append((r, why)))
+    try:
+        started = time.monotonic()
+        deadline = started + (1.0 if beside else 5.0)
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if beside:
+            assert calls == []  # a healthy rank in a container beside this one is not declared dead
+        else:
+            assert calls == [(1, "died (its process is gone: killed or crashed)")]
+            assert time.monotonic() - started < 2  # not the 60 s heartbeat timeout
+    finally:
+        monitor.stop()
+        stop.set()
+        beats.join()
