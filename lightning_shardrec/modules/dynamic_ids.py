@@ -57,9 +57,11 @@ def shr(x: Tensor, k: int) -> Tensor:
 def mix64(x: Tensor) -> Tensor:
     """splitmix64 of int64 ``x`` (two's-complement wraparound), elementwise, any device."""
     z = x + GOLDEN
-    z = (z ^ shr(z, 30)) * _C1
-    z = (z ^ shr(z, 27)) * _C2
-    return z ^ shr(z, 31)
+    z ^= shr(z, 30)  # in place: one new tensor in all
+    z *= _C1
+    z ^= shr(z, 27)
+    z *= _C2
+    return z.bitwise_xor_(shr(z, 31))
 
 
 def bucket_of(ids: Tensor, num_buckets: int | Tensor) -> Tensor:
