@@ -190,7 +190,7 @@ def plot(
     left.legend(fontsize=8)
     loads = sorted(sweep)
     for m in METHODS:
-        right.plot(loads, [sweep[x][m] for x in loads], "o-", color=colors[m], label=labels[m],
+        right.plot(loads, [sweep[x][m] for x in loads], marker="o", color=colors[m], label=labels[m],
                    ls="--" if m == "oracle" else "-")  # fmt: skip
     right.set_xscale("log", base=2)
     right.set_xlabel("live ids per table row (L / N)")
