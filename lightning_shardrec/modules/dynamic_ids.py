@@ -237,7 +237,7 @@ class DynamicIdMapper(nn.Module):
         glob = torch.where(slot >= 0, slot + self.row_offset, -1)
         return LookupResult(glob, new + self.row_offset, self.slot_gen[new])
 
-    def _expire(self, step: int) -> None:
+    def _expire(self, step: int | Tensor) -> None:
         ttl = self.config.ttl_steps
         if ttl is None:
             return
@@ -249,7 +249,7 @@ class DynamicIdMapper(nn.Module):
         self.cand_step.masked_fill_(old_cands, -1)
         self.cand_count.masked_fill_(old_cands, 0)
 
-    def _admit(self, ids: Tensor, bucket: Tensor, counts: Tensor, step: int) -> tuple[Tensor, Tensor]:
+    def _admit(self, ids: Tensor, bucket: Tensor, counts: Tensor, step: int | Tensor) -> tuple[Tensor, Tensor]:
         """Slots (local, ``-1``: none) for missing unique ids, and the slots newly assigned."""
         total, has_cand, cand = counts, None, None
         if self.cands_per_bucket:
@@ -314,7 +314,7 @@ class DynamicIdMapper(nn.Module):
         ids: Tensor,
         bucket: Tensor,
         total: Tensor,
-        step: int,
+        step: int | Tensor,
         table: tuple[Tensor, Tensor, Tensor],
         width: int,
         lfu: bool,
