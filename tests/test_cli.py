@@ -27,7 +27,7 @@ TINY = [
 ]
 
 
-@pytest.mark.parametrize("name", ["config.yaml", "criteo.yaml"])
+@pytest.mark.parametrize("name", ["config.yaml", "criteo.yaml", "criteo_dynamic.yaml"])
 def test_shipped_configs_parse_and_build(name, tmp_path, monkeypatch):
     from lightning_shardrec import CriteoDataModule, DLRMTask, ShardRecStrategy, SyntheticRecDataModule
     from lightning_shardrec.cli import run_cli
@@ -118,6 +118,16 @@ CLASS_PATH_RUNS = {
         *TINY,
         "--trainer.strategy=" + json.dumps({"class_path": STRATEGY_CLASS_PATH, "init_args": {"pipeline": False}}),
     ],
+    "criteo_dynamic.yaml": [
+        "--trainer.strategy.init_args.pipeline=false",
+        "--data.init_args.num_embeddings=64",
+        "--data.init_args.batch_size=8",
+        "--data.init_args.val_fraction=0.1",
+        "--data.init_args.test_fraction=0.1",
+        "--model.init_args.embedding_dim=8",
+        "--model.init_args.dense_arch_layer_sizes=[16, 8]",
+        "--model.init_args.over_arch_layer_sizes=[16, 1]",
+    ],
     "criteo.yaml": [
         "--trainer.strategy.init_args.pipeline=false",
         "--data.init_args.num_embeddings=50",
@@ -144,8 +154,8 @@ def _cli_class_path_fit(rank, world, root, name):
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
         f"--trainer.default_root_dir={root}",
     ]
-    if name == "criteo.yaml":
-        args.append(f"--data.init_args.data_dir={root}/criteo")
+    if name.startswith("criteo"):
+        args += [f"--data.init_args.data_dir={root}/criteo", f"--data.init_args.processed_dir={root}/processed"]
     cli = run_cli(args)
     strategy = cli.trainer.strategy
     assert type(strategy) is ShardRecStrategy and strategy.sharded
@@ -154,7 +164,7 @@ def _cli_class_path_fit(rank, world, root, name):
 
 @pytest.mark.parametrize("name", sorted(CLASS_PATH_RUNS))
 def test_shipped_configs_train_with_the_strategy_by_class_path(name, tmp_path):
-    if name == "criteo.yaml":
+    if name.startswith("criteo"):
         (tmp_path / "criteo").mkdir()
         _criteo_rows(tmp_path / "criteo" / "day_0", 200)
     results = run_ranks(_cli_class_path_fit, 2, str(tmp_path), name)
@@ -181,3 +191,33 @@ def test_print_config_lists_only_the_strategys_options(tmp_path, capsys, monkeyp
 
     ddp_args = set(inspect.signature(DistributedDataParallel).parameters) & set(keys)
     assert ddp_args == {"find_unused_parameters", "static_graph", "gradient_as_bucket_view"}  # not process_group...
+
+
+def test_criteo_dynamic_config_trains_unsharded_on_raw_ids(tmp_path, monkeypatch):
+    from lightning_shardrec.cli import run_cli
+    from lightning_shardrec.modules import EmbeddingBagCollection
+
+    (tmp_path / "criteo").mkdir()
+    _criteo_rows(tmp_path / "criteo" / "day_0", 120)
+    monkeypatch.setattr(sys, "argv", ["shardrec"])
+    args = [
+        "fit", "--config", str(ROOT / "examples" / "dlrm" / "criteo_dynamic.yaml"),
+        *CLASS_PATH_RUNS["criteo_dynamic.yaml"][1:],
+        "--trainer.strategy=auto", "--trainer.devices=1", "--trainer.max_steps=2", "--trainer.limit_val_batches=1",
+        "--trainer.val_check_interval=2", "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={tmp_path}",
+        f"--data.init_args.data_dir={tmp_path}/criteo", f"--data.init_args.processed_dir={tmp_path}/processed",
+    ]  # fmt: skip
+    cli = run_cli(args)
+    assert cli.trainer.global_step == 2
+    ebc = next(m for m in cli.model.modules() if isinstance(m, EmbeddingBagCollection))
+    tables = ebc.embedding_bag_configs()
+    assert len(tables) == 26 and all(t.dynamic is not None and t.dynamic.min_count == 2 for t in tables)
+    stats = ebc.dynamic_stats()["t_cat_0"]
+    # 16 random 32-bit ids per step, none seen twice: all wait in the candidate tables (min_count 2)
+    assert (stats["admissions"], stats["misses"], stats["candidates"]) == (0, 16, 16)
+    batch = next(iter(cli.datamodule.train_dataloader()))
+    assert int(batch.sparse.values().max()) >= 2**31 > 64  # raw hex values, not hashed into 64 rows
+    specs = cli.model.hparams["embedding_tables"]
+    assert specs[0]["dynamic"] == {"eviction": "lru", "ttl_steps": 20000, "min_count": 2, "num_buckets": None,
+                                   "candidates_per_bucket": None, "seed": 0}  # fmt: skip

@@ -12,7 +12,9 @@ or ``day_N``, Kaggle ``train.txt``; gzip or plain)::
 - categorical ``cat_j``: hex (at most 16 digits) or blank; becomes
   ``int(value, 16) % num_embeddings[j]``. A blank (missing) value is id 0 and still
   a bag of length 1, so every sample has exactly one id per feature (id 0 is shared
-  by "missing" and values that hash to 0).
+  by "missing" and values that hash to 0). With ``raw_ids=True`` it is the raw 64-bit
+  value of the hex id instead (as int64, two's complement; blank is 0), for tables
+  with ``dynamic=DynamicConfig(...)``, which take any int64 id (``docs/dynamic-tables.md``).
 
 Malformed lines (wrong column count, bad label, non-integer dense, non-hex
 categorical, truncated/corrupt gzip) raise ``ValueError`` naming the file and the
@@ -35,7 +37,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lightning_shardrec.configs import EmbeddingBagConfig
+from lightning_shardrec.configs import DynamicConfig, EmbeddingBagConfig
 from lightning_shardrec.data.batch import RecBatch
 from lightning_shardrec.data.gzip_stream import CheckedGzip
 from lightning_shardrec.sparse import KeyedJaggedTensor
@@ -89,13 +91,20 @@ def table_sizes(num_embeddings: int | Sequence[int]) -> np.ndarray:
 
 
 def criteo_tables(
-    embedding_dim: int, num_embeddings: int | Sequence[int] = 100_000
+    embedding_dim: int,
+    num_embeddings: int | Sequence[int] = 100_000,
+    dynamic: DynamicConfig | None = None,
 ) -> list[EmbeddingBagConfig]:
-    """One table ``t_cat_j`` per categorical feature ``cat_j``, sized as the reader hashes."""
+    """One table ``t_cat_j`` per categorical feature ``cat_j``, sized as the reader hashes
+    (with ``dynamic``: dynamic tables of that capacity, for raw ids)."""
     sizes = table_sizes(num_embeddings).tolist()
     return [
         EmbeddingBagConfig(
-            num_embeddings=n, embedding_dim=embedding_dim, name=f"t_{f}", feature_names=[f]
+            num_embeddings=n,
+            embedding_dim=embedding_dim,
+            name=f"t_{f}",
+            feature_names=[f],
+            dynamic=dynamic,
         )
         for f, n in zip(SPARSE_NAMES, sizes, strict=True)
     ]
@@ -111,7 +120,7 @@ class _BadBlock(Exception):
     """A block of lines failed the fast parse; re-check it line by line."""
 
 
-def _parse_block(lines: list[bytes], sizes: np.ndarray) -> CriteoChunk:
+def _parse_block(lines: list[bytes], sizes: np.ndarray, raw_ids: bool = False) -> CriteoChunk:
     """Vectorised parse of well-formed lines; ``_BadBlock`` if any line is not."""
     n = len(lines)
     if any(line.count(b"\t") != NUM_COLUMNS - 1 for line in lines):
@@ -136,7 +145,7 @@ def _parse_block(lines: list[bytes], sizes: np.ndarray) -> CriteoChunk:
     for k in range(chars.shape[-1]):  # Horner over digit positions (padding NULs are skipped)
         raw = np.where(chars[..., k] != 0, (raw << np.uint64(4)) | nibbles[..., k], raw)
     dense_f = np.log1p(np.maximum(dense, 0).astype(np.float32))
-    sparse = (raw % sizes.astype(np.uint64)).astype(np.int64)
+    sparse = raw.view(np.int64) if raw_ids else (raw % sizes.astype(np.uint64)).astype(np.int64)
     return CriteoChunk(dense_f, sparse, is_one.astype(np.float32))
 
 
@@ -169,6 +178,7 @@ class CriteoReader:
 
     After (or during) iteration, :attr:`rows` counts rows yielded and
     :attr:`bad_lines` the malformed lines skipped (``on_bad_line="skip"``).
+    ``raw_ids=True``: categorical ids are the raw 64-bit hex values, not hashed.
     """
 
     def __init__(
@@ -178,8 +188,10 @@ class CriteoReader:
         num_embeddings: int | Sequence[int] = 100_000,
         on_bad_line: OnBadLine = "error",
         chunk_rows: int = 65_536,
+        raw_ids: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.raw_ids = bool(raw_ids)
         self.sizes = table_sizes(num_embeddings)
         self.on_bad_line = check_on_bad_line(on_bad_line)
         if not isinstance(chunk_rows, int) or chunk_rows <= 0:
@@ -197,7 +209,7 @@ class CriteoReader:
 
     def _parse(self, lines: list[bytes], first_lineno: int) -> CriteoChunk | None:
         try:
-            chunk = _parse_block(lines, self.sizes)
+            chunk = _parse_block(lines, self.sizes, self.raw_ids)
         except _BadBlock:
             good = []
             for j, line in enumerate(lines):
@@ -208,7 +220,7 @@ class CriteoReader:
                     self._bad(first_lineno + j, reason)
             if not good:
                 return None
-            chunk = _parse_block(good, self.sizes)
+            chunk = _parse_block(good, self.sizes, self.raw_ids)
         self.rows += len(chunk)
         return chunk
 

@@ -5,6 +5,7 @@ Layout of ``processed_dir`` (one triple per source file, in source order)::
     meta.json                  sources, rows and bad lines per file, table sizes
     day_0.dense.npy   [n, 13]  float32, log(max(x, 0) + 1)
     day_0.sparse.npy  [n, 26]  int32 (int64 if a table has more than 2**31 rows), already hashed
+                               (int64 raw 64-bit ids with ``raw_ids=True``)
     day_0.labels.npy  [n]      uint8
 
 The files concatenate into one row space, split contiguously into
@@ -60,6 +61,7 @@ class CriteoMeta:
     sparse_dtype: str
     files: tuple[SourceFile, ...]
     version: int = FORMAT_VERSION
+    raw_ids: bool = False
 
     @property
     def rows(self) -> int:
@@ -96,6 +98,8 @@ class CriteoMeta:
 
         if not isinstance(self.version, int) or isinstance(self.version, bool):
             return f"version {self.version!r} is not an int"
+        if not isinstance(self.raw_ids, bool):
+            return f"raw_ids {self.raw_ids!r} is not a bool"
         if self.sparse_dtype not in ("int32", "int64"):
             return f"sparse_dtype {self.sparse_dtype!r} is not int32 or int64"
         if len(self.num_embeddings) != NUM_SPARSE or not all(count(n) and n > 0 for n in self.num_embeddings):
@@ -147,11 +151,13 @@ def preprocess_criteo(
     num_embeddings: int | Sequence[int] = 100_000,
     on_bad_line: OnBadLine = "error",
     chunk_rows: int = 65_536,
+    raw_ids: bool = False,
 ) -> CriteoMeta:
     """Convert ``files`` (streaming, chunk by chunk) into ``processed_dir``; a no-op if already done.
 
-    Raises ``ValueError`` if ``processed_dir`` holds a finished conversion of other
-    sources or table sizes.
+    ``raw_ids=True`` stores the raw 64-bit categorical ids (for dynamic tables) instead of
+    hashing them into ``num_embeddings``. Raises ``ValueError`` if ``processed_dir`` holds a
+    finished conversion of other sources, table sizes or id kind.
     """
     out = Path(processed_dir)
     sizes = table_sizes(num_embeddings)
@@ -166,14 +172,19 @@ def preprocess_criteo(
                 f"criteo processed_dir {str(out)!r} holds sources {have[0]} with num_embeddings "
                 f"{list(have[1])}, not {want[0]} with {list(want[1])}; delete it or use another processed_dir"
             )
+        if meta.raw_ids != raw_ids:
+            raise ValueError(
+                f"criteo processed_dir {str(out)!r} holds {'raw' if meta.raw_ids else 'hashed'} ids, not "
+                f"{'raw' if raw_ids else 'hashed'} (raw_ids={raw_ids}); delete it or use another processed_dir"
+            )
         return meta
     out.mkdir(parents=True, exist_ok=True)
-    sparse_dtype = np.dtype(np.int32 if int(sizes.max()) <= 2**31 else np.int64)
+    sparse_dtype = np.dtype(np.int32 if int(sizes.max()) <= 2**31 and not raw_ids else np.int64)
     done = []
     for src in sources:
         stem = _stem(src)
         reader = CriteoReader(
-            src, num_embeddings=sizes.tolist(), on_bad_line=on_bad_line, chunk_rows=chunk_rows
+            src, num_embeddings=sizes.tolist(), on_bad_line=on_bad_line, chunk_rows=chunk_rows, raw_ids=raw_ids
         )
         writers = [
             _NpyAppender(out / f"{stem}.dense.npy.tmp", np.dtype(np.float32), (NUM_DENSE,)),
@@ -193,7 +204,7 @@ def preprocess_criteo(
             SourceFile(source=src.name, stem=stem, rows=reader.rows, bad_lines=reader.bad_lines)
         )
     meta = CriteoMeta(
-        num_embeddings=tuple(sizes.tolist()), sparse_dtype=sparse_dtype.name, files=tuple(done)
+        num_embeddings=tuple(sizes.tolist()), sparse_dtype=sparse_dtype.name, files=tuple(done), raw_ids=raw_ids
     )
     tmp = out / "meta.json.tmp"
     tmp.write_text(json.dumps(asdict(meta), indent=1))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import lightning as L
 
-from lightning_shardrec.configs import EmbeddingBagConfig
+from lightning_shardrec.configs import DynamicConfig, EmbeddingBagConfig
 from lightning_shardrec.data.criteo import (
     OnBadLine,
     check_on_bad_line,
@@ -177,6 +177,10 @@ class CriteoDataModule(_RecDataModule):
     (default ``<data_dir>/processed``); ``setup()`` maps them and splits rows
     contiguously into train | val | test. Malformed lines raise, or are skipped and
     counted with ``on_bad_line="skip"`` (:attr:`bad_lines`).
+
+    ``raw_ids=True`` keeps each categorical id's raw 64-bit value (no hashing) and makes
+    the tables dynamic (``dynamic``, default ``DynamicConfig()``: capacity
+    ``num_embeddings`` each); ``dynamic`` alone makes dynamic tables of the hashed ids.
     """
 
     def __init__(
@@ -190,9 +194,13 @@ class CriteoDataModule(_RecDataModule):
         on_bad_line: OnBadLine = "error",
         num_workers: int = 0,
         pin_memory: bool = False,
+        raw_ids: bool = False,
+        dynamic: DynamicConfig | None = None,
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory)
         self.save_hyperparameters()
+        self.raw_ids = bool(raw_ids)
+        self.dynamic = DynamicConfig() if raw_ids and dynamic is None else dynamic
         self.data_dir = Path(data_dir)
         self.processed_dir = (
             Path(processed_dir) if processed_dir is not None else self.data_dir / "processed"
@@ -204,7 +212,7 @@ class CriteoDataModule(_RecDataModule):
         self.data: CriteoBinary | None = None
 
     def embedding_tables(self, embedding_dim: int) -> list[EmbeddingBagConfig]:
-        return criteo_tables(embedding_dim, self.num_embeddings)
+        return criteo_tables(embedding_dim, self.num_embeddings, self.dynamic)
 
     def prepare_data(self) -> None:
         preprocess_criteo(
@@ -212,6 +220,7 @@ class CriteoDataModule(_RecDataModule):
             self.processed_dir,
             num_embeddings=self.num_embeddings,
             on_bad_line=self.on_bad_line,
+            raw_ids=self.raw_ids,
         )
 
     @property
@@ -227,6 +236,12 @@ class CriteoDataModule(_RecDataModule):
             raise ValueError(
                 f"CriteoDataModule: processed_dir {str(self.processed_dir)!r} was hashed with num_embeddings "
                 f"{list(data.meta.num_embeddings)}, not {self.num_embeddings}; delete it or use another processed_dir"
+            )
+        if data.meta.raw_ids != self.raw_ids:
+            raise ValueError(
+                f"CriteoDataModule: processed_dir {str(self.processed_dir)!r} holds "
+                f"{'raw' if data.meta.raw_ids else 'hashed'} ids, not raw_ids={self.raw_ids}; "
+                "delete it or use another processed_dir"
             )
         rank, world_size = self.rank_and_world_size()
         ranges = split_ranges(len(data), self.val_fraction, self.test_fraction)

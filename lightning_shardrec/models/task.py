@@ -26,13 +26,14 @@ from torch import Tensor, nn
 from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryAUROC
 
-from lightning_shardrec.configs import EmbeddingBagConfig, PoolingType
+from lightning_shardrec.configs import DynamicConfig, EmbeddingBagConfig, PoolingType
 from lightning_shardrec.data import RecBatch
 from lightning_shardrec.errors import unknown_name
 from lightning_shardrec.metrics import Calibration, NormalizedEntropy
 from lightning_shardrec.models.dcn import DCNv2
 from lightning_shardrec.models.dlrm import DLRM
-from lightning_shardrec.modules import EmbeddingBagCollection
+from lightning_shardrec.modules import EmbeddingBagCollection, optimizer_reset_hook
+from lightning_shardrec.modules.dynamic_tables import HasDynamicTables
 
 ARCHS = ("dlrm", "dcn")
 # Each has a fused counterpart the strategy derives for the tables (sgd, adagrad, adam, adamw).
@@ -43,13 +44,15 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
 }
 STAGES = ("train", "val", "test")
-TABLE_KEYS = ("name", "num_embeddings", "embedding_dim", "feature_names", "pooling")
+TABLE_KEYS = ("name", "num_embeddings", "embedding_dim", "feature_names", "pooling", "dynamic")
 
 
 def table_configs(tables: Sequence[Mapping[str, Any]], embedding_dim: int) -> list[EmbeddingBagConfig]:
-    """``EmbeddingBagConfig`` s from dicts ``{name, num_embeddings[, embedding_dim, feature_names, pooling]}``.
+    """``EmbeddingBagConfig`` s from dicts ``{name, num_embeddings[, embedding_dim, feature_names, pooling,
+    dynamic]}``.
 
-    ``embedding_dim`` defaults to the argument, ``feature_names`` to ``[name]``, ``pooling`` to ``SUM``.
+    ``embedding_dim`` defaults to the argument, ``feature_names`` to ``[name]``, ``pooling`` to ``SUM``;
+    ``dynamic`` (a dict of ``DynamicConfig`` fields, or one) makes a dynamic table.
     """
     out = []
     for t in tables:
@@ -57,8 +60,11 @@ def table_configs(tables: Sequence[Mapping[str, Any]], embedding_dim: int) -> li
         if extra or "name" not in t or "num_embeddings" not in t:
             raise ValueError(
                 f"DLRMTask table {dict(t)!r}: needs name and num_embeddings; optional keys: "
-                f"embedding_dim, feature_names, pooling (unknown: {extra})"
+                f"embedding_dim, feature_names, pooling, dynamic (unknown: {extra})"
             )
+        dynamic = t.get("dynamic")
+        if isinstance(dynamic, Mapping):
+            dynamic = DynamicConfig(**dynamic)
         pooling = str(t.get("pooling", "SUM")).upper()
         if pooling not in ("SUM", "MEAN"):
             raise unknown_name(f"pooling of table {t['name']!r}", t.get("pooling"), ["SUM", "MEAN"])
@@ -69,6 +75,7 @@ def table_configs(tables: Sequence[Mapping[str, Any]], embedding_dim: int) -> li
                 embedding_dim=t.get("embedding_dim", embedding_dim),
                 feature_names=list(t.get("feature_names", [t["name"]])),
                 pooling=PoolingType(pooling),
+                dynamic=dynamic,
             )
         )
     return out
@@ -83,9 +90,22 @@ def table_specs(configs: Sequence[EmbeddingBagConfig]) -> list[dict[str, Any]]:
             "embedding_dim": c.embedding_dim,
             "feature_names": list(c.feature_names),
             "pooling": c.pooling.value,
+            **({} if c.dynamic is None else {"dynamic": dynamic_spec(c.dynamic)}),
         }
         for c in configs
     ]
+
+
+def dynamic_spec(config: DynamicConfig) -> dict[str, Any]:
+    """A ``DynamicConfig`` as plain values (``DynamicConfig(**spec)`` rebuilds it)."""
+    return {
+        "eviction": config.eviction.value,
+        "ttl_steps": config.ttl_steps,
+        "min_count": config.min_count,
+        "num_buckets": config.num_buckets,
+        "candidates_per_bucket": config.candidates_per_bucket,
+        "seed": config.seed,
+    }
 
 
 class DLRMTask(L.LightningModule):
@@ -218,7 +238,15 @@ class DLRMTask(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         h: Any = self.hparams
-        return OPTIMIZERS[h.optimizer](self.parameters(), lr=h.lr)
+        optimizer = OPTIMIZERS[h.optimizer](self.parameters(), lr=h.lr)
+        for handle in getattr(self, "_reset_handles", []):  # a new optimizer replaces the last one
+            handle.remove()
+        self._reset_handles = [
+            m.dynamic_tables.register_reset_hook(optimizer_reset_hook(optimizer))
+            for m in (self.model.modules() if self.model is not None else [])
+            if isinstance(m, HasDynamicTables) and m.dynamic_tables is not None
+        ]  # unsharded dynamic tables: admitted rows restart their optimizer state
+        return optimizer
 
 
 def embedding_dim_of(tables: Sequence[EmbeddingBagConfig], default: int) -> int:

@@ -57,9 +57,11 @@ def shr(x: Tensor, k: int) -> Tensor:
 def mix64(x: Tensor) -> Tensor:
     """splitmix64 of int64 ``x`` (two's-complement wraparound), elementwise, any device."""
     z = x + GOLDEN
-    z = (z ^ shr(z, 30)) * _C1
-    z = (z ^ shr(z, 27)) * _C2
-    return z ^ shr(z, 31)
+    z ^= shr(z, 30)  # in place: one new tensor in all
+    z *= _C1
+    z ^= shr(z, 27)
+    z *= _C2
+    return z.bitwise_xor_(shr(z, 31))
 
 
 def bucket_of(ids: Tensor, num_buckets: int | Tensor) -> Tensor:
@@ -185,79 +187,88 @@ class DynamicIdMapper(nn.Module):
 
     def map(self, ids: Tensor, train: bool) -> LookupResult:
         """:meth:`lookup` at this mapper's own step, which a training lookup advances."""
-        result = self.lookup(ids, int(self.step), train)
+        result = self.lookup(ids, self.step, train)  # the step stays a tensor: no device sync
         if train:
             self.step += 1
         return result
 
     @torch.no_grad()
-    def lookup(self, ids: Tensor, step: int, train: bool) -> LookupResult:
-        """Map raw ids ``[N]`` to global slots (``-1``: not admitted) at training step ``step``."""
+    def lookup(self, ids: Tensor, step: int | Tensor, train: bool) -> LookupResult:
+        """Map raw ids ``[N]`` to global slots (``-1``: not admitted) at training step ``step``.
+
+        Every id is looked up where it stands (no sort): ids already resident are
+        the common case. Only the missing ids are made unique (sorted, sightings
+        summed) for admission, so the sort is as small as the misses.
+        """
         ids = ids.reshape(-1).to(device=self.slot_ids.device, dtype=torch.int64)
         empty = ids.new_empty(0)
         if ids.numel() == 0:
             if train:
                 self._expire(step)
             return LookupResult(ids.new_empty(0), empty, empty)
-        uniq, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
-        bucket = bucket_of(uniq, self.num_buckets) - self.bucket_lo
-        if bool(((bucket < 0) | (bucket >= self.bucket_hi - self.bucket_lo)).any()):
-            raise ValueError(
-                f"dynamic table '{self.table}': ids outside buckets [{self.bucket_lo}, {self.bucket_hi}) "
-                "were sent to this mapper"
-            )
+        bucket = bucket_of(ids, self.num_buckets)
+        if (self.bucket_lo, self.bucket_hi) != (0, self.num_buckets):  # a whole table holds every bucket
+            bucket = bucket - self.bucket_lo
+            if bool(((bucket < 0) | (bucket >= self.bucket_hi - self.bucket_lo)).any()):
+                raise ValueError(
+                    f"dynamic table '{self.table}': ids outside buckets [{self.bucket_lo}, {self.bucket_hi}) "
+                    "were sent to this mapper"
+                )
         ttl = self.config.ttl_steps
         if train:
             self._expire(step)
-        slot = self._find(uniq, bucket, self.slot_ids, self.slot_step, self.slots_per_bucket)
+        slot = self._find(ids, bucket, self.slot_ids, self.slot_step, self.slots_per_bucket)
         if not train:
             if ttl is not None:
                 stale = (slot >= 0) & (step - self.slot_step[slot.clamp(min=0)] > ttl)
                 slot = torch.where(stale, -1, slot)
-            glob = torch.where(slot >= 0, slot + self.row_offset, -1)
-            return LookupResult(glob[inverse], empty, empty)
+            return LookupResult(torch.where(slot >= 0, slot + self.row_offset, -1), empty, empty)
         hit = slot >= 0
-        hits = slot[hit]
+        hits = slot[hit]  # repeated ids repeat their slot: the same step, one sighting each
         self.slot_step[hits] = step
-        self.slot_count[hits] += counts[hit]
+        self.slot_count.index_add_(0, hits, torch.ones_like(hits))
         miss = (~hit).nonzero().squeeze(1)
-        got, new = self._admit(uniq[miss], bucket[miss], counts[miss], step)
-        slot[miss] = got
+        uniq, inverse, counts = torch.unique(ids[miss], sorted=True, return_inverse=True, return_counts=True)
+        ubucket = torch.empty_like(uniq).scatter_(0, inverse, bucket[miss])
+        got, new = self._admit(uniq, ubucket, counts, step)
         lost = got < 0
-        self._count("misses", bucket[miss][lost], counts[miss][lost])
+        self._count("misses", ubucket[lost], counts[lost])
+        slot[miss] = got[inverse]
         glob = torch.where(slot >= 0, slot + self.row_offset, -1)
-        return LookupResult(glob[inverse], new + self.row_offset, self.slot_gen[new])
+        return LookupResult(glob, new + self.row_offset, self.slot_gen[new])
 
-    def _expire(self, step: int) -> None:
+    def _expire(self, step: int | Tensor) -> None:
         ttl = self.config.ttl_steps
         if ttl is None:
             return
         old = (self.slot_step >= 0) & (step - self.slot_step > ttl)
         self.counters[:, COUNTERS.index("expirations")] += old.view(-1, self.slots_per_bucket).sum(1)
-        self.slot_step[old], self.slot_count[old] = -1, 0
+        self.slot_step.masked_fill_(old, -1)
+        self.slot_count.masked_fill_(old, 0)
         old_cands = (self.cand_step >= 0) & (step - self.cand_step > ttl)
-        self.cand_step[old_cands], self.cand_count[old_cands] = -1, 0
+        self.cand_step.masked_fill_(old_cands, -1)
+        self.cand_count.masked_fill_(old_cands, 0)
 
-    def _admit(self, ids: Tensor, bucket: Tensor, counts: Tensor, step: int) -> tuple[Tensor, Tensor]:
+    def _admit(self, ids: Tensor, bucket: Tensor, counts: Tensor, step: int | Tensor) -> tuple[Tensor, Tensor]:
         """Slots (local, ``-1``: none) for missing unique ids, and the slots newly assigned."""
         total, has_cand, cand = counts, None, None
         if self.cands_per_bucket:
             cand = self._find(ids, bucket, self.cand_ids, self.cand_step, self.cands_per_bucket)
             has_cand = cand >= 0
             total = counts + torch.where(has_cand, self.cand_count[cand.clamp(min=0)], 0)
-        ready = (total >= self.config.min_count).nonzero().squeeze(1)
-        got = torch.full_like(ids, -1)
         lfu = self.config.eviction is EvictionPolicy.LFU
-        placed, displaced = self._place(
-            ids[ready],
-            bucket[ready],
-            total[ready],
-            step,
-            (self.slot_ids, self.slot_step, self.slot_count),
-            self.slots_per_bucket,
-            lfu,
-        )
-        got[ready] = placed
+        slots = (self.slot_ids, self.slot_step, self.slot_count)
+        if cand is None:  # min_count 1: every missing id is ready, seen at most ``counts.sum()`` times
+            most = counts.sum()
+            got, displaced = self._place(ids, bucket, total, step, slots, self.slots_per_bucket, lfu, most)
+            placed = got
+        else:
+            ready = (total >= self.config.min_count).nonzero().squeeze(1)
+            got = torch.full_like(ids, -1)
+            placed, displaced = self._place(
+                ids[ready], bucket[ready], total[ready], step, slots, self.slots_per_bucket, lfu
+            )
+            got[ready] = placed
         new = placed[placed >= 0]
         self.slot_gen[new] += 1
         self._count("admissions", new // self.slots_per_bucket)
@@ -288,17 +299,14 @@ class DynamicIdMapper(nn.Module):
         out = torch.full_like(ids, -1)
         if width == 0 or ids.numel() == 0:
             return out
-        cols = torch.arange(width, device=ids.device)
         step = max(1, _CHUNK // width)
         for start in range(0, ids.numel(), step):  # chunks bound memory, not a per-id loop
             part = slice(start, start + step)
             rows = bucket[part]
-            idx = rows[:, None] * width + cols
             held_rows = held.view(-1, width).index_select(0, rows)  # whole-row gathers: fast
             match = (held_rows == ids[part, None]) & (last.view(-1, width).index_select(0, rows) >= 0)
-            first = match.to(torch.int8).argmax(dim=1)
-            found = idx.gather(1, first[:, None]).squeeze(1)
-            out[part] = torch.where(match.any(dim=1), found, -1)
+            found, first = match.max(dim=1)  # the first match (an id is held once per bucket)
+            out[part] = torch.where(found, rows * width + first, -1)
         return out
 
     @staticmethod
@@ -306,35 +314,42 @@ class DynamicIdMapper(nn.Module):
         ids: Tensor,
         bucket: Tensor,
         total: Tensor,
-        step: int,
+        step: int | Tensor,
         table: tuple[Tensor, Tensor, Tensor],
         width: int,
         lfu: bool,
+        most: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Give unique ``ids`` entries of their buckets in ``table = (held, last, count)``.
 
         Ids go by most ``total`` then lowest id; entries free first, then (not seen
         this step) by policy, ties by lowest index. Returns each id's local entry
-        (``-1``: none left) and the occupied entries taken over.
+        (``-1``: none left) and the occupied entries taken over. ``most``, an upper
+        bound of ``total`` if known, lets one sort order the ids.
         """
         held, last, count = table
         if ids.numel() == 0:
             return torch.full_like(ids, -1), ids.new_zeros(0)
-        order = torch.sort(-total, stable=True).indices  # ids arrive sorted, so ties stay by id
-        order = order[torch.sort(bucket[order], stable=True).indices]
+        if most is not None:  # one key: bucket, then most sightings; ids arrive sorted, so ties stay by id
+            order = torch.sort(bucket * (most + 1) + (most - total), stable=True).indices
+        else:
+            order = torch.sort(-total, stable=True).indices
+            order = order[torch.sort(bucket[order], stable=True).indices]
         b_sorted = bucket[order]
         rank = _rank_in_group(b_sorted)
         touched, row = torch.unique_consecutive(b_sorted, return_inverse=True)
-        idx = touched[:, None] * width + torch.arange(width, device=ids.device)
         seen = last.view(-1, width).index_select(0, touched)
         free = seen < step  # empty (-1) or not seen this step
-        key = torch.where(free, seen, _INT64_MAX)
-        perm = torch.sort(key, dim=1, stable=True).indices
+        # by last seen, entries seen this step after all others, ties by lowest entry: a key
+        # unique within its bucket, so the (faster) unstable sort gives the stable order
+        cols = torch.arange(width, device=ids.device)
+        key = torch.where(free, seen + 1, step + 1) * width + cols
+        perm = torch.sort(key, dim=1).indices
         if lfu:
             counts = count.view(-1, width).index_select(0, touched)
             by_count = torch.where(free, counts, _INT64_MAX).gather(1, perm)
             perm = perm.gather(1, torch.sort(by_count, dim=1, stable=True).indices)
-        ranked = idx.gather(1, perm)
+        ranked = touched[:, None] * width + perm
         wins = rank < free.sum(dim=1)[row]
         target = ranked.view(-1)[row * width + rank.clamp(max=width - 1)]
         chosen = target[wins]

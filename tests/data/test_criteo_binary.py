@@ -57,6 +57,14 @@ def test_preprocess_is_idempotent_and_checks_sources(criteo_day_dir: Path, tmp_p
         r"\['day_0.gz'\] with \[100, .*delete it or use another processed_dir",
     ):
         preprocess_criteo(files[:1], tmp_path / "p", num_embeddings=100)
+    with pytest.raises(
+        ValueError,
+        match=r"criteo processed_dir '.*p' holds hashed ids, not raw \(raw_ids=True\); delete it or use another",
+    ):
+        preprocess_criteo(files, tmp_path / "p", num_embeddings=100, raw_ids=True)
+    raw = preprocess_criteo(files, tmp_path / "raw", num_embeddings=100, raw_ids=True)
+    assert raw.raw_ids and raw.sparse_dtype == "int64" and not first.raw_ids
+    assert CriteoBinary(tmp_path / "raw").read(0, 5).sparse.dtype == np.int64
 
 
 def test_bad_lines_recorded_in_meta(tmp_path: Path, criteo_lines, write_criteo) -> None:

@@ -212,3 +212,17 @@ def test_chunk_to_batch_and_tables(tmp_path: Path, write_criteo, criteo_lines) -
         and tables[3].feature_names == ["cat_3"]
         and tables[3].num_embeddings == 50
     )
+
+
+def test_raw_ids_keep_the_64_bit_hex_values(tmp_path: Path, criteo_lines, write_criteo) -> None:
+    lines = criteo_lines(20)
+    cats = ["ffffffffffffffff", "", "8000000000000000", "68FD1E64"] + [f"{j:x}" for j in range(NUM_SPARSE - 4)]
+    lines.append("\t".join(["1", *[""] * 13, *cats]))
+    path = write_criteo(tmp_path / "day_0", lines)
+    got = _read_all(CriteoReader(path, num_embeddings=7, raw_ids=True, chunk_rows=8))
+    want = [[int(t, 16) if t else 0 for t in line.split("\t")[14:]] for line in lines]
+    assert got.sparse.dtype == np.int64
+    assert got.sparse.view(np.uint64).tolist() == want  # the raw value, as two's-complement int64
+    assert got.sparse[-1, :4].tolist() == [-1, 0, -(2**63), 0x68FD1E64]
+    hashed = _read_all(CriteoReader(path, num_embeddings=7))
+    np.testing.assert_array_equal(hashed.sparse, (got.sparse.view(np.uint64) % 7).astype(np.int64))

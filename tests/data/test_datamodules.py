@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
+from lightning_shardrec import DynamicConfig
 from lightning_shardrec.data import (
     CriteoDataModule,
     RecBatch,
@@ -197,3 +198,10 @@ def test_criteo_datamodule_errors(criteo_day_dir: Path, tmp_path: Path) -> None:
         ValueError, match=r"was hashed with num_embeddings \[1000, .*\], not \[999, "
     ):
         other.setup("fit")
+    raw = CriteoDataModule(criteo_day_dir, num_embeddings=1000, raw_ids=True)
+    with pytest.raises(
+        ValueError, match=r"processed_dir '.*processed' holds hashed ids, not raw_ids=True; delete it or use another"
+    ):
+        raw.setup("fit")
+    assert all(t.dynamic == DynamicConfig() for t in raw.embedding_tables(8))
+    assert all(t.dynamic is None for t in dm.embedding_tables(8))

@@ -240,3 +240,38 @@ def test_mapper_rejects_bad_bucket_ranges_and_foreign_ids() -> None:
     ids = torch.arange(20)
     with pytest.raises(ValueError, match=r"dynamic table 't': ids outside buckets \[0, 1\) were sent to this mapper"):
         part.lookup(ids, 0, True)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_mapper_matches_reference_on_random_configs_and_skewed_streams(seed: int) -> None:
+    """Random layouts and policies, skewed batches with repeats, drift, eval steps, the step as a tensor."""
+    rng = random.Random(seed)
+    buckets, slots = rng.choice([(1, 5), (2, 4), (4, 3), (3, 8)])
+    config = DynamicConfig(
+        num_buckets=buckets,
+        eviction=rng.choice(["lru", "lfu"]),
+        min_count=rng.choice([1, 1, 2, 3]),
+        ttl_steps=rng.choice([None, 1, 4]),
+        candidates_per_bucket=rng.choice([None, 1, 2]),
+    )
+    mapper = DynamicIdMapper("t", config, buckets * slots)
+    ref = ReferenceMapper(
+        buckets,
+        slots,
+        config.candidate_slots(slots),
+        config.min_count,
+        config.eviction is EvictionPolicy.LFU,
+        config.ttl_steps,
+    )
+    pool = [rng.choice([-1, 1]) * rng.randrange(2**63) for _ in range(8 * buckets * slots)] + ODD_IDS
+    for step in range(40):
+        live = pool[step : step + 3 * buckets * slots]  # a window that drifts: new ids arrive, old ones fade
+        batch = [live[min(int(rng.paretovariate(1.0)) - 1, len(live) - 1)] for _ in range(rng.randrange(0, 30))]
+        train = rng.random() < 0.85
+        result = mapper.lookup(torch.tensor(batch, dtype=torch.int64), torch.tensor(step), train)
+        want, new = ref.lookup(batch, step, train)
+        assert result.slots.tolist() == want, step
+        assert dict(zip(result.new_slots.tolist(), result.new_generations.tolist(), strict=True)) == new, step
+    stats = mapper.stats()
+    assert {k: stats[k] for k in ref.counters()} == ref.counters()
+    assert stats["admissions"] > 0 and stats["evictions"] + stats["expirations"] + stats["misses"] > 0
