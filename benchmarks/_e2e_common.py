@@ -112,7 +112,7 @@ class StepTimer:
     ``tick()`` at the start of every step and once after the last, then ``finish()``; the
     first ``warmup`` intervals are dropped. ``cpu_ms``: CPU per timed step of the main
     thread and of the others (the process's threads read at the first timed tick and at
-    ``finish()``: a figure the machine's other jobs barely move, unlike the wall time).
+    ``finish()``: waiting costs no CPU, so other jobs move it less than the wall time).
     """
 
     def __init__(self, warmup: int) -> None:

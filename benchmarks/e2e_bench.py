@@ -42,9 +42,10 @@ all windows of all rounds and the spread (min..max). Ratios are paired per round
 (median, min..max). Peak RSS is ``ru_maxrss`` per rank at the end; "import" is the RSS
 right after the variant's imports, before any model or data. CPU ms/step is each rank's
 on-CPU time per timed step (``/proc/self/task/*/schedstat``, median over rounds): its main
-thread + its other threads (gloo's, Lightning's); on a machine shared with other jobs it
-moves far less than the wall time, and 2 ranks' sum against 2 x the step's wall is how much
-of the two cores the job kept busy.
+thread + its other threads (gloo's, Lightning's). Waiting (for the peer, for a core) costs
+wall time but no CPU, so under other jobs' load it moves less than the wall time, though it
+still grows (cache contention, a virtual machine's stolen time): compare variants of one run.
+On an idle machine, 2 ranks' sum against 2 x the step's wall is how busy the two cores were.
 
 The variants that run this project's code are in ``_e2e_workers.py``; this file generates
 the batches, runs every variant, and reports.
