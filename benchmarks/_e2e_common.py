@@ -87,20 +87,47 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def thread_cpu_ms() -> dict[str, float]:
+    """On-CPU milliseconds so far of this process's threads: ``main`` and the others summed
+    (gloo's, Lightning's...), from ``/proc/self/task/*/schedstat``; empty where there is none.
+    A thread that ends between two readings drops out of the second (gloo's live for the run)."""
+    out = {"main": 0.0, "other threads": 0.0}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    main = str(os.getpid())
+    for tid in tids:
+        try:
+            ns = int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended
+        out["main" if tid == main else "other threads"] += ns / 1e6
+    return out
+
+
 class StepTimer:
     """Start-to-start times of loop iterations: everything a step costs, data fetch included.
 
-    ``tick()`` at the start of every step and once after the last; the first ``warmup``
-    intervals are dropped.
+    ``tick()`` at the start of every step and once after the last, then ``finish()``; the
+    first ``warmup`` intervals are dropped. ``cpu_ms``: CPU per timed step of the main
+    thread and of the others (the process's threads read at the first timed tick and at
+    ``finish()``: waiting costs no CPU, so other jobs move it less than the wall time).
     """
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
         self._last: float | None = None
         self._count = 0
+        self._ticks = 0
+        self._cpu0: dict[str, float] = {}
         self.seconds: list[float] = []
+        self.cpu_ms: dict[str, float] = {}
 
     def tick(self) -> None:
+        if self._ticks == self.warmup:
+            self._cpu0 = thread_cpu_ms()
+        self._ticks += 1
         now = time.perf_counter()
         if self._last is not None:
             if self._count >= self.warmup:
@@ -108,14 +135,20 @@ class StepTimer:
             self._count += 1
         self._last = now
 
+    def finish(self) -> None:
+        """After the last ``tick()``: CPU per timed step since the first timed tick."""
+        end, steps = thread_cpu_ms(), len(self.seconds)
+        if self._cpu0 and end and steps:
+            self.cpu_ms = {k: (end[k] - self._cpu0.get(k, 0.0)) / steps for k in end}
+
 
 def train_timed(
     batches: list[tuple[Any, ...]], forward: Any, opt: Any, warmup: int
-) -> tuple[list[float], list[float]]:
+) -> tuple[list[float], list[float], dict[str, float]]:
     """The plain loop every non-Lightning variant times: ``(*inputs, labels)`` per batch,
     BCE-with-logits of ``forward(*inputs)``, backward, ``opt`` step.
 
-    Returns ``(step seconds after warmup, losses)``.
+    Returns ``(step seconds after warmup, losses, CPU ms per timed step by thread)``.
     """
     import torch.nn.functional as F
 
@@ -128,7 +161,8 @@ def train_timed(
         opt.step()
         losses.append(loss.item())
     timer.tick()
-    return timer.seconds, losses
+    timer.finish()
+    return timer.seconds, losses, timer.cpu_ms
 
 
 @dataclass
@@ -143,6 +177,7 @@ class RankResult:
     losses: list[float] = field(default_factory=list)
     plan: str = ""
     note: str = ""
+    cpu_ms: dict[str, float] = field(default_factory=dict)  # per timed step: main thread, other threads
 
     def write(self, out_dir: str | os.PathLike[str]) -> None:
         path = Path(out_dir) / f"{self.variant}.rank{self.rank}.json"

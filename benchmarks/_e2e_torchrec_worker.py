@@ -96,10 +96,10 @@ def main() -> None:
     dense_opt = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.Adagrad(ps, lr=LR)
     )
-    seconds, losses = train_timed(batches, dmp, dense_opt, a.warmup)
+    seconds, losses, cpu = train_timed(batches, dmp, dense_opt, a.warmup)
     RankResult(
         "torchrec_dmp", rank, world, int(batches[0][0].shape[0]), seconds, IMPORT_RSS, peak_rss_mib(), losses,
-        plan_summary(dmp.plan),
+        plan_summary(dmp.plan), cpu_ms=cpu,
     ).write(a.out)  # fmt: skip
     dist.destroy_process_group()
 

@@ -108,9 +108,9 @@ def worker_dmp_plain(a: WorkerArgs) -> None:
     model = DistributedModelParallel(_bench_model(a.shrink), embedding_optimizer=config, batch_size=bsz)
     opt = torch.optim.Adagrad(model.dense_parameters(), lr=LR)
     steps = [(b.dense, b.sparse, b.labels) for b in batches[: a.warmup + a.steps]]
-    seconds, losses = train_timed(steps, model, opt, a.warmup)
+    seconds, losses, cpu = train_timed(steps, model, opt, a.warmup)
     RankResult(
-        a.variant, rank, world, bsz, seconds, import_rss, peak_rss_mib(), losses, plan_summary(model.plan)
+        a.variant, rank, world, bsz, seconds, import_rss, peak_rss_mib(), losses, plan_summary(model.plan), cpu_ms=cpu
     ).write(a.out)
     dist.destroy_process_group()
 
@@ -172,6 +172,7 @@ def worker_shardrec(a: WorkerArgs) -> None:
             self.losses.append(float(outputs["loss"]))
             if i == total - 1:
                 self.timer.tick()
+                self.timer.finish()
                 if self.profiler is not None and trainer.global_rank == 0:
                     self.profiler.tick(last=True)
 
@@ -187,6 +188,7 @@ def worker_shardrec(a: WorkerArgs) -> None:
                 peak_rss_mib(),
                 self.losses,
                 plan_summary(strategy.plan),
+                cpu_ms=self.timer.cpu_ms,
             ).write(a.out)
             if self.profiler is not None and trainer.global_rank == 0:
                 self.profiler.write(a.profile, self.timer.seconds)
@@ -345,10 +347,10 @@ def worker_ddp_sparse(a: WorkerArgs) -> None:
 
     model = DistributedDataParallel(SparseModel())
     opt = torch.optim.Adagrad(model.parameters(), lr=LR)
-    seconds, losses = train_timed(batches, model, opt, a.warmup)
+    seconds, losses, cpu = train_timed(batches, model, opt, a.warmup)
     RankResult(
         a.variant, rank, world, int(batches[0][0].shape[0]), seconds, import_rss, peak_rss_mib(), losses,
-        "data_parallel: all (full tables on every rank)",
+        "data_parallel: all (full tables on every rank)", cpu_ms=cpu,
     ).write(a.out)
     dist.destroy_process_group()
 
@@ -387,10 +389,10 @@ def worker_kernel_floor(a: WorkerArgs) -> None:
     )
     arch = make_dense_arch()
     opt = torch.optim.Adagrad(arch.parameters(), lr=LR)
-    seconds, losses = train_timed(batches, lambda dense, v, o: arch(dense, tbe(v, o)), opt, a.warmup)
+    seconds, losses, cpu = train_timed(batches, lambda dense, v, o: arch(dense, tbe(v, o)), opt, a.warmup)
     RankResult(
         a.variant, 0, 1, int(batches[0][0].shape[0]), seconds, import_rss, peak_rss_mib(), losses,
-        "one TBE, all 8 tables",
+        "one TBE, all 8 tables", cpu_ms=cpu,
     ).write(a.out)
 
 
@@ -418,10 +420,10 @@ def worker_kernel_floor_torch(a: WorkerArgs) -> None:
             w.uniform_(-0.01, 0.01)
     arch = make_dense_arch()
     opt = torch.optim.Adagrad(arch.parameters(), lr=LR)
-    seconds, losses = train_timed(batches, lambda dense, kjt: arch(dense, kernel(kjt)), opt, a.warmup)
+    seconds, losses, cpu = train_timed(batches, lambda dense, kjt: arch(dense, kernel(kjt)), opt, a.warmup)
     RankResult(
         a.variant, 0, 1, int(batches[0][0].shape[0]), seconds, import_rss, peak_rss_mib(), losses,
-        "torch kernel, all 8 tables",
+        "torch kernel, all 8 tables", cpu_ms=cpu,
     ).write(a.out)
 
 

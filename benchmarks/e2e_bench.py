@@ -40,7 +40,12 @@ once, in a shuffled order; samples/s is measured per window of ``--window`` step
 (global batch x steps / the slowest rank's seconds); the table gives the median over
 all windows of all rounds and the spread (min..max). Ratios are paired per round
 (median, min..max). Peak RSS is ``ru_maxrss`` per rank at the end; "import" is the RSS
-right after the variant's imports, before any model or data.
+right after the variant's imports, before any model or data. CPU ms/step is each rank's
+on-CPU time per timed step (``/proc/self/task/*/schedstat``, median over rounds): its main
+thread + its other threads (gloo's, Lightning's). Waiting (for the peer, for a core) costs
+wall time but no CPU, so under other jobs' load it moves less than the wall time, though it
+still grows (cache contention, a virtual machine's stolen time): compare variants of one run.
+On an idle machine, 2 ranks' sum against 2 x the step's wall is how busy the two cores were.
 
 The variants that run this project's code are in ``_e2e_workers.py``; this file generates
 the batches, runs every variant, and reports.
@@ -201,6 +206,23 @@ def whole(results: list[dict[str, Any]]) -> float:
     return global_batch * n / max(sum(r["step_seconds"][:n]) for r in results)
 
 
+def cpu_per_rank(rounds: list[list[dict[str, Any]]]) -> str:
+    """``main+others`` CPU ms per timed step, per rank (median over rounds): ``21.5+3.8 / 21.9+3.5``."""
+    by_rank: dict[int, list[dict[str, float]]] = {}
+    for rr in rounds:
+        for r in rr:
+            if r.get("cpu_ms"):
+                by_rank.setdefault(r["rank"], []).append(r["cpu_ms"])
+    if not by_rank:
+        return "-"
+    parts = []
+    for _, cpus in sorted(by_rank.items()):
+        main = statistics.median(c.get("main", 0.0) for c in cpus)
+        other = statistics.median(c.get("other threads", 0.0) for c in cpus)
+        parts.append(f"{main:.1f}+{other:.1f}")
+    return " / ".join(parts)
+
+
 def machine() -> str:
     import torch
 
@@ -248,12 +270,13 @@ def report(
         f"Floor = the faster one-core kernel job here: {floor_name} ({fastest} kernel).",
         "",
         "| variant | ranks | samples/s (median) | spread | ms/step (median) | x floor "
-        "| peak RSS per rank (MiB) | import RSS (MiB) | final loss | plan |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| CPU ms/step per rank (main + other threads) | peak RSS per rank (MiB) | import RSS (MiB) "
+        "| final loss | plan |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for v in VARIANTS:
         if v in failures:
-            lines.append(f"| {v} | {WORLD[v]} | - | - | - | - | - | - | - | not run: {failures[v]} |")
+            lines.append(f"| {v} | {WORLD[v]} | - | - | - | - | - | - | - | - | not run: {failures[v]} |")
             continue
         if v not in per_window:
             continue
@@ -267,7 +290,7 @@ def report(
         plan = last[0].get("plan", "")
         lines.append(
             f"| {v} | {WORLD[v]} | {st.median:,.0f} | {st.lo:,.0f}..{st.hi:,.0f} | {ms:.1f} | {vs} "
-            f"| {peak} | {imp} | {loss:.4f} | {plan} |"
+            f"| {cpu_per_rank(runs[v])} | {peak} | {imp} | {loss:.4f} | {plan} |"
         )
 
     def ratio(num: str, den: str) -> str:

@@ -73,7 +73,8 @@ def distribute_inputs(
     one small header (its batch size, its id count per group and destination, a
     failure flag) before any bulk collective, so a bad batch on one rank stops every
     rank with an error instead of a hang; ``tag``'s ints ride along and are checked the same
-    way. Then each group routes its ids.
+    way. Then each group routes its ids: every group's all-to-alls are issued (async) before
+    any is waited for, as :meth:`PrefetchHandle.progress` does.
     """
     kjt, subs, routed, error = _split_and_route(features, split, groups)
     header = _with_tag(_header(kjt, routed, error, env.world_size, len(groups)), tag)
@@ -81,8 +82,33 @@ def distribute_inputs(
     batch_sizes, recv_values = _read_header(recv, error, env, len(groups))
     if tag is not None:
         tag.check(recv[:, 2 + len(groups) :].tolist(), env.rank)
-    inputs = [g.input_dist(s, r, v, batch_sizes) for g, s, r, v in zip(groups, subs, routed, recv_values, strict=True)]
-    return DistContext(kjt, batch_sizes, inputs, subs, routed, recv_values)
+    pending = _issue_exchanges(groups, subs, routed, recv_values, batch_sizes, env)
+    return DistContext(kjt, batch_sizes, _finish_exchanges(groups, pending), subs, routed, recv_values)
+
+
+def _issue_exchanges(
+    groups: Sequence[EmbeddingSharding],
+    subs: list[KeyedJaggedTensor],
+    routed: list[Routed | None],
+    recv_values: list[list[int]],
+    batch_sizes: list[int],
+    env: ShardingEnv,
+) -> list[PendingExchange | KeyedJaggedTensor]:
+    """Per group: its id all-to-alls issued (async), or its input when nothing crosses the wire."""
+    return [
+        g.input_dist(s, r, v, batch_sizes) if r is None else exchange_async(r, v, g.received_keys(), batch_sizes, env)
+        for g, s, r, v in zip(groups, subs, routed, recv_values, strict=True)
+    ]
+
+
+def _finish_exchanges(
+    groups: Sequence[EmbeddingSharding], pending: list[PendingExchange | KeyedJaggedTensor]
+) -> list[KeyedJaggedTensor]:
+    """Each group's kernel input: waits for the exchanges :func:`_issue_exchanges` started."""
+    return [
+        g.after_exchange(p.wait()) if isinstance(p, PendingExchange) else p
+        for g, p in zip(groups, pending, strict=True)
+    ]
 
 
 def start_input_dist(
@@ -198,11 +224,9 @@ class PrefetchHandle:
             except (KeyError, ValueError, ShardingError) as e:  # every rank sees the flag: none issues more
                 self._failure = e
                 return
-            for g, s, r, v in zip(self._groups, self._subs, self._routed, self._recv_values, strict=True):
-                if r is None:  # nothing crosses the wire (data-parallel)
-                    self._pending.append(g.input_dist(s, r, v, self._batch_sizes))
-                else:
-                    self._pending.append(exchange_async(r, v, g.received_keys(), self._batch_sizes, self._env))
+            self._pending = _issue_exchanges(
+                self._groups, self._subs, self._routed, self._recv_values, self._batch_sizes, self._env
+            )
 
     @property
     def failure(self) -> Exception | None:
@@ -215,10 +239,7 @@ class PrefetchHandle:
         if self._failure is not None:
             raise self._failure
         with on_stream(self._stream):
-            inputs = [
-                g.after_exchange(p.wait()) if isinstance(p, PendingExchange) else p
-                for g, p in zip(self._groups, self._pending, strict=True)
-            ]
+            inputs = _finish_exchanges(self._groups, self._pending)
         ctx = DistContext(self._kjt, self._batch_sizes, inputs, self._subs, self._routed, self._recv_values)
         if self._stream is not None:
             _hand_over(ctx, self._stream)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all, all_to_all_async
+from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_async
 from lightning_shardrec.modules.dynamic_ids import bucket_of
 from lightning_shardrec.sparse import KeyedJaggedTensor
 from lightning_shardrec.sparse.ops import complete_cumsum, gather_index, permute_2d, segment_ids
@@ -116,14 +116,12 @@ def route_by_row(
 def exchange(
     routed: Routed, recv_values: list[int], num_keys: int, batch_per_source: list[int], env: ShardingEnv
 ) -> KeyedJaggedTensor:
-    """The all-to-alls for one group, then :func:`regroup` into a key-major KJT."""
-    recv_lengths = [num_keys * b for b in batch_per_source]
-    lengths = all_to_all(routed.lengths, recv_lengths, routed.length_splits, env)
-    values = all_to_all(routed.values, recv_values, routed.value_splits, env)
-    weights = None
-    if routed.weights is not None:
-        weights = all_to_all(routed.weights, recv_values, routed.value_splits, env)
-    return regroup(lengths, values, weights, num_keys, batch_per_source)
+    """The all-to-alls for one group, then :func:`regroup` into a key-major KJT.
+
+    Issued back to back (async) and waited for together: the process group's thread moves on to
+    the ids as soon as the lengths are through, with no round trip to this thread in between.
+    """
+    return exchange_async(routed, recv_values, num_keys, batch_per_source, env).wait()
 
 
 @dataclass

@@ -6,8 +6,12 @@ measures instead of assuming. For one group of tables it builds each candidate b
 synthetic tables of the group's dims (rows capped at :data:`ROW_CAP`) and times forward,
 backward and the fused update on a batch shaped like the planner's inputs
 (:class:`Workload`: batch size, ids per bag, power-law ids), a few repetitions, and keeps
-the fastest. The synthetic kernels never touch the real one, and the RNG state is restored,
-so the choice cannot change results beyond which (exact) kernel runs.
+the fastest. The backends take turns (A B A B ...) and each keeps its fastest step: on a
+shared machine other jobs only ever add time, so the minimum is the kernel's own cost and
+a burst of load cannot hand the verdict to the slower kernel. A measurement whose two
+fastest steps of a backend still differ by more than :data:`STEADY` is used but not cached
+(the next run times again). The synthetic kernels never touch the real one, and the RNG
+state is restored, so the choice cannot change results beyond which (exact) kernel runs.
 
 The verdict is cached per machine and configuration (:func:`cache_key`) in
 ``$LIGHTNING_SHARDREC_KERNEL_CACHE`` (a directory; ``off`` disables the cache), else
@@ -39,11 +43,22 @@ CACHE_ENV = "LIGHTNING_SHARDREC_KERNEL_CACHE"
 PIN_ENV = "LIGHTNING_SHARDREC_KERNEL"
 ROW_CAP = 1 << 15  # synthetic rows per table: the timing's memory and init stay small
 ID_CAP = 1 << 16  # ids per synthetic batch (fewer bags when the planner's batch has more)
-REPS = 3  # timed steps per backend (after one warm-up step)
-BUDGET_S = 0.1  # stop repeating a backend once its timed steps took this long
+REPS = 5  # timed steps per backend at most (after one warm-up step each)
+MIN_REPS = 3  # timed steps per backend at least, whatever the budget
+BUDGET_S = 0.1  # per backend: no timed step beyond MIN_REPS once its steps took this long
+STEADY = 1.25  # a backend's two fastest steps within this ratio: the verdict may be cached
+#: the timing method, first in every cache key (v1 kept the median of a budget that one slow step
+#: could end: a burst of load on a shared machine cached the 2x slower kernel for good)
+TIMING = "timing v2"
 
 #: seconds of one forward + backward + update step per backend value
 Timings = dict[str, float]
+
+
+class Measurement(dict[str, float]):
+    """:data:`Timings` from :func:`measure`; ``steady`` is False when a backend's fastest steps disagree."""
+
+    steady: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,8 +119,8 @@ def synthetic_batch(
     return KeyedJaggedTensor(keys=keys, values=torch.cat(values).to(device), lengths=lengths.to(device))
 
 
-def time_backend(
-    cls: type[BatchedEmbeddingKernel],
+def time_backends(
+    classes: Mapping[str, type[BatchedEmbeddingKernel]],
     tables: list[TableSpec],
     feature_table: list[int],
     optim: FusedOptimConfig,
@@ -113,27 +128,45 @@ def time_backend(
     pooled: bool,
     device: torch.device,
     kjt: KeyedJaggedTensor,
-) -> float:
-    """Median seconds of one forward + backward (fused update) step of ``cls`` on ``kjt``."""
-    kernel = cls(tables, feature_table, optim, pooled=pooled, device=device)
-    for w in kernel.split_weights():
-        with torch.no_grad():
-            w.fill_(0.01)
-    grad: torch.Tensor | None = None
-    times = []
-    for i in range(REPS + 1):
+) -> dict[str, list[float]]:
+    """Seconds of each timed forward + backward (fused update) step per backend, the backends taking turns.
+
+    One warm-up step each, then rounds of one step per backend: at least :data:`MIN_REPS`,
+    at most :data:`REPS`, fewer than that once every backend's steps took :data:`BUDGET_S`.
+    """
+    kernels = {name: cls(tables, feature_table, optim, pooled=pooled, device=device) for name, cls in classes.items()}
+    grads: dict[str, torch.Tensor] = {}
+    for kernel in kernels.values():
+        for w in kernel.split_weights():
+            with torch.no_grad():
+                w.fill_(0.01)
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+
+    def step(name: str) -> float:
+        kernel = kernels[name]
         _sync(device)
         start = time.perf_counter()
         out = kernel(kjt)
-        if grad is None:
-            grad = torch.full_like(out, 1e-3)
-        out.backward(grad)
+        if name not in grads:
+            grads[name] = torch.full_like(out, 1e-3)
+        out.backward(grads[name])
         _sync(device)
-        if i:  # the first step warms up
-            times.append(time.perf_counter() - start)
-            if sum(times) > BUDGET_S:
-                break
-    return sorted(times)[len(times) // 2]
+        return time.perf_counter() - start
+
+    for name in kernels:  # warm-up
+        step(name)
+    for rep in range(REPS):
+        if rep >= MIN_REPS and all(sum(t) > BUDGET_S for t in times.values()):
+            break
+        for name in kernels:
+            times[name].append(step(name))
+    return times
+
+
+def steady(times: list[float]) -> bool:
+    """Whether the two fastest of ``times`` agree within :data:`STEADY` (one step: trivially)."""
+    fast = sorted(times)[:2]
+    return len(fast) < 2 or fast[1] <= STEADY * fast[0]
 
 
 def measure(
@@ -145,8 +178,8 @@ def measure(
     pooled: bool,
     device: torch.device,
     workload: Workload,
-) -> Timings:
-    """Seconds per step of each backend on synthetic copies of ``tables`` (rows capped at ``ROW_CAP``)."""
+) -> Measurement:
+    """Fastest seconds per step of each backend on synthetic copies of ``tables`` (rows capped at ``ROW_CAP``)."""
     small = [
         TableSpec(name=t.name, num_embeddings=min(t.num_embeddings, ROW_CAP), embedding_dim=t.embedding_dim)
         for t in tables
@@ -154,10 +187,10 @@ def measure(
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         kjt = synthetic_batch(len(feature_table), [small[t].num_embeddings for t in feature_table], workload, device)
-        return {
-            name: time_backend(cls, small, feature_table, optim, pooled=pooled, device=device, kjt=kjt)
-            for name, cls in backends.items()
-        }
+        times = time_backends(backends, small, feature_table, optim, pooled=pooled, device=device, kjt=kjt)
+    out = Measurement({name: min(t) for name, t in times.items()})
+    out.steady = all(steady(t) for t in times.values())
+    return out
 
 
 def _sync(device: torch.device) -> None:
@@ -202,11 +235,14 @@ def _fbgemm_version() -> str:
 def cache_key(
     tables: list[TableSpec], num_features: int, optim: FusedOptimConfig, pooled: bool, device: torch.device, w: Workload
 ) -> str:
-    """Machine, optimizer, device, dims, and buckets (powers of 2) of rows, batch and pooling."""
+    """Machine, optimizer, device, dims, and buckets (powers of 2) of rows, batch and pooling.
+
+    It starts with :data:`TIMING`: verdicts of an older timing method are never read back.
+    """
     rows = sum(t.num_embeddings for t in tables)
     dims = ",".join(str(d) for d in sorted({t.embedding_dim for t in tables}))
     return (
-        f"{machine()} | {device.type} | {optim.optimizer.value} | {'pooled' if pooled else 'sequence'} | "
+        f"{TIMING} | {machine()} | {device.type} | {optim.optimizer.value} | {'pooled' if pooled else 'sequence'} | "
         f"dims {dims} | features {num_features} | rows 2^{_bucket(rows)} | batch 2^{_bucket(w.batch_size)} | "
         f"pooling 2^{_bucket(w.pooling)}"
     )
@@ -314,7 +350,8 @@ def choose_kernel(
                 {b.value: classes[b] for b in ok}, tables, feature_table, optim,
                 pooled=pooled, device=device, workload=workload,
             )  # fmt: skip
-            cache.put(key, local)
+            if getattr(local, "steady", True):  # a noisy measurement decides this run only
+                cache.put(key, dict(local))
     source = "cached" if local and cached is not None and set(cached) >= set(local) else "measured"
     if agree is not None:
         # a backend this rank cannot run counts as infinitely slow everywhere

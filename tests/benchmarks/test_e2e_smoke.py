@@ -37,6 +37,52 @@ def test_windows_use_the_slowest_rank():
     assert e2e.whole(ranks) == pytest.approx(800 / 0.6)
 
 
+def test_cpu_per_rank_is_main_plus_other_threads_median_over_rounds():
+    e2e = _load()
+    rounds = [
+        [{"rank": 0, "cpu_ms": {"main": 20.0, "other threads": 3.0}}, {"rank": 1, "cpu_ms": {"main": 22.0}}],
+        [{"rank": 0, "cpu_ms": {"main": 24.0, "other threads": 5.0}}, {"rank": 1, "cpu_ms": {"main": 26.0}}],
+        [{"rank": 0, "cpu_ms": {"main": 21.0, "other threads": 4.0}}, {"rank": 1, "cpu_ms": {}}],
+    ]
+    assert e2e.cpu_per_rank(rounds) == "21.0+4.0 / 24.0+0.0"
+    assert e2e.cpu_per_rank([[{"rank": 0, "cpu_ms": {}}]]) == "-"  # results of a run without /proc
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="per-thread CPU is read from /proc")
+def test_step_timer_counts_cpu_per_timed_step():
+    """CPU of the timed steps only (after the warm-up), per step, main thread and the others."""
+    import threading
+    import time
+
+    sys.path.insert(0, str(BENCH))
+    from _e2e_common import StepTimer
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    def helper(done: threading.Event) -> None:  # as gloo's threads: alive for the whole run
+        spin(0.04)
+        done.wait()
+
+    timer = StepTimer(warmup=1)
+    timer.tick()
+    spin(0.2)  # warm-up: not counted
+    done = threading.Event()
+    for _ in range(2):
+        timer.tick()
+        if not done.is_set() and not any(t.name == "helper" for t in threading.enumerate()):
+            threading.Thread(target=helper, args=(done,), name="helper").start()
+        spin(0.05)
+    timer.tick()
+    timer.finish()
+    done.set()
+    assert len(timer.seconds) == 2 and set(timer.cpu_ms) == {"main", "other threads"}
+    assert 0.05e3 <= timer.cpu_ms["main"] < 0.2e3  # at least its own spin, never the warm-up's
+    assert timer.cpu_ms["other threads"] >= 0.02e3
+
+
 def test_write_section_keeps_other_sections_machines_and_the_reading(tmp_path, monkeypatch):
     e2e = _load()
     doc = tmp_path / "b.md"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -53,6 +54,7 @@ def test_a_slow_backend_loses(cache, slow):
 
 
 def test_the_cached_verdict_is_reused(cache, monkeypatch):
+    monkeypatch.setattr(autotune, "STEADY", math.inf)  # caching must not depend on this machine's load
     first = choose({KernelBackend.FBGEMM: SlowKernel, KernelBackend.TORCH: TorchBatchedEmbedding})
     stored = json.loads(cache.read_text())
     (key,) = stored
@@ -71,6 +73,47 @@ def test_the_cached_verdict_is_reused(cache, monkeypatch):
     assert choose({KernelBackend.FBGEMM: SlowKernel, KernelBackend.TORCH: TorchBatchedEmbedding}).backend is (
         KernelBackend.FBGEMM
     )
+
+
+class SleepyKernel(TorchBatchedEmbedding):
+    """The torch kernel plus ``sleeps[i]`` seconds on its ``i``-th forward (warm-up first): load bursts."""
+
+    sleeps: tuple[float, ...] = ()
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls <= len(self.sleeps):
+            time.sleep(self.sleeps[self.calls - 1])
+        return super().forward(kjt)
+
+
+class BurstKernel(SleepyKernel):
+    """Fast, but the first timed step is hit by a 150 ms burst of other work (beyond the budget)."""
+
+    sleeps = (0.0, 0.15)
+
+
+class NoisyKernel(SleepyKernel):
+    """Fast once, then 50 ms slower on every timed step: no two steps agree."""
+
+    sleeps = (0.0, 0.0, *([0.05] * 10))
+
+
+def test_a_burst_of_load_does_not_decide(cache, monkeypatch):
+    """The backends take turns and keep their fastest step: one slow step (another job) cannot make
+    the faster kernel lose, and the verdict is cached."""
+    monkeypatch.setattr(autotune, "STEADY", math.inf)  # caching must not depend on this machine's load
+    choice = choose({KernelBackend.FBGEMM: BurstKernel, KernelBackend.TORCH: SlowKernel})
+    assert choice.backend is KernelBackend.FBGEMM and choice.source == "measured"
+    assert choice.seconds["fbgemm"] < 0.02 < choice.seconds["torch"]
+    assert json.loads(cache.read_text()) == {next(iter(json.loads(cache.read_text()))): choice.seconds}
+
+
+def test_a_noisy_measurement_is_used_but_not_cached(cache):
+    choice = choose({KernelBackend.FBGEMM: NoisyKernel, KernelBackend.TORCH: SlowKernel})
+    assert choice.backend is KernelBackend.FBGEMM and choice.source == "measured"
+    assert not cache.exists()  # the next run times again
+    assert autotune.steady([0.010, 0.012, 0.5]) and not autotune.steady([0.010, 0.020, 0.021])
 
 
 def test_cache_off_times_every_time(monkeypatch, tmp_path):
