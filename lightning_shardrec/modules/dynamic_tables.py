@@ -21,7 +21,7 @@ from lightning_shardrec.configs import BaseEmbeddingConfig, UniformInit
 from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper, LookupResult, mix64
 from lightning_shardrec.modules.features import check_ids
 from lightning_shardrec.modules.table_dict import TableDict
-from lightning_shardrec.modules.table_init import unit_uniform
+from lightning_shardrec.modules.table_init import uniform_rows
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 ResetHook = Callable[[str, Tensor, Tensor], None]
@@ -44,9 +44,8 @@ def fresh_rows(table: BaseEmbeddingConfig, slots: Tensor, generations: Tensor, w
     seeds = row_seeds(table, slots, generations)
     dim = weight.shape[1]
     if table.init_fn is None or isinstance(table.init_fn, UniformInit):
-        unit = unit_uniform(seeds, 0, dim)  # as a static table's rows (modules.table_init)
         lo, hi = table.init_range() if table.init_fn is None else (table.init_fn.low, table.init_fn.high)
-        return (lo + (hi - lo) * unit).to(weight.dtype)
+        return uniform_rows(seeds, dim, lo, hi, weight.dtype)  # as a static table's rows (modules.table_init)
     rows = torch.empty(len(slots), dim, dtype=weight.dtype)
     with torch.random.fork_rng(devices=[]):
         for i, s in enumerate(seeds.tolist()):  # custom init: one call per new row

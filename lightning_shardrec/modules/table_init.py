@@ -60,10 +60,34 @@ def draw_seed() -> int:
 
 def unit_uniform(row_seeds: Tensor, c0: int, cols: int) -> Tensor:
     """``[len(row_seeds), cols]`` float64 in ``[0, 1)``: the top 53 bits of
-    ``mix64(row_seed + (c0 + j) * GOLDEN)`` for column ``c0 + j``, times ``2**-53``."""
-    z = torch.empty(len(row_seeds), cols, dtype=torch.int64, device=row_seeds.device)
-    out = torch.empty(z.shape, dtype=torch.float64, device=z.device)
-    _unit(row_seeds, _columns(c0, cols, z.device), z, torch.empty_like(z), out)
+    ``mix64(row_seed + (c0 + j) * GOLDEN)`` for column ``c0 + j``, times ``2**-53``
+    (hashed a block of rows at a time, as :func:`init_block`)."""
+    return _uniform_rows(row_seeds, c0, cols, None, torch.float64)
+
+
+def uniform_rows(row_seeds: Tensor, cols: int, low: float, high: float, dtype: torch.dtype) -> Tensor:
+    """``[len(row_seeds), cols]`` of ``dtype``: ``low + (high - low) * unit_uniform(row_seeds, 0, cols)``
+    in float64, then rounded to ``dtype`` (bit for bit the same), a block of rows at a time."""
+    return _uniform_rows(row_seeds, 0, cols, (low, high), dtype)
+
+
+def _uniform_rows(
+    row_seeds: Tensor, c0: int, cols: int, bounds: tuple[float, float] | None, dtype: torch.dtype
+) -> Tensor:
+    rows, where = len(row_seeds), row_seeds.device
+    out = torch.empty(rows, cols, dtype=dtype, device=where)
+    step = max(1, (_BLOCK_CUDA if where.type == "cuda" else _BLOCK_CPU) // max(cols, 1))
+    z = torch.empty(min(step, rows), cols, dtype=torch.int64, device=where)
+    tmp, col = torch.empty_like(z), _columns(c0, cols, where)
+    unit = out if dtype == torch.float64 else torch.empty(z.shape, dtype=torch.float64, device=where)
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        u = unit[start : start + n] if unit is out else unit[:n]
+        _unit(row_seeds[start : start + n], col, z[:n], tmp[:n], u)
+        if bounds is not None:
+            u.mul_(bounds[1] - bounds[0]).add_(bounds[0])
+        if unit is not out:
+            out[start : start + n] = u
     return out
 
 
