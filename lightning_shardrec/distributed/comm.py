@@ -8,6 +8,7 @@ reduce-scatter (backward: all-gather).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -63,6 +64,33 @@ class ShardingEnv:
                 "(or train with Trainer(strategy='shardrec'))"
             )
         return ShardingEnv(dist.get_rank(pg), dist.get_world_size(pg), pg, local_world_size)
+
+
+def live_group(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` is a process group still registered (not None, not destroyed)."""
+    if group is None:
+        return False
+    try:
+        dist.get_backend(group)  # raises for a destroyed group
+    except (ValueError, RuntimeError, KeyError):
+        return False
+    return True
+
+
+_GROUPS: dict[tuple[Hashable, ...], dist.ProcessGroup] = {}
+
+
+def cached_group(key: tuple[Hashable, ...], make: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
+    """The group ``make()`` created for ``key``, reused while it lives (until destroyed).
+
+    Collective only when it calls ``make`` (every rank keeps the same cache, so all of them
+    create, or reuse, together). Each group holds transport threads and sockets until it is
+    destroyed, so modules built again and again (a DMP per trial, per test) share one.
+    """
+    group = _GROUPS.get(key)
+    if group is None or not live_group(group):
+        group = _GROUPS[key] = make()
+    return group
 
 
 def new_group_like(env: ShardingEnv, timeout: timedelta | None = None) -> ShardingEnv:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, all_to_all_grad
+from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, all_to_all_grad, cached_group
 
 
 def host_group(env: ShardingEnv) -> ShardingEnv:
@@ -47,8 +47,10 @@ def host_group(env: ShardingEnv) -> ShardingEnv:
         return ShardingEnv(0, 1, None, 1)
     ranks = dist.get_process_group_ranks(env.pg or dist.group.WORLD)  # group rank -> global rank
     backend, timeout = dist.get_backend(env.pg), _timeout(env.pg)
-    host, _ = dist.new_subgroups_by_enumeration(
-        [[ranks[h * local + j] for j in range(local)] for h in range(hosts)], timeout=timeout, backend=backend
+    layout = [[ranks[h * local + j] for j in range(local)] for h in range(hosts)]
+    host = cached_group(
+        ("host", str(backend), tuple(map(tuple, layout))),
+        lambda: dist.new_subgroups_by_enumeration(layout, timeout=timeout, backend=backend)[0],
     )
     out = ShardingEnv(dist.get_rank(host), local, host, local)
     if out.rank != env.rank % local:

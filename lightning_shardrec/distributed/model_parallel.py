@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardrec.configs import FusedOptimConfig
-from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv
+from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, cached_group
 from lightning_shardrec.distributed.dynamic_stats import dynamic_stats
 from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
 from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
@@ -200,7 +200,9 @@ class DistributedModelParallel(nn.Module):
         device_ids = [self.device] if self.device.type == "cuda" else None
         # DDP's gradient all-reduces fire from backward hooks in an order autograd picks;
         # on their own group they can never interleave with the embeddings' collectives.
-        dense_pg = dist.new_group(ranks=dist.get_process_group_ranks(self.env.pg or dist.group.WORLD))
+        # One per set of ranks, shared by every DMP over them (a group holds threads until destroyed).
+        ranks = tuple(dist.get_process_group_ranks(self.env.pg or dist.group.WORLD))
+        dense_pg = cached_group(("dense", str(dist.get_backend()), ranks), lambda: dist.new_group(ranks=list(ranks)))
         return DistributedDataParallel(module, device_ids=device_ids, process_group=dense_pg)
 
     @property

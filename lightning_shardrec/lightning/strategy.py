@@ -30,7 +30,7 @@ from typing_extensions import override
 from lightning_shardrec.checkpoint import table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.collection import ShardedCollection
-from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, new_group_like
+from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, live_group, new_group_like
 from lightning_shardrec.distributed.model_parallel import find_collections, kernel_labels, pooling_of, shard_modules
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.kernels import KernelBackend, parse_backend
@@ -355,7 +355,7 @@ class ShardRecStrategy(RankFailureHandling):
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, fused)
         # Its own group: DDP's hook-driven all-reduces never interleave with the tables' collectives.
         # A repeated fit() reuses it; teardown destroys it (lightning/teardown.py), and the next fit makes another.
-        if not _live(getattr(self, "_dense_pg", None)):
+        if not live_group(getattr(self, "_dense_pg", None)):
             self._dense_pg = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
             self._own_groups.append(self._dense_pg)
         return DistributedDataParallel(
@@ -461,17 +461,6 @@ _ANCHOR = "shardrec_anchor"  # an empty parameter per sharded collection; its pa
 def _fused_params(coll: ShardedCollection) -> list[torch.nn.Parameter]:
     anchor = [getattr(coll, _ANCHOR)] if hasattr(coll, _ANCHOR) else []
     return anchor + [p for g in coll.groups if g.fused for p in g.parameters()]
-
-
-def _live(group: Any) -> bool:
-    """Whether ``group`` is a process group still registered (not None, not destroyed by a teardown)."""
-    if group is None:
-        return False
-    try:
-        dist.get_backend(group)  # raises for a destroyed group
-    except (ValueError, RuntimeError, KeyError):
-        return False
-    return True
 
 
 @rank_zero_only

@@ -92,3 +92,36 @@ def test_cuda_index_rejects_a_local_rank_without_its_gpu():
 
     with pytest.raises(ValueError, match="LOCAL_RANK 4 but only 2 GPUs are visible; pass device="):
         cuda_index(0, {"LOCAL_RANK": "4"}, 2)
+
+
+def dense_groups(rank, world):
+    import torch.distributed as dist
+    from test_sharded_ebc import plan_for
+
+    from lightning_shardrec.distributed import DistributedModelParallel
+    from lightning_shardrec.distributed.comm import cached_group, live_group
+    from lightning_shardrec.planner import ShardingPlan
+
+    def build():
+        return DistributedModelParallel(Rec(PoolingType.SUM, False), plan=ShardingPlan({"ebc": plan_for("row_wise", world)}))
+
+    first, second = build(), build()
+    shared = first._dmp_wrapped_module.process_group is second._dmp_wrapped_module.process_group
+    made = []
+
+    def make():
+        made.append(dist.new_group())
+        return made[-1]
+
+    a, b = cached_group(("test", rank), make), cached_group(("test", rank), make)
+    dist.destroy_process_group(a)
+    c = cached_group(("test", rank), make)
+    fresh = c is not a and live_group(c) and not live_group(a)
+    dist.destroy_process_group(c)
+    return shared, a is b, fresh, len(made)
+
+
+def test_dmps_over_the_same_ranks_share_one_dense_group_until_it_is_destroyed():
+    # each group holds transport threads until destroyed: building DMPs again and again must not leak them
+    for shared, reused, fresh, made in run_ranks(dense_groups, 2):
+        assert (shared, reused, fresh, made) == (True, True, True, 2)
