@@ -39,17 +39,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_shardrec.distributed import comm, qcomm
+from lightning_shardrec.distributed import comm, pooled_all_to_all, qcomm
 from lightning_shardrec.distributed.batch_dist import _header, _read_header
 from lightning_shardrec.distributed.comm import (
-    ColumnBlocks,
     ShardingEnv,
     all_to_all_grad,
-    all_to_all_pooled,
     reduce_scatter_rows,
 )
 from lightning_shardrec.distributed.hierarchy import HolderExchange, Unit
 from lightning_shardrec.distributed.input_dist import Routed
+from lightning_shardrec.distributed.pooled_all_to_all import ColumnBlocks, all_to_all_pooled
 from lightning_shardrec.distributed.qcomm import CommPrecision, fp16_exponent
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
@@ -222,12 +221,12 @@ def pooled_case(world: int, batch: int, before: bool) -> Callable[[], None]:
     sizes = [batch] * world
 
     def step() -> None:
-        comm.GATHER_ABOVE = world if before else saved  # before: one copy per source
+        pooled_all_to_all.GATHER_ABOVE = world if before else saved  # before: one copy per source
         out = all_to_all_pooled(x, sizes, layout, 1.0 / world, env)
         out.backward(torch.ones_like(out))
-        comm.GATHER_ABOVE = saved
+        pooled_all_to_all.GATHER_ABOVE = saved
 
-    saved = comm.GATHER_ABOVE
+    saved = pooled_all_to_all.GATHER_ABOVE
 
     return step
 

@@ -78,7 +78,7 @@ class ShardedCollection(nn.Module):
     def enable_prefetch(self, env: ShardingEnv) -> None:
         """Let :meth:`prefetch` run on ``env``: a process group of the same ranks that nothing else uses.
 
-        Create it collectively (:func:`~lightning_shardrec.distributed.comm.new_group_like`);
+        Create it collectively (:func:`~lightning_shardrec.distributed.groups.new_group_like`);
         several collections may share one.
         """
         own = self.env

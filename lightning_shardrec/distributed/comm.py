@@ -8,10 +8,8 @@ reduce-scatter (backward: all-gather).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -66,40 +64,6 @@ class ShardingEnv:
         return ShardingEnv(dist.get_rank(pg), dist.get_world_size(pg), pg, local_world_size)
 
 
-def live_group(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``group`` is a process group still registered (not None, not destroyed)."""
-    if group is None:
-        return False
-    try:
-        dist.get_backend(group)  # raises for a destroyed group
-    except (ValueError, RuntimeError, KeyError):
-        return False
-    return True
-
-
-_GROUPS: dict[tuple[Hashable, ...], dist.ProcessGroup] = {}
-
-
-def cached_group(key: tuple[Hashable, ...], make: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
-    """The group ``make()`` created for ``key``, reused while it lives (until destroyed).
-
-    Collective only when it calls ``make`` (every rank keeps the same cache, so all of them
-    create, or reuse, together). Each group holds transport threads and sockets until it is
-    destroyed, so modules built again and again (a DMP per trial, per test) share one.
-    """
-    group = _GROUPS.get(key)
-    if group is None or not live_group(group):
-        group = _GROUPS[key] = make()
-    return group
-
-
-def new_group_like(env: ShardingEnv, timeout: timedelta | None = None) -> ShardingEnv:
-    """Collective: a new process group over ``env``'s ranks (same backend), e.g. for prefetched input dist."""
-    ranks = dist.get_process_group_ranks(env.pg or dist.group.WORLD)
-    group = dist.new_group(ranks=ranks, backend=dist.get_backend(env.pg), timeout=timeout)
-    return ShardingEnv.from_process_group(group, env.local_world_size)
-
-
 def all_to_all(tensor: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv) -> Tensor:
     """Uneven all-to-all of a 1-D (or row-split 2-D) tensor, no autograd (ids, lengths)."""
     out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
@@ -146,7 +110,7 @@ def sum_over_ranks(values: list[float], env: ShardingEnv) -> list[float]:
     return [float(v) for v in t.tolist()]
 
 
-def _exchange(
+def exchange_flat(
     send: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv, precision: CommPrecision
 ) -> Tensor:
     """1-D all-to-all of element counts ``in_splits`` -> ``out_splits`` in ``precision``; fp32 out."""
@@ -155,167 +119,6 @@ def _exchange(
     recv = wire.new_empty(sum(wire_out))
     dist.all_to_all_single(recv, wire, wire_out, wire_in, group=env.pg)
     return decode(recv, wire_out, precision)
-
-
-@dataclass(frozen=True)
-class ColumnBlocks:
-    """Where the columns received from each source go in a pooled output, in blocks of ``block`` columns.
-
-    The received rows of source ``s`` are ``[B, widths[s]]``; output block ``index[s][j]``
-    (``[B, block]``) is their block ``j``. Together the sources fill every output block once::
-
-        widths [8, 8], block 4, index [[0, 2], [1, 3]]:  out = [s0[:, 0:4], s1[:, 0:4], s0[:, 4:8], s1[:, 4:8]]
-    """
-
-    block: int
-    widths: list[int]
-    index: list[Tensor]  # per source, [widths[s] // block] output blocks
-    # per source, the same blocks as a slice when they are evenly spaced (a strided copy is
-    # about 2x an index_copy_ along dim 1 on CPU); None otherwise
-    slices: list[slice | None] = field(default_factory=list)
-    #: (batch size, device) -> the block gathers of :meth:`gathers`, built once per batch size
-    _gathers: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
-
-    def gathers(self, b: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """``(forward, backward)`` block-row indices for ``b`` rows: ``out = recv[forward]``, ``back = out[backward]``.
-
-        ``recv`` and ``out`` seen as rows of ``block`` columns (``[sum_s b * widths[s] / block, block]``
-        and ``[b * D / block, block]``): one index op instead of one copy per source.
-        """
-        key = (b, device)
-        if key not in self._gathers:
-            n = torch.tensor([w // self.block for w in self.widths])
-            base = torch.cumsum(n * b, 0) - n * b  # first block row of each source in recv
-            per = torch.repeat_interleave(torch.arange(len(n)), n)  # source of each block column
-            j = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-            place = torch.cat([i.cpu() for i in self.index])  # output block of each block column
-            rows = torch.arange(b).unsqueeze(1)
-            recv_pos = (base[per] + rows * n[per] + j).reshape(-1)
-            out_pos = (rows * place.numel() + place).reshape(-1)
-            forward, backward = torch.empty_like(recv_pos), torch.empty_like(out_pos)
-            forward[out_pos] = recv_pos
-            backward[recv_pos] = out_pos
-            self._gathers[key] = (forward.to(device), backward.to(device))
-        return self._gathers[key]
-
-    def __post_init__(self) -> None:
-        if not self.slices:
-            object.__setattr__(self, "slices", [_as_slice(i.tolist()) for i in self.index])
-
-    @staticmethod
-    def from_columns(columns: list[int], widths: list[int], device: torch.device | None = None) -> ColumnBlocks:
-        """From ``columns``: output column ``j`` is column ``columns[j]`` of the sources' rows side by side."""
-        if sorted(columns) != list(range(sum(widths))):
-            raise ValueError(f"columns must be a permutation of range({sum(widths)}), got {len(columns)} entries")
-        # the widest block that keeps every run of consecutive columns and every source edge whole
-        block = 0
-        for j, c in enumerate(columns):
-            if j == 0 or c != columns[j - 1] + 1:
-                block = math.gcd(block, j, c)
-        block = math.gcd(block, len(columns), *widths) or 1
-        starts = [0]
-        for w in widths:
-            starts.append(starts[-1] + w)
-        out_block = {columns[j] // block: j // block for j in range(0, len(columns), block)}
-        blocks = [range(starts[s] // block, starts[s + 1] // block) for s in range(len(widths))]
-        index = [torch.tensor([out_block[b] for b in bs], dtype=torch.long, device=device) for bs in blocks]
-        return ColumnBlocks(block, list(widths), index)
-
-
-def _as_slice(blocks: list[int]) -> slice | None:
-    """``[2, 5, 8] -> slice(2, 9, 3)``; None unless the blocks are evenly spaced and ascending."""
-    if not blocks:
-        return None
-    step = blocks[1] - blocks[0] if len(blocks) > 1 else 1
-    if step <= 0 or any(b - a != step for a, b in zip(blocks, blocks[1:], strict=False)):
-        return None
-    return slice(blocks[0], blocks[-1] + 1, step)
-
-
-def all_to_all_pooled(
-    x: Tensor,
-    batch_sizes: list[int],
-    layout: ColumnBlocks,
-    grad_scale: float,
-    env: ShardingEnv,
-    precision: CommPrecision = CommPrecision.FP32,
-) -> Tensor:
-    """Pooled rows home in one step: ``x [sum_s B_s, w]`` (rows for source ``s`` in order) -> ``[B_r, D]``.
-
-    Source ``s`` sends this rank ``[B_r, layout.widths[s]]``; the columns land in
-    ``layout`` order with one copy (no cat, no column gather). Backward gathers the
-    gradient straight into the send buffer, times ``grad_scale``, and sends it back.
-    ``precision`` below fp32: both directions travel in bf16/fp16 (:mod:`.qcomm`).
-    """
-    return _PooledAllToAll.apply(x, batch_sizes, layout, grad_scale, env, precision)
-
-
-# Sources above which the pooled all-to-all places columns with one block gather instead of
-# one copy per source (a copy per source is the cheaper below; Python overhead grows with W above).
-GATHER_ABOVE = 16
-
-
-class _PooledAllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx,
-        x: Tensor,
-        batch_sizes: list[int],
-        layout: ColumnBlocks,
-        scale: float,
-        env: ShardingEnv,
-        precision: CommPrecision,
-    ) -> Tensor:
-        b, width, g = batch_sizes[env.rank], x.shape[1], layout.block
-        recv_splits = [b * w for w in layout.widths]
-        send_splits = [bs * width for bs in batch_sizes]
-        ctx.args = (b, layout, scale, env, recv_splits, send_splits, x.shape, precision)
-        if env.world_size == 1:
-            recv = x.reshape(-1)
-        elif precision is not CommPrecision.FP32:
-            recv = _exchange(x.contiguous().reshape(-1), recv_splits, send_splits, env, precision)
-        else:
-            recv = x.new_empty(sum(recv_splits))
-            dist.all_to_all_single(recv, x.contiguous().reshape(-1), recv_splits, send_splits, group=env.pg)
-        if len(layout.widths) > GATHER_ABOVE:
-            forward, _ = layout.gathers(b, x.device)
-            return recv.view(-1, g).index_select(0, forward).view(b, sum(layout.widths))
-        out = x.new_empty(b, sum(layout.widths) // g, g)
-        for part, w, index, sl in zip(recv.split(recv_splits), layout.widths, layout.index, layout.slices, strict=True):
-            if sl is None:
-                out.index_copy_(1, index, part.view(b, w // g, g))
-            else:
-                out[:, sl].copy_(part.view(b, w // g, g))
-        return out.view(b, sum(layout.widths))
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:  # type: ignore[override]
-        b, layout, scale, env, recv_splits, send_splits, shape, precision = ctx.args
-        g = layout.block
-        grad = grad.reshape(b, sum(layout.widths) // g, g)  # a view, also of a column slice of a wider gradient
-        if len(layout.widths) > GATHER_ABOVE:
-            _, backward = layout.gathers(b, grad.device)
-            back = grad.reshape(-1, g).index_select(0, backward).view(-1)
-        else:
-            back = grad.new_empty(sum(recv_splits))
-            for part, w, index, sl in zip(
-                back.split(recv_splits), layout.widths, layout.index, layout.slices, strict=True
-            ):
-                if sl is None:
-                    torch.index_select(grad, 1, index, out=part.view(b, w // g, g))
-                else:
-                    part.view(b, w // g, g).copy_(grad[:, sl])
-        if scale != 1.0:
-            back.mul_(scale)
-        if env.world_size == 1:
-            return back.view(shape), None, None, None, None, None
-        if precision is not CommPrecision.FP32:
-            return _exchange(back, send_splits, recv_splits, env, precision).view(shape), None, None, None, None, None
-        out = back.new_empty(sum(send_splits))
-        dist.all_to_all_single(out, back, send_splits, recv_splits, group=env.pg)
-        return out.view(shape), None, None, None, None, None
 
 
 def reduce_scatter_grad(parts: list[Tensor], env: ShardingEnv, precision: CommPrecision = CommPrecision.FP32) -> Tensor:
@@ -471,7 +274,7 @@ def _all_to_all_rows(
         return out
     row = math.prod(x.shape[1:])
     flat = x.contiguous().reshape(-1)
-    recv = _exchange(flat, [s * row for s in out_splits], [s * row for s in in_splits], env, precision)
+    recv = exchange_flat(flat, [s * row for s in out_splits], [s * row for s in in_splits], env, precision)
     return recv.view(sum(out_splits), *x.shape[1:])
 
 

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, all_to_all_grad, cached_group
+from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, all_to_all_grad
+from lightning_shardrec.distributed.groups import cached_group
 
 
 def host_group(env: ShardingEnv) -> ShardingEnv:

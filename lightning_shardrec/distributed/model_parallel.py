@@ -19,10 +19,11 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardrec.configs import FusedOptimConfig
-from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, cached_group
+from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv
 from lightning_shardrec.distributed.dynamic_stats import dynamic_stats
 from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
 from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from lightning_shardrec.distributed.groups import cached_group
 from lightning_shardrec.distributed.plain_embeddings import (
     ShardedPlainEmbedding,
     ShardedPlainEmbeddingBag,

@@ -30,7 +30,8 @@ from typing_extensions import override
 from lightning_shardrec.checkpoint import table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.collection import ShardedCollection
-from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, live_group, new_group_like
+from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv
+from lightning_shardrec.distributed.groups import live_group, new_group_like
 from lightning_shardrec.distributed.model_parallel import find_collections, kernel_labels, pooling_of, shard_modules
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.kernels import KernelBackend, parse_backend

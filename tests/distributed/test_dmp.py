@@ -99,11 +99,12 @@ def dense_groups(rank, world):
     from test_sharded_ebc import plan_for
 
     from lightning_shardrec.distributed import DistributedModelParallel
-    from lightning_shardrec.distributed.comm import cached_group, live_group
+    from lightning_shardrec.distributed.groups import cached_group, live_group
     from lightning_shardrec.planner import ShardingPlan
 
     def build():
-        return DistributedModelParallel(Rec(PoolingType.SUM, False), plan=ShardingPlan({"ebc": plan_for("row_wise", world)}))
+        plan = ShardingPlan({"ebc": plan_for("row_wise", world)})
+        return DistributedModelParallel(Rec(PoolingType.SUM, False), plan=plan)
 
     first, second = build(), build()
     shared = first._dmp_wrapped_module.process_group is second._dmp_wrapped_module.process_group

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_shardrec.distributed.comm import ColumnBlocks
+from lightning_shardrec.distributed.pooled_all_to_all import ColumnBlocks
 from lightning_shardrec.testing import run_ranks
 
 
@@ -33,14 +33,13 @@ def test_column_blocks_rejects_a_non_permutation():
 
 
 def _exchange(rank, world, batch_sizes, width, columns, gather_above=16):
-    from lightning_shardrec.distributed import comm
+    from lightning_shardrec.distributed import pooled_all_to_all as pooled
     from lightning_shardrec.distributed.comm import (
-        ColumnBlocks,
         ShardingEnv,
         all_to_all_grad,
-        all_to_all_pooled,
         scale_grad,
     )
+    from lightning_shardrec.distributed.pooled_all_to_all import ColumnBlocks, all_to_all_pooled
 
     env = ShardingEnv.from_process_group()
     torch.manual_seed(rank)
@@ -55,12 +54,12 @@ def _exchange(rank, world, batch_sizes, width, columns, gather_above=16):
     grad = torch.randn(b, 2 * sum(widths))[:, ::2]  # a strided gradient, as a column slice delivers
     ref.backward(grad)
     ref_grad, x.grad = x.grad.clone(), None
-    saved, comm.GATHER_ABOVE = comm.GATHER_ABOVE, gather_above  # 0: the block gather of many sources
+    saved, pooled.GATHER_ABOVE = pooled.GATHER_ABOVE, gather_above  # 0: the block gather of many sources
     try:
         out = all_to_all_pooled(x, batch_sizes, ColumnBlocks.from_columns(columns, widths), 1.0 / world, env)
         out.backward(grad)
     finally:
-        comm.GATHER_ABOVE = saved
+        pooled.GATHER_ABOVE = saved
     return torch.equal(out, ref), torch.equal(x.grad, ref_grad)
 
 

@@ -21,13 +21,12 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.distributed.comm import (
-    ColumnBlocks,
     ShardingEnv,
     all_to_all_grad,
-    all_to_all_pooled,
     scale_grad,
 )
 from lightning_shardrec.distributed.input_dist import Routed, exchange, route_by_key, source_major
+from lightning_shardrec.distributed.pooled_all_to_all import ColumnBlocks, all_to_all_pooled
 from lightning_shardrec.distributed.sharding.base import (
     EmbeddingSharding,
     KernelSetup,

@@ -1,0 +1,49 @@
+"""Process groups beyond the default one: liveness, reuse, and a copy of a sharding's group.
+
+A gloo or NCCL group holds transport threads and sockets until it is destroyed, so groups a
+module needs again and again (DMP's dense group, the host groups of hierarchical shardings)
+are made once per set of ranks and shared (:func:`cached_group`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from lightning_shardrec.distributed.comm import ShardingEnv
+
+
+def live_group(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` is a process group still registered (not None, not destroyed)."""
+    if group is None:
+        return False
+    try:
+        dist.get_backend(group)  # raises for a destroyed group
+    except (ValueError, RuntimeError, KeyError):
+        return False
+    return True
+
+
+_GROUPS: dict[tuple[Hashable, ...], dist.ProcessGroup] = {}
+
+
+def cached_group(key: tuple[Hashable, ...], make: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
+    """The group ``make()`` created for ``key``, reused while it lives (until destroyed).
+
+    Collective only when it calls ``make`` (every rank keeps the same cache, so all of them
+    create, or reuse, together). Each group holds transport threads and sockets until it is
+    destroyed, so modules built again and again (a DMP per trial, per test) share one.
+    """
+    group = _GROUPS.get(key)
+    if group is None or not live_group(group):
+        group = _GROUPS[key] = make()
+    return group
+
+
+def new_group_like(env: ShardingEnv, timeout: timedelta | None = None) -> ShardingEnv:
+    """Collective: a new process group over ``env``'s ranks (same backend), e.g. for prefetched input dist."""
+    ranks = dist.get_process_group_ranks(env.pg or dist.group.WORLD)
+    group = dist.new_group(ranks=ranks, backend=dist.get_backend(env.pg), timeout=timeout)
+    return ShardingEnv.from_process_group(group, env.local_world_size)
