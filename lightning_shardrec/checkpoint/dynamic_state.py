@@ -96,9 +96,9 @@ def mapper_chunks(layout: DynamicLayout, prefix: str, mapper: DynamicIdMapper | 
     """This rank's chunks of one table's mapping on the host (``{}`` without a mapper)."""
     if mapper is None:
         return {}
+    lo, hi = mapper.bucket_lo, mapper.bucket_hi
     return {
-        prefix + name: [(layout.chunk(name, mapper.bucket_lo, mapper.bucket_hi)[0], getattr(mapper, name).cpu())]
-        for name in BUFFERS
+        prefix + name: [(layout.chunk(name, lo, hi)[0], getattr(mapper, name).to("cpu", copy=True))] for name in BUFFERS
     }
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_async
-from lightning_shardrec.modules.dynamic_ids import bucket_of
+from lightning_shardrec.modules.dynamic_hash import bucket_of
 from lightning_shardrec.sparse import KeyedJaggedTensor
 from lightning_shardrec.sparse.ops import complete_cumsum, gather_index, permute_2d, segment_ids
 
@@ -67,6 +67,8 @@ class RowBlocks:
     starts: Tensor  # [num_blocks], global rows
     row_start: Tensor  # [num_blocks], row of the block inside its table
     rank: Tensor  # [num_blocks]
+    #: every table is one block (table-wise, or one rank): an id's block is its table's
+    whole_tables: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,20 +91,26 @@ def route_by_row(
     """
     values = kjt.values()
     num_bags = kjt.lengths().numel()
+    weights = kjt.weights_or_none()
+    if world_size == 1 and blocks.whole_tables:  # every id stays, at its own row: nothing to sort
+        n = values.numel()
+        order = torch.arange(n, device=values.device)
+        return Routed(kjt.lengths(), values.long(), weights, [num_bags], [n], order)
     bag = segment_ids(kjt.lengths(), total=values.numel())
     table = feature_table[torch.div(bag, max(kjt.stride(), 1), rounding_mode="floor")]
     if buckets is None:
         global_row = blocks.table_base[table] + values.long()
+    elif blocks.whole_tables:  # the table's one block holds every bucket: no need to hash
+        global_row = blocks.table_base[table]
     else:
         bucket = bucket_of(values, buckets.num_buckets[table])
         global_row = blocks.table_base[table] + bucket * buckets.slots[table]
     block = torch.searchsorted(blocks.starts, global_row, right=True) - 1
     dest = blocks.rank[block]
-    order = torch.sort(dest, stable=True).indices
+    order = _by_destination(dest, world_size)
     sent = values.long() if buckets is not None else values.long() - blocks.row_start[block]
     local = sent.index_select(0, order)
     lengths = torch.bincount(dest * num_bags + bag, minlength=world_size * num_bags)
-    weights = kjt.weights_or_none()
     return Routed(
         lengths.to(kjt.lengths().dtype),
         local,
@@ -111,6 +119,14 @@ def route_by_row(
         torch.bincount(dest, minlength=world_size).tolist(),
         order,
     )
+
+
+def _by_destination(dest: Tensor, world_size: int) -> Tensor:
+    """Positions of ``dest [N]`` sorted by destination, stably. On CPU, for a few ranks, one mask
+    per rank is cheaper than a sort (on CUDA each mask would wait for the device)."""
+    if world_size > 8 or dest.device.type != "cpu":
+        return torch.sort(dest, stable=True).indices
+    return torch.cat([(dest == r).nonzero().squeeze(1) for r in range(world_size)])
 
 
 def exchange(

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import DynamicConfig
-from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper, bucket_of
+from lightning_shardrec.modules.dynamic_hash import bucket_of
+from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
 
 _CHUNK = 1 << 22  # elements of an [ids, S] gather done at once
 

@@ -38,6 +38,7 @@ import torch
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.kernels.base import BatchedEmbeddingKernel, KernelBackend, TableSpec
 from lightning_shardrec.sparse import KeyedJaggedTensor
+from lightning_shardrec.user_cache import user_cache_dir
 
 CACHE_ENV = "LIGHTNING_SHARDREC_KERNEL_CACHE"
 PIN_ENV = "LIGHTNING_SHARDREC_KERNEL"
@@ -204,8 +205,7 @@ def cache_dir() -> Path | None:
     env = os.environ.get(CACHE_ENV)
     if env is not None:
         return None if env.lower() in ("", "0", "off", "none") else Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lightning_shardrec"
+    return user_cache_dir()
 
 
 @functools.cache

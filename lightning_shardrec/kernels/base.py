@@ -19,6 +19,7 @@ a loss scaler), a lookup with grad enabled keeps its gradient for later instead.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,15 +128,22 @@ class BatchedEmbeddingKernel(nn.Module):
 
         A dynamic table's newly assigned slots start this way (see ``docs/dynamic-tables.md``).
         """
-        if rows.numel() == 0:
+        self.reset_tables_rows([(table, rows, values)])
+
+    def reset_tables_rows(self, resets: Sequence[tuple[int, Tensor, Tensor]]) -> None:
+        """:meth:`reset_rows` for several ``(table, rows, values)`` at once (the table views made once)."""
+        resets = [r for r in resets if r[1].numel()]
+        if not resets:
             return
+        weights, states = self.split_weights(), self.split_states()
         with torch.no_grad():
-            weight = self.split_weights()[table]
-            rows = rows.to(device=weight.device, dtype=torch.long)
-            weight.index_copy_(0, rows, values.to(device=weight.device, dtype=weight.dtype))
-            for state in self.split_states()[table].values():
-                if state.dim() > 0:
-                    state.index_fill_(0, rows.to(state.device), 0)
+            for table, rows, values in resets:
+                weight = weights[table]
+                rows = rows.to(device=weight.device, dtype=torch.long)
+                weight.index_copy_(0, rows, values.to(device=weight.device, dtype=weight.dtype))
+                for state in states[table].values():
+                    if state.dim() > 0:
+                        state.index_fill_(0, rows.to(state.device), 0)
 
     def extra_repr(self) -> str:
         names = ", ".join(f"{t.name}[{t.num_embeddings}x{t.embedding_dim}]" for t in self.tables)

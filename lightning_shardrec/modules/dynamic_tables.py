@@ -18,7 +18,8 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_shardrec.configs import BaseEmbeddingConfig, UniformInit
-from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper, LookupResult, mix64
+from lightning_shardrec.modules.dynamic_hash import mix64
+from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper, LookupResult
 from lightning_shardrec.modules.features import check_ids
 from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.modules.table_init import uniform_rows
@@ -28,11 +29,42 @@ ResetHook = Callable[[str, Tensor, Tensor], None]
 """``hook(table_name, weight, slots)``: rows ``slots`` of ``weight`` were just reset."""
 
 
+def _seed_base(table: BaseEmbeddingConfig) -> int:
+    seed = 0 if table.dynamic is None else table.dynamic.seed
+    return zlib.crc32(table.name.encode()) | (seed << 32)
+
+
 def row_seeds(table: BaseEmbeddingConfig, slots: Tensor, generations: Tensor) -> Tensor:
     """One int64 seed per (table, slot, generation): the same on every rank and device."""
-    seed = 0 if table.dynamic is None else table.dynamic.seed
-    base = zlib.crc32(table.name.encode()) | (seed << 32)
-    return mix64(mix64(slots.long() + base) ^ generations.long())
+    return mix64(mix64(slots.long() + _seed_base(table)) ^ generations.long())
+
+
+def _uniform_bounds(table: BaseEmbeddingConfig) -> tuple[float, float] | None:
+    """The uniform range of a table's new rows, None for a custom ``init_fn``."""
+    if table.init_fn is None:
+        return table.init_range()
+    if isinstance(table.init_fn, UniformInit):
+        return table.init_fn.low, table.init_fn.high
+    return None
+
+
+def fresh_rows_of_tables(
+    tables: Sequence[BaseEmbeddingConfig], which: Tensor, slots: Tensor, generations: Tensor, weight: Tensor
+) -> Tensor | None:
+    """``[M, dim]`` fresh rows of slot ``slots[i]`` of table ``tables[which[i]]``, all in one pass:
+    row for row what :func:`fresh_rows` gives each table (``weight``: the dim and dtype they share).
+    None when a table has a custom ``init_fn`` (call :func:`fresh_rows` per table then)."""
+    bounds = [_uniform_bounds(t) for t in tables]
+    if any(b is None for b in bounds):
+        return None
+    device = slots.device
+    base = torch.tensor([_seed_base(t) for t in tables], dtype=torch.int64, device=device)
+    seeds = mix64(mix64(slots.long() + base.index_select(0, which)) ^ generations.long())
+    lows, highs = (
+        torch.tensor(v, dtype=torch.float64, device=device).index_select(0, which)
+        for v in zip(*bounds, strict=True)  # type: ignore[misc]  # no None left
+    )
+    return uniform_rows(seeds, weight.shape[1], lows, highs, weight.dtype)
 
 
 def fresh_rows(table: BaseEmbeddingConfig, slots: Tensor, generations: Tensor, weight: Tensor) -> Tensor:
@@ -42,15 +74,16 @@ def fresh_rows(table: BaseEmbeddingConfig, slots: Tensor, generations: Tensor, w
     a custom ``init_fn`` is called once per row, on CPU, with the RNG seeded per row.
     """
     seeds = row_seeds(table, slots, generations)
-    dim = weight.shape[1]
-    if table.init_fn is None or isinstance(table.init_fn, UniformInit):
-        lo, hi = table.init_range() if table.init_fn is None else (table.init_fn.low, table.init_fn.high)
-        return uniform_rows(seeds, dim, lo, hi, weight.dtype)  # as a static table's rows (modules.table_init)
+    dim, bounds = weight.shape[1], _uniform_bounds(table)
+    if bounds is not None:
+        return uniform_rows(seeds, dim, *bounds, weight.dtype)  # as a static table's rows (modules.table_init)
     rows = torch.empty(len(slots), dim, dtype=weight.dtype)
+    init = table.init_fn
+    assert init is not None  # a table without one has uniform bounds
     with torch.random.fork_rng(devices=[]):
         for i, s in enumerate(seeds.tolist()):  # custom init: one call per new row
             torch.manual_seed(s & 0x7FFF_FFFF_FFFF_FFFF)
-            table.init_fn(rows[i : i + 1])
+            init(rows[i : i + 1])
     return rows.to(weight.device)
 
 

@@ -30,7 +30,8 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.configs import BaseEmbeddingConfig, UniformInit
-from lightning_shardrec.modules.dynamic_ids import _C1, _C2, GOLDEN, mix64
+from lightning_shardrec.modules.dynamic_hash import _C1, _C2, GOLDEN, mix64
+from lightning_shardrec.modules.native import native_loops
 
 _ON_META: ContextVar[bool] = ContextVar("lightning_shardrec_tables_on_meta", default=False)
 _BLOCK_CPU = 1 << 15  # elements hashed at once on CPU: scratch stays in cache (2**16 measured 10x slower)
@@ -65,16 +66,24 @@ def unit_uniform(row_seeds: Tensor, c0: int, cols: int) -> Tensor:
     return _uniform_rows(row_seeds, c0, cols, None, torch.float64)
 
 
-def uniform_rows(row_seeds: Tensor, cols: int, low: float, high: float, dtype: torch.dtype) -> Tensor:
+def uniform_rows(
+    row_seeds: Tensor, cols: int, low: float | Tensor, high: float | Tensor, dtype: torch.dtype
+) -> Tensor:
     """``[len(row_seeds), cols]`` of ``dtype``: ``low + (high - low) * unit_uniform(row_seeds, 0, cols)``
-    in float64, then rounded to ``dtype`` (bit for bit the same), a block of rows at a time."""
+    in float64, then rounded to ``dtype`` (bit for bit the same), a block of rows at a time.
+
+    ``low`` and ``high`` are floats, or float64 tensors of one bound per row (rows of several tables).
+    """
     return _uniform_rows(row_seeds, 0, cols, (low, high), dtype)
 
 
 def _uniform_rows(
-    row_seeds: Tensor, c0: int, cols: int, bounds: tuple[float, float] | None, dtype: torch.dtype
+    row_seeds: Tensor, c0: int, cols: int, bounds: tuple[float | Tensor, float | Tensor] | None, dtype: torch.dtype
 ) -> Tensor:
     rows, where = len(row_seeds), row_seeds.device
+    native = _native_rows(row_seeds, c0, cols, bounds, dtype)
+    if native is not None:
+        return native
     out = torch.empty(rows, cols, dtype=dtype, device=where)
     step = max(1, (_BLOCK_CUDA if where.type == "cuda" else _BLOCK_CPU) // max(cols, 1))
     z = torch.empty(min(step, rows), cols, dtype=torch.int64, device=where)
@@ -85,9 +94,32 @@ def _uniform_rows(
         u = unit[start : start + n] if unit is out else unit[:n]
         _unit(row_seeds[start : start + n], col, z[:n], tmp[:n], u)
         if bounds is not None:
-            u.mul_(bounds[1] - bounds[0]).add_(bounds[0])
+            low, span = bounds[0], bounds[1] - bounds[0]
+            if isinstance(span, Tensor):  # one bound per row: this block's rows
+                span, low = span[start : start + n, None], low[start : start + n, None]  # type: ignore[index]
+            u.mul_(span).add_(low)
         if unit is not out:
             out[start : start + n] = u
+    return out
+
+
+def _native_rows(
+    row_seeds: Tensor, c0: int, cols: int, bounds: tuple[float | Tensor, float | Tensor] | None, dtype: torch.dtype
+) -> Tensor | None:
+    """:func:`_uniform_rows` by the compiled loop (:mod:`.native`): CPU, float32/float64 out; else None."""
+    if row_seeds.device.type != "cpu" or dtype not in (torch.float32, torch.float64):
+        return None
+    loops = native_loops()
+    if loops is None:
+        return None
+    rows = len(row_seeds)
+    seeds = row_seeds.to(torch.int64).contiguous()
+    out = torch.empty(rows, cols, dtype=dtype)
+    low = high = None
+    if bounds is not None:
+        low, high = (torch.as_tensor(b, dtype=torch.float64).expand(rows).contiguous() for b in bounds)
+    ptr = [None if t is None else t.data_ptr() for t in (seeds, low, high)]
+    loops.uniform_rows(rows, cols, c0, *ptr, int(dtype == torch.float32), out.data_ptr())
     return out
 
 
@@ -122,6 +154,10 @@ def init_block(config: BaseEmbeddingConfig, seed: int, out: Tensor, r0: int = 0,
         for start in range(0, rows, step):
             n = min(step, rows - start)
             ids = torch.arange(r0 + start, r0 + start + n, device=where, dtype=torch.int64)
+            fast = _native_rows(mix64(ids) + seed, c0, cols, (low, high), torch.float32)
+            if fast is not None:  # the same fp32 rows, computed in one pass (CPU)
+                out[start : start + n] = fast
+                continue
             u = _unit(mix64(ids) + seed, col, z[:n], tmp[:n], unit[:n]).mul_(high - low).add_(low)
             exact = out.dtype == torch.float32 and out.device == where
             out[start : start + n] = u if exact else u.float()  # fp32 rounding first, then dtype / device

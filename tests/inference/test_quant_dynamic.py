@@ -13,7 +13,7 @@ from lightning_shardrec import (
 )
 from lightning_shardrec.inference import QuantDType, QuantEmbeddingBagCollection, quantize_rows, row_error_bound
 from lightning_shardrec.inference.id_map import QuantIdMap
-from lightning_shardrec.modules.dynamic_ids import bucket_of
+from lightning_shardrec.modules.dynamic_hash import bucket_of
 
 needs_fbgemm = pytest.mark.skipif(not _fbgemm.fbgemm_inference_available(), reason="fbgemm_gpu inference TBE absent")
 BACKENDS = ["torch", pytest.param("fbgemm", marks=needs_fbgemm)]

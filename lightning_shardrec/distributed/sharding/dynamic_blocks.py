@@ -21,6 +21,8 @@ gives them a zero row. Outputs go home as :class:`RowBlockSharding`'s do.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 from torch import Tensor
 
@@ -29,8 +31,9 @@ from lightning_shardrec.distributed.input_dist import BucketRows, Routed, route_
 from lightning_shardrec.distributed.sharding.base import KernelSetup, TableSharding
 from lightning_shardrec.distributed.sharding.row_blocks import RowBlockSharding
 from lightning_shardrec.errors import ShardingError
+from lightning_shardrec.modules.dynamic_group import GroupLookup, MapperGroup, fuse_key
 from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
-from lightning_shardrec.modules.dynamic_tables import fresh_rows
+from lightning_shardrec.modules.dynamic_tables import fresh_rows, fresh_rows_of_tables
 from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.planner.tables import DYNAMIC_TYPES
 from lightning_shardrec.sparse import KeyedJaggedTensor
@@ -90,6 +93,13 @@ class DynamicBlockSharding(RowBlockSharding):
         self._table_features = [
             (ft.index(i), len(ft) - ft[::-1].index(i)) if i in ft else (0, 0) for i in range(len(self._local))
         ]
+        # kernel tables whose mappers are mapped in one pass, in kernel order
+        fusable: dict[Hashable, list[int]] = {}
+        for i, (name, _) in enumerate(self._local):
+            fusable.setdefault(fuse_key(self.mapper(name)), []).append(i)
+        self._groups = [
+            (members, MapperGroup([self.mapper(self._local[i][0]) for i in members])) for members in fusable.values()
+        ]
 
     def mapper(self, table: str) -> DynamicIdMapper:
         m = self.mappers[table]
@@ -112,7 +122,8 @@ class DynamicBlockSharding(RowBlockSharding):
         return rows.new_zeros(kjt.values().numel(), rows.shape[1]).index_copy(0, hit, rows)
 
     def map_ids(self, kjt: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, Tensor | None]:
-        """Raw ids -> kernel rows, one mapper call per table; misses dropped (``hit``: kept positions, None: all)."""
+        """Raw ids -> kernel rows, one mapper pass per group of fusable tables; misses dropped
+        (``hit``: kept positions, None: all)."""
         assert self.kernel is not None
         train = self.training and torch.is_grad_enabled()
         values = kjt.values().long()
@@ -120,17 +131,21 @@ class DynamicBlockSharding(RowBlockSharding):
         for n in kjt.length_per_key():
             bounds.append(bounds[-1] + n)
         rows = torch.empty_like(values)
-        weights = self.kernel.split_weights()
-        for i, ((name, _), config) in enumerate(zip(self._local, self._configs, strict=True)):
-            f0, f1 = self._table_features[i]
-            start, end = bounds[f0], bounds[f1]
-            mapper = self.mapper(name)
-            result = mapper.map(values[start:end], train)
-            if result.new_slots.numel():
-                fresh = fresh_rows(config, result.new_slots, result.new_generations, weights[i])
-                self.kernel.reset_rows(i, result.new_slots - mapper.row_offset, fresh)
-            slots = result.slots
-            rows[start:end] = torch.where(slots >= 0, slots - mapper.row_offset, -1)
+        resets: list[tuple[int, Tensor, Tensor]] = []
+        for members, group in self._groups:
+            spans = [(bounds[f0], bounds[f1]) for f0, f1 in (self._table_features[i] for i in members)]
+            filled = [(a, b) for a, b in spans if b > a]
+            lo, hi = (filled[0][0], filled[-1][1]) if filled else (0, 0)
+            contiguous = all(x[1] == y[0] for x, y in zip(filled, filled[1:], strict=False))
+            ids = values[lo:hi] if contiguous else torch.cat([values[a:b] for a, b in filled])
+            result = group.map(ids, [b - a for a, b in spans], train)
+            if contiguous:
+                rows[lo:hi] = result.rows
+            else:
+                for (a, b), part in zip(filled, result.rows.split([b - a for a, b in filled]), strict=True):
+                    rows[a:b] = part
+            resets += self._fresh(members, group, result)
+        self.kernel.reset_tables_rows(resets)
         keep = rows >= 0
         if bool(keep.all()):
             return KeyedJaggedTensor._trusted(
@@ -142,3 +157,28 @@ class DynamicBlockSharding(RowBlockSharding):
         w = kjt.weights_or_none()
         out = KeyedJaggedTensor._trusted(kjt.keys(), rows[keep], None if w is None else w[keep], kept, kjt.stride())
         return out, keep.nonzero().squeeze(1)
+
+    def _fresh(self, members: list[int], group: MapperGroup, result: GroupLookup) -> list[tuple[int, Tensor, Tensor]]:
+        """``(kernel table, rows, fresh values)`` for the rows a lookup (re)assigned."""
+        if result.new_rows.numel() == 0:
+            return []
+        assert self.kernel is not None
+        weights = self.kernel.split_weights()
+        offsets = torch.tensor([m.row_offset for m in group.mappers], device=result.new_rows.device)
+        slots = result.new_rows + offsets.index_select(0, result.new_tables)  # global slots seed the rows
+        configs = [self._configs[i] for i in members]
+        shapes = {(weights[i].shape[1], weights[i].dtype) for i in members}
+        fresh = None
+        if len(shapes) == 1:
+            fresh = fresh_rows_of_tables(configs, result.new_tables, slots, result.new_generations, weights[members[0]])
+        # new rows come sorted by table (flat buckets are table-major), so a split gives each its rows
+        sizes = torch.bincount(result.new_tables, minlength=len(members)).tolist()
+        out = []
+        for j, (rows, s, gen) in enumerate(
+            zip(*(t.split(sizes) for t in (result.new_rows, slots, result.new_generations)), strict=True)
+        ):
+            if rows.numel():
+                i = members[j]
+                values = fresh.split(sizes)[j] if fresh is not None else fresh_rows(configs[j], s, gen, weights[i])
+                out.append((i, rows, values))
+        return out

@@ -80,6 +80,7 @@ class RowBlockSharding(EmbeddingSharding):
             starts=torch.tensor(starts, device=device),
             row_start=torch.tensor(row_start, device=device),
             rank=torch.tensor(ranks, device=device),
+            whole_tables=len(starts) == len(subs) and not any(row_start),
         )
         self._lane_sub_t = torch.tensor([i for _, i in lanes], device=device)
         # Lanes whose piece has a block here, and where their columns go in the group output.

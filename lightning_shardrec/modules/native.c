@@ -1,0 +1,90 @@
+/* Two hot loops of lightning_shardrec on CPU, as plain C on raw buffers.
+ *
+ * lightning_shardrec/modules/native.py compiles this file with the system C compiler the first
+ * time it is needed and calls it through ctypes. Each function has a tensor-op twin that runs
+ * wherever this library cannot (no compiler, other devices), and the tests hold the two equal
+ * bit for bit. No torch headers: it builds in a fraction of a second.
+ *
+ * shardrec_locate (twin: dynamic_slots.locate): where dynamic tables' raw ids live.
+ *   For every raw id i of table t = table[i] (table == NULL: every id is of table 0):
+ *     bucket = (splitmix64(id) >> 1) % num_buckets[t] - lo[t]    must lie in [0, count[t])
+ *     flat   = bucket + start[t]                                  -> bucket_out[i]
+ *     slot   = first entry of flat's `width` entries of held holding the id, if live
+ *              (last >= 0), else -1                               -> slot_out[i]
+ *   and with train != 0 every hit records its sighting: last[slot] = steps[t], seen[slot] += 1.
+ *   Returns -1, or the index of the first id outside its table's buckets (nothing recorded then).
+ *
+ * shardrec_uniform_rows (twin: table_init._uniform_rows): counter-based uniform rows.
+ *   out[r][j] = low[r] + (high[r] - low[r]) * u, u = (splitmix64(seeds[r] + (c0 + j) * GOLDEN) >> 11) * 2^-53,
+ *   in double (product, then sum: two roundings, as the tensor ops), stored as float (out_float)
+ *   or double. low/high == NULL: u itself.
+ */
+#include <stdint.h>
+
+#define GOLDEN 0x9E3779B97F4A7C15ull
+
+#define PREFETCH 32 /* ids ahead: rows are random, so ask for later ones while this one is compared */
+
+static inline uint64_t splitmix64(uint64_t z) {
+    z += GOLDEN;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+int64_t shardrec_locate(int64_t n, const int64_t *ids, const int64_t *table, const int64_t *num_buckets,
+                        const int64_t *lo, const int64_t *count, const int64_t *start, const int64_t *steps,
+                        int64_t width, const int64_t *held, int64_t *last, int64_t *seen, int64_t train,
+                        int64_t *bucket_out, int64_t *slot_out) {
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t t = table ? table[i] : 0;
+        int64_t b = (int64_t)((splitmix64((uint64_t)ids[i]) >> 1) % (uint64_t)num_buckets[t]) - lo[t];
+        if (b < 0 || b >= count[t]) return i;
+        bucket_out[i] = b + start[t];
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + PREFETCH < n) {
+            const int64_t ahead = bucket_out[i + PREFETCH] * width;
+            __builtin_prefetch(held + ahead);
+            __builtin_prefetch(held + ahead + 8);
+            __builtin_prefetch(last + ahead);
+            if (train) __builtin_prefetch(seen + ahead, 1);
+        }
+        const int64_t id = ids[i], first = bucket_out[i] * width;
+        const int64_t *row = held + first;
+        int64_t slot = -1;
+        for (int64_t j = 0; j < width; ++j) {
+            if (row[j] == id) {
+                slot = first + j;
+                break;
+            }
+        }
+        if (slot >= 0 && last[slot] < 0) slot = -1;
+        slot_out[i] = slot;
+        if (train && slot >= 0) {
+            last[slot] = steps[table ? table[i] : 0];
+            seen[slot] += 1;
+        }
+    }
+    return -1;
+}
+
+void shardrec_uniform_rows(int64_t rows, int64_t cols, int64_t c0, const int64_t *seeds, const double *low,
+                           const double *high, int64_t out_float, void *out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint64_t seed = (uint64_t)seeds[r];
+        const double lo = low ? low[r] : 0.0, span = low ? high[r] - low[r] : 1.0;
+        for (int64_t j = 0; j < cols; ++j) {
+            const uint64_t z = splitmix64(seed + (uint64_t)(c0 + j) * GOLDEN);
+            double v = (double)(z >> 11) * 0x1.0p-53;
+            if (low) {
+                v = v * span;
+                v = v + lo;
+            }
+            if (out_float)
+                ((float *)out)[r * cols + j] = (float)v;
+            else
+                ((double *)out)[r * cols + j] = v;
+        }
+    }
+}
