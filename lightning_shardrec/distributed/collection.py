@@ -28,7 +28,7 @@ from lightning_shardrec.distributed.batch_dist import (
     start_input_dist,
 )
 from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.sharding import DynamicBlockSharding, EmbeddingSharding
+from lightning_shardrec.distributed.sharding import DynamicMapping, EmbeddingSharding
 from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.kernels import BatchedEmbeddingKernel, KernelBackend
 from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
@@ -179,7 +179,7 @@ class ShardedCollection(nn.Module):
         """This rank's id mapper of each dynamic table it holds buckets of (``bucket_lo/hi``, ``row_offset``)."""
         out: dict[str, DynamicIdMapper] = {}
         for g in self._groups():
-            if isinstance(g, DynamicBlockSharding):
+            if isinstance(g, DynamicMapping):
                 out.update((name, g.mapper(name)) for name in g.mappers)
         return out
 

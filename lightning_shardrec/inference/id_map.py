@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from lightning_shardrec.configs import DynamicConfig
 from lightning_shardrec.modules.dynamic_hash import bucket_of
 from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
+from lightning_shardrec.modules.native import native_loops
 
 _CHUNK = 1 << 22  # elements of an [ids, S] gather done at once
 
@@ -77,8 +78,14 @@ class QuantIdMap(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         """Rows ``[N]`` int64 of raw ids ``[N]`` (any int64); ``C`` where the id is not live."""
-        ids = ids.to(self.ids.device, torch.int64)
+        ids = ids.to(self.ids.device, torch.int64).contiguous()
         width = self.slots_per_bucket
+        loops = native_loops() if ids.device.type == "cpu" else None
+        if loops is not None and self.ids.is_contiguous() and self.live.is_contiguous():  # the same, compiled
+            out = torch.empty_like(ids)
+            loops.serve(ids.numel(), ids.data_ptr(), self.num_buckets, width, self.ids.data_ptr(),
+                        self.live.data_ptr(), self.capacity, out.data_ptr())  # fmt: skip
+            return out
         held_all, live_all = self.ids.view(-1, width), self.live.view(-1, width)
         out = torch.empty_like(ids)
         step = max(1, _CHUNK // width)

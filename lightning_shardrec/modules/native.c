@@ -14,6 +14,10 @@
  *   and with train != 0 every hit records its sighting: last[slot] = steps[t], seen[slot] += 1.
  *   Returns -1, or the index of the first id outside its table's buckets (nothing recorded then).
  *
+ * shardrec_serve (twin: inference.id_map.QuantIdMap.forward): a frozen dynamic table's rows.
+ *   out[i] = the slot of bucket (splitmix64(id) >> 1) % num_buckets holding the id where live[slot],
+ *   else `missing`.
+ *
  * shardrec_uniform_rows (twin: table_init._uniform_rows): counter-based uniform rows.
  *   out[r][j] = low[r] + (high[r] - low[r]) * u, u = (splitmix64(seeds[r] + (c0 + j) * GOLDEN) >> 11) * 2^-53,
  *   in double (product, then sum: two roundings, as the tensor ops), stored as float (out_float)
@@ -67,6 +71,26 @@ int64_t shardrec_locate(int64_t n, const int64_t *ids, const int64_t *table, con
         }
     }
     return -1;
+}
+
+void shardrec_serve(int64_t n, const int64_t *ids, int64_t num_buckets, int64_t width, const int64_t *held,
+                    const uint8_t *live, int64_t missing, int64_t *out) {
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + PREFETCH < n) {
+            const uint64_t ahead = (splitmix64((uint64_t)ids[i + PREFETCH]) >> 1) % (uint64_t)num_buckets;
+            __builtin_prefetch(held + ahead * width);
+            __builtin_prefetch(held + ahead * width + 8);
+        }
+        const int64_t first = (int64_t)((splitmix64((uint64_t)ids[i]) >> 1) % (uint64_t)num_buckets) * width;
+        int64_t row = missing;
+        for (int64_t j = 0; j < width; ++j) {
+            if (held[first + j] == ids[i] && live[first + j]) {
+                row = first + j;
+                break;
+            }
+        }
+        out[i] = row;
+    }
 }
 
 void shardrec_uniform_rows(int64_t rows, int64_t cols, int64_t c0, const int64_t *seeds, const double *low,

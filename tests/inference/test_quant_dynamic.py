@@ -195,3 +195,32 @@ def test_state_dict_keys_and_sizes():
     dead[q.id_map("users").live_rows()] = False
     deq = rows.scale[dead].float() * 0 + rows.bias[dead].float()
     assert torch.equal(deq, torch.zeros_like(deq)) and torch.equal(rows.data[dead], torch.zeros_like(rows.data[dead]))
+
+
+def test_compiled_serving_lookup_equals_the_tensor_ops() -> None:
+    from lightning_shardrec.inference import id_map
+    from lightning_shardrec.modules import native
+
+    if native.native_loops() is None:
+        pytest.skip("no C compiler: only the tensor ops run here")
+    gen = torch.Generator().manual_seed(3)
+    qmap = QuantIdMap("t", DynamicConfig(num_buckets=8), 48)  # 6 slots per bucket
+    ids, used = [], [0] * 8
+    for i in _raw_ids(60, 1000, gen).unique().tolist():  # each in a free slot of its bucket
+        b = int(bucket_of(torch.tensor([i]), 8))
+        if used[b] < 6:
+            ids.append((i, b * 6 + used[b]))
+            used[b] += 1
+    held, slots = (torch.tensor(c) for c in zip(*ids, strict=True))
+    qmap.set_live(held, slots)
+    qmap.live[slots[:5]] = False  # resident but expired
+    ids = held
+    queries = torch.cat([ids, _raw_ids(30, 1000, gen, lo=5000), torch.tensor([0, -1, 2**63 - 1, -(2**63)])])
+    compiled = qmap(queries)
+    saved = id_map.native_loops
+    id_map.native_loops = lambda: None  # type: ignore[assignment]
+    try:
+        assert torch.equal(compiled, qmap(queries))
+    finally:
+        id_map.native_loops = saved
+    assert (compiled == 48).sum() >= 5 + 30 and (compiled < 48).sum() >= 30

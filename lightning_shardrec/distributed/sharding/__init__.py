@@ -3,13 +3,20 @@
 Row-wise tables reduce their pooled partials over all ranks (:class:`RowBlockSharding`);
 table-row-wise and grid tables, whose blocks share a host, reduce inside the host and
 send each source its share across hosts (:class:`HostRowBlockSharding`). Dynamic tables
-(table-wise or row-wise by bucket ranges) have their own mechanism, :class:`DynamicBlockSharding`.
+run the table-wise or row-wise mechanism with their id mapping added
+(:class:`DynamicTableSharding`, :class:`DynamicRowSharding`, both a :class:`DynamicMapping`).
 """
 
 from lightning_shardrec.configs import BaseEmbeddingConfig
 from lightning_shardrec.distributed.sharding.base import EmbeddingSharding, KernelSetup, TableSharding
 from lightning_shardrec.distributed.sharding.data_parallel import DataParallelSharding
-from lightning_shardrec.distributed.sharding.dynamic_blocks import DynamicBlockSharding
+from lightning_shardrec.distributed.sharding.dynamic_blocks import (
+    DYNAMIC_SHARDINGS,
+    DynamicMapping,
+    DynamicRowSharding,
+    DynamicTableSharding,
+    unfit_type,
+)
 from lightning_shardrec.distributed.sharding.host_blocks import HostRowBlockSharding
 from lightning_shardrec.distributed.sharding.piecewise import PiecewiseSharding
 from lightning_shardrec.distributed.sharding.row_blocks import RowBlockSharding
@@ -27,19 +34,26 @@ SHARDINGS: dict[ShardingType, type[EmbeddingSharding]] = {
 }
 
 #: Every mechanism, in the fixed order a collection's groups follow (identical on every rank).
-KINDS: list[type[EmbeddingSharding]] = [*dict.fromkeys(SHARDINGS.values()), DynamicBlockSharding]
+KINDS: list[type[EmbeddingSharding]] = [*dict.fromkeys(SHARDINGS.values()), *DYNAMIC_SHARDINGS.values()]
 
 
 def mechanism(config: BaseEmbeddingConfig, plan: ParameterSharding) -> type[EmbeddingSharding]:
     """The mechanism that runs ``config``'s table under ``plan`` (dynamic tables: their own)."""
-    return DynamicBlockSharding if config.dynamic is not None else SHARDINGS[plan.sharding_type]
+    if config.dynamic is None:
+        return SHARDINGS[plan.sharding_type]
+    if plan.sharding_type not in DYNAMIC_SHARDINGS:
+        raise unfit_type(config, plan)
+    return DYNAMIC_SHARDINGS[plan.sharding_type]
 
 
 __all__ = [
     "KINDS",
     "SHARDINGS",
     "DataParallelSharding",
-    "DynamicBlockSharding",
+    "DYNAMIC_SHARDINGS",
+    "DynamicMapping",
+    "DynamicRowSharding",
+    "DynamicTableSharding",
     "EmbeddingSharding",
     "HostRowBlockSharding",
     "KernelSetup",

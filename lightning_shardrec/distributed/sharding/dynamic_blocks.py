@@ -1,22 +1,26 @@
-"""Dynamic tables, sharded: row blocks that are whole bucket ranges, ids routed by bucket.
+"""Dynamic tables, sharded: table-wise, or row-wise by whole bucket ranges.
 
-A dynamic table of ``B`` buckets of ``S`` slots is cut table-wise (one block, every
-bucket, on its owner) or row-wise (contiguous bucket ranges: block boundaries at
-multiples of ``S``). Each raw id goes, unchanged, to the rank owning its bucket
-(``bucket_of(id, B)``); that rank's :class:`~lightning_shardrec.modules.dynamic_ids.DynamicIdMapper`
-over its buckets maps every id it received for the table as one set, once per training
-forward (also with no ids, so its step stays in lockstep with the unsharded table's),
-and a bucket admits and evicts on its own, so every rank makes the choices the
-unsharded mapper makes for its buckets::
+A dynamic table of ``B`` buckets of ``S`` slots is cut table-wise (every bucket on its
+owner: :class:`DynamicTableSharding`, routed and sent home as a table-wise table) or
+row-wise (contiguous bucket ranges, block boundaries at multiples of ``S``:
+:class:`DynamicRowSharding`). A row-wise table's raw ids go, unchanged, to the rank
+owning their bucket (``bucket_of(id, B)``). Either way the owner's
+:class:`~lightning_shardrec.modules.dynamic_ids.DynamicIdMapper` over its buckets maps
+every id it received for the table as one set, once per training forward (also with
+no ids, so its step stays in lockstep with the unsharded table's), and a bucket admits
+and evicts on its own, so every rank makes the choices the unsharded mapper makes for
+its buckets::
 
     ids of table t (8 buckets, blocks [0, 3) rank 0, [3, 6) rank 1, [6, 8) rank 2)
     id 42 -> bucket 5 -> rank 1 -> mapper [3, 6) -> slot 5 * S + j -> kernel row 2 * S + j
 
-New slots are reset before the lookup: fresh rows written and their optimizer state
-restarted (:meth:`~lightning_shardrec.kernels.BatchedEmbeddingKernel.reset_rows`).
-Ids that missed (not admitted) are dropped from their bag, so they add zero and get no
+The mappers of a rank's tables that share a slot layout and policy are mapped in one
+pass (:class:`~lightning_shardrec.modules.dynamic_group.MapperGroup`). New slots are
+reset before the lookup: fresh rows written and their optimizer state restarted
+(:meth:`~lightning_shardrec.kernels.BatchedEmbeddingKernel.reset_tables_rows`). Ids
+that missed (not admitted) are dropped from their bag, so they add zero and get no
 update (MEAN still divides by the whole bag, on the source rank); a sequence lookup
-gives them a zero row. Outputs go home as :class:`RowBlockSharding`'s do.
+gives them a zero row.
 """
 
 from __future__ import annotations
@@ -26,18 +30,30 @@ from collections.abc import Hashable
 import torch
 from torch import Tensor
 
+from lightning_shardrec.configs import BaseEmbeddingConfig
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.input_dist import BucketRows, Routed, route_by_row
-from lightning_shardrec.distributed.sharding.base import KernelSetup, TableSharding
+from lightning_shardrec.distributed.sharding.base import EmbeddingSharding, KernelSetup, TableSharding
+from lightning_shardrec.distributed.sharding.piecewise import PiecewiseSharding
 from lightning_shardrec.distributed.sharding.row_blocks import RowBlockSharding
 from lightning_shardrec.errors import ShardingError
+from lightning_shardrec.kernels import BatchedEmbeddingKernel
 from lightning_shardrec.modules.dynamic_group import GroupLookup, MapperGroup, fuse_key
 from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
 from lightning_shardrec.modules.dynamic_tables import fresh_rows, fresh_rows_of_tables
 from lightning_shardrec.modules.table_dict import TableDict
+from lightning_shardrec.planner import ParameterSharding, ShardingType, ShardMetadata
 from lightning_shardrec.planner.tables import DYNAMIC_TYPES
 from lightning_shardrec.sparse import KeyedJaggedTensor
 from lightning_shardrec.sparse.ops import segment_ids
+
+
+def unfit_type(config: BaseEmbeddingConfig, plan: ParameterSharding) -> ShardingError:
+    """The error for a dynamic table planned with a sharding type that cannot hold it."""
+    return ShardingError(
+        f"dynamic table '{config.name}': sharding type '{plan.sharding_type.value}' cannot hold it; "
+        f"valid: {', '.join(t.value for t in DYNAMIC_TYPES)}"
+    )
 
 
 def check_dynamic_plan(table: TableSharding) -> tuple[int, int]:
@@ -46,10 +62,7 @@ def check_dynamic_plan(table: TableSharding) -> tuple[int, int]:
     assert config.dynamic is not None  # internal: only dynamic tables come here
     buckets, slots = config.dynamic.layout(config.num_embeddings, config.name)
     if plan.sharding_type not in DYNAMIC_TYPES:
-        raise ShardingError(
-            f"dynamic table '{config.name}': sharding type '{plan.sharding_type.value}' cannot hold it; "
-            f"valid: {', '.join(t.value for t in DYNAMIC_TYPES)}"
-        )
+        raise unfit_type(config, plan)
     for i, s in enumerate(plan.shards):
         (r0, c0), (rows, cols) = s.shard_offsets, s.shard_sizes
         if c0 != 0 or cols != config.embedding_dim:
@@ -65,18 +78,17 @@ def check_dynamic_plan(table: TableSharding) -> tuple[int, int]:
     return buckets, slots
 
 
-class DynamicBlockSharding(RowBlockSharding):
-    """The dynamic tables of a collection, table-wise or row-wise by bucket ranges."""
+class DynamicMapping:
+    """What a sharding of dynamic tables adds to its mechanism: this rank's id mappers (one per
+    table it holds buckets of), and raw ids turned into kernel rows before every lookup."""
 
-    def __init__(self, tables: list[TableSharding], env: ShardingEnv, setup: KernelSetup) -> None:
-        layouts = [check_dynamic_plan(t) for t in tables]
-        super().__init__(tables, env, setup)
-        device = setup.device
-        # one piece per table, so the row blocks' tables are the group's tables
-        self._buckets = BucketRows(
-            num_buckets=torch.tensor([b for b, _ in layouts], device=device),
-            slots=torch.tensor([s for _, s in layouts], device=device),
-        )
+    kernel: BatchedEmbeddingKernel | None
+    setup: KernelSetup
+    training: bool
+    _local: list[tuple[str, ShardMetadata]]
+
+    def _init_mapping(self, tables: list[TableSharding], layouts: list[tuple[int, int]]) -> None:
+        """The mappers of this rank's shards (after the mechanism built its kernel)."""
         config = {t.config.name: t.config for t in tables}
         self._configs = [config[name] for name, _ in self._local]  # kernel table order
         self.mappers = TableDict()
@@ -86,9 +98,9 @@ class DynamicBlockSharding(RowBlockSharding):
             assert dynamic is not None  # internal: only dynamic tables come here
             lo, rows = shard.shard_offsets[0] // slots, shard.shard_sizes[0] // slots
             self.mappers[name] = DynamicIdMapper(
-                name, dynamic, config[name].num_embeddings, bucket_range=(lo, lo + rows), device=device
+                name, dynamic, config[name].num_embeddings, bucket_range=(lo, lo + rows), device=self.setup.device
             )
-        # kernel feature range of each kernel table (a table's lanes are contiguous)
+        # kernel feature range of each kernel table (a table's features are contiguous)
         ft = self.kernel.feature_table if self.kernel is not None else []
         self._table_features = [
             (ft.index(i), len(ft) - ft[::-1].index(i)) if i in ft else (0, 0) for i in range(len(self._local))
@@ -97,7 +109,7 @@ class DynamicBlockSharding(RowBlockSharding):
         fusable: dict[Hashable, list[int]] = {}
         for i, (name, _) in enumerate(self._local):
             fusable.setdefault(fuse_key(self.mapper(name)), []).append(i)
-        self._groups = [
+        self._fused = [
             (members, MapperGroup([self.mapper(self._local[i][0]) for i in members])) for members in fusable.values()
         ]
 
@@ -106,16 +118,12 @@ class DynamicBlockSharding(RowBlockSharding):
         assert isinstance(m, DynamicIdMapper)  # internal invariant
         return m
 
-    def route(self, kjt: KeyedJaggedTensor) -> Routed:
-        lanes = kjt if self._identity else kjt.permute(self._expand)
-        return route_by_row(lanes, self._lane_sub_t, self.blocks, self.env.world_size, self._buckets)
-
     def compute(self, kjt: KeyedJaggedTensor) -> Tensor:
         if self.kernel is None:
-            return super().compute(kjt)
+            return super().compute(kjt)  # type: ignore[misc, no-any-return]
         mapped, hit = self.map_ids(kjt)
         if self.setup.pooled:
-            return super().compute(mapped)
+            return super().compute(mapped)  # type: ignore[misc, no-any-return]
         rows = self.kernel(mapped)
         if hit is None:
             return rows
@@ -132,7 +140,7 @@ class DynamicBlockSharding(RowBlockSharding):
             bounds.append(bounds[-1] + n)
         rows = torch.empty_like(values)
         resets: list[tuple[int, Tensor, Tensor]] = []
-        for members, group in self._groups:
+        for members, group in self._fused:
             spans = [(bounds[f0], bounds[f1]) for f0, f1 in (self._table_features[i] for i in members)]
             filled = [(a, b) for a, b in spans if b > a]
             lo, hi = (filled[0][0], filled[-1][1]) if filled else (0, 0)
@@ -182,3 +190,39 @@ class DynamicBlockSharding(RowBlockSharding):
                 values = fresh.split(sizes)[j] if fresh is not None else fresh_rows(configs[j], s, gen, weights[i])
                 out.append((i, rows, values))
         return out
+
+
+class DynamicTableSharding(DynamicMapping, PiecewiseSharding):
+    """Table-wise dynamic tables: each table, all its buckets, on one rank; routed and sent home
+    as table-wise tables are (whole features by key, pooled rows by all-to-all)."""
+
+    def __init__(self, tables: list[TableSharding], env: ShardingEnv, setup: KernelSetup) -> None:
+        layouts = [check_dynamic_plan(t) for t in tables]
+        super().__init__(tables, env, setup)
+        self._init_mapping(tables, layouts)
+
+
+class DynamicRowSharding(DynamicMapping, RowBlockSharding):
+    """Row-wise dynamic tables: bucket ranges on several ranks, each id routed by its bucket."""
+
+    def __init__(self, tables: list[TableSharding], env: ShardingEnv, setup: KernelSetup) -> None:
+        layouts = [check_dynamic_plan(t) for t in tables]
+        super().__init__(tables, env, setup)
+        device = setup.device
+        # one piece per table, so the row blocks' tables are the group's tables
+        self._buckets = BucketRows(
+            num_buckets=torch.tensor([b for b, _ in layouts], device=device),
+            slots=torch.tensor([s for _, s in layouts], device=device),
+        )
+        self._init_mapping(tables, layouts)
+
+    def route(self, kjt: KeyedJaggedTensor) -> Routed:
+        lanes = kjt if self._identity else kjt.permute(self._expand)
+        return route_by_row(lanes, self._lane_sub_t, self.blocks, self.env.world_size, self._buckets)
+
+
+#: Mechanism per sharding type of a dynamic table (:data:`~lightning_shardrec.planner.tables.DYNAMIC_TYPES`).
+DYNAMIC_SHARDINGS: dict[ShardingType, type[EmbeddingSharding]] = {
+    ShardingType.TABLE_WISE: DynamicTableSharding,
+    ShardingType.ROW_WISE: DynamicRowSharding,
+}
