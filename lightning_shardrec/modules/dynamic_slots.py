@@ -22,7 +22,7 @@ from torch import Tensor
 
 from lightning_shardrec.configs import DynamicConfig, EvictionPolicy
 from lightning_shardrec.modules.dynamic_hash import bucket_of
-from lightning_shardrec.modules.native import native_loops
+from lightning_shardrec.modules.native import NativeLoops, native_loops
 
 COUNTERS = ("admissions", "evictions", "expirations", "misses", "dropped_candidates")
 _INT64_MAX = torch.iinfo(torch.int64).max
@@ -300,18 +300,21 @@ def place(
     lfu: bool,
     most: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Give unique ``ids`` entries of their buckets in ``table = (held, last, count)`` at ``step``
-    (shared, or one per id).
+    """Give unique ``ids``, sorted by bucket then id, entries of their buckets in
+    ``table = (held, last, count)`` at ``step`` (shared, or one per id).
 
     Ids go by most ``total`` then lowest id; entries free first, then (not seen
     this step) by policy, ties by lowest index. Returns each id's flat entry
     (``-1``: none left) and the occupied entries taken over. ``most``, an upper
-    bound of ``total`` if known, lets one sort order the ids (which must then come
-    sorted by bucket, then id).
+    bound of ``total`` if known, lets one sort order the ids. On CPU the compiled
+    loop (:mod:`.native`) does the same.
     """
     held, last, count = table
     if ids.numel() == 0:
         return torch.full_like(ids, -1), ids.new_zeros(0)
+    loops = native_loops() if ids.device.type == "cpu" else None
+    if loops is not None and all(t.is_contiguous() for t in table):
+        return _place_compiled(loops, ids, bucket, total, step, table, width, lfu)
     if most is not None:  # one key: bucket, then most sightings; ids arrive sorted, so ties stay by id
         order = torch.sort(bucket * (most + 1) + (most - total), stable=True).indices
     else:
@@ -347,3 +350,24 @@ def place(
     out = torch.full_like(ids, -1)
     out[order] = torch.where(wins, target, -1)
     return out, displaced
+
+
+def _place_compiled(
+    loops: NativeLoops,
+    ids: Tensor,
+    bucket: Tensor,
+    total: Tensor,
+    step: Step,
+    table: tuple[Tensor, Tensor, Tensor],
+    width: int,
+    lfu: bool,
+) -> tuple[Tensor, Tensor]:
+    """:func:`place` by ``shardrec_place`` (``native.c``)."""
+    n = ids.numel()
+    steps = torch.as_tensor(step, dtype=torch.int64).reshape(-1).contiguous()  # [1] shared, or [n]
+    ids, bucket, total = (t.to(torch.int64).contiguous() for t in (ids, bucket, total))
+    out, displaced, scratch = (torch.empty(n, dtype=torch.int64) for _ in range(3))
+    ptr = [t.data_ptr() for t in (ids, bucket, total, steps)]
+    moved = loops.place(n, *ptr, int(steps.numel() > 1), width, int(lfu),
+                        *(t.data_ptr() for t in (*table, out, displaced, scratch)))  # fmt: skip
+    return out, displaced[:moved]

@@ -14,6 +14,12 @@
  *   and with train != 0 every hit records its sighting: last[slot] = steps[t], seen[slot] += 1.
  *   Returns -1, or the index of the first id outside its table's buckets (nothing recorded then).
  *
+ * shardrec_place (twin: dynamic_slots.place): unique ids, sorted by bucket then id, take entries of
+ *   their bucket in (held, last, count): per bucket, ids by most `total` (ties: as given), entries
+ *   not seen this step (last < step) by (LFU: count,) last seen, index; the first min(ids, such
+ *   entries) pairs match. out[i] = entry or -1; the occupied entries taken over go to displaced.
+ *   step[i * step_stride] is id i's step. Returns the number displaced.
+ *
  * shardrec_serve (twin: inference.id_map.QuantIdMap.forward): a frozen dynamic table's rows.
  *   out[i] = the slot of bucket (splitmix64(id) >> 1) % num_buckets holding the id where live[slot],
  *   else `missing`.
@@ -24,6 +30,7 @@
  *   or double. low/high == NULL: u itself.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #define GOLDEN 0x9E3779B97F4A7C15ull
 
@@ -71,6 +78,62 @@ int64_t shardrec_locate(int64_t n, const int64_t *ids, const int64_t *table, con
         }
     }
     return -1;
+}
+
+typedef struct {
+    int64_t count, last, index; /* an entry's place in policy order: LFU count (0 for LRU), last seen, index */
+} entry_key;
+
+static int entry_cmp(const void *pa, const void *pb) {
+    const entry_key *a = pa, *b = pb;
+    if (a->count != b->count) return a->count < b->count ? -1 : 1;
+    if (a->last != b->last) return a->last < b->last ? -1 : 1;
+    return (a->index > b->index) - (a->index < b->index);
+}
+
+int64_t shardrec_place(int64_t n, const int64_t *ids, const int64_t *bucket, const int64_t *total,
+                       const int64_t *step, int64_t step_stride, int64_t width, int64_t lfu, int64_t *held,
+                       int64_t *last, int64_t *count, int64_t *out, int64_t *displaced, int64_t *order) {
+    /* order: n int64 of scratch (a bucket's ids in the order they choose) */
+    entry_key keys[width];
+    int64_t moved = 0;
+    for (int64_t i0 = 0, i1; i0 < n; i0 = i1) {
+        for (i1 = i0 + 1; i1 < n && bucket[i1] == bucket[i0]; ++i1) {
+        }
+        const int64_t run = i1 - i0, first = bucket[i0] * width, now = step[i0 * step_stride];
+        for (int64_t k = 0; k < run; ++k) { /* by most sightings, ties as given: stable insertion */
+            int64_t j = k;
+            while (j > 0 && total[i0 + order[i0 + j - 1]] < total[i0 + k]) {
+                order[i0 + j] = order[i0 + j - 1];
+                --j;
+            }
+            order[i0 + j] = k;
+        }
+        int64_t free = 0;
+        for (int64_t j = first; j < first + width; ++j) { /* entries not seen this step, in policy order */
+            if (last[j] < now) keys[free++] = (entry_key){lfu ? count[j] : 0, last[j], j};
+        }
+        if (run == 1 && free > 1) { /* one id: the first entry is enough */
+            for (int64_t j = 1; j < free; ++j)
+                if (entry_cmp(&keys[j], &keys[0]) < 0) keys[0] = keys[j];
+        } else {
+            qsort(keys, (size_t)free, sizeof(entry_key), entry_cmp);
+        }
+        for (int64_t k = 0; k < run; ++k) {
+            const int64_t i = i0 + order[i0 + k];
+            if (k >= free) {
+                out[i] = -1;
+                continue;
+            }
+            const int64_t e = keys[k].index;
+            if (last[e] >= 0) displaced[moved++] = e;
+            out[i] = e;
+            held[e] = ids[i];
+            last[e] = now;
+            count[e] = total[i];
+        }
+    }
+    return moved;
 }
 
 void shardrec_serve(int64_t n, const int64_t *ids, int64_t num_buckets, int64_t width, const int64_t *held,

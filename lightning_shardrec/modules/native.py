@@ -1,10 +1,11 @@
 """Compiled CPU loops (``native.c``), built on first use with the system C compiler.
 
 A few loops dominate what dynamic tables cost on CPU, and tensor ops do each in many
-passes over large temporaries: locating raw ids in their buckets in training and in
-serving (a dozen passes over ``[ids, slots per bucket]``; one C pass stops at the
-matching slot, ~5x faster for an e2e batch on one core) and hashing fresh rows' init
-(a dozen passes over ``[rows, dim]``).
+passes over large temporaries or many small ops: locating raw ids in their buckets in
+training and in serving (a dozen passes over ``[ids, slots per bucket]``; one C pass
+stops at the matching slot, ~5x faster for an e2e batch on one core), placing admitted
+ids in their buckets (some 30 ops over ``[buckets, slots]``) and hashing fresh rows'
+init (a dozen passes over ``[rows, dim]``).
 The source is plain C on raw buffers (no torch headers), so it builds in well under a
 second; the shared library is kept in the user cache directory, keyed by the source,
 compiler and machine, and loaded with ctypes.
@@ -40,6 +41,7 @@ class NativeLoops:
     """The library's functions (argument lists as in ``native.c``)."""
 
     locate: ctypes._CFuncPtr  # type: ignore[name-defined]
+    place: ctypes._CFuncPtr  # type: ignore[name-defined]
     serve: ctypes._CFuncPtr  # type: ignore[name-defined]
     uniform_rows: ctypes._CFuncPtr  # type: ignore[name-defined]
 
@@ -67,12 +69,14 @@ def _build(cc: str, source: bytes, out: Path) -> None:
 def _load(path: Path) -> NativeLoops:
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    locate, serve, uniform = lib.shardrec_locate, lib.shardrec_serve, lib.shardrec_uniform_rows
-    locate.restype, serve.restype, uniform.restype = i64, None, None
+    locate, place = lib.shardrec_locate, lib.shardrec_place
+    serve, uniform = lib.shardrec_serve, lib.shardrec_uniform_rows
+    locate.restype, place.restype, serve.restype, uniform.restype = i64, i64, None, None
     locate.argtypes = [i64, *[ptr] * 7, i64, *[ptr] * 3, i64, *[ptr] * 2]
+    place.argtypes = [i64, *[ptr] * 4, i64, i64, i64, *[ptr] * 6]
     serve.argtypes = [i64, ptr, i64, i64, ptr, ptr, i64, ptr]
     uniform.argtypes = [i64, i64, i64, ptr, ptr, ptr, i64, ptr]
-    return NativeLoops(locate, serve, uniform)
+    return NativeLoops(locate, place, serve, uniform)
 
 
 @functools.cache
