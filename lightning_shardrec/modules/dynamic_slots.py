@@ -117,17 +117,15 @@ def locate(
     Runs the compiled loop (:mod:`.native`) on CPU where it is built, else tensor ops.
     """
     loops = native_loops() if ids.device.type == "cpu" else None
-    if loops is not None:
+    inputs = (ids, table, ranges.num_buckets, ranges.lo, ranges.count, ranges.start, steps)
+    buffers = (state.slot_ids, state.slot_step, state.slot_count)
+    if loops is not None and all(t is None or (t.is_contiguous() and t.dtype == torch.int64) for t in inputs + buffers):
         bucket, slot = torch.empty_like(ids), torch.empty_like(ids)
-        c = ranges
-        tensors = (ids, table, c.num_buckets, c.lo, c.count, c.start, steps, state.slot_ids, state.slot_step)
-        if all(t is None or (t.is_contiguous() and t.dtype == torch.int64) for t in (*tensors, state.slot_count)):
-            p = [None if t is None else t.data_ptr() for t in tensors]
-            bad = loops.locate(ids.numel(), *p[:7], state.width, *p[7:], state.slot_count.data_ptr(), int(train),
-                     bucket.data_ptr(), slot.data_ptr())  # fmt: skip
-            if bad >= 0:
-                raise ranges.out_of_range(ids, table, bad)
-            return bucket, slot
+        bad = loops.locate(ids.numel(), *_ptrs(inputs), state.width, *_ptrs(buffers), int(train),
+                           bucket.data_ptr(), slot.data_ptr())  # fmt: skip
+        if bad >= 0:
+            raise ranges.out_of_range(ids, table, bad)
+        return bucket, slot
 
     def per_table(values: Tensor) -> Tensor:
         return values[0] if table is None else values.index_select(0, table)
@@ -188,6 +186,11 @@ def expire(state: SlotState, slot_steps: Step, cand_steps: Step) -> None:
     old_cands = (state.cand_step >= 0) & (cand_steps - state.cand_step > ttl)
     state.cand_step.masked_fill_(old_cands, -1)
     state.cand_count.masked_fill_(old_cands, 0)
+
+
+def _ptrs(tensors: tuple[Tensor | None, ...]) -> list[int | None]:
+    """Addresses for the compiled loops (None: a NULL pointer)."""
+    return [None if t is None else t.data_ptr() for t in tensors]
 
 
 def _per_element(step: Step) -> bool:
@@ -367,7 +370,6 @@ def _place_compiled(
     steps = torch.as_tensor(step, dtype=torch.int64).reshape(-1).contiguous()  # [1] shared, or [n]
     ids, bucket, total = (t.to(torch.int64).contiguous() for t in (ids, bucket, total))
     out, displaced, scratch = (torch.empty(n, dtype=torch.int64) for _ in range(3))
-    ptr = [t.data_ptr() for t in (ids, bucket, total, steps)]
-    moved = loops.place(n, *ptr, int(steps.numel() > 1), width, int(lfu),
-                        *(t.data_ptr() for t in (*table, out, displaced, scratch)))  # fmt: skip
+    moved = loops.place(n, *_ptrs((ids, bucket, total, steps)), int(steps.numel() > 1), width, int(lfu),
+                        *_ptrs((*table, out, displaced, scratch)))  # fmt: skip
     return out, displaced[:moved]
