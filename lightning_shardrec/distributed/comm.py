@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,15 @@ from lightning_shardrec.distributed.qcomm import (
 )
 from lightning_shardrec.planner.topology import local_world_size_from_env
 
+if TYPE_CHECKING:
+    from lightning_shardrec.distributed.shm_transport import ShmTransport
+
+
+class Waitable(Protocol):
+    """An async collective in flight: a ``dist.Work`` or a shared-memory op's handle."""
+
+    def wait(self) -> bool: ...
+
 
 @dataclass(frozen=True)
 class ShardingEnv:
@@ -40,6 +50,8 @@ class ShardingEnv:
     world_size: int
     pg: dist.ProcessGroup | None = None
     local_world_size: int = 0
+    #: same-host shared-memory all-to-alls for CPU tensors (:mod:`.shm_transport`); None: ``pg``'s
+    transport: ShmTransport | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         local = self.local_world_size or local_world_size_from_env(self.world_size)
@@ -64,24 +76,44 @@ class ShardingEnv:
         return ShardingEnv(dist.get_rank(pg), dist.get_world_size(pg), pg, local_world_size)
 
 
+def all_to_all_single(
+    out: Tensor,
+    inp: Tensor,
+    out_splits: list[int] | None,
+    in_splits: list[int] | None,
+    env: ShardingEnv,
+    async_op: bool = False,
+) -> Waitable | None:
+    """``dist.all_to_all_single`` on ``env``: through its same-host transport for CPU tensors, else its group.
+
+    Splits count rows (None: equal). With ``async_op`` returns the handle to ``wait()`` on.
+    """
+    if env.transport is not None and inp.device.type == "cpu":
+        work = env.transport.all_to_all(out, inp, out_splits, in_splits)
+        if async_op:
+            return work
+        work.wait()
+        return None
+    return dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=env.pg, async_op=async_op)
+
+
 def all_to_all(tensor: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv) -> Tensor:
     """Uneven all-to-all of a 1-D (or row-split 2-D) tensor, no autograd (ids, lengths)."""
     out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
     if env.world_size == 1:
         return tensor
-    dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=env.pg)
+    all_to_all_single(out, tensor, out_splits, in_splits, env)
     return out
 
 
 def all_to_all_async(
     tensor: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv
-) -> tuple[Tensor, dist.Work | None]:
+) -> tuple[Tensor, Waitable | None]:
     """:func:`all_to_all` issued with ``async_op=True``: ``(out, work)``; ``out`` is valid after ``work.wait()``."""
     if env.world_size == 1:
         return tensor, None
     out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
-    work = dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=env.pg, async_op=True)
-    return out, work
+    return out, all_to_all_single(out, tensor, out_splits, in_splits, env, async_op=True)
 
 
 def all_to_all_grad(
@@ -117,7 +149,7 @@ def exchange_flat(
     wire, wire_in = encode(send, in_splits, precision)
     wire_out = wire_splits(out_splits, precision)
     recv = wire.new_empty(sum(wire_out))
-    dist.all_to_all_single(recv, wire, wire_out, wire_in, group=env.pg)
+    all_to_all_single(recv, wire, wire_out, wire_in, env)
     return decode(recv, wire_out, precision)
 
 
@@ -195,7 +227,7 @@ class _ReduceScatterRowsQ(torch.autograd.Function):
         send = _pad_blocks(x.reshape(sum(rows), width), rows).view(env.world_size, most * width)
         wire = encode_rows(send, precision)
         recv = torch.empty_like(wire)
-        dist.all_to_all_single(recv, wire, group=env.pg)  # row s of recv: source s's block for this rank
+        all_to_all_single(recv, wire, None, None, env)  # row s of recv: source s's block for this rank
         got = decode_rows(recv, precision)
         mine = rows[env.rank]
         got = got if mine == most else got[:, : mine * width]
@@ -270,7 +302,7 @@ def _all_to_all_rows(
     """All-to-all of rows (``splits`` count rows of ``x.shape[1:]``) in ``precision``."""
     if precision is CommPrecision.FP32:
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=env.pg)
+        all_to_all_single(out, x, out_splits, in_splits, env)
         return out
     row = math.prod(x.shape[1:])
     flat = x.contiguous().reshape(-1)
@@ -305,16 +337,16 @@ def exchange_header(rows: Tensor, env: ShardingEnv) -> Tensor:
     if env.world_size == 1:
         return rows
     out = torch.empty_like(rows)
-    dist.all_to_all_single(out, rows.contiguous(), group=env.pg)
+    all_to_all_single(out, rows, None, None, env)
     return out
 
 
-def exchange_header_async(rows: Tensor, env: ShardingEnv) -> tuple[Tensor, dist.Work | None]:
+def exchange_header_async(rows: Tensor, env: ShardingEnv) -> tuple[Tensor, Waitable | None]:
     """:func:`exchange_header` issued with ``async_op=True``: ``(out, work)``."""
     if env.world_size == 1:
         return rows, None
     out = torch.empty_like(rows)
-    return out, dist.all_to_all_single(out, rows.contiguous(), group=env.pg, async_op=True)
+    return out, all_to_all_single(out, rows, None, None, env, async_op=True)
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -30,6 +30,7 @@ from lightning_shardrec.distributed.plain_embeddings import (
     ShardedPlainMaxEmbeddingBag,
 )
 from lightning_shardrec.distributed.sharding import KernelSetup
+from lightning_shardrec.distributed.shm_transport import attach
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.modules.plain_embeddings import (
@@ -138,6 +139,10 @@ class DistributedModelParallel(nn.Module):
     Plain ``nn.Embedding`` / ``nn.EmbeddingBag`` submodules are sharded too (same call and
     result, see :mod:`lightning_shardrec.modules.plain_embeddings`): ``embedding_modules`` is
     ``True`` (all with at least ``embedding_min_rows`` rows), ``False``, or a list of module paths.
+
+    ``comm_transport``: ``"auto"`` moves the embeddings' all-to-alls through shared memory when every
+    rank is on this host under gloo (:mod:`~lightning_shardrec.distributed.shm_transport`), else
+    through the process group; ``"shm"`` requires shared memory, ``"pg"`` never uses it.
     """
 
     def __init__(
@@ -153,11 +158,13 @@ class DistributedModelParallel(nn.Module):
         embedding_modules: bool | Sequence[str] = True,
         embedding_min_rows: int = 0,
         comm_precision: str = "fp32",
+        comm_transport: str = "auto",
     ) -> None:
         super().__init__()
         swap_embedding_modules(module, embedding_modules, embedding_min_rows)
         # ranks per host: the planner's topology when given, so plan and execution see the same hosts
-        self.env = ShardingEnv.from_process_group(pg, planner.topology.local_world_size if planner else 0)  # type: ignore[arg-type]
+        env = ShardingEnv.from_process_group(pg, planner.topology.local_world_size if planner else 0)  # type: ignore[arg-type]
+        self.env = attach(env, comm_transport)  # collective: shared-memory all-to-alls when every rank can
         self.device = torch.device(device) if device is not None else default_device(self.env)
         optim = embedding_optimizer
         if not isinstance(optim, FusedOptimConfig):

@@ -1,0 +1,441 @@
+"""All-to-alls between ranks of one host through shared memory (``comm_transport="shm"``).
+
+On CPU, two gloo ranks on one machine move an all-to-all through loopback TCP: the
+caller hands the buffers to a gloo thread, which hands them to a socket thread, the
+kernel copies the bytes twice, and the peer's threads hand them back. With 2 ranks
+on 2 cores those threads take CPU from compute and every hand-off waits for a time
+slice. :class:`ShmTransport` moves the same bytes through ``/dev/shm``:
+
+* each rank owns one region (a sparse file, mapped by every peer): ``SLOTS`` slots per
+  destination of ``slot_bytes`` each. Op ``n`` writes its chunk for ``d`` into slot
+  ``n % SLOTS`` of ``d``'s part (casting to the wire dtype in the same copy), then
+  writes a 16-byte record ``(n, ack)`` into a FIFO to ``d``;
+* the receiver blocks in ``poll()`` on its FIFOs (no spinning), then copies the chunk out
+  of the sender's region. ``ack`` is the last op the sender consumed of ``d``'s, so a
+  slot is rewritten only after its reader is done with it (ops complete in issue order);
+* a chunk larger than ``slot_bytes`` goes point to point over the process group instead
+  (both sides know its size, so they agree without asking);
+* a peer that dies closes its FIFO ends: the waiting rank raises "connection closed by
+  peer" at once; a peer that hangs is caught by the group's timeout (and, in the
+  strategy, by the heartbeat watchdog).
+
+:func:`connect` builds one (collective) only when every rank of a gloo group can open
+the others' files and sees the same bytes; otherwise every rank gets None and keeps
+the process group. All files are unlinked as soon as every rank has opened them.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import mmap
+import os
+import secrets
+import select
+import struct
+import time
+import weakref
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.errors import unknown_name
+
+SHM_DIR = "/dev/shm"
+SLOTS = 4  # ops in flight per destination; op n reuses op n - SLOTS's slot
+SLOT_BYTES = 64 << 20  # virtual (sparse) bytes per slot and destination; pages are allocated on first use
+_REC = struct.Struct("<qq")  # (op, last op consumed of the receiver's)
+_ACK_ONLY = -1  # a record's op when it only carries the ack
+_PROBE = 4096  # a page at the start of each region: the owner's token, read back by every peer
+_OPEN: weakref.WeakSet[ShmTransport] = weakref.WeakSet()
+
+
+@dataclass
+class _Op:
+    """One issued all-to-all: where each source's rows land and what is still in flight."""
+
+    seq: int
+    out: Tensor  # flat
+    recv: list[tuple[int, int, int]]  # per source: (element offset in out, elements, wire bytes)
+    wire: torch.dtype
+    p2p: list[_Sent | _RecvInto] = field(default_factory=list)
+    done: bool = False
+
+
+class ShmWork:
+    """The handle of an issued :meth:`ShmTransport.all_to_all`: ``wait()`` as ``dist.Work``'s."""
+
+    def __init__(self, transport: ShmTransport, op: _Op) -> None:
+        self._transport, self._op = transport, op
+
+    def wait(self) -> bool:
+        """Complete this op (and every op issued before it on this transport); True."""
+        if not self._op.done:
+            self._transport.complete_through(self._op.seq)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._op.done
+
+
+class ShmTransport:
+    """Shared-memory all-to-alls among the ``world_size`` ranks of ``pg`` (see the module docstring).
+
+    Made by :func:`connect`; every rank must issue the same ops in the same order, as on a process group.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        own: tuple[int, mmap.mmap],
+        peers: dict[int, mmap.mmap],
+        fifos: tuple[dict[int, int], dict[int, int]],
+        slot_bytes: int,
+        timeout: float,
+    ) -> None:
+        self.pg, self.rank, self.world_size = pg, rank, world_size
+        self.slot_bytes, self.timeout = slot_bytes, timeout
+        self._fd, self._own_map = own
+        self._peer_maps = peers
+        self._inbound, self._outbound = fifos  # source -> read fd, destination -> write fd
+        part = SLOTS * slot_bytes
+        # this rank's slots for destination d, and source s's slots for this rank, as byte tensors
+        self._send = {d: torch.frombuffer(self._own_map, dtype=torch.uint8, offset=_PROBE + d * part, count=part)
+                      for d in peers}  # fmt: skip
+        self._recv = {s: torch.frombuffer(m, dtype=torch.uint8, count=part) for s, m in peers.items()}
+        self._allocated = dict.fromkeys(((d, k) for d in peers for k in range(SLOTS)), 0)
+        self._next = 0
+        self._pending: collections.deque[_Op] = collections.deque()
+        self._arrived = dict.fromkeys(peers, -1)  # last op each source has written for this rank
+        self._acked = dict.fromkeys(peers, -1)  # last op of this rank's each destination has consumed
+        self._sent_ack = dict.fromkeys(peers, -1)  # the last such ack this rank sent each peer
+        self._consumed = -1  # last op this rank has completed
+        self._buffers = dict.fromkeys(peers, b"")
+        self._gone: set[int] = set()  # sources whose FIFO reached end of file
+        self._poll = select.poll()
+        for fd in self._inbound.values():
+            self._poll.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        self._by_fd = {fd: s for s, fd in self._inbound.items()}
+        self.closed = False
+        self._finalizer = weakref.finalize(
+            self, _close_fds, [*self._inbound.values(), *self._outbound.values(), self._fd]
+        )
+        _OPEN.add(self)
+
+    # --- ops ----------------------------------------------------------------------------------
+    def all_to_all(
+        self,
+        out: Tensor,
+        inp: Tensor,
+        out_splits: list[int] | None = None,
+        in_splits: list[int] | None = None,
+        wire: torch.dtype | None = None,
+    ) -> ShmWork:
+        """``dist.all_to_all_single(out, inp, out_splits, in_splits, async_op=True)`` through shared memory.
+
+        Splits count rows (dim 0; None: equal). ``wire``: the dtype on the wire (e.g. bf16 for
+        fp32 tensors, cast inside the copies); default ``inp``'s. ``out`` is valid after ``wait()``.
+        """
+        if self.closed:
+            raise RuntimeError("ShmTransport: all_to_all on a closed transport (its process group was destroyed)")
+        w = self.world_size
+        row = math.prod(inp.shape[1:])  # elements per row
+        in_rows = in_splits if in_splits is not None else [inp.shape[0] // w] * w
+        out_rows = out_splits if out_splits is not None else [out.shape[0] // w] * w
+        wire = wire or inp.dtype
+        size = torch.empty((), dtype=wire).element_size()
+        src, dst = inp.contiguous().view(-1), out.view(-1)
+        n = self._next
+        self._next += 1
+        while self._pending and self._pending[0].seq <= n - SLOTS:  # keep at most SLOTS - 1 of ours in flight
+            self._complete(self._pending.popleft())
+        deadline = time.monotonic() + self.timeout
+        k = n % SLOTS
+        op = _Op(n, dst, [], wire)
+        start = 0
+        for d, rows in enumerate(in_rows):
+            count = rows * row
+            chunk = src[start : start + count]
+            start += count
+            if d == self.rank:
+                mine = sum(out_rows[: self.rank]) * row
+                dst[mine : mine + count].copy_(chunk if wire == chunk.dtype else chunk.to(wire))  # rounded alike
+            elif count * size > self.slot_bytes:  # too big for a slot: point to point (the receiver knows too)
+                op.p2p.append(_Sent(chunk.to(wire).contiguous(), self.pg, d))
+            else:
+                if self._acked[d] < n - SLOTS:  # its reader is not done with op n - SLOTS's slot yet
+                    self._await_ack(d, n - SLOTS, deadline)
+                self._slot(d, k, count * size).view(wire).copy_(chunk)
+        for d in self._outbound:  # every destination gets a record, also for an empty or p2p chunk
+            self._write(d, n)
+        start = 0
+        for s, rows in enumerate(out_rows):
+            count = rows * row
+            if s != self.rank:
+                if count * size > self.slot_bytes:
+                    tmp = dst[start : start + count] if wire == dst.dtype else dst.new_empty(count, dtype=wire)
+                    op.p2p.append(_RecvInto(tmp, self.pg, s, dst, start))
+                    op.recv.append((start, 0, -1))
+                else:
+                    op.recv.append((start, count, count * size))
+            start += count
+        self._pending.append(op)
+        return ShmWork(self, op)
+
+    def complete_through(self, seq: int) -> None:
+        """Complete every op issued up to ``seq`` (in issue order)."""
+        while self._pending and self._pending[0].seq <= seq:
+            self._complete(self._pending.popleft())
+
+    def _complete(self, op: _Op) -> None:
+        deadline = time.monotonic() + self.timeout
+        sources = [s for s in range(self.world_size) if s != self.rank]
+        for s, (start, count, nbytes) in zip(sources, op.recv, strict=True):
+            while self._arrived[s] < op.seq:
+                self._read(deadline, waiting_for=s)
+            if nbytes > 0:
+                base = (op.seq % SLOTS) * self.slot_bytes
+                view = self._recv[s][base : base + nbytes].view(op.wire)
+                op.out[start : start + count].copy_(view)
+        for w in op.p2p:
+            w.wait()
+        self._consumed = op.seq
+        op.done = True
+
+    # --- slots and records --------------------------------------------------------------------
+    def _slot(self, d: int, k: int, nbytes: int) -> Tensor:
+        """Bytes ``[0, nbytes)`` of slot ``k`` for ``d``, its pages reserved first (no SIGBUS on a full tmpfs)."""
+        if nbytes > self._allocated[(d, k)]:
+            offset = _PROBE + (d * SLOTS + k) * self.slot_bytes
+            grow = min(self.slot_bytes, max(nbytes, 2 * self._allocated[(d, k)]))
+            try:
+                os.posix_fallocate(self._fd, offset, grow)
+            except OSError as e:
+                raise RuntimeError(
+                    f"ShmTransport: cannot reserve {grow} bytes in {SHM_DIR} ({e.strerror}); give {SHM_DIR} more "
+                    "room or set comm_transport='pg' (LIGHTNING_SHARDREC_TRANSPORT=pg)"
+                ) from e
+            self._allocated[(d, k)] = grow
+        base = k * self.slot_bytes
+        return self._send[d][base : base + nbytes]
+
+    def _await_ack(self, d: int, seq: int, deadline: float) -> None:
+        """Block until ``d`` has consumed this rank's op ``seq``. Every peer first learns what this rank has
+        consumed (an ack-only record), so two ranks waiting for each other's acks both move on."""
+        for peer, sent in self._sent_ack.items():
+            if sent < self._consumed:
+                self._write(peer, _ACK_ONLY)
+        while self._acked[d] < seq:
+            self._read(deadline, waiting_for=d)
+
+    def _write(self, d: int, seq: int) -> None:
+        self._sent_ack[d] = self._consumed
+        try:
+            os.write(self._outbound[d], _REC.pack(seq, self._consumed))
+        except BrokenPipeError as e:  # the reader is gone
+            raise _gone(d) from e
+
+    def _read(self, deadline: float, waiting_for: int) -> None:
+        """Block until some source's records arrive; raise when ``waiting_for`` is gone or at the timeout."""
+        if waiting_for in self._gone:
+            raise _gone(waiting_for)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(
+                f"ShmTransport: timed out after {self.timeout:.0f} s waiting for rank {waiting_for} of the group"
+            )
+        for fd, _ in self._poll.poll(max(1, int(left * 1000))):
+            s = self._by_fd[fd]
+            data = os.read(fd, 1 << 16)
+            if not data:  # every write end closed: the peer exited (its records before that were read)
+                self._gone.add(s)
+                self._poll.unregister(fd)
+                continue
+            buf = self._buffers[s] + data
+            whole = len(buf) - len(buf) % _REC.size
+            for seq, ack in _REC.iter_unpack(buf[:whole]):
+                if seq != _ACK_ONLY:
+                    self._arrived[s] = seq
+                self._acked[s] = max(self._acked[s], ack)
+            self._buffers[s] = buf[whole:]
+
+    def close(self) -> None:
+        """Release the FIFOs (peers blocked on this rank then see it gone); mappings go with the last view."""
+        self.closed = True
+        self._finalizer()
+
+
+def _gone(rank: int) -> RuntimeError:
+    """The error of a collective whose peer exited (``is_comm_failure`` knows its words)."""
+    return RuntimeError(f"ShmTransport: connection closed by peer (rank {rank} of the group exited)")
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class _Sent:
+    """An ``isend`` that keeps its (possibly cast) buffer alive until waited on."""
+
+    def __init__(self, buf: Tensor, pg: dist.ProcessGroup | None, dst: int) -> None:
+        self.buf = buf
+        self.work = dist.isend(buf, group=pg, group_dst=dst)
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        return True
+
+
+class _RecvInto:
+    """An ``irecv`` into a wire-dtype buffer, cast into ``out`` when waited on."""
+
+    def __init__(self, tmp: Tensor, pg: dist.ProcessGroup | None, src: int, out: Tensor, start: int) -> None:
+        self.tmp, self.out, self.start = tmp, out, start
+        self.work = dist.irecv(tmp, group=pg, group_src=src)
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        if self.tmp.data_ptr() != self.out[self.start :].data_ptr():
+            self.out[self.start : self.start + self.tmp.numel()].copy_(self.tmp)
+        return True
+
+
+TRANSPORT_ENV = "LIGHTNING_SHARDREC_TRANSPORT"
+TRANSPORTS = ("auto", "shm", "pg")
+
+
+def parse_transport(value: str, owner: str = "comm_transport") -> str:
+    """``"auto"`` / ``"shm"`` / ``"pg"`` (any case), else a ``ValueError`` listing them."""
+    mode = str(value).lower()
+    if mode not in TRANSPORTS:
+        raise unknown_name(owner, value, list(TRANSPORTS))
+    return mode
+
+
+def attach(env: ShardingEnv, mode: str = "auto", timeout: float = 600.0) -> ShardingEnv:
+    """Collective over ``env.pg``: ``env`` with a same-host :class:`ShmTransport` for its all-to-alls.
+
+    ``mode``: ``"auto"`` (shared memory when every rank of a gloo group can use it, else the group;
+    ``$LIGHTNING_SHARDREC_TRANSPORT`` may say ``shm`` or ``pg`` instead, the same on every rank),
+    ``"shm"`` (required: raises where it cannot be used) or ``"pg"`` (the process group's own).
+    """
+    mode = parse_transport(mode)
+    if mode == "auto":
+        mode = parse_transport(os.environ.get(TRANSPORT_ENV, "auto"), TRANSPORT_ENV)
+    if mode == "pg" or env.world_size == 1 or env.transport is not None:
+        return env
+    transport, why = connect(env.pg, timeout)
+    if transport is None:
+        if mode == "shm":
+            raise RuntimeError(
+                f"comm_transport='shm': the ranks cannot share memory ({why}); use comm_transport='auto' to fall "
+                "back to the process group"
+            )
+        return env
+    return replace(env, transport=transport)
+
+
+def connect(
+    pg: dist.ProcessGroup | None = None, timeout: float = 600.0, slot_bytes: int = SLOT_BYTES
+) -> tuple[ShmTransport | None, str]:
+    """Collective over ``pg``: ``(transport, "")`` when every rank can share memory with every
+    other, else ``(None, why)`` on every rank (the reason of the first rank that could not).
+
+    Only gloo groups (CPU tensors): a NCCL group keeps its own transport. The files live under
+    ``/dev/shm`` until every rank has opened them, then are unlinked (nothing is left behind).
+    """
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    if world == 1:
+        return None, "one rank"
+    if dist.get_backend(pg) != "gloo":
+        return None, f"the process group's backend is {dist.get_backend(pg)!r}, not 'gloo'"
+    if slot_bytes <= 0 or slot_bytes % mmap.PAGESIZE:
+        raise ValueError(f"ShmTransport: slot_bytes must be a positive multiple of {mmap.PAGESIZE}, got {slot_bytes}")
+    token = secrets.token_hex(8)
+    why = _unusable()
+    infos = _gather((why, token), pg, world)
+    failed = [f"rank {r}: {w}" for r, (w, _) in enumerate(infos) if w]
+    if failed:
+        return None, failed[0]
+    base = os.path.join(SHM_DIR, f"shardrec-{infos[0][1]}-")
+    part = SLOTS * slot_bytes
+    made: list[str] = []
+    own_fd, inbound, outbound, peers = -1, {}, {}, {}
+    why = ""
+    try:  # phase 1: this rank's region (a sparse file: pages come on use) and the FIFOs it reads
+        path = f"{base}r{rank}"
+        own_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        made.append(path)
+        os.ftruncate(own_fd, _PROBE + world * part)
+        os.pwrite(own_fd, f"{token}:{rank}".encode(), 0)
+        for s in range(world):
+            if s != rank:
+                fifo = f"{base}f{s}to{rank}"
+                os.mkfifo(fifo, 0o600)
+                made.append(fifo)
+                inbound[s] = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        why = f"cannot create files in {SHM_DIR}: {e}"
+    infos = _gather((why, token), pg, world)
+    if not any(w for w, _ in infos):
+        try:  # phase 2: every peer's region (its part for this rank) and the FIFOs to the peers
+            for s, (_, peer_token) in enumerate(infos):
+                if s == rank:
+                    continue
+                fd = os.open(f"{base}r{s}", os.O_RDWR)
+                try:
+                    if os.pread(fd, 64, 0).rstrip(b"\0") != f"{peer_token}:{s}".encode():
+                        raise OSError(f"rank {s}'s region holds other bytes (not the same shared memory)")
+                    peers[s] = mmap.mmap(fd, part, mmap.MAP_SHARED, offset=_PROBE + rank * part)
+                finally:
+                    os.close(fd)
+                outbound[s] = os.open(f"{base}f{rank}to{s}", os.O_WRONLY | os.O_NONBLOCK)
+                os.set_blocking(outbound[s], True)
+        except OSError as e:
+            why = f"cannot open the other ranks' files in {SHM_DIR}: {e}"
+    infos = _gather((why, token), pg, world)  # every rank has opened everything (or failed): unlink
+    for path in made:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    failed = [f"rank {r}: {w}" for r, (w, _) in enumerate(infos) if w]
+    if failed:
+        for fd in (*inbound.values(), *outbound.values(), own_fd):
+            if fd >= 0:
+                os.close(fd)
+        return None, failed[0]
+    own_map = mmap.mmap(own_fd, _PROBE + world * part, mmap.MAP_SHARED)
+    return ShmTransport(pg, rank, world, (own_fd, own_map), peers, (inbound, outbound), slot_bytes, timeout), ""
+
+
+def _unusable() -> str:
+    """Why this rank cannot use the transport ('' if it can)."""
+    if not hasattr(os, "mkfifo") or not hasattr(os, "posix_fallocate"):
+        return "no FIFOs or posix_fallocate on this OS"
+    if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
+        return f"no writable {SHM_DIR}"
+    return ""
+
+
+def _gather(info: tuple[str, str], pg: dist.ProcessGroup | None, world: int) -> list[tuple[str, str]]:
+    out: list[tuple[str, str] | None] = [None] * world
+    dist.all_gather_object(out, info, group=pg)
+    return [o for o in out if o is not None]
+
+
+def _close_in_child() -> None:
+    """A forked child (a DataLoader worker) must not hold a rank's FIFO ends: its death would go unseen."""
+    for t in list(_OPEN):
+        t.close()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
