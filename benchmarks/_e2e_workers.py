@@ -198,6 +198,7 @@ def worker_shardrec(a: WorkerArgs) -> None:
         planner_batch_size=a.batch_size,
         pipeline=a.variant == "shardrec_pipeline",
         comm_precision="bf16" if a.variant == "shardrec_bf16" else "fp32",
+        comm_transport="pg" if a.variant == "shardrec_pg" else "auto",
     )
     timing = StepTiming()
     trainer = L.Trainer(
@@ -431,6 +432,7 @@ WORKERS = {
     "shardrec": worker_shardrec,
     "shardrec_pipeline": worker_shardrec,
     "shardrec_bf16": worker_shardrec,
+    "shardrec_pg": worker_shardrec,
     "dmp_plain": worker_dmp_plain,
     "ddp_sparse": worker_ddp_sparse,
     "kernel_floor": worker_kernel_floor,

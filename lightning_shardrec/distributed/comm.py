@@ -145,7 +145,14 @@ def sum_over_ranks(values: list[float], env: ShardingEnv) -> list[float]:
 def exchange_flat(
     send: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv, precision: CommPrecision
 ) -> Tensor:
-    """1-D all-to-all of element counts ``in_splits`` -> ``out_splits`` in ``precision``; fp32 out."""
+    """1-D all-to-all of element counts ``in_splits`` -> ``out_splits`` in ``precision``; fp32 out.
+
+    bf16 through a same-host transport is cast inside its copies (no encoded or decoded buffers).
+    """
+    if precision is CommPrecision.BF16 and env.transport is not None and send.device.type == "cpu":
+        recv = send.new_empty(sum(out_splits))
+        env.transport.all_to_all(recv, send, out_splits, in_splits, wire=torch.bfloat16).wait()
+        return recv
     wire, wire_in = encode(send, in_splits, precision)
     wire_out = wire_splits(out_splits, precision)
     recv = wire.new_empty(sum(wire_out))

@@ -30,7 +30,8 @@ from lightning_shardrec.distributed.plain_embeddings import (
     ShardedPlainMaxEmbeddingBag,
 )
 from lightning_shardrec.distributed.sharding import KernelSetup
-from lightning_shardrec.distributed.shm_transport import attach
+from lightning_shardrec.distributed.shm_allreduce import use_shm_allreduce
+from lightning_shardrec.distributed.shm_connect import attach
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.modules.plain_embeddings import (
@@ -211,7 +212,10 @@ class DistributedModelParallel(nn.Module):
         # One per set of ranks, shared by every DMP over them (a group holds threads until destroyed).
         ranks = tuple(dist.get_process_group_ranks(self.env.pg or dist.group.WORLD))
         dense_pg = cached_group(("dense", str(dist.get_backend()), ranks), lambda: dist.new_group(ranks=list(ranks)))
-        return DistributedDataParallel(module, device_ids=device_ids, process_group=dense_pg)
+        ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=dense_pg)
+        if self.env.transport is not None:  # every rank alike: the dense all-reduce through shared memory too
+            use_shm_allreduce(ddp, dense_pg, self.env.transport.timeout)
+        return ddp
 
     @property
     def module(self) -> nn.Module:

@@ -19,9 +19,10 @@ slice. :class:`ShmTransport` moves the same bytes through ``/dev/shm``:
   peer" at once; a peer that hangs is caught by the group's timeout (and, in the
   strategy, by the heartbeat watchdog).
 
-:func:`connect` builds one (collective) only when every rank of a gloo group can open
-the others' files and sees the same bytes; otherwise every rank gets None and keeps
-the process group. All files are unlinked as soon as every rank has opened them.
+:func:`~lightning_shardrec.distributed.shm_connect.connect` builds one (collective) only when
+every rank of a gloo group can open the others' files and sees the same bytes; otherwise every
+rank gets None and keeps the process group. All files are unlinked as soon as every rank has
+opened them.
 """
 
 from __future__ import annotations
@@ -31,26 +32,22 @@ import contextlib
 import math
 import mmap
 import os
-import secrets
 import select
 import struct
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.errors import unknown_name
 
 SHM_DIR = "/dev/shm"
 SLOTS = 4  # ops in flight per destination; op n reuses op n - SLOTS's slot
 SLOT_BYTES = 64 << 20  # virtual (sparse) bytes per slot and destination; pages are allocated on first use
 _REC = struct.Struct("<qq")  # (op, last op consumed of the receiver's)
 _ACK_ONLY = -1  # a record's op when it only carries the ack
-_PROBE = 4096  # a page at the start of each region: the owner's token, read back by every peer
+PROBE = 4096  # a page at the start of each region: the owner's token, read back by every peer
 _OPEN: weakref.WeakSet[ShmTransport] = weakref.WeakSet()
 
 
@@ -106,7 +103,7 @@ class ShmTransport:
         self._inbound, self._outbound = fifos  # source -> read fd, destination -> write fd
         part = SLOTS * slot_bytes
         # this rank's slots for destination d, and source s's slots for this rank, as byte tensors
-        self._send = {d: torch.frombuffer(self._own_map, dtype=torch.uint8, offset=_PROBE + d * part, count=part)
+        self._send = {d: torch.frombuffer(self._own_map, dtype=torch.uint8, offset=PROBE + d * part, count=part)
                       for d in peers}  # fmt: skip
         self._recv = {s: torch.frombuffer(m, dtype=torch.uint8, count=part) for s, m in peers.items()}
         self._allocated = dict.fromkeys(((d, k) for d in peers for k in range(SLOTS)), 0)
@@ -212,7 +209,7 @@ class ShmTransport:
     def _slot(self, d: int, k: int, nbytes: int) -> Tensor:
         """Bytes ``[0, nbytes)`` of slot ``k`` for ``d``, its pages reserved first (no SIGBUS on a full tmpfs)."""
         if nbytes > self._allocated[(d, k)]:
-            offset = _PROBE + (d * SLOTS + k) * self.slot_bytes
+            offset = PROBE + (d * SLOTS + k) * self.slot_bytes
             grow = min(self.slot_bytes, max(nbytes, 2 * self._allocated[(d, k)]))
             try:
                 os.posix_fallocate(self._fd, offset, grow)
@@ -308,128 +305,6 @@ class _RecvInto:
         if self.tmp.data_ptr() != self.out[self.start :].data_ptr():
             self.out[self.start : self.start + self.tmp.numel()].copy_(self.tmp)
         return True
-
-
-TRANSPORT_ENV = "LIGHTNING_SHARDREC_TRANSPORT"
-TRANSPORTS = ("auto", "shm", "pg")
-
-
-def parse_transport(value: str, owner: str = "comm_transport") -> str:
-    """``"auto"`` / ``"shm"`` / ``"pg"`` (any case), else a ``ValueError`` listing them."""
-    mode = str(value).lower()
-    if mode not in TRANSPORTS:
-        raise unknown_name(owner, value, list(TRANSPORTS))
-    return mode
-
-
-def attach(env: ShardingEnv, mode: str = "auto", timeout: float = 600.0) -> ShardingEnv:
-    """Collective over ``env.pg``: ``env`` with a same-host :class:`ShmTransport` for its all-to-alls.
-
-    ``mode``: ``"auto"`` (shared memory when every rank of a gloo group can use it, else the group;
-    ``$LIGHTNING_SHARDREC_TRANSPORT`` may say ``shm`` or ``pg`` instead, the same on every rank),
-    ``"shm"`` (required: raises where it cannot be used) or ``"pg"`` (the process group's own).
-    """
-    mode = parse_transport(mode)
-    if mode == "auto":
-        mode = parse_transport(os.environ.get(TRANSPORT_ENV, "auto"), TRANSPORT_ENV)
-    if mode == "pg" or env.world_size == 1 or env.transport is not None:
-        return env
-    transport, why = connect(env.pg, timeout)
-    if transport is None:
-        if mode == "shm":
-            raise RuntimeError(
-                f"comm_transport='shm': the ranks cannot share memory ({why}); use comm_transport='auto' to fall "
-                "back to the process group"
-            )
-        return env
-    return replace(env, transport=transport)
-
-
-def connect(
-    pg: dist.ProcessGroup | None = None, timeout: float = 600.0, slot_bytes: int = SLOT_BYTES
-) -> tuple[ShmTransport | None, str]:
-    """Collective over ``pg``: ``(transport, "")`` when every rank can share memory with every
-    other, else ``(None, why)`` on every rank (the reason of the first rank that could not).
-
-    Only gloo groups (CPU tensors): a NCCL group keeps its own transport. The files live under
-    ``/dev/shm`` until every rank has opened them, then are unlinked (nothing is left behind).
-    """
-    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    if world == 1:
-        return None, "one rank"
-    if dist.get_backend(pg) != "gloo":
-        return None, f"the process group's backend is {dist.get_backend(pg)!r}, not 'gloo'"
-    if slot_bytes <= 0 or slot_bytes % mmap.PAGESIZE:
-        raise ValueError(f"ShmTransport: slot_bytes must be a positive multiple of {mmap.PAGESIZE}, got {slot_bytes}")
-    token = secrets.token_hex(8)
-    why = _unusable()
-    infos = _gather((why, token), pg, world)
-    failed = [f"rank {r}: {w}" for r, (w, _) in enumerate(infos) if w]
-    if failed:
-        return None, failed[0]
-    base = os.path.join(SHM_DIR, f"shardrec-{infos[0][1]}-")
-    part = SLOTS * slot_bytes
-    made: list[str] = []
-    own_fd, inbound, outbound, peers = -1, {}, {}, {}
-    why = ""
-    try:  # phase 1: this rank's region (a sparse file: pages come on use) and the FIFOs it reads
-        path = f"{base}r{rank}"
-        own_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        made.append(path)
-        os.ftruncate(own_fd, _PROBE + world * part)
-        os.pwrite(own_fd, f"{token}:{rank}".encode(), 0)
-        for s in range(world):
-            if s != rank:
-                fifo = f"{base}f{s}to{rank}"
-                os.mkfifo(fifo, 0o600)
-                made.append(fifo)
-                inbound[s] = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as e:
-        why = f"cannot create files in {SHM_DIR}: {e}"
-    infos = _gather((why, token), pg, world)
-    if not any(w for w, _ in infos):
-        try:  # phase 2: every peer's region (its part for this rank) and the FIFOs to the peers
-            for s, (_, peer_token) in enumerate(infos):
-                if s == rank:
-                    continue
-                fd = os.open(f"{base}r{s}", os.O_RDWR)
-                try:
-                    if os.pread(fd, 64, 0).rstrip(b"\0") != f"{peer_token}:{s}".encode():
-                        raise OSError(f"rank {s}'s region holds other bytes (not the same shared memory)")
-                    peers[s] = mmap.mmap(fd, part, mmap.MAP_SHARED, offset=_PROBE + rank * part)
-                finally:
-                    os.close(fd)
-                outbound[s] = os.open(f"{base}f{rank}to{s}", os.O_WRONLY | os.O_NONBLOCK)
-                os.set_blocking(outbound[s], True)
-        except OSError as e:
-            why = f"cannot open the other ranks' files in {SHM_DIR}: {e}"
-    infos = _gather((why, token), pg, world)  # every rank has opened everything (or failed): unlink
-    for path in made:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    failed = [f"rank {r}: {w}" for r, (w, _) in enumerate(infos) if w]
-    if failed:
-        for fd in (*inbound.values(), *outbound.values(), own_fd):
-            if fd >= 0:
-                os.close(fd)
-        return None, failed[0]
-    own_map = mmap.mmap(own_fd, _PROBE + world * part, mmap.MAP_SHARED)
-    return ShmTransport(pg, rank, world, (own_fd, own_map), peers, (inbound, outbound), slot_bytes, timeout), ""
-
-
-def _unusable() -> str:
-    """Why this rank cannot use the transport ('' if it can)."""
-    if not hasattr(os, "mkfifo") or not hasattr(os, "posix_fallocate"):
-        return "no FIFOs or posix_fallocate on this OS"
-    if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
-        return f"no writable {SHM_DIR}"
-    return ""
-
-
-def _gather(info: tuple[str, str], pg: dist.ProcessGroup | None, world: int) -> list[tuple[str, str]]:
-    out: list[tuple[str, str] | None] = [None] * world
-    dist.all_gather_object(out, info, group=pg)
-    return [o for o in out if o is not None]
 
 
 def _close_in_child() -> None:

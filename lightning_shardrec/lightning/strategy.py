@@ -34,7 +34,8 @@ from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv
 from lightning_shardrec.distributed.groups import live_group, new_group_like
 from lightning_shardrec.distributed.model_parallel import find_collections, kernel_labels, pooling_of, shard_modules
 from lightning_shardrec.distributed.sharding import KernelSetup
-from lightning_shardrec.distributed.shm_transport import attach, parse_transport
+from lightning_shardrec.distributed.shm_allreduce import use_shm_allreduce
+from lightning_shardrec.distributed.shm_connect import attach, parse_transport
 from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
@@ -368,9 +369,13 @@ class ShardRecStrategy(RankFailureHandling):
         if not live_group(getattr(self, "_dense_pg", None)):
             self._dense_pg = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
             self._own_groups.append(self._dense_pg)
-        return DistributedDataParallel(
+        ddp = DistributedDataParallel(
             model, device_ids=self.determine_ddp_device_ids(), process_group=self._dense_pg, **self._ddp_kwargs
         )
+        transport = next(iter(self.sharded.values())).env.transport
+        if transport is not None:  # every rank alike: the dense all-reduce through shared memory too
+            use_shm_allreduce(ddp, self._dense_pg, transport.timeout)
+        return ddp
 
     def collective(self) -> AbstractContextManager[None]:
         """Enter on every rank to call the sharded model outside the Trainer's loops (same calls on every rank)."""
