@@ -51,4 +51,4 @@ def new_group_like(env: ShardingEnv, timeout: timedelta | None = None) -> Shardi
     new = ShardingEnv.from_process_group(group, env.local_world_size)
     if env.transport is None:
         return new
-    return attach(new, "shm", timeout.total_seconds() if timeout is not None else env.transport.timeout)
+    return attach(new, "shm")

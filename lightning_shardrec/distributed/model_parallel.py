@@ -214,7 +214,7 @@ class DistributedModelParallel(nn.Module):
         dense_pg = cached_group(("dense", str(dist.get_backend()), ranks), lambda: dist.new_group(ranks=list(ranks)))
         ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=dense_pg)
         if self.env.transport is not None:  # every rank alike: the dense all-reduce through shared memory too
-            use_shm_allreduce(ddp, dense_pg, self.env.transport.timeout)
+            use_shm_allreduce(ddp, dense_pg)
         return ddp
 
     @property

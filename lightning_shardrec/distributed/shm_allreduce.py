@@ -56,10 +56,10 @@ _allreduce_hook.__annotations__.update(bucket=dist.GradBucket, transport=ShmTran
 _allreduce_hook.__annotations__["return"] = torch.futures.Future[Tensor]
 
 
-def use_shm_allreduce(ddp: DistributedDataParallel, pg: dist.ProcessGroup, timeout: float) -> bool:
+def use_shm_allreduce(ddp: DistributedDataParallel, pg: dist.ProcessGroup) -> bool:
     """Collective over ``pg`` (DDP's group): register the shared-memory all-reduce when every rank can share
     memory; False (DDP keeps its own) otherwise, on every rank alike."""
-    transport, _ = connect(pg, timeout)
+    transport, _ = connect(pg)
     if transport is None:
         return False
     ddp.register_comm_hook(transport, _allreduce_hook)

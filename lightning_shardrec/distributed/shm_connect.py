@@ -16,6 +16,7 @@ import os
 import secrets
 from dataclasses import replace
 
+import torch
 import torch.distributed as dist
 
 from lightning_shardrec.distributed import shm_transport as shm
@@ -35,12 +36,13 @@ def parse_transport(value: str, owner: str = "comm_transport") -> str:
     return mode
 
 
-def attach(env: ShardingEnv, mode: str = "auto", timeout: float = 600.0) -> ShardingEnv:
+def attach(env: ShardingEnv, mode: str = "auto", timeout: float | None = None) -> ShardingEnv:
     """Collective over ``env.pg``: ``env`` with a same-host :class:`ShmTransport` for its all-to-alls.
 
     ``mode``: ``"auto"`` (shared memory when every rank of a gloo group can use it, else the group;
     ``$LIGHTNING_SHARDREC_TRANSPORT`` may say ``shm`` or ``pg`` instead, the same on every rank),
     ``"shm"`` (required: raises where it cannot be used) or ``"pg"`` (the process group's own).
+    ``timeout``: seconds a rank waits for a peer's data (None: the group's own collective timeout).
     """
     mode = parse_transport(mode)
     if mode == "auto":
@@ -59,7 +61,7 @@ def attach(env: ShardingEnv, mode: str = "auto", timeout: float = 600.0) -> Shar
 
 
 def connect(
-    pg: dist.ProcessGroup | None = None, timeout: float = 600.0, slot_bytes: int = SLOT_BYTES
+    pg: dist.ProcessGroup | None = None, timeout: float | None = None, slot_bytes: int = SLOT_BYTES
 ) -> tuple[ShmTransport | None, str]:
     """Collective over ``pg``: ``(transport, "")`` when every rank can share memory with every
     other, else ``(None, why)`` on every rank (the reason of the first rank that could not).
@@ -127,7 +129,16 @@ def connect(
                 os.close(fd)
         return None, failed[0]
     own_map = mmap.mmap(own_fd, shm.PROBE + world * part, mmap.MAP_SHARED)
-    return ShmTransport(pg, rank, world, (own_fd, own_map), peers, (inbound, outbound), slot_bytes, timeout), ""
+    wait = group_timeout(pg) if timeout is None else timeout
+    return ShmTransport(pg, rank, world, (own_fd, own_map), peers, (inbound, outbound), slot_bytes, wait), ""
+
+
+def group_timeout(pg: dist.ProcessGroup | None) -> float:
+    """Seconds of ``pg``'s collective timeout (600 where the backend does not say)."""
+    try:
+        return float((pg or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError):
+        return 600.0
 
 
 def _unusable() -> str:

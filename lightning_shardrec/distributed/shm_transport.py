@@ -140,7 +140,9 @@ class ShmTransport:
         fp32 tensors, cast inside the copies); default ``inp``'s. ``out`` is valid after ``wait()``.
         """
         if self.closed:
-            raise RuntimeError("ShmTransport: all_to_all on a closed transport (its process group was destroyed)")
+            raise RuntimeError("ShmTransport: all_to_all on a closed transport (or on the copy a forked child got)")
+        if not out.is_contiguous():
+            raise ValueError(f"ShmTransport.all_to_all: out must be contiguous, got strides {out.stride()}")
         w = self.world_size
         row = math.prod(inp.shape[1:])  # elements per row
         in_rows = in_splits if in_splits is not None else [inp.shape[0] // w] * w

@@ -326,8 +326,7 @@ class ShardRecStrategy(RankFailureHandling):
         self._config = config
         local = ranks_per_host(dist.get_world_size(), self.num_nodes, self.num_processes)  # Lightning's hosts
         env = ShardingEnv.from_process_group(local_world_size=local)
-        timeout = self._timeout.total_seconds() if self._timeout is not None else 600.0
-        env = attach(env, self._comm_transport, timeout)  # collective
+        env = attach(env, self._comm_transport)  # collective; waits as long as the group's timeout
         self.topology = topology = Topology.from_process_group(
             compute_device=self.root_device.type, local_world_size=local
         )
@@ -374,7 +373,7 @@ class ShardRecStrategy(RankFailureHandling):
         )
         transport = next(iter(self.sharded.values())).env.transport
         if transport is not None:  # every rank alike: the dense all-reduce through shared memory too
-            use_shm_allreduce(ddp, self._dense_pg, transport.timeout)
+            use_shm_allreduce(ddp, self._dense_pg)
         return ddp
 
     def collective(self) -> AbstractContextManager[None]:

@@ -36,7 +36,7 @@ def _compare(rank, world, slot_bytes, count, rows_max):
 
     from lightning_shardrec.distributed.shm_connect import connect
 
-    transport, why = connect(None, 60.0, slot_bytes=slot_bytes)
+    transport, why = connect(None, slot_bytes=slot_bytes)
     assert transport is not None, why
     ops = _ops(rank, world, 5, count, rows_max, [torch.float32, torch.int64, torch.float16])
     ref = []
@@ -77,7 +77,7 @@ def test_chunks_larger_than_a_slot_go_point_to_point():
 def _bf16_wire(rank, world):
     from lightning_shardrec.distributed.shm_connect import connect
 
-    transport, _ = connect(None, 60.0)
+    transport, _ = connect(None)
     g = torch.Generator().manual_seed(rank)
     inp = torch.randn(world * 5, 4, generator=g)
     out = torch.empty_like(inp)
@@ -91,6 +91,22 @@ def test_the_wire_dtype_is_cast_inside_the_copies():
     for r, (_, out) in enumerate(got):
         sent = [inp[5 * r : 5 * r + 5] for inp, _ in got]  # what every source sends rank r
         assert torch.equal(out, torch.cat(sent).to(torch.bfloat16).float())
+
+
+def _timeouts(rank, world):
+    import datetime
+
+    import torch.distributed as dist
+
+    from lightning_shardrec.distributed.shm_connect import connect
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=17))
+    own, default, given = connect(group)[0], connect(None)[0], connect(None, 5.0)[0]
+    return own.timeout, default.timeout, given.timeout
+
+
+def test_a_transport_waits_as_long_as_its_group():
+    assert run_ranks(_timeouts, 2) == [(17.0, 60.0, 5.0)] * 2  # the test pool's default group: 60 s
 
 
 def _fallback(rank, world, bad_ranks, mode):
@@ -135,7 +151,7 @@ def test_an_unknown_transport_lists_the_choices(monkeypatch):
 def _forked_child_closes(rank, world):
     from lightning_shardrec.distributed.shm_connect import connect
 
-    transport, _ = connect(None, 60.0)
+    transport, _ = connect(None)
     pid = os.fork()
     if pid == 0:  # a DataLoader worker, say: it must not keep the rank's FIFO ends open
         os._exit(0 if transport.closed else 1)
@@ -218,7 +234,7 @@ def _all_reduce(rank, world, n):
     from lightning_shardrec.distributed.shm_allreduce import all_reduce_sum
     from lightning_shardrec.distributed.shm_connect import connect
 
-    transport, _ = connect(None, 60.0)
+    transport, _ = connect(None)
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
     everyone = [torch.empty(n) for _ in range(world)]
     dist.all_gather(everyone, x)
