@@ -135,8 +135,9 @@ def connect(
 
 def group_timeout(pg: dist.ProcessGroup | None) -> float:
     """Seconds of ``pg``'s collective timeout (600 where the backend does not say)."""
+    group = pg if pg is not None else dist.group.WORLD
     try:
-        return float((pg or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+        return float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())  # type: ignore[union-attr]
     except (AttributeError, RuntimeError):
         return 600.0
 

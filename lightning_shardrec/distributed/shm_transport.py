@@ -11,8 +11,11 @@ slice. :class:`ShmTransport` moves the same bytes through ``/dev/shm``:
   ``n % SLOTS`` of ``d``'s part (casting to the wire dtype in the same copy), then
   writes a 16-byte record ``(n, ack)`` into a FIFO to ``d``;
 * the receiver blocks in ``poll()`` on its FIFOs (no spinning), then copies the chunk out
-  of the sender's region. ``ack`` is the last op the sender consumed of ``d``'s, so a
-  slot is rewritten only after its reader is done with it (ops complete in issue order);
+  of the sender's region. Ops complete in issue order, and ``ack`` is the last op the
+  sender has completed, so a slot is rewritten only after its reader is done with it.
+  Before issuing op ``n`` a rank completes its own ops up to ``n - SLOTS``; a rank that
+  must wait for an ack first sends its own (an ack-only record), so two ranks waiting for
+  each other's acks both move on;
 * a chunk larger than ``slot_bytes`` goes point to point over the process group instead
   (both sides know its size, so they agree without asking);
 * a peer that dies closes its FIFO ends: the waiting rank raises "connection closed by
@@ -82,7 +85,8 @@ class ShmWork:
 class ShmTransport:
     """Shared-memory all-to-alls among the ``world_size`` ranks of ``pg`` (see the module docstring).
 
-    Made by :func:`connect`; every rank must issue the same ops in the same order, as on a process group.
+    Made by :func:`~lightning_shardrec.distributed.shm_connect.connect`; every rank must issue the same
+    ops in the same order, as on a process group.
     """
 
     def __init__(
@@ -148,7 +152,7 @@ class ShmTransport:
         in_rows = in_splits if in_splits is not None else [inp.shape[0] // w] * w
         out_rows = out_splits if out_splits is not None else [out.shape[0] // w] * w
         wire = wire or inp.dtype
-        size = torch.empty((), dtype=wire).element_size()
+        size = wire.itemsize
         src, dst = inp.contiguous().view(-1), out.view(-1)
         n = self._next
         self._next += 1
