@@ -210,6 +210,8 @@ class _ReduceScatterRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, rows: list[int], env: ShardingEnv) -> Tensor:  # type: ignore[override]
         ctx.rows, ctx.env = rows, env
+        if env.transport is not None and x.device.type == "cpu":  # same host: sums in rank order
+            return env.transport.reduce_scatter(x, rows)
         out = x.new_empty((rows[env.rank], *x.shape[1:]))
         if rows.count(rows[0]) == len(rows):
             _reduce_scatter_single(out, x.contiguous(), env.pg)
@@ -278,6 +280,8 @@ def _unpad_blocks(x: Tensor, rows: list[int]) -> Tensor:
 
 def _gather_rows(grad: Tensor, rows: list[int], env: ShardingEnv) -> Tensor:
     """All-gather of every rank's ``[rows[r], ...]`` gradient into ``[sum(rows), ...]`` (padded when uneven)."""
+    if env.transport is not None and grad.device.type == "cpu":
+        return env.transport.all_gather(grad.contiguous(), rows)
     most = max(rows)
     mine = grad.contiguous()
     if rows[env.rank] != most:

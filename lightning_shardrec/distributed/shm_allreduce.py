@@ -3,9 +3,9 @@
 DDP all-reduces each gradient bucket on its process group; under gloo that is loopback TCP
 worked by gloo's threads, which on a small CPU host take cores from compute. When every rank
 of the dense group shares this host (:func:`~lightning_shardrec.distributed.shm_connect.connect`),
-:func:`use_shm_allreduce` replaces it with two :class:`ShmTransport` all-to-alls: a
-reduce-scatter (rank ``r`` sums chunk ``r`` of every rank's bucket, in rank order) and an
-all-gather of the summed chunks. Every rank ends with the same bits; with 2 ranks they equal
+:func:`use_shm_allreduce` replaces it with :meth:`ShmTransport.all_reduce`: a reduce-scatter
+(rank ``r`` sums chunk ``r`` of every rank's bucket, in rank order) and an all-gather of the
+summed chunks. Every rank ends with the same bits; with 2 ranks they equal
 gloo's (``a + b``), with more they may differ from gloo's in the last bit (another summation
 order), as two gloo algorithms may.
 """
@@ -21,24 +21,6 @@ from lightning_shardrec.distributed.shm_connect import connect
 from lightning_shardrec.distributed.shm_transport import ShmTransport
 
 
-def all_reduce_sum(transport: ShmTransport, t: Tensor) -> None:
-    """Sum the contiguous CPU tensor ``t`` over the transport's ranks, in place (the same bits on every rank)."""
-    w, r = transport.world_size, transport.rank
-    flat = t.view(-1)
-    n = flat.numel()
-    chunks = [n // w + (1 if i < n % w else 0) for i in range(w)]
-    mine = chunks[r]
-    parts = flat.new_empty(w * mine)  # chunk r of every rank's t, in rank order
-    transport.all_to_all(parts, flat, [mine] * w, chunks).wait()
-    start = sum(chunks[:r])
-    summed = flat[start : start + mine]
-    rows = parts.view(w, mine)
-    torch.add(rows[0], rows[1], out=summed)
-    for i in range(2, w):
-        summed.add_(rows[i])
-    transport.all_to_all(flat, summed.repeat(w), chunks, [mine] * w).wait()
-
-
 def _allreduce_hook(transport: ShmTransport, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP's default (divide by the world size, sum) through shared memory; the process group for non-CPU buckets."""
     buf = bucket.buffer()
@@ -46,7 +28,7 @@ def _allreduce_hook(transport: ShmTransport, bucket: dist.GradBucket) -> torch.f
     fut: torch.futures.Future[Tensor] = torch.futures.Future()
     if buf.device.type != "cpu":
         return dist.all_reduce(buf, group=transport.pg, async_op=True).get_future().then(lambda f: f.value()[0])
-    all_reduce_sum(transport, buf)
+    transport.all_reduce(buf)
     fut.set_result(buf)
     return fut
 

@@ -191,6 +191,30 @@ class ShmTransport:
         self._pending.append(op)
         return ShmWork(self, op)
 
+    def reduce_scatter(self, x: Tensor, rows: list[int]) -> Tensor:
+        """Row block ``r`` of ``x`` (``x.split(rows)[r]``) summed over ranks onto rank ``r``, in rank order."""
+        mine, w = rows[self.rank], self.world_size
+        recv = x.new_empty((w * mine, *x.shape[1:]))
+        self.all_to_all(recv, x, [mine] * w, rows).wait()
+        return _sum_in_rank_order(recv.view(w, mine, *x.shape[1:]))
+
+    def all_gather(self, x: Tensor, rows: list[int]) -> Tensor:
+        """Every rank's ``x`` (``rows[r]`` rows on rank ``r``) stacked in rank order."""
+        w = self.world_size
+        out = x.new_empty((sum(rows), *x.shape[1:]))
+        copies = x.expand(w, *x.shape).reshape(-1, *x.shape[1:])  # this rank's rows once per destination
+        self.all_to_all(out, copies, rows, [x.shape[0]] * w).wait()
+        return out
+
+    def all_reduce(self, t: Tensor) -> None:
+        """Sum the contiguous ``t`` over ranks in place: rank ``r`` sums chunk ``r`` in rank order, then every
+        rank gathers the chunks (the same bits everywhere)."""
+        w, flat = self.world_size, t.view(-1)
+        n = flat.numel()
+        chunks = [n // w + (1 if i < n % w else 0) for i in range(w)]
+        summed = self.reduce_scatter(flat, chunks)
+        flat.copy_(self.all_gather(summed, chunks))
+
     def complete_through(self, seq: int) -> None:
         """Complete every op issued up to ``seq`` (in issue order)."""
         while self._pending and self._pending[0].seq <= seq:
@@ -272,6 +296,14 @@ class ShmTransport:
         """Release the FIFOs (peers blocked on this rank then see it gone); mappings go with the last view."""
         self.closed = True
         self._finalizer()
+
+
+def _sum_in_rank_order(blocks: Tensor) -> Tensor:
+    """``blocks[0] + blocks[1] + ...`` (a fixed order: every rank and run adds alike)."""
+    out = blocks[0].clone()
+    for b in blocks[1:]:
+        out += b
+    return out
 
 
 def _gone(rank: int) -> RuntimeError:

@@ -228,31 +228,42 @@ def test_training_on_shared_memory_equals_the_process_group(world, precision):
                     torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=str(case))
 
 
-def _all_reduce(rank, world, n):
+def _reductions(rank, world, n):
     import torch.distributed as dist
 
-    from lightning_shardrec.distributed.shm_allreduce import all_reduce_sum
     from lightning_shardrec.distributed.shm_connect import connect
 
     transport, _ = connect(None)
-    x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
-    everyone = [torch.empty(n) for _ in range(world)]
+    x = torch.randn(n, 3, generator=torch.Generator().manual_seed(rank))
+    everyone = [torch.empty(n, 3) for _ in range(world)]
     dist.all_gather(everyone, x)
-    gloo = x.clone()
-    dist.all_reduce(gloo)
-    mine = x.clone()
-    all_reduce_sum(transport, mine)
-    transport.close()
     in_rank_order = everyone[0].clone()
     for other in everyone[1:]:
         in_rank_order += other
-    return mine, in_rank_order, gloo
+    gloo = x.clone()
+    dist.all_reduce(gloo)
+    mine = x.clone()
+    transport.all_reduce(mine)
+    rows = [n // world + (1 if r == 0 else 0) for r in range(world)]  # uneven blocks
+    rows[-1] = n - sum(rows[:-1])
+    scattered = transport.reduce_scatter(x, rows)
+    gathered = transport.all_gather(x[: rows[rank]], rows)
+    transport.close()
+    lo = sum(rows[:rank])
+    want_gathered = torch.cat([e[: rows[r]] for r, e in enumerate(everyone)])
+    return (
+        torch.equal(mine, in_rank_order),
+        torch.equal(scattered, in_rank_order[lo : lo + rows[rank]]),
+        torch.equal(gathered, want_gathered),
+        torch.equal(mine, gloo),
+        mine,
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_all_reduce_sums_in_rank_order_the_same_bits_everywhere(world):
-    got = run_ranks(_all_reduce, world, 1001)  # not a multiple of the world size
-    for mine, in_rank_order, gloo in got:
-        assert torch.equal(mine, in_rank_order) and torch.equal(mine, got[0][0])
+def test_reductions_sum_in_rank_order_the_same_bits_everywhere(world):
+    got = run_ranks(_reductions, world, 1001)  # not a multiple of the world size
+    for all_reduced, scattered, gathered, as_gloo, mine in got:
+        assert all_reduced and scattered and gathered and torch.equal(mine, got[0][4])
         if world == 2:
-            assert torch.equal(mine, gloo)  # a + b either way
+            assert as_gloo  # a + b either way
