@@ -40,16 +40,29 @@ def attach(env: ShardingEnv, mode: str = "auto", timeout: float | None = None) -
     """Collective over ``env.pg``: ``env`` with a same-host :class:`ShmTransport` for its all-to-alls.
 
     ``mode``: ``"auto"`` (shared memory when every rank of a gloo group can use it, else the group;
-    ``$LIGHTNING_SHARDREC_TRANSPORT`` may say ``shm`` or ``pg`` instead, the same on every rank),
+    ``$LIGHTNING_SHARDREC_TRANSPORT`` may say ``shm`` or ``pg`` instead; ranks that disagree raise),
     ``"shm"`` (required: raises where it cannot be used) or ``"pg"`` (the process group's own).
     ``timeout``: seconds a rank waits for a peer's data (None: the group's own collective timeout).
     """
     mode = parse_transport(mode)
     if mode == "auto":
         mode = parse_transport(os.environ.get(TRANSPORT_ENV, "auto"), TRANSPORT_ENV)
-    if mode == "pg" or env.world_size == 1 or env.transport is not None:
+    if env.world_size == 1 or env.transport is not None:
         return env
-    transport, why = connect(env.pg, timeout)
+    backend = dist.get_backend(env.pg)  # the same on every rank: no collective needed to decide
+    if backend != "gloo":
+        transport, why = None, f"the process group's backend is {backend!r}, not 'gloo'"
+    else:
+        modes: list[str | None] = [None] * env.world_size
+        dist.all_gather_object(modes, mode, group=env.pg)  # a rank that skipped connect() would hang the rest
+        if len(set(modes)) > 1:
+            raise ValueError(
+                f"comm_transport differs between ranks ({', '.join(f'rank {r}: {m!r}' for r, m in enumerate(modes))}); "
+                f"give every rank the same comm_transport and {TRANSPORT_ENV}"
+            )
+        if mode == "pg":
+            return env
+        transport, why = connect(env.pg, timeout)
     if transport is None:
         if mode == "shm":
             raise RuntimeError(

@@ -110,6 +110,7 @@ def test_a_transport_waits_as_long_as_its_group():
 
 
 def _fallback(rank, world, bad_ranks, mode):
+    mode = mode[rank] if isinstance(mode, list) else mode
     from lightning_shardrec.distributed import shm_connect, shm_transport
     from lightning_shardrec.distributed.comm import ShardingEnv
 
@@ -119,7 +120,7 @@ def _fallback(rank, world, bad_ranks, mode):
     try:
         env = shm_connect.attach(ShardingEnv.from_process_group(), mode)
         return env.transport is not None
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         return str(e)
     finally:
         shm_transport.SHM_DIR = saved
@@ -133,6 +134,11 @@ def test_every_rank_falls_back_when_one_rank_cannot_share_memory():
         assert message == (
             "comm_transport='shm': the ranks cannot share memory (rank 1: no writable /nonexistent-shm); "
             "use comm_transport='auto' to fall back to the process group"
+        )
+    for message in run_ranks(_fallback, 2, [], ["auto", "pg"]):  # every rank says so; none hangs in connect()
+        assert message == (
+            "comm_transport differs between ranks (rank 0: 'auto', rank 1: 'pg'); "
+            "give every rank the same comm_transport and LIGHTNING_SHARDREC_TRANSPORT"
         )
 
 
