@@ -1,8 +1,11 @@
 """Collectives the sharded modules use, on gloo (CPU) and NCCL (CUDA) alike.
 
-Only ``torch.distributed`` primitives: all-to-all with uneven splits (plain for ids,
+``torch.distributed`` primitives: all-to-all with uneven splits (plain for ids,
 autograd-aware for embeddings, whose backward is the reverse all-to-all) and
-reduce-scatter (backward: all-gather).
+reduce-scatter (backward: all-gather). When a :class:`ShardingEnv` carries a same-host
+transport (:mod:`.shm_transport`, gloo groups only), the all-to-alls, the row-wise
+reduce-scatter and its all-gather of CPU tensors go through shared memory instead,
+with the same results (sums in rank order).
 """
 
 from __future__ import annotations
@@ -181,7 +184,8 @@ def reduce_scatter_rows(
 
     Equal blocks use the single-tensor collectives (no per-rank list, no copies); uneven ones
     reduce-scatter a list and all-gather padded to the largest block. Neither builds a
-    ``W``-times copy of anything.
+    ``W``-times copy of anything. On a same-host transport: one all-to-all of the blocks and a
+    sum in rank order (with 2 ranks bit-identical to gloo's), the gradient gathered back alike.
 
     ``precision`` below fp32: the blocks travel in bf16/fp16 by one equal all-to-all of a
     ``[W, block]`` wire buffer (the same bytes per rank as a ring reduce-scatter) and are
