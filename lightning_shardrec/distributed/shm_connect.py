@@ -98,7 +98,7 @@ def connect(
     base = os.path.join(shm.SHM_DIR, f"shardrec-{infos[0][1]}-")
     part = SLOTS * slot_bytes
     made: list[str] = []
-    own_fd, inbound, outbound, peers = -1, {}, {}, {}
+    own_fd, own_map, inbound, outbound, peers = -1, None, {}, {}, {}
     why = ""
     try:  # phase 1: this rank's region (a sparse file: pages come on use) and the FIFOs it reads
         path = f"{base}r{rank}"
@@ -106,13 +106,14 @@ def connect(
         made.append(path)
         os.ftruncate(own_fd, shm.PROBE + world * part)
         os.pwrite(own_fd, f"{token}:{rank}".encode(), 0)
+        own_map = mmap.mmap(own_fd, shm.PROBE + world * part, mmap.MAP_SHARED)  # may fail (address-space limit)
         for s in range(world):
             if s != rank:
                 fifo = f"{base}f{s}to{rank}"
                 os.mkfifo(fifo, 0o600)
                 made.append(fifo)
                 inbound[s] = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: mmap refused the size
         why = f"cannot create files in {shm.SHM_DIR}: {e}"
     infos = _gather((why, token), pg, world)
     if not any(w for w, _ in infos):
@@ -129,7 +130,7 @@ def connect(
                     os.close(fd)
                 outbound[s] = os.open(f"{base}f{rank}to{s}", os.O_WRONLY | os.O_NONBLOCK)
                 os.set_blocking(outbound[s], True)
-        except OSError as e:
+        except (OSError, ValueError) as e:
             why = f"cannot open the other ranks' files in {shm.SHM_DIR}: {e}"
     infos = _gather((why, token), pg, world)  # every rank has opened everything (or failed): unlink
     for path in made:
@@ -141,8 +142,8 @@ def connect(
             if fd >= 0:
                 os.close(fd)
         return None, failed[0]
-    own_map = mmap.mmap(own_fd, shm.PROBE + world * part, mmap.MAP_SHARED)
     wait = group_timeout(pg) if timeout is None else timeout
+    assert own_map is not None  # every rank succeeded, this one included
     return ShmTransport(pg, rank, world, (own_fd, own_map), peers, (inbound, outbound), slot_bytes, wait), ""
 
 
