@@ -198,6 +198,7 @@ def worker_shardrec(a: WorkerArgs) -> None:
         planner_batch_size=a.batch_size,
         pipeline=a.variant == "shardrec_pipeline",
         comm_precision="bf16" if a.variant == "shardrec_bf16" else "fp32",
+        comm_transport="pg" if a.variant == "shardrec_pg" else "auto",
     )
     timing = StepTiming()
     trainer = L.Trainer(
@@ -264,7 +265,7 @@ class StepProfiler:
 
 
 KERNELS = "embedding kernels (lookup, backward + row-wise adagrad; torch backend or fbgemm TBE)"
-COLLECTIVES = "collectives (gloo all-to-all / all-reduce / broadcast, incl. waiting for the peer)"
+COLLECTIVES = "collectives (all-to-all / all-reduce / broadcast, shared memory or gloo, incl. waiting for the peer)"
 # Scopes whose every nested op (and own self time) belongs to one kind: the torch kernel's
 # autograd Function, fbgemm's, and the collective calls and waits ``_trace_collectives`` marks.
 _SCOPES = {
@@ -277,8 +278,8 @@ _SCOPES = {
 
 
 def _trace_collectives() -> None:
-    """Mark every blocking collective call and ``Work.wait()`` as a profiler scope (profiled rank only),
-    so the time spent waiting inside them is not counted as the caller's Python."""
+    """Mark every blocking collective call and ``Work.wait()`` (gloo's and the same-host transport's) as a
+    profiler scope (profiled rank only), so the time spent waiting inside them is not counted as the caller's Python."""
     import functools
 
     import torch
@@ -292,9 +293,13 @@ def _trace_collectives() -> None:
 
         return call
 
+    from lightning_shardrec.distributed.shm_transport import ShmTransport, ShmWork
+
     for name in ("all_to_all_single", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"):
         setattr(dist, name, traced(getattr(dist, name)))
     dist.Work.wait = traced(dist.Work.wait)  # type: ignore[method-assign]
+    ShmTransport.all_to_all = traced(ShmTransport.all_to_all)  # type: ignore[method-assign]  # same-host transport
+    ShmWork.wait = traced(ShmWork.wait)  # type: ignore[method-assign]
 
 
 def _category(name: str) -> str:
@@ -431,6 +436,7 @@ WORKERS = {
     "shardrec": worker_shardrec,
     "shardrec_pipeline": worker_shardrec,
     "shardrec_bf16": worker_shardrec,
+    "shardrec_pg": worker_shardrec,
     "dmp_plain": worker_dmp_plain,
     "ddp_sparse": worker_ddp_sparse,
     "kernel_floor": worker_kernel_floor,

@@ -19,6 +19,8 @@ Variants (each in fresh processes; one intra-op thread per rank):
 - ``shardrec_pipeline``: the same run with ``ShardRecStrategy(pipeline=True)``.
 - ``shardrec_bf16``: the same run with ``ShardRecStrategy(comm_precision="bf16")`` (pooled
   outputs and their gradients cross ranks in bf16).
+- ``shardrec_pg``: the same run with ``ShardRecStrategy(comm_transport="pg")``: the all-to-alls on
+  gloo's loopback TCP instead of the default same-host shared memory (what every run did before).
 - ``dmp_plain``: our ``DistributedModelParallel`` in a plain loop, 2 ranks (gloo).
 - ``torchrec_dmp``: TorchRec 1.8.0's ``DistributedModelParallel``, its default planner,
   2 ranks (gloo), run by ``benchmarks/.venv-torchrec/bin/python`` (made by
@@ -82,12 +84,12 @@ from _report import Stat, machine_heading, replace_machine_section, vector_isa  
 
 SECTION = "## End-to-end training"
 VARIANTS = [
-    "shardrec", "shardrec_pipeline", "shardrec_bf16", "dmp_plain", "torchrec_dmp", "ddp_sparse", "kernel_floor",
-    "kernel_floor_torch",
+    "shardrec", "shardrec_pipeline", "shardrec_bf16", "shardrec_pg", "dmp_plain", "torchrec_dmp", "ddp_sparse",
+    "kernel_floor", "kernel_floor_torch",
 ]  # fmt: skip
 WORLD = {
-    "shardrec": 2, "shardrec_pipeline": 2, "shardrec_bf16": 2, "dmp_plain": 2, "torchrec_dmp": 2, "ddp_sparse": 2,
-    "kernel_floor": 1, "kernel_floor_torch": 1,
+    "shardrec": 2, "shardrec_pipeline": 2, "shardrec_bf16": 2, "shardrec_pg": 2, "dmp_plain": 2, "torchrec_dmp": 2,
+    "ddp_sparse": 2, "kernel_floor": 1, "kernel_floor_torch": 1,
 }  # fmt: skip
 TORCHREC_VENV = HERE / ".venv-torchrec"
 TORCHREC_WORKER = HERE / "_e2e_torchrec_worker.py"
@@ -306,6 +308,8 @@ def report(
         f"- shardrec / torchrec_dmp = {ratio('shardrec', 'torchrec_dmp')} (vs TorchRec 1.8's DMP)",
         f"- shardrec_bf16 / torchrec_dmp = {ratio('shardrec_bf16', 'torchrec_dmp')} (bf16 pooled-output comms)",
         f"- shardrec_bf16 / shardrec = {ratio('shardrec_bf16', 'shardrec')}",
+        f"- shardrec / shardrec_pg = {ratio('shardrec', 'shardrec_pg')} (shared-memory all-to-alls vs gloo's TCP)",
+        f"- shardrec_pg / torchrec_dmp = {ratio('shardrec_pg', 'torchrec_dmp')}",
         f"- shardrec / floor ({fastest}) = {ratio('shardrec', 'floor')} (2.0 = two cores' ideal)",
         f"- shardrec / dmp_plain = {ratio('shardrec', 'dmp_plain')} (1.0 = no Lightning overhead)",
         f"- dmp_plain / torchrec_dmp = {ratio('dmp_plain', 'torchrec_dmp')}",

@@ -26,7 +26,13 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import ShardingEnv, exchange_header, exchange_header_async, on_stream
+from lightning_shardrec.distributed.comm import (
+    ShardingEnv,
+    Waitable,
+    exchange_header,
+    exchange_header_async,
+    on_stream,
+)
 from lightning_shardrec.distributed.input_dist import PendingExchange, Routed, exchange_async
 from lightning_shardrec.distributed.sharding import EmbeddingSharding
 from lightning_shardrec.errors import ShardingError
@@ -145,7 +151,7 @@ class EndOfData:
     """The header of :func:`start_end_of_data` in flight; :meth:`wait` raises unless every rank's data ended too."""
 
     def __init__(
-        self, header: Tensor, work: torch.distributed.Work | None, tag: BatchTag, env: ShardingEnv, groups: int
+        self, header: Tensor, work: Waitable | None, tag: BatchTag, env: ShardingEnv, groups: int
     ) -> None:
         self._header, self._work, self._tag, self._env, self._groups = header, work, tag, env, groups
 
@@ -191,7 +197,7 @@ class PrefetchHandle:
         routed: list[Routed | None],
         error: Exception | None,
         header: Tensor,
-        header_work: torch.distributed.Work | None,
+        header_work: Waitable | None,
         tag: BatchTag | None = None,
     ) -> None:
         self.features = features

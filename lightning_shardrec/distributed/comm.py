@@ -1,15 +1,19 @@
 """Collectives the sharded modules use, on gloo (CPU) and NCCL (CUDA) alike.
 
-Only ``torch.distributed`` primitives: all-to-all with uneven splits (plain for ids,
+``torch.distributed`` primitives: all-to-all with uneven splits (plain for ids,
 autograd-aware for embeddings, whose backward is the reverse all-to-all) and
-reduce-scatter (backward: all-gather).
+reduce-scatter (backward: all-gather). When a :class:`ShardingEnv` carries a same-host
+transport (:mod:`.shm_transport`, gloo groups only), the all-to-alls, the row-wise
+reduce-scatter and its all-gather of CPU tensors go through shared memory instead,
+with the same results (sums in rank order).
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,6 +30,15 @@ from lightning_shardrec.distributed.qcomm import (
 )
 from lightning_shardrec.planner.topology import local_world_size_from_env
 
+if TYPE_CHECKING:
+    from lightning_shardrec.distributed.shm_transport import ShmTransport
+
+
+class Waitable(Protocol):
+    """An async collective in flight: a ``dist.Work`` or a shared-memory op's handle."""
+
+    def wait(self) -> bool: ...
+
 
 @dataclass(frozen=True)
 class ShardingEnv:
@@ -40,6 +53,8 @@ class ShardingEnv:
     world_size: int
     pg: dist.ProcessGroup | None = None
     local_world_size: int = 0
+    #: same-host shared-memory all-to-alls for CPU tensors (:mod:`.shm_transport`); None: ``pg``'s
+    transport: ShmTransport | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         local = self.local_world_size or local_world_size_from_env(self.world_size)
@@ -64,24 +79,44 @@ class ShardingEnv:
         return ShardingEnv(dist.get_rank(pg), dist.get_world_size(pg), pg, local_world_size)
 
 
+def all_to_all_single(
+    out: Tensor,
+    inp: Tensor,
+    out_splits: list[int] | None,
+    in_splits: list[int] | None,
+    env: ShardingEnv,
+    async_op: bool = False,
+) -> Waitable | None:
+    """``dist.all_to_all_single`` on ``env``: through its same-host transport for CPU tensors, else its group.
+
+    Splits count rows (None: equal). With ``async_op`` returns the handle to ``wait()`` on.
+    """
+    if env.transport is not None and inp.device.type == "cpu":
+        work = env.transport.all_to_all(out, inp, out_splits, in_splits)
+        if async_op:
+            return work
+        work.wait()
+        return None
+    return dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=env.pg, async_op=async_op)
+
+
 def all_to_all(tensor: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv) -> Tensor:
     """Uneven all-to-all of a 1-D (or row-split 2-D) tensor, no autograd (ids, lengths)."""
     out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
     if env.world_size == 1:
         return tensor
-    dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=env.pg)
+    all_to_all_single(out, tensor, out_splits, in_splits, env)
     return out
 
 
 def all_to_all_async(
     tensor: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv
-) -> tuple[Tensor, dist.Work | None]:
+) -> tuple[Tensor, Waitable | None]:
     """:func:`all_to_all` issued with ``async_op=True``: ``(out, work)``; ``out`` is valid after ``work.wait()``."""
     if env.world_size == 1:
         return tensor, None
     out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
-    work = dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=env.pg, async_op=True)
-    return out, work
+    return out, all_to_all_single(out, tensor, out_splits, in_splits, env, async_op=True)
 
 
 def all_to_all_grad(
@@ -113,11 +148,18 @@ def sum_over_ranks(values: list[float], env: ShardingEnv) -> list[float]:
 def exchange_flat(
     send: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv, precision: CommPrecision
 ) -> Tensor:
-    """1-D all-to-all of element counts ``in_splits`` -> ``out_splits`` in ``precision``; fp32 out."""
+    """1-D all-to-all of element counts ``in_splits`` -> ``out_splits`` in ``precision``; fp32 out.
+
+    bf16 through a same-host transport is cast inside its copies (no encoded or decoded buffers).
+    """
+    if precision is CommPrecision.BF16 and env.transport is not None and send.device.type == "cpu":
+        recv = send.new_empty(sum(out_splits))
+        env.transport.all_to_all(recv, send, out_splits, in_splits, wire=torch.bfloat16).wait()
+        return recv
     wire, wire_in = encode(send, in_splits, precision)
     wire_out = wire_splits(out_splits, precision)
     recv = wire.new_empty(sum(wire_out))
-    dist.all_to_all_single(recv, wire, wire_out, wire_in, group=env.pg)
+    all_to_all_single(recv, wire, wire_out, wire_in, env)
     return decode(recv, wire_out, precision)
 
 
@@ -142,7 +184,8 @@ def reduce_scatter_rows(
 
     Equal blocks use the single-tensor collectives (no per-rank list, no copies); uneven ones
     reduce-scatter a list and all-gather padded to the largest block. Neither builds a
-    ``W``-times copy of anything.
+    ``W``-times copy of anything. On a same-host transport: one all-to-all of the blocks and a
+    sum in rank order (with 2 ranks bit-identical to gloo's), the gradient gathered back alike.
 
     ``precision`` below fp32: the blocks travel in bf16/fp16 by one equal all-to-all of a
     ``[W, block]`` wire buffer (the same bytes per rank as a ring reduce-scatter) and are
@@ -171,6 +214,8 @@ class _ReduceScatterRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, rows: list[int], env: ShardingEnv) -> Tensor:  # type: ignore[override]
         ctx.rows, ctx.env = rows, env
+        if env.transport is not None and x.device.type == "cpu":  # same host: sums in rank order
+            return env.transport.reduce_scatter(x, rows)
         out = x.new_empty((rows[env.rank], *x.shape[1:]))
         if rows.count(rows[0]) == len(rows):
             _reduce_scatter_single(out, x.contiguous(), env.pg)
@@ -195,7 +240,7 @@ class _ReduceScatterRowsQ(torch.autograd.Function):
         send = _pad_blocks(x.reshape(sum(rows), width), rows).view(env.world_size, most * width)
         wire = encode_rows(send, precision)
         recv = torch.empty_like(wire)
-        dist.all_to_all_single(recv, wire, group=env.pg)  # row s of recv: source s's block for this rank
+        all_to_all_single(recv, wire, None, None, env)  # row s of recv: source s's block for this rank
         got = decode_rows(recv, precision)
         mine = rows[env.rank]
         got = got if mine == most else got[:, : mine * width]
@@ -239,6 +284,8 @@ def _unpad_blocks(x: Tensor, rows: list[int]) -> Tensor:
 
 def _gather_rows(grad: Tensor, rows: list[int], env: ShardingEnv) -> Tensor:
     """All-gather of every rank's ``[rows[r], ...]`` gradient into ``[sum(rows), ...]`` (padded when uneven)."""
+    if env.transport is not None and grad.device.type == "cpu":
+        return env.transport.all_gather(grad.contiguous(), rows)
     most = max(rows)
     mine = grad.contiguous()
     if rows[env.rank] != most:
@@ -270,7 +317,7 @@ def _all_to_all_rows(
     """All-to-all of rows (``splits`` count rows of ``x.shape[1:]``) in ``precision``."""
     if precision is CommPrecision.FP32:
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=env.pg)
+        all_to_all_single(out, x, out_splits, in_splits, env)
         return out
     row = math.prod(x.shape[1:])
     flat = x.contiguous().reshape(-1)
@@ -305,16 +352,16 @@ def exchange_header(rows: Tensor, env: ShardingEnv) -> Tensor:
     if env.world_size == 1:
         return rows
     out = torch.empty_like(rows)
-    dist.all_to_all_single(out, rows.contiguous(), group=env.pg)
+    all_to_all_single(out, rows, None, None, env)
     return out
 
 
-def exchange_header_async(rows: Tensor, env: ShardingEnv) -> tuple[Tensor, dist.Work | None]:
+def exchange_header_async(rows: Tensor, env: ShardingEnv) -> tuple[Tensor, Waitable | None]:
     """:func:`exchange_header` issued with ``async_op=True``: ``(out, work)``."""
     if env.world_size == 1:
         return rows, None
     out = torch.empty_like(rows)
-    return out, dist.all_to_all_single(out, rows.contiguous(), group=env.pg, async_op=True)
+    return out, all_to_all_single(out, rows, None, None, env, async_op=True)
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.shm_connect import attach
 
 
 def live_group(group: dist.ProcessGroup | None) -> bool:
@@ -43,7 +44,11 @@ def cached_group(key: tuple[Hashable, ...], make: Callable[[], dist.ProcessGroup
 
 
 def new_group_like(env: ShardingEnv, timeout: timedelta | None = None) -> ShardingEnv:
-    """Collective: a new process group over ``env``'s ranks (same backend), e.g. for prefetched input dist."""
+    """Collective: a new process group over ``env``'s ranks (same backend), e.g. for prefetched input dist;
+    with its own shared-memory transport when ``env`` has one."""
     ranks = dist.get_process_group_ranks(env.pg or dist.group.WORLD)
     group = dist.new_group(ranks=ranks, backend=dist.get_backend(env.pg), timeout=timeout)
-    return ShardingEnv.from_process_group(group, env.local_world_size)
+    new = ShardingEnv.from_process_group(group, env.local_world_size)
+    if env.transport is None:
+        return new
+    return attach(new, "shm")

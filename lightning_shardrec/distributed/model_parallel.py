@@ -30,6 +30,8 @@ from lightning_shardrec.distributed.plain_embeddings import (
     ShardedPlainMaxEmbeddingBag,
 )
 from lightning_shardrec.distributed.sharding import KernelSetup
+from lightning_shardrec.distributed.shm_allreduce import use_shm_allreduce
+from lightning_shardrec.distributed.shm_connect import attach
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.modules.plain_embeddings import (
@@ -138,6 +140,10 @@ class DistributedModelParallel(nn.Module):
     Plain ``nn.Embedding`` / ``nn.EmbeddingBag`` submodules are sharded too (same call and
     result, see :mod:`lightning_shardrec.modules.plain_embeddings`): ``embedding_modules`` is
     ``True`` (all with at least ``embedding_min_rows`` rows), ``False``, or a list of module paths.
+
+    ``comm_transport``: ``"auto"`` moves the embeddings' all-to-alls through shared memory when every
+    rank is on this host under gloo (:mod:`~lightning_shardrec.distributed.shm_transport`), else
+    through the process group; ``"shm"`` requires shared memory, ``"pg"`` never uses it.
     """
 
     def __init__(
@@ -153,11 +159,13 @@ class DistributedModelParallel(nn.Module):
         embedding_modules: bool | Sequence[str] = True,
         embedding_min_rows: int = 0,
         comm_precision: str = "fp32",
+        comm_transport: str = "auto",
     ) -> None:
         super().__init__()
         swap_embedding_modules(module, embedding_modules, embedding_min_rows)
         # ranks per host: the planner's topology when given, so plan and execution see the same hosts
-        self.env = ShardingEnv.from_process_group(pg, planner.topology.local_world_size if planner else 0)  # type: ignore[arg-type]
+        env = ShardingEnv.from_process_group(pg, planner.topology.local_world_size if planner else 0)  # type: ignore[arg-type]
+        self.env = attach(env, comm_transport)  # collective: shared-memory all-to-alls when every rank can
         self.device = torch.device(device) if device is not None else default_device(self.env)
         optim = embedding_optimizer
         if not isinstance(optim, FusedOptimConfig):
@@ -204,7 +212,10 @@ class DistributedModelParallel(nn.Module):
         # One per set of ranks, shared by every DMP over them (a group holds threads until destroyed).
         ranks = tuple(dist.get_process_group_ranks(self.env.pg or dist.group.WORLD))
         dense_pg = cached_group(("dense", str(dist.get_backend()), ranks), lambda: dist.new_group(ranks=list(ranks)))
-        return DistributedDataParallel(module, device_ids=device_ids, process_group=dense_pg)
+        ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=dense_pg)
+        if self.env.transport is not None:  # every rank alike: the dense all-reduce through shared memory too
+            use_shm_allreduce(ddp, dense_pg)
+        return ddp
 
     @property
     def module(self) -> nn.Module:

@@ -12,10 +12,9 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import ShardingEnv, exchange_flat
+from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_single, exchange_flat
 from lightning_shardrec.distributed.qcomm import CommPrecision
 
 
@@ -140,7 +139,7 @@ class _PooledAllToAll(torch.autograd.Function):
             recv = exchange_flat(x.contiguous().reshape(-1), recv_splits, send_splits, env, precision)
         else:
             recv = x.new_empty(sum(recv_splits))
-            dist.all_to_all_single(recv, x.contiguous().reshape(-1), recv_splits, send_splits, group=env.pg)
+            all_to_all_single(recv, x.contiguous().reshape(-1), recv_splits, send_splits, env)
         if len(layout.widths) > GATHER_ABOVE:
             forward, _ = layout.gathers(b, x.device)
             return recv.view(-1, g).index_select(0, forward).view(b, sum(layout.widths))
@@ -177,5 +176,5 @@ class _PooledAllToAll(torch.autograd.Function):
             back = exchange_flat(back, send_splits, recv_splits, env, precision)
             return back.view(shape), None, None, None, None, None
         out = back.new_empty(sum(send_splits))
-        dist.all_to_all_single(out, back, send_splits, recv_splits, group=env.pg)
+        all_to_all_single(out, back, send_splits, recv_splits, env)
         return out.view(shape), None, None, None, None, None

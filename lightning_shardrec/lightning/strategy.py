@@ -34,6 +34,8 @@ from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv
 from lightning_shardrec.distributed.groups import live_group, new_group_like
 from lightning_shardrec.distributed.model_parallel import find_collections, kernel_labels, pooling_of, shard_modules
 from lightning_shardrec.distributed.sharding import KernelSetup
+from lightning_shardrec.distributed.shm_allreduce import use_shm_allreduce
+from lightning_shardrec.distributed.shm_connect import attach, parse_transport
 from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
@@ -79,6 +81,10 @@ class ShardRecStrategy(RankFailureHandling):
             ``"fbgemm"`` or ``"torch"``.
         comm_precision: ``"fp32"`` (exact), ``"bf16"`` or ``"fp16"``: the precision of the pooled
             embeddings' all-to-alls / reduce-scatters and their gradients (half the bytes).
+        comm_transport: ``"auto"`` (the embeddings' all-to-alls go through shared memory when every
+            rank is on this host under gloo, see :mod:`lightning_shardrec.distributed.shm_transport`;
+            else through the process group), ``"shm"`` (required) or ``"pg"`` (never shared memory).
+            Results are identical either way.
         pipeline: overlap the next batch's input distribution (id all-to-alls, host-to-device copy)
             with this batch's forward/backward (see :mod:`lightning_shardrec.lightning.pipeline`);
             results are identical to ``pipeline=False``.
@@ -126,6 +132,7 @@ class ShardRecStrategy(RankFailureHandling):
         plan: ShardingPlan | Mapping[str, ParameterSharding] | None = None,
         kernel: str = "auto",
         comm_precision: str = "fp32",
+        comm_transport: str = "auto",
         pipeline: bool = False,
         process_group_backend: str | None = None,
         planner_batch_size: int = 512,
@@ -176,6 +183,7 @@ class ShardRecStrategy(RankFailureHandling):
         self._fixed_plan = plan
         self._kernel = parse_backend(kernel)
         self._comm_precision = CommPrecision.parse(comm_precision)
+        self._comm_transport = parse_transport(comm_transport)
         self._planner_batch_size = planner_batch_size
         self._planner_reserve = check_reserve(planner_reserve, "ShardRecStrategy: planner_reserve")
         if checkpoint_format not in ("sharded", "full"):
@@ -318,6 +326,7 @@ class ShardRecStrategy(RankFailureHandling):
         self._config = config
         local = ranks_per_host(dist.get_world_size(), self.num_nodes, self.num_processes)  # Lightning's hosts
         env = ShardingEnv.from_process_group(local_world_size=local)
+        env = attach(env, self._comm_transport)  # collective; waits as long as the group's timeout
         self.topology = topology = Topology.from_process_group(
             compute_device=self.root_device.type, local_world_size=local
         )
@@ -359,9 +368,13 @@ class ShardRecStrategy(RankFailureHandling):
         if not live_group(getattr(self, "_dense_pg", None)):
             self._dense_pg = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
             self._own_groups.append(self._dense_pg)
-        return DistributedDataParallel(
+        ddp = DistributedDataParallel(
             model, device_ids=self.determine_ddp_device_ids(), process_group=self._dense_pg, **self._ddp_kwargs
         )
+        transport = next(iter(self.sharded.values())).env.transport
+        if transport is not None:  # every rank alike: the dense all-reduce through shared memory too
+            use_shm_allreduce(ddp, self._dense_pg)
+        return ddp
 
     def collective(self) -> AbstractContextManager[None]:
         """Enter on every rank to call the sharded model outside the Trainer's loops (same calls on every rank)."""

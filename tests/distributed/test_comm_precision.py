@@ -52,12 +52,12 @@ def test_unknown_precision_lists_the_choices():
         CommPrecision.parse("int8")
 
 
-def _train(rank, world, kinds):
+def _train(rank, world, kinds, precisions=PRECISIONS):
     from lightning_shardrec.distributed import DistributedModelParallel
 
     results = {}
     for kind in kinds:
-        for precision in PRECISIONS:
+        for precision in precisions:
             model = Rec(PoolingType.MEAN, True)
             extra = {} if precision == "default" else {"comm_precision": precision}
             dmp = DistributedModelParallel(

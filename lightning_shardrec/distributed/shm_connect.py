@@ -1,0 +1,171 @@
+"""Setting up the same-host transport: ``comm_transport="auto" | "shm" | "pg"``.
+
+:func:`attach` gives a :class:`~lightning_shardrec.distributed.comm.ShardingEnv` a
+:class:`~lightning_shardrec.distributed.shm_transport.ShmTransport` when its mode allows and
+:func:`connect` (collective) finds that every rank of the gloo group can share memory with every
+other: each rank creates its region and the FIFOs it reads under ``/dev/shm``, opens the
+others' and reads back their tokens (so ranks on different hosts or in containers without a
+shared ``/dev/shm`` never match), and unlinks its files once every rank has opened them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from lightning_shardrec.distributed import shm_transport as shm
+from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.shm_transport import SLOT_BYTES, SLOTS, ShmTransport
+from lightning_shardrec.errors import unknown_name
+
+TRANSPORT_ENV = "LIGHTNING_SHARDREC_TRANSPORT"
+TRANSPORTS = ("auto", "shm", "pg")
+
+
+def parse_transport(value: str, owner: str = "comm_transport") -> str:
+    """``"auto"`` / ``"shm"`` / ``"pg"`` (any case), else a ``ValueError`` listing them."""
+    mode = str(value).lower()
+    if mode not in TRANSPORTS:
+        raise unknown_name(owner, value, list(TRANSPORTS))
+    return mode
+
+
+def attach(env: ShardingEnv, mode: str = "auto", timeout: float | None = None) -> ShardingEnv:
+    """Collective over ``env.pg``: ``env`` with a same-host :class:`ShmTransport` for its all-to-alls.
+
+    ``mode``: ``"auto"`` (shared memory when every rank of a gloo group can use it, else the group;
+    ``$LIGHTNING_SHARDREC_TRANSPORT`` may say ``shm`` or ``pg`` instead; ranks that disagree raise),
+    ``"shm"`` (required: raises where it cannot be used) or ``"pg"`` (the process group's own).
+    ``timeout``: seconds a rank waits for a peer's data (None: the group's own collective timeout).
+    """
+    mode = parse_transport(mode)
+    if mode == "auto":
+        mode = parse_transport(os.environ.get(TRANSPORT_ENV, "auto"), TRANSPORT_ENV)
+    if env.world_size == 1 or env.transport is not None:
+        return env
+    backend = dist.get_backend(env.pg)  # the same on every rank: no collective needed to decide
+    if backend != "gloo":
+        transport, why = None, f"the process group's backend is {backend!r}, not 'gloo'"
+    else:
+        modes: list[str | None] = [None] * env.world_size
+        dist.all_gather_object(modes, mode, group=env.pg)  # a rank that skipped connect() would hang the rest
+        if len(set(modes)) > 1:
+            raise ValueError(
+                f"comm_transport differs between ranks ({', '.join(f'rank {r}: {m!r}' for r, m in enumerate(modes))}); "
+                f"give every rank the same comm_transport and {TRANSPORT_ENV}"
+            )
+        if mode == "pg":
+            return env
+        transport, why = connect(env.pg, timeout)
+    if transport is None:
+        if mode == "shm":
+            raise RuntimeError(
+                f"comm_transport='shm': the ranks cannot share memory ({why}); use comm_transport='auto' to fall "
+                "back to the process group"
+            )
+        return env
+    return replace(env, transport=transport)
+
+
+def connect(
+    pg: dist.ProcessGroup | None = None, timeout: float | None = None, slot_bytes: int = SLOT_BYTES
+) -> tuple[ShmTransport | None, str]:
+    """Collective over ``pg``: ``(transport, "")`` when every rank can share memory with every
+    other, else ``(None, why)`` on every rank (the reason of the first rank that could not).
+
+    Only gloo groups (CPU tensors): a NCCL group keeps its own transport. The files live under
+    ``/dev/shm`` until every rank has opened them, then are unlinked (nothing is left behind).
+    """
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    if world == 1:
+        return None, "one rank"
+    if dist.get_backend(pg) != "gloo":
+        return None, f"the process group's backend is {dist.get_backend(pg)!r}, not 'gloo'"
+    if slot_bytes <= 0 or slot_bytes % mmap.PAGESIZE:
+        raise ValueError(f"ShmTransport: slot_bytes must be a positive multiple of {mmap.PAGESIZE}, got {slot_bytes}")
+    token = secrets.token_hex(8)
+    why = _unusable()
+    infos = _gather((why, token), pg, world)
+    failed = [f"rank {r}: {w}" for r, (w, _) in enumerate(infos) if w]
+    if failed:
+        return None, failed[0]
+    base = os.path.join(shm.SHM_DIR, f"shardrec-{infos[0][1]}-")
+    part = SLOTS * slot_bytes
+    made: list[str] = []
+    own_fd, own_map, inbound, outbound, peers = -1, None, {}, {}, {}
+    why = ""
+    try:  # phase 1: this rank's region (a sparse file: pages come on use) and the FIFOs it reads
+        path = f"{base}r{rank}"
+        own_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        made.append(path)
+        os.ftruncate(own_fd, shm.PROBE + world * part)
+        os.pwrite(own_fd, f"{token}:{rank}".encode(), 0)
+        own_map = mmap.mmap(own_fd, shm.PROBE + world * part, mmap.MAP_SHARED)  # may fail (address-space limit)
+        for s in range(world):
+            if s != rank:
+                fifo = f"{base}f{s}to{rank}"
+                os.mkfifo(fifo, 0o600)
+                made.append(fifo)
+                inbound[s] = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    except (OSError, ValueError) as e:  # ValueError: mmap refused the size
+        why = f"cannot create files in {shm.SHM_DIR}: {e}"
+    infos = _gather((why, token), pg, world)
+    if not any(w for w, _ in infos):
+        try:  # phase 2: every peer's region (its part for this rank) and the FIFOs to the peers
+            for s, (_, peer_token) in enumerate(infos):
+                if s == rank:
+                    continue
+                fd = os.open(f"{base}r{s}", os.O_RDWR)
+                try:
+                    if os.pread(fd, 64, 0).rstrip(b"\0") != f"{peer_token}:{s}".encode():
+                        raise OSError(f"rank {s}'s region holds other bytes (not the same shared memory)")
+                    peers[s] = mmap.mmap(fd, part, mmap.MAP_SHARED, offset=shm.PROBE + rank * part)
+                finally:
+                    os.close(fd)
+                outbound[s] = os.open(f"{base}f{rank}to{s}", os.O_WRONLY | os.O_NONBLOCK)
+                os.set_blocking(outbound[s], True)
+        except (OSError, ValueError) as e:
+            why = f"cannot open the other ranks' files in {shm.SHM_DIR}: {e}"
+    infos = _gather((why, token), pg, world)  # every rank has opened everything (or failed): unlink
+    for path in made:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    failed = [f"rank {r}: {w}" for r, (w, _) in enumerate(infos) if w]
+    if failed:
+        for fd in (*inbound.values(), *outbound.values(), own_fd):
+            if fd >= 0:
+                os.close(fd)
+        return None, failed[0]
+    wait = group_timeout(pg) if timeout is None else timeout
+    assert own_map is not None  # every rank succeeded, this one included
+    return ShmTransport(pg, rank, world, (own_fd, own_map), peers, (inbound, outbound), slot_bytes, wait), ""
+
+
+def group_timeout(pg: dist.ProcessGroup | None) -> float:
+    """Seconds of ``pg``'s collective timeout (600 where the backend does not say)."""
+    group = pg if pg is not None else dist.group.WORLD
+    try:
+        return float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())  # type: ignore[union-attr]
+    except (AttributeError, RuntimeError):
+        return 600.0
+
+
+def _unusable() -> str:
+    """Why this rank cannot use the transport ('' if it can)."""
+    if not hasattr(os, "mkfifo") or not hasattr(os, "posix_fallocate"):
+        return "no FIFOs or posix_fallocate on this OS"
+    if not os.path.isdir(shm.SHM_DIR) or not os.access(shm.SHM_DIR, os.W_OK):
+        return f"no writable {shm.SHM_DIR}"
+    return ""
+
+
+def _gather(info: tuple[str, str], pg: dist.ProcessGroup | None, world: int) -> list[tuple[str, str]]:
+    out: list[tuple[str, str] | None] = [None] * world
+    dist.all_gather_object(out, info, group=pg)
+    return [o for o in out if o is not None]
