@@ -128,22 +128,25 @@ class BatchedEmbeddingKernel(nn.Module):
 
         A dynamic table's newly assigned slots start this way (see ``docs/dynamic-tables.md``).
         """
-        self.reset_tables_rows([(table, rows, values)])
+        if rows.numel() == 0:
+            return
+        weight = self.split_weights()[table]
+        with torch.no_grad():
+            weight.index_copy_(0, rows.to(weight.device, torch.long), values.to(weight.device, weight.dtype))
+        self.reset_state_rows([(table, rows)])
 
-    def reset_tables_rows(self, resets: Sequence[tuple[int, Tensor, Tensor]]) -> None:
-        """:meth:`reset_rows` for several ``(table, rows, values)`` at once (the table views made once)."""
+    def reset_state_rows(self, resets: Sequence[tuple[int, Tensor]]) -> None:
+        """Reset the optimizer state of rows ``rows [U]`` of kernel table ``table``, for each ``(table, rows)``,
+        to its initial value (zero for every rule here); shared scalars (Adam's ``step``) are kept."""
         resets = [r for r in resets if r[1].numel()]
         if not resets:
             return
-        weights, states = self.split_weights(), self.split_states()
+        states = self.split_states()
         with torch.no_grad():
-            for table, rows, values in resets:
-                weight = weights[table]
-                rows = rows.to(device=weight.device, dtype=torch.long)
-                weight.index_copy_(0, rows, values.to(device=weight.device, dtype=weight.dtype))
+            for table, rows in resets:
                 for state in states[table].values():
                     if state.dim() > 0:
-                        state.index_fill_(0, rows.to(state.device), 0)
+                        state.index_fill_(0, rows.to(state.device, torch.long), 0)
 
     def extra_repr(self) -> str:
         names = ", ".join(f"{t.name}[{t.num_embeddings}x{t.embedding_dim}]" for t in self.tables)

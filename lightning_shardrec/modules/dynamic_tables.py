@@ -48,12 +48,12 @@ def _uniform_bounds(table: BaseEmbeddingConfig) -> tuple[float, float] | None:
     return None
 
 
-def fresh_rows_of_tables(
-    tables: Sequence[BaseEmbeddingConfig], which: Tensor, slots: Tensor, generations: Tensor, weight: Tensor
-) -> Tensor | None:
-    """``[M, dim]`` fresh rows of slot ``slots[i]`` of table ``tables[which[i]]``, all in one pass:
-    row for row what :func:`fresh_rows` gives each table (``weight``: the dim and dtype they share).
-    None when a table has a custom ``init_fn`` (call :func:`fresh_rows` per table then)."""
+def fresh_seeds(
+    tables: Sequence[BaseEmbeddingConfig], which: Tensor, slots: Tensor, generations: Tensor
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``(row seeds, lows, highs)``, ``[M]`` each, of the fresh rows of slot ``slots[i]`` of table
+    ``tables[which[i]]``: :func:`~lightning_shardrec.modules.table_init.uniform_rows` of them is,
+    row for row, what :func:`fresh_rows` gives each table. None when a table has a custom ``init_fn``."""
     bounds = [_uniform_bounds(t) for t in tables]
     if any(b is None for b in bounds):
         return None
@@ -64,7 +64,7 @@ def fresh_rows_of_tables(
         torch.tensor(v, dtype=torch.float64, device=device).index_select(0, which)
         for v in zip(*bounds, strict=True)  # type: ignore[misc]  # no None left
     )
-    return uniform_rows(seeds, weight.shape[1], lows, highs, weight.dtype)
+    return seeds, lows, highs
 
 
 def fresh_rows(table: BaseEmbeddingConfig, slots: Tensor, generations: Tensor, weight: Tensor) -> Tensor:

@@ -27,7 +27,8 @@
  * shardrec_uniform_rows (twin: table_init._uniform_rows): counter-based uniform rows.
  *   out[r][j] = low[r] + (high[r] - low[r]) * u, u = (splitmix64(seeds[r] + (c0 + j) * GOLDEN) >> 11) * 2^-53,
  *   in double (product, then sum: two roundings, as the tensor ops), stored as float (out_float)
- *   or double. low/high == NULL: u itself.
+ *   or double. low/high == NULL: u itself. Row r is written at out + at[r] * stride elements
+ *   (at == NULL: r * cols): straight into the rows of a table.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -157,10 +158,11 @@ void shardrec_serve(int64_t n, const int64_t *ids, int64_t num_buckets, int64_t 
 }
 
 void shardrec_uniform_rows(int64_t rows, int64_t cols, int64_t c0, const int64_t *seeds, const double *low,
-                           const double *high, int64_t out_float, void *out) {
+                           const double *high, int64_t out_float, void *out, const int64_t *at, int64_t stride) {
     for (int64_t r = 0; r < rows; ++r) {
         const uint64_t seed = (uint64_t)seeds[r];
         const double lo = low ? low[r] : 0.0, span = low ? high[r] - low[r] : 1.0;
+        const int64_t base = at ? at[r] * stride : r * cols;
         for (int64_t j = 0; j < cols; ++j) {
             const uint64_t z = splitmix64(seed + (uint64_t)(c0 + j) * GOLDEN);
             double v = (double)(z >> 11) * 0x1.0p-53;
@@ -169,9 +171,9 @@ void shardrec_uniform_rows(int64_t rows, int64_t cols, int64_t c0, const int64_t
                 v = v + lo;
             }
             if (out_float)
-                ((float *)out)[r * cols + j] = (float)v;
+                ((float *)out)[base + j] = (float)v;
             else
-                ((double *)out)[r * cols + j] = v;
+                ((double *)out)[base + j] = v;
         }
     }
 }

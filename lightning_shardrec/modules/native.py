@@ -75,7 +75,7 @@ def _load(path: Path) -> NativeLoops:
     locate.argtypes = [i64, *[ptr] * 7, i64, *[ptr] * 3, i64, *[ptr] * 2]
     place.argtypes = [i64, *[ptr] * 4, i64, i64, i64, *[ptr] * 6]
     serve.argtypes = [i64, ptr, i64, i64, ptr, ptr, i64, ptr]
-    uniform.argtypes = [i64, i64, i64, ptr, ptr, ptr, i64, ptr]
+    uniform.argtypes = [i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64]
     return NativeLoops(locate, place, serve, uniform)
 
 

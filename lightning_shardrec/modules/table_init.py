@@ -119,8 +119,21 @@ def _native_rows(
     if bounds is not None:
         low, high = (torch.as_tensor(b, dtype=torch.float64).expand(rows).contiguous() for b in bounds)
     ptr = [None if t is None else t.data_ptr() for t in (seeds, low, high)]
-    loops.uniform_rows(rows, cols, c0, *ptr, int(dtype == torch.float32), out.data_ptr())
+    loops.uniform_rows(rows, cols, c0, *ptr, int(dtype == torch.float32), out.data_ptr(), None, 0)
     return out
+
+
+def write_uniform_rows(weight: Tensor, rows: Tensor, row_seeds: Tensor, low: Tensor, high: Tensor) -> None:
+    """``weight[rows] = uniform_rows(row_seeds, dim, low, high, weight.dtype)``, bit for bit; on CPU
+    (float32/float64 rows of unit stride) written in place by the compiled loop, no temporary."""
+    loops = native_loops() if weight.device.type == "cpu" else None
+    if loops is None or weight.dtype not in (torch.float32, torch.float64) or weight.stride(-1) != 1:
+        weight.index_copy_(0, rows.to(weight.device), uniform_rows(row_seeds, weight.shape[1], low, high, weight.dtype))
+        return
+    at, seeds, lo, hi = (t.contiguous() for t in (rows.long(), row_seeds.long(), low.double(), high.double()))
+    as_float = int(weight.dtype == torch.float32)
+    loops.uniform_rows(len(at), weight.shape[1], 0, seeds.data_ptr(), lo.data_ptr(), hi.data_ptr(),
+                       as_float, weight.data_ptr(), at.data_ptr(), weight.stride(0))  # fmt: skip
 
 
 def is_uniform(config: BaseEmbeddingConfig) -> bool:

@@ -14,7 +14,7 @@ from lightning_shardrec import DynamicConfig, EmbeddingBagConfig
 from lightning_shardrec.modules import DynamicIdMapper, bucket_of, dynamic_slots, native, table_init
 from lightning_shardrec.modules.dynamic_group import MapperGroup, fuse_key
 from lightning_shardrec.modules.dynamic_layout import BUFFERS
-from lightning_shardrec.modules.dynamic_tables import fresh_rows, fresh_rows_of_tables
+from lightning_shardrec.modules.dynamic_tables import fresh_rows, fresh_seeds
 from tests.modules._dynamic_reference import ODD_IDS
 
 CONFIGS = [
@@ -137,22 +137,27 @@ def test_compiled_uniform_rows_equal_tensor_ops_bit_for_bit(dtype: torch.dtype) 
     assert torch.equal(whole, again)
 
 
-def test_fresh_rows_of_tables_equal_each_tables_fresh_rows() -> None:
+@pytest.mark.parametrize("compiled", [True, False])
+def test_fresh_rows_of_several_tables_written_in_place_equal_each_tables_fresh_rows(compiled: bool) -> None:
     tables = [
         EmbeddingBagConfig(name=n, embedding_dim=8, num_embeddings=r, feature_names=[n], dynamic=DynamicConfig(seed=s))
         for n, r, s in (("u", 64, 0), ("v", 640, 3), ("w", 16, 0))
     ]
     which = torch.tensor([2, 0, 0, 1, 2, 1])
     slots, gens = torch.tensor([3, 9, 10, 600, 0, 5]), torch.tensor([1, 1, 4, 2, 7, 1])
-    weight = torch.empty(1, 8)
-    got = fresh_rows_of_tables(tables, which, slots, gens, weight)
-    assert got is not None
+    fresh = fresh_seeds(tables, which, slots, gens)
+    assert fresh is not None
+    weight = torch.zeros(12, 8)
+    rows = torch.tensor([11, 0, 5, 6, 2, 9])
+    with tensor_ops_only() if not compiled else _nothing():
+        table_init.write_uniform_rows(weight, rows, *fresh)
     for i in range(len(which)):
         want = fresh_rows(tables[int(which[i])], slots[i : i + 1], gens[i : i + 1], weight)
-        assert torch.equal(got[i : i + 1], want)
+        assert torch.equal(weight[rows[i]], want[0])
+    assert weight[[1, 3, 4, 7, 8, 10]].eq(0).all()  # no other row written
     custom = EmbeddingBagConfig(name="x", embedding_dim=8, num_embeddings=8, feature_names=["x"],
                                 init_fn=torch.nn.init.ones_, dynamic=DynamicConfig())  # fmt: skip
-    assert fresh_rows_of_tables([custom], which[:1] * 0, slots[:1], gens[:1], weight) is None
+    assert fresh_seeds([custom], which[:1] * 0, slots[:1], gens[:1]) is None
 
 
 def test_an_id_placed_again_lands_before_its_dead_copies() -> None:

@@ -16,8 +16,8 @@ its buckets::
 
 The mappers of a rank's tables that share a slot layout and policy are mapped in one
 pass (:class:`~lightning_shardrec.modules.dynamic_group.MapperGroup`). New slots are
-reset before the lookup: fresh rows written and their optimizer state restarted
-(:meth:`~lightning_shardrec.kernels.BatchedEmbeddingKernel.reset_tables_rows`). Ids
+reset before the lookup: fresh rows written into the kernel's table and their optimizer
+state restarted (:meth:`~lightning_shardrec.kernels.BatchedEmbeddingKernel.reset_state_rows`). Ids
 that missed (not admitted) are dropped from their bag, so they add zero and get no
 update (MEAN still divides by the whole bag, on the source rank); a sequence lookup
 gives them a zero row.
@@ -40,8 +40,9 @@ from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.kernels import BatchedEmbeddingKernel
 from lightning_shardrec.modules.dynamic_group import GroupLookup, MapperGroup, fuse_key
 from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
-from lightning_shardrec.modules.dynamic_tables import fresh_rows, fresh_rows_of_tables
+from lightning_shardrec.modules.dynamic_tables import fresh_rows, fresh_seeds
 from lightning_shardrec.modules.table_dict import TableDict
+from lightning_shardrec.modules.table_init import write_uniform_rows
 from lightning_shardrec.planner import ParameterSharding, ShardingType, ShardMetadata
 from lightning_shardrec.planner.tables import DYNAMIC_TYPES
 from lightning_shardrec.sparse import KeyedJaggedTensor
@@ -139,7 +140,7 @@ class DynamicMapping:
         for n in kjt.length_per_key():
             bounds.append(bounds[-1] + n)
         rows = torch.empty_like(values)
-        resets: list[tuple[int, Tensor, Tensor]] = []
+        resets: list[tuple[int, Tensor]] = []
         for members, group in self._fused:
             spans = [(bounds[f0], bounds[f1]) for f0, f1 in (self._table_features[i] for i in members)]
             filled = [(a, b) for a, b in spans if b > a]
@@ -153,7 +154,7 @@ class DynamicMapping:
                 for (a, b), part in zip(filled, result.rows.split([b - a for a, b in filled]), strict=True):
                     rows[a:b] = part
             resets += self._fresh(members, group, result)
-        self.kernel.reset_tables_rows(resets)
+        self.kernel.reset_state_rows(resets)
         keep = rows >= 0
         if bool(keep.all()):
             return KeyedJaggedTensor._trusted(
@@ -166,8 +167,9 @@ class DynamicMapping:
         out = KeyedJaggedTensor._trusted(kjt.keys(), rows[keep], None if w is None else w[keep], kept, kjt.stride())
         return out, keep.nonzero().squeeze(1)
 
-    def _fresh(self, members: list[int], group: MapperGroup, result: GroupLookup) -> list[tuple[int, Tensor, Tensor]]:
-        """``(kernel table, rows, fresh values)`` for the rows a lookup (re)assigned."""
+    def _fresh(self, members: list[int], group: MapperGroup, result: GroupLookup) -> list[tuple[int, Tensor]]:
+        """Write the fresh rows of the rows a lookup (re)assigned; ``(kernel table, rows)`` whose
+        optimizer state is still to be reset."""
         if result.new_rows.numel() == 0:
             return []
         assert self.kernel is not None
@@ -175,22 +177,21 @@ class DynamicMapping:
         offsets = torch.tensor([m.row_offset for m in group.mappers], device=result.new_rows.device)
         slots = result.new_rows + offsets.index_select(0, result.new_tables)  # global slots seed the rows
         configs = [self._configs[i] for i in members]
-        shapes = {(weights[i].shape[1], weights[i].dtype) for i in members}
-        fresh = None
-        if len(shapes) == 1:
-            fresh = fresh_rows_of_tables(configs, result.new_tables, slots, result.new_generations, weights[members[0]])
+        uniform = fresh_seeds(configs, result.new_tables, slots, result.new_generations)
         # new rows come sorted by table (flat buckets are table-major), so a split gives each its rows
         sizes = torch.bincount(result.new_tables, minlength=len(members)).tolist()
+        parts = (result.new_rows, slots, result.new_generations, *(uniform or ()))
         out = []
-        for j, (rows, s, gen) in enumerate(
-            zip(*(t.split(sizes) for t in (result.new_rows, slots, result.new_generations)), strict=True)
-        ):
-            if rows.numel():
-                i = members[j]
-                values = fresh.split(sizes)[j] if fresh is not None else fresh_rows(configs[j], s, gen, weights[i])
-                out.append((i, rows, values))
+        with torch.no_grad():
+            for j, (rows, s, gen, *init) in enumerate(zip(*(t.split(sizes) for t in parts), strict=True)):
+                if rows.numel():
+                    weight = weights[members[j]]
+                    if init:  # straight into the table's rows
+                        write_uniform_rows(weight, rows, *init)
+                    else:
+                        weight.index_copy_(0, rows, fresh_rows(configs[j], s, gen, weight).to(weight.device))
+                    out.append((members[j], rows))
         return out
-
 
 class DynamicTableSharding(DynamicMapping, PiecewiseSharding):
     """Table-wise dynamic tables: each table, all its buckets, on one rank; routed and sent home
