@@ -101,6 +101,12 @@ int64_t shardrec_place(int64_t n, const int64_t *ids, const int64_t *bucket, con
     for (int64_t i0 = 0, i1; i0 < n; i0 = i1) {
         for (i1 = i0 + 1; i1 < n && bucket[i1] == bucket[i0]; ++i1) {
         }
+        if (i1 + PREFETCH < n) { /* buckets are random: ask for a later one's entries now */
+            const int64_t ahead = bucket[i1 + PREFETCH] * width;
+            __builtin_prefetch(last + ahead, 1);
+            __builtin_prefetch(count + ahead, 1);
+            __builtin_prefetch(held + ahead, 1);
+        }
         const int64_t run = i1 - i0, first = bucket[i0] * width, now = step[i0 * step_stride];
         for (int64_t k = 0; k < run; ++k) { /* by most sightings, ties as given: stable insertion */
             int64_t j = k;
