@@ -59,14 +59,10 @@ class MapperGroup:
             raise ValueError(f"a mapper group needs one slot layout and policy, got {sorted(map(str, keys))}")
         self.mappers = list(mappers)
         self.width = mappers[0].slots_per_bucket
-        local = [m.bucket_hi - m.bucket_lo for m in mappers]
-        self._host = {  # entries per table, for expiry
-            "rows": [n * self.width for n in local],
-            "cand_rows": [n * m.cands_per_bucket for n, m in zip(local, mappers, strict=True)],
-        }
         self._views: list[dict[str, Tensor]] = []
         self._flat: dict[str, Tensor] = {}
         self._ranges: BucketRanges | None = None
+        self._entries: tuple[Tensor, Tensor] | None = None  # slots, candidates per table (for expiry)
 
     # --- binding ------------------------------------------------------------------
     def _bound(self) -> bool:
@@ -90,25 +86,14 @@ class MapperGroup:
         self._views = views
         tables = [(m.table, m.num_buckets, m.bucket_lo, m.bucket_hi) for m in self.mappers]
         self._ranges = BucketRanges.of(tables, self._flat["step"].device)
+        self._entries = (self._ranges.count * self.width, self._ranges.count * self.mappers[0].cands_per_bucket)
 
     def state(self) -> SlotState:
         """The flat state of every mapper's buckets (binding them first if needed)."""
         if not self._bound():
             self._bind()
-        f, m = self._flat, self.mappers[0]
-        return SlotState(
-            f["slot_ids"],
-            f["slot_step"],
-            f["slot_count"],
-            f["slot_gen"],
-            f["cand_ids"],
-            f["cand_step"],
-            f["cand_count"],
-            f["counters"],
-            self.width,
-            m.cands_per_bucket,
-            m.config,
-        )
+        m = self.mappers[0]
+        return SlotState.of(self._flat, self.width, m.cands_per_bucket, m.config)
 
     # --- lookup -------------------------------------------------------------------
     def map(self, ids: Tensor, counts: Sequence[int], train: bool) -> GroupLookup:
@@ -124,13 +109,12 @@ class MapperGroup:
         """Map raw ids ``[N]``, the first ``counts[0]`` of mapper 0, then ``counts[1]`` of mapper 1, ...,
         mapper ``t`` at step ``steps[t]``."""
         state = self.state()
-        ranges = self._ranges
-        assert ranges is not None  # made by state()
+        ranges, entries = self._ranges, self._entries
+        assert ranges is not None and entries is not None  # made by state()
         ids = ids.reshape(-1).to(device=state.slot_ids.device, dtype=torch.int64).contiguous()
         if train and state.config.ttl_steps is not None:
-            rows, cands = (torch.tensor(self._host[k], device=ids.device) for k in ("rows", "cand_rows"))
-            slot_steps = torch.repeat_interleave(steps, rows, output_size=state.slot_ids.numel())
-            cand_steps = torch.repeat_interleave(steps, cands, output_size=state.cand_ids.numel())
+            slot_steps = torch.repeat_interleave(steps, entries[0], output_size=state.slot_ids.numel())
+            cand_steps = torch.repeat_interleave(steps, entries[1], output_size=state.cand_ids.numel())
             expire(state, slot_steps, cand_steps)
         n = ids.numel()
         device = ids.device

@@ -152,19 +152,7 @@ class DynamicIdMapper(nn.Module):
 
     def state(self) -> SlotState:
         """This mapper's buffers as the flat state of its ``hi - lo`` buckets (the same tensors)."""
-        return SlotState(
-            self.slot_ids,
-            self.slot_step,
-            self.slot_count,
-            self.slot_gen,
-            self.cand_ids,
-            self.cand_step,
-            self.cand_count,
-            self.counters,
-            self.slots_per_bucket,
-            self.cands_per_bucket,
-            self.config,
-        )
+        return SlotState.of(dict(self.named_buffers()), self.slots_per_bucket, self.cands_per_bucket, self.config)
 
     def bucket_ranges(self) -> BucketRanges:
         """This mapper's buckets as one table's :class:`BucketRanges` (made once per device)."""

@@ -15,6 +15,7 @@ Each table keeps its own step, so a step is passed as a scalar shared by every i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from lightning_shardrec.configs import DynamicConfig, EvictionPolicy
 from lightning_shardrec.modules.dynamic_hash import bucket_of
-from lightning_shardrec.modules.native import NativeLoops, native_loops
+from lightning_shardrec.modules.native import native_loops
 
 COUNTERS = ("admissions", "evictions", "expirations", "misses", "dropped_candidates")
 _INT64_MAX = torch.iinfo(torch.int64).max
@@ -47,6 +48,13 @@ class SlotState:
     width: int  # S
     cands: int  # K
     config: DynamicConfig
+
+    @classmethod
+    def of(cls, buffers: Mapping[str, Tensor], width: int, cands: int, config: DynamicConfig) -> SlotState:
+        """From tensors named as :class:`~lightning_shardrec.modules.DynamicIdMapper`'s buffers."""
+        b = buffers
+        slots = (b["slot_ids"], b["slot_step"], b["slot_count"], b["slot_gen"])
+        return cls(*slots, b["cand_ids"], b["cand_step"], b["cand_count"], b["counters"], width, cands, config)
 
     def count(self, name: str, bucket: Tensor, amount: Tensor | None = None) -> None:
         """Add ``amount [N]`` (default: 1 each) to counter ``name`` of buckets ``bucket [N]``."""
@@ -316,8 +324,14 @@ def place(
     if ids.numel() == 0:
         return torch.full_like(ids, -1), ids.new_zeros(0)
     loops = native_loops() if ids.device.type == "cpu" else None
-    if loops is not None and all(t.is_contiguous() for t in table):
-        return _place_compiled(loops, ids, bucket, total, step, table, width, lfu)
+    if loops is not None and all(t.is_contiguous() for t in table):  # shardrec_place (native.c)
+        n = ids.numel()
+        steps = torch.as_tensor(step, dtype=torch.int64).reshape(-1).contiguous()  # [1] shared, or [n]
+        ids, bucket, total = (t.to(torch.int64).contiguous() for t in (ids, bucket, total))
+        out, displaced, scratch = (torch.empty(n, dtype=torch.int64) for _ in range(3))
+        moved = loops.place(n, *_ptrs((ids, bucket, total, steps)), int(steps.numel() > 1), width, int(lfu),
+                            *_ptrs((*table, out, displaced, scratch)))  # fmt: skip
+        return out, displaced[:moved]
     if most is not None:  # one key: bucket, then most sightings; ids arrive sorted, so ties stay by id
         order = torch.sort(bucket * (most + 1) + (most - total), stable=True).indices
     else:
@@ -354,22 +368,3 @@ def place(
     out[order] = torch.where(wins, target, -1)
     return out, displaced
 
-
-def _place_compiled(
-    loops: NativeLoops,
-    ids: Tensor,
-    bucket: Tensor,
-    total: Tensor,
-    step: Step,
-    table: tuple[Tensor, Tensor, Tensor],
-    width: int,
-    lfu: bool,
-) -> tuple[Tensor, Tensor]:
-    """:func:`place` by ``shardrec_place`` (``native.c``)."""
-    n = ids.numel()
-    steps = torch.as_tensor(step, dtype=torch.int64).reshape(-1).contiguous()  # [1] shared, or [n]
-    ids, bucket, total = (t.to(torch.int64).contiguous() for t in (ids, bucket, total))
-    out, displaced, scratch = (torch.empty(n, dtype=torch.int64) for _ in range(3))
-    moved = loops.place(n, *_ptrs((ids, bucket, total, steps)), int(steps.numel() > 1), width, int(lfu),
-                        *_ptrs((*table, out, displaced, scratch)))  # fmt: skip
-    return out, displaced[:moved]

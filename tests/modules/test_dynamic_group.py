@@ -232,3 +232,19 @@ def test_without_a_compiler_the_tensor_ops_run_after_one_warning(monkeypatch: py
         assert native.native_loops() is None  # silenced: no warning (pytest turns warnings into records only)
     finally:
         native.native_loops.cache_clear()
+
+
+def test_a_failed_build_falls_back_to_tensor_ops_after_one_warning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+) -> None:
+    def broken(cc: str, source: bytes, out: object) -> None:
+        raise RuntimeError("`cc ...` failed: native.c:1: error: boom")
+
+    native.native_loops.cache_clear()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there yet
+    monkeypatch.setattr(native, "_build", broken)
+    try:
+        with pytest.warns(UserWarning, match=r"building the compiled loops failed \(`cc \.\.\.` failed: .*boom\)"):
+            assert native.native_loops() is None
+    finally:
+        native.native_loops.cache_clear()

@@ -149,3 +149,17 @@ def test_the_sharded_module_checks_a_complete_plan_too() -> None:
         r"shards hold all 8 columns",
     ):
         check_dynamic_plan(TableSharding(table, cols, None))
+
+
+def test_the_mechanism_of_a_dynamic_table_refuses_a_type_that_cannot_hold_it() -> None:
+    from lightning_shardrec.distributed.sharding import DynamicRowSharding, DynamicTableSharding, mechanism
+
+    table = dyn()
+    shard = [ShardMetadata((0, 0), (60, 8), 0)]
+    kinds = {t: mechanism(table, ParameterSharding(t, EmbeddingComputeKernel.FUSED, [0], shard))
+             for t in (ShardingType.TABLE_WISE, ShardingType.ROW_WISE)}  # fmt: skip
+    assert kinds == {ShardingType.TABLE_WISE: DynamicTableSharding, ShardingType.ROW_WISE: DynamicRowSharding}
+    columns = ParameterSharding(ShardingType.COLUMN_WISE, EmbeddingComputeKernel.FUSED, [0], shard)
+    with pytest.raises(ShardingError, match=r"dynamic table 'd': sharding type 'column_wise' cannot hold it; "
+                       r"valid: table_wise, row_wise"):  # fmt: skip
+        mechanism(table, columns)

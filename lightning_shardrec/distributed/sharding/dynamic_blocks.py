@@ -193,6 +193,7 @@ class DynamicMapping:
                     out.append((members[j], rows))
         return out
 
+
 class DynamicTableSharding(DynamicMapping, PiecewiseSharding):
     """Table-wise dynamic tables: each table, all its buckets, on one rank; routed and sent home
     as table-wise tables are (whole features by key, pooled rows by all-to-all)."""
