@@ -293,7 +293,7 @@ def _trace_collectives() -> None:
 
         return call
 
-    from lightning_shardrec.distributed.shm_transport import ShmTransport, ShmWork
+    from lightning_shardrec.distributed.transport.shm import ShmTransport, ShmWork
 
     for name in ("all_to_all_single", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"):
         setattr(dist, name, traced(getattr(dist, name)))

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from lightning_shardrec.modules import optimizer_reset_hook
-from lightning_shardrec.modules.dynamic_hash import mix64, shr
+from lightning_shardrec.modules.dynamic.hashing import mix64, shr
 
 DIM = 16
 LR = 0.1

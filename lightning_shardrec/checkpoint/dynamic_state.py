@@ -2,7 +2,7 @@
 
 Each rank's :class:`~lightning_shardrec.modules.DynamicIdMapper` holds buckets
 ``[lo, hi)`` of a dynamic table; in a checkpoint its buffers are chunks of the global
-tensors the unsharded module saves (:mod:`~lightning_shardrec.modules.dynamic_layout`),
+tensors the unsharded module saves (:mod:`~lightning_shardrec.modules.dynamic.layout`),
 under the same keys (``<path>.dynamic_tables.<table>.<buffer>``). A sharded (DCP)
 checkpoint stores them as ``ShardedTensor`` chunks, so another world size reads the
 overlap of its own bucket ranges, as for row-wise tables; a full checkpoint stores the
@@ -24,8 +24,8 @@ from torch import Tensor
 
 from lightning_shardrec.configs import BaseEmbeddingConfig
 from lightning_shardrec.distributed.collection import ShardedCollection
-from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
-from lightning_shardrec.modules.dynamic_layout import BUFFERS, DynamicLayout, layout_problems
+from lightning_shardrec.modules.dynamic.layout import BUFFERS, DynamicLayout, layout_problems
+from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
 
 Chunks = dict[str, list[tuple[tuple[int, ...], Tensor]]]
 """``key -> [(offsets, chunk)]``: pieces of global tensors, as ranks send them to be assembled."""

@@ -35,7 +35,7 @@ from lightning_shardrec.checkpoint.dynamic_state import (
 from lightning_shardrec.checkpoint.validate import pooled
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
-from lightning_shardrec.modules.dynamic_layout import BUFFERS
+from lightning_shardrec.modules.dynamic.layout import BUFFERS
 
 Shards = list[tuple[tuple[int, int], Tensor]]
 

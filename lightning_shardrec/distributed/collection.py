@@ -31,8 +31,8 @@ from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharding import DynamicMapping, EmbeddingSharding
 from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.kernels import BatchedEmbeddingKernel, KernelBackend
-from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
-from lightning_shardrec.modules.dynamic_stats import FIELDS, mapper_stats, stats_dict
+from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
+from lightning_shardrec.modules.dynamic.stats import FIELDS, mapper_stats, stats_dict
 from lightning_shardrec.modules.features import check_ids
 from lightning_shardrec.planner import ShardMetadata
 from lightning_shardrec.sparse import KeyedJaggedTensor

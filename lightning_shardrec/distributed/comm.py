@@ -3,7 +3,7 @@
 ``torch.distributed`` primitives: all-to-all with uneven splits (plain for ids,
 autograd-aware for embeddings, whose backward is the reverse all-to-all) and
 reduce-scatter (backward: all-gather). When a :class:`ShardingEnv` carries a same-host
-transport (:mod:`.shm_transport`, gloo groups only), the all-to-alls, the row-wise
+transport (:mod:`~lightning_shardrec.distributed.transport.shm`, gloo groups only), the all-to-alls, the row-wise
 reduce-scatter and its all-gather of CPU tensors go through shared memory instead,
 with the same results (sums in rank order).
 """
@@ -31,7 +31,7 @@ from lightning_shardrec.distributed.qcomm import (
 from lightning_shardrec.planner.topology import local_world_size_from_env
 
 if TYPE_CHECKING:
-    from lightning_shardrec.distributed.shm_transport import ShmTransport
+    from lightning_shardrec.distributed.transport.shm import ShmTransport
 
 
 class Waitable(Protocol):
@@ -53,7 +53,7 @@ class ShardingEnv:
     world_size: int
     pg: dist.ProcessGroup | None = None
     local_world_size: int = 0
-    #: same-host shared-memory all-to-alls for CPU tensors (:mod:`.shm_transport`); None: ``pg``'s
+    #: same-host shared-memory all-to-alls for CPU tensors (:mod:`.transport.shm`); None: ``pg``'s
     transport: ShmTransport | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

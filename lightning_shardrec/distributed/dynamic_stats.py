@@ -15,12 +15,12 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_shardrec.distributed.collection import ShardedCollection
-from lightning_shardrec.modules.dynamic_tables import HasDynamicTables
+from lightning_shardrec.modules.dynamic.tables import HasDynamicTables
 
 
 def dynamic_stats(module: nn.Module) -> dict[str, dict[str, int]]:
     """Per dynamic table of every collection in ``module``: occupancy, capacity, ... (ints,
-    :data:`~lightning_shardrec.modules.dynamic_stats.FIELDS`).
+    :data:`~lightning_shardrec.modules.dynamic.stats.FIELDS`).
 
     Keyed by table name (``<collection path>.<table>`` for a name an earlier
     collection already used). A collective when ``module`` holds sharded collections:

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.shm_connect import attach
+from lightning_shardrec.distributed.transport.connect import attach
 
 
 def live_group(group: dist.ProcessGroup | None) -> bool:

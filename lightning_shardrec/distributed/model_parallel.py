@@ -30,8 +30,8 @@ from lightning_shardrec.distributed.plain_embeddings import (
     ShardedPlainMaxEmbeddingBag,
 )
 from lightning_shardrec.distributed.sharding import KernelSetup
-from lightning_shardrec.distributed.shm_allreduce import use_shm_allreduce
-from lightning_shardrec.distributed.shm_connect import attach
+from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
+from lightning_shardrec.distributed.transport.connect import attach
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.modules.plain_embeddings import (
@@ -142,7 +142,7 @@ class DistributedModelParallel(nn.Module):
     ``True`` (all with at least ``embedding_min_rows`` rows), ``False``, or a list of module paths.
 
     ``comm_transport``: ``"auto"`` moves the embeddings' all-to-alls through shared memory when every
-    rank is on this host under gloo (:mod:`~lightning_shardrec.distributed.shm_transport`), else
+    rank is on this host under gloo (:mod:`~lightning_shardrec.distributed.transport.shm`), else
     through the process group; ``"shm"`` requires shared memory, ``"pg"`` never uses it.
     """
 

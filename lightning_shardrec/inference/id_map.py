@@ -1,6 +1,6 @@
 """Serving a dynamic table: its frozen raw id -> row mapping, looked up by bucket (vectorised).
 
-A trained dynamic table (:mod:`lightning_shardrec.modules.dynamic_ids`) maps raw int64
+A trained dynamic table (:mod:`lightning_shardrec.modules.dynamic.mapper`) maps raw int64
 ids to slots with a mapper that admits and evicts. Serving needs only what the
 unsharded module does in ``eval()``: a resident, unexpired id reads its row, any other
 id reads zeros. :class:`QuantIdMap` freezes that as two buffers of the table's
@@ -28,9 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import DynamicConfig
-from lightning_shardrec.modules.dynamic_hash import bucket_of
-from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
-from lightning_shardrec.modules.native import native_loops
+from lightning_shardrec.modules.dynamic.hashing import bucket_of
+from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
+from lightning_shardrec.modules.dynamic.native import native_loops
 
 _CHUNK = 1 << 22  # elements of an [ids, S] gather done at once
 

@@ -33,7 +33,7 @@ from lightning_shardrec.inference.id_map import QuantIdMap, live_slots
 from lightning_shardrec.inference.lookup import FbgemmQuantLookup, QuantBackend, QuantLookup, TorchQuantLookup
 from lightning_shardrec.inference.rowwise import QuantDType, QuantizedRows, quantize_rows
 from lightning_shardrec.modules import EmbeddingBagCollection
-from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
+from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
 from lightning_shardrec.modules.embedding_bag_collection import check_unique_tables
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names
 from lightning_shardrec.modules.table_dict import TableDict

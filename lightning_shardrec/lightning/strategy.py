@@ -34,8 +34,8 @@ from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv
 from lightning_shardrec.distributed.groups import live_group, new_group_like
 from lightning_shardrec.distributed.model_parallel import find_collections, kernel_labels, pooling_of, shard_modules
 from lightning_shardrec.distributed.sharding import KernelSetup
-from lightning_shardrec.distributed.shm_allreduce import use_shm_allreduce
-from lightning_shardrec.distributed.shm_connect import attach, parse_transport
+from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
+from lightning_shardrec.distributed.transport.connect import attach, parse_transport
 from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
@@ -82,7 +82,7 @@ class ShardRecStrategy(RankFailureHandling):
         comm_precision: ``"fp32"`` (exact), ``"bf16"`` or ``"fp16"``: the precision of the pooled
             embeddings' all-to-alls / reduce-scatters and their gradients (half the bytes).
         comm_transport: ``"auto"`` (the embeddings' all-to-alls go through shared memory when every
-            rank is on this host under gloo, see :mod:`lightning_shardrec.distributed.shm_transport`;
+            rank is on this host under gloo, see :mod:`lightning_shardrec.distributed.transport.shm`;
             else through the process group), ``"shm"`` (required) or ``"pg"`` (never shared memory).
             Results are identical either way.
         pipeline: overlap the next batch's input distribution (id all-to-alls, host-to-device copy)

@@ -33,7 +33,7 @@ from lightning_shardrec.metrics import Calibration, NormalizedEntropy
 from lightning_shardrec.models.dcn import DCNv2
 from lightning_shardrec.models.dlrm import DLRM
 from lightning_shardrec.modules import EmbeddingBagCollection, optimizer_reset_hook
-from lightning_shardrec.modules.dynamic_tables import HasDynamicTables
+from lightning_shardrec.modules.dynamic.tables import HasDynamicTables
 
 ARCHS = ("dlrm", "dcn")
 # Each has a fused counterpart the strategy derives for the tables (sgd, adagrad, adam, adamw).

@@ -9,9 +9,9 @@ from lightning_shardrec.configs import (
     EvictionPolicy,
     PoolingType,
 )
-from lightning_shardrec.modules.dynamic_hash import bucket_of
-from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper, LookupResult
-from lightning_shardrec.modules.dynamic_tables import optimizer_reset_hook, reset_optimizer_rows
+from lightning_shardrec.modules.dynamic.hashing import bucket_of
+from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper, LookupResult
+from lightning_shardrec.modules.dynamic.tables import optimizer_reset_hook, reset_optimizer_rows
 from lightning_shardrec.modules.embedding_bag_collection import EmbeddingBagCollection
 from lightning_shardrec.modules.embedding_collection import EmbeddingCollection
 

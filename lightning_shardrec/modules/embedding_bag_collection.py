@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import EmbeddingBagConfig, PoolingType
-from lightning_shardrec.modules.dynamic_tables import HasDynamicTables
+from lightning_shardrec.modules.dynamic.tables import HasDynamicTables
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names
 from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.modules.table_init import SeededTables, table_device

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_shardrec.configs import EmbeddingConfig
-from lightning_shardrec.modules.dynamic_tables import HasDynamicTables
+from lightning_shardrec.modules.dynamic.tables import HasDynamicTables
 from lightning_shardrec.modules.embedding_bag_collection import check_unique_tables
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names_by_table
 from lightning_shardrec.modules.table_dict import TableDict

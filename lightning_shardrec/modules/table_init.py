@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.configs import BaseEmbeddingConfig, UniformInit
-from lightning_shardrec.modules.dynamic_hash import _C1, _C2, GOLDEN, mix64
-from lightning_shardrec.modules.native import native_loops
+from lightning_shardrec.modules.dynamic.hashing import _C1, _C2, GOLDEN, mix64
+from lightning_shardrec.modules.dynamic.native import native_loops
 
 _ON_META: ContextVar[bool] = ContextVar("lightning_shardrec_tables_on_meta", default=False)
 _BLOCK_CPU = 1 << 15  # elements hashed at once on CPU: scratch stays in cache (2**16 measured 10x slower)
@@ -106,7 +106,7 @@ def _uniform_rows(
 def _native_rows(
     row_seeds: Tensor, c0: int, cols: int, bounds: tuple[float | Tensor, float | Tensor] | None, dtype: torch.dtype
 ) -> Tensor | None:
-    """:func:`_uniform_rows` by the compiled loop (:mod:`.native`): CPU, float32/float64 out; else None."""
+    """:func:`_uniform_rows` by the compiled loop (:mod:`.dynamic.native`): CPU, float32/float64 out; else None."""
     if row_seeds.device.type != "cpu" or dtype not in (torch.float32, torch.float64):
         return None
     loops = native_loops()
@@ -181,7 +181,7 @@ def _columns(c0: int, cols: int, device: torch.device) -> Tensor:
 
 
 def mix64_(z: Tensor, scratch: Tensor) -> Tensor:
-    """:func:`~lightning_shardrec.modules.dynamic_ids.mix64` in place on int64 ``z`` (``scratch``: its shape)."""
+    """:func:`~lightning_shardrec.modules.dynamic.mapper.mix64` in place on int64 ``z`` (``scratch``: its shape)."""
     z.add_(GOLDEN)
     for shift, mult in ((30, _C1), (27, _C2), (31, None)):
         torch.bitwise_right_shift(z, shift, out=scratch)

@@ -8,7 +8,7 @@ import torch
 from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingConfig
 from lightning_shardrec.checkpoint.dynamic_state import assemble, mapper_chunks, mapper_copies, mapper_pieces
 from lightning_shardrec.modules import DynamicIdMapper, bucket_of
-from lightning_shardrec.modules.dynamic_layout import BUFFERS, DynamicLayout, layout_problems
+from lightning_shardrec.modules.dynamic.layout import BUFFERS, DynamicLayout, layout_problems
 from tests.modules._dynamic_reference import stream
 
 CONFIG = DynamicConfig(num_buckets=8, eviction="lfu", min_count=2, candidates_per_bucket=3, ttl_steps=6)

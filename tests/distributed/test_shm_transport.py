@@ -34,7 +34,7 @@ def _ops(rank, world, seed, count, rows_max, dtypes):
 def _compare(rank, world, slot_bytes, count, rows_max):
     import torch.distributed as dist
 
-    from lightning_shardrec.distributed.shm_connect import connect
+    from lightning_shardrec.distributed.transport.connect import connect
 
     transport, why = connect(None, slot_bytes=slot_bytes)
     assert transport is not None, why
@@ -75,7 +75,7 @@ def test_chunks_larger_than_a_slot_go_point_to_point():
 
 
 def _bf16_wire(rank, world):
-    from lightning_shardrec.distributed.shm_connect import connect
+    from lightning_shardrec.distributed.transport.connect import connect
 
     transport, _ = connect(None)
     g = torch.Generator().manual_seed(rank)
@@ -98,7 +98,7 @@ def _timeouts(rank, world):
 
     import torch.distributed as dist
 
-    from lightning_shardrec.distributed.shm_connect import connect
+    from lightning_shardrec.distributed.transport.connect import connect
 
     group = dist.new_group(timeout=datetime.timedelta(seconds=17))
     own, default, given = connect(group)[0], connect(None)[0], connect(None, 5.0)[0]
@@ -111,8 +111,9 @@ def test_a_transport_waits_as_long_as_its_group():
 
 def _fallback(rank, world, bad_ranks, mode):
     mode = mode[rank] if isinstance(mode, list) else mode
-    from lightning_shardrec.distributed import shm_connect, shm_transport
     from lightning_shardrec.distributed.comm import ShardingEnv
+    from lightning_shardrec.distributed.transport import connect as shm_connect
+    from lightning_shardrec.distributed.transport import shm as shm_transport
 
     saved = shm_transport.SHM_DIR
     if rank in bad_ranks:
@@ -145,7 +146,7 @@ def test_every_rank_falls_back_when_one_rank_cannot_share_memory():
 def test_an_unknown_transport_lists_the_choices(monkeypatch):
     from lightning_shardrec import ShardRecStrategy
     from lightning_shardrec.distributed.comm import ShardingEnv
-    from lightning_shardrec.distributed.shm_connect import TRANSPORT_ENV, attach
+    from lightning_shardrec.distributed.transport.connect import TRANSPORT_ENV, attach
 
     with pytest.raises(ValueError, match="unknown comm_transport 'tcp'; available: auto, shm, pg"):
         ShardRecStrategy(comm_transport="tcp")
@@ -155,7 +156,7 @@ def test_an_unknown_transport_lists_the_choices(monkeypatch):
 
 
 def _forked_child_closes(rank, world):
-    from lightning_shardrec.distributed.shm_connect import connect
+    from lightning_shardrec.distributed.transport.connect import connect
 
     transport, _ = connect(None)
     pid = os.fork()
@@ -177,7 +178,7 @@ def test_a_forked_child_drops_the_transport():
 _DYING_PEER = textwrap.dedent(
     """
     import os, sys, torch, torch.distributed as dist
-    from lightning_shardrec.distributed.shm_connect import connect
+    from lightning_shardrec.distributed.transport.connect import connect
     rank = int(sys.argv[1])
     dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
     transport, _ = connect(None, 120.0)
@@ -210,7 +211,7 @@ def _train(rank, world, transport, precision):
     from test_comm_precision import _flat
     from test_comm_precision import _train as train
 
-    from lightning_shardrec.distributed.shm_connect import TRANSPORT_ENV
+    from lightning_shardrec.distributed.transport.connect import TRANSPORT_ENV
 
     os.environ[TRANSPORT_ENV] = transport
     try:
@@ -237,7 +238,7 @@ def test_training_on_shared_memory_equals_the_process_group(world, precision):
 def _reductions(rank, world, n):
     import torch.distributed as dist
 
-    from lightning_shardrec.distributed.shm_connect import connect
+    from lightning_shardrec.distributed.transport.connect import connect
 
     transport, _ = connect(None)
     x = torch.randn(n, 3, generator=torch.Generator().manual_seed(rank))

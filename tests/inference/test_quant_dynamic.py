@@ -13,7 +13,7 @@ from lightning_shardrec import (
 )
 from lightning_shardrec.inference import QuantDType, QuantEmbeddingBagCollection, quantize_rows, row_error_bound
 from lightning_shardrec.inference.id_map import QuantIdMap
-from lightning_shardrec.modules.dynamic_hash import bucket_of
+from lightning_shardrec.modules.dynamic.hashing import bucket_of
 
 needs_fbgemm = pytest.mark.skipif(not _fbgemm.fbgemm_inference_available(), reason="fbgemm_gpu inference TBE absent")
 BACKENDS = ["torch", pytest.param("fbgemm", marks=needs_fbgemm)]
@@ -199,7 +199,7 @@ def test_state_dict_keys_and_sizes():
 
 def test_compiled_serving_lookup_equals_the_tensor_ops() -> None:
     from lightning_shardrec.inference import id_map
-    from lightning_shardrec.modules import native
+    from lightning_shardrec.modules.dynamic import native
 
     if native.native_loops() is None:
         pytest.skip("no C compiler: only the tensor ops run here")

@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingBagConfig, SyntheticRecDataModule
 from lightning_shardrec.lightning import DynamicTableMonitor
 from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
-from lightning_shardrec.modules.dynamic_stats import FIELDS
+from lightning_shardrec.modules.dynamic.stats import FIELDS
 from lightning_shardrec.testing import run_ranks
 
 

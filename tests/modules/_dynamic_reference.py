@@ -1,6 +1,6 @@
 """A plain-Python, one-bucket-at-a-time model of a dynamic table's id -> slot semantics.
 
-Written from the rules in ``lightning_shardrec/modules/dynamic_ids.py``'s docstring,
+Written from the rules in ``lightning_shardrec/modules/dynamic/mapper.py``'s docstring,
 with dicts and loops, to check the vectorised mapper against.
 """
 

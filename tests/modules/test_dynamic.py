@@ -17,8 +17,8 @@ from lightning_shardrec.modules import (
     EvictionPolicy,
     bucket_of,
 )
-from lightning_shardrec.modules.dynamic_hash import mix64
-from lightning_shardrec.modules.dynamic_tables import fresh_rows
+from lightning_shardrec.modules.dynamic.hashing import mix64
+from lightning_shardrec.modules.dynamic.tables import fresh_rows
 from tests.modules._dynamic_reference import ODD_IDS, ReferenceMapper, stream
 
 MASK = (1 << 64) - 1

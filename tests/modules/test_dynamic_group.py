@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from lightning_shardrec import DynamicConfig, EmbeddingBagConfig
-from lightning_shardrec.modules import DynamicIdMapper, bucket_of, dynamic_slots, native, table_init
-from lightning_shardrec.modules.dynamic_group import MapperGroup, fuse_key
-from lightning_shardrec.modules.dynamic_layout import BUFFERS
-from lightning_shardrec.modules.dynamic_tables import fresh_rows, fresh_seeds
+from lightning_shardrec.modules import DynamicIdMapper, bucket_of, table_init
+from lightning_shardrec.modules.dynamic import native
+from lightning_shardrec.modules.dynamic import slots as dynamic_slots
+from lightning_shardrec.modules.dynamic.layout import BUFFERS
+from lightning_shardrec.modules.dynamic.mapper_group import MapperGroup, fuse_key
+from lightning_shardrec.modules.dynamic.tables import fresh_rows, fresh_seeds
 from tests.modules._dynamic_reference import ODD_IDS
 
 CONFIGS = [

@@ -16,7 +16,7 @@ from lightning_shardrec import (
     KeyedJaggedTensor,
 )
 from lightning_shardrec.modules import EvictionPolicy, optimizer_reset_hook, reset_optimizer_rows
-from lightning_shardrec.modules.dynamic_tables import fresh_rows
+from lightning_shardrec.modules.dynamic.tables import fresh_rows
 from tests.modules._dynamic_reference import ReferenceMapper, stream
 
 

@@ -13,7 +13,7 @@ from lightning_shardrec import (
     EmbeddingCollection,
     EmbeddingConfig,
 )
-from lightning_shardrec.modules.dynamic_hash import mix64
+from lightning_shardrec.modules.dynamic.hashing import mix64
 from lightning_shardrec.modules.table_init import init_block, mix64_, table_device, tables_on_meta, unit_uniform
 
 

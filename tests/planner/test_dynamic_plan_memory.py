@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingBagConfig
-from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
+from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
 from lightning_shardrec.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingPlan, Topology
 from lightning_shardrec.planner.dynamic_plan import DynamicLayout
 from lightning_shardrec.planner.memory import size_text

@@ -5,7 +5,7 @@ owner: :class:`DynamicTableSharding`, routed and sent home as a table-wise table
 row-wise (contiguous bucket ranges, block boundaries at multiples of ``S``:
 :class:`DynamicRowSharding`). A row-wise table's raw ids go, unchanged, to the rank
 owning their bucket (``bucket_of(id, B)``). Either way the owner's
-:class:`~lightning_shardrec.modules.dynamic_ids.DynamicIdMapper` over its buckets maps
+:class:`~lightning_shardrec.modules.dynamic.mapper.DynamicIdMapper` over its buckets maps
 every id it received for the table as one set, once per training forward (also with
 no ids, so its step stays in lockstep with the unsharded table's), and a bucket admits
 and evicts on its own, so every rank makes the choices the unsharded mapper makes for
@@ -15,7 +15,7 @@ its buckets::
     id 42 -> bucket 5 -> rank 1 -> mapper [3, 6) -> slot 5 * S + j -> kernel row 2 * S + j
 
 The mappers of a rank's tables that share a slot layout and policy are mapped in one
-pass (:class:`~lightning_shardrec.modules.dynamic_group.MapperGroup`). New slots are
+pass (:class:`~lightning_shardrec.modules.dynamic.mapper_group.MapperGroup`). New slots are
 reset before the lookup: fresh rows written into the kernel's table and their optimizer
 state restarted (:meth:`~lightning_shardrec.kernels.BatchedEmbeddingKernel.reset_state_rows`). Ids
 that missed (not admitted) are dropped from their bag, so they add zero and get no
@@ -38,9 +38,9 @@ from lightning_shardrec.distributed.sharding.piecewise import PiecewiseSharding
 from lightning_shardrec.distributed.sharding.row_blocks import RowBlockSharding
 from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.kernels import BatchedEmbeddingKernel
-from lightning_shardrec.modules.dynamic_group import GroupLookup, MapperGroup, fuse_key
-from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
-from lightning_shardrec.modules.dynamic_tables import fresh_rows, fresh_seeds
+from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
+from lightning_shardrec.modules.dynamic.mapper_group import GroupLookup, MapperGroup, fuse_key
+from lightning_shardrec.modules.dynamic.tables import fresh_rows, fresh_seeds
 from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.modules.table_init import write_uniform_rows
 from lightning_shardrec.planner import ParameterSharding, ShardingType, ShardMetadata

@@ -4,7 +4,7 @@ The id -> slot mapping of one table is some hundred small tensor ops; on CPU eac
 costs ~10 us whatever its size, so eight tables mapped one by one spend most of their
 time in fixed costs. Buckets never interact, so the buckets of tables that share a
 slot layout and policy (:func:`fuse_key`) can be laid end to end and mapped as one
-table (:mod:`~lightning_shardrec.modules.dynamic_slots`), each table keeping its own
+table (:mod:`~lightning_shardrec.modules.dynamic.slots`), each table keeping its own
 step. The result is, bucket by bucket, what mapping each table alone gives::
 
     tables t0 (4 local buckets), t1 (2)   ->   flat buckets [t0: 0 1 2 3][t1: 4 5]
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper
-from lightning_shardrec.modules.dynamic_layout import BUFFERS
-from lightning_shardrec.modules.dynamic_slots import BucketRanges, SlotState, expire, locate, lookup_slots
+from lightning_shardrec.modules.dynamic.layout import BUFFERS
+from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
+from lightning_shardrec.modules.dynamic.slots import BucketRanges, SlotState, expire, locate, lookup_slots
 
 
 def fuse_key(mapper: DynamicIdMapper) -> Hashable:

@@ -1,6 +1,6 @@
 /* Two hot loops of lightning_shardrec on CPU, as plain C on raw buffers.
  *
- * lightning_shardrec/modules/native.py compiles this file with the system C compiler the first
+ * lightning_shardrec/modules/dynamic/native.py compiles this file with the system C compiler the first
  * time it is needed and calls it through ctypes. Each function has a tensor-op twin that runs
  * wherever this library cannot (no compiler, other devices), and the tests hold the two equal
  * bit for bit. No torch headers: it builds in a fraction of a second.

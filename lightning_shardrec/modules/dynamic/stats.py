@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_shardrec.modules.dynamic_ids import COUNTERS, DynamicIdMapper
+from lightning_shardrec.modules.dynamic.mapper import COUNTERS, DynamicIdMapper
 
 FIELDS = ("occupancy", "capacity", "candidates", *COUNTERS)
 """The figures ``dynamic_stats()`` reports per table, in this order (ints)."""

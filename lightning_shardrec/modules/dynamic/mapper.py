@@ -33,8 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import DynamicConfig
-from lightning_shardrec.modules.dynamic_layout import BUFFERS, DynamicLayout, layout_problems
-from lightning_shardrec.modules.dynamic_slots import COUNTERS, BucketRanges, SlotState, expire, locate, lookup_slots
+from lightning_shardrec.modules.dynamic.layout import BUFFERS, DynamicLayout, layout_problems
+from lightning_shardrec.modules.dynamic.slots import COUNTERS, BucketRanges, SlotState, expire, locate, lookup_slots
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ class DynamicIdMapper(nn.Module):
         return DynamicLayout(self.table, self.num_buckets, self.slots_per_bucket, self.cands_per_bucket, 0)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
-        """Buffers that a :class:`~lightning_shardrec.modules.dynamic_group.MapperGroup` made views of
+        """Buffers that a :class:`~lightning_shardrec.modules.dynamic.mapper_group.MapperGroup` made views of
         one flat tensor are saved as tensors of their own (a save never carries other tables' state)."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for name in BUFFERS:

@@ -18,8 +18,8 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_shardrec.configs import BaseEmbeddingConfig, UniformInit
-from lightning_shardrec.modules.dynamic_hash import mix64
-from lightning_shardrec.modules.dynamic_ids import DynamicIdMapper, LookupResult
+from lightning_shardrec.modules.dynamic.hashing import mix64
+from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper, LookupResult
 from lightning_shardrec.modules.features import check_ids
 from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.modules.table_init import uniform_rows

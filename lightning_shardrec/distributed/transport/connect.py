@@ -1,7 +1,7 @@
 """Setting up the same-host transport: ``comm_transport="auto" | "shm" | "pg"``.
 
 :func:`attach` gives a :class:`~lightning_shardrec.distributed.comm.ShardingEnv` a
-:class:`~lightning_shardrec.distributed.shm_transport.ShmTransport` when its mode allows and
+:class:`~lightning_shardrec.distributed.transport.shm.ShmTransport` when its mode allows and
 :func:`connect` (collective) finds that every rank of the gloo group can share memory with every
 other: each rank creates its region and the FIFOs it reads under ``/dev/shm``, opens the
 others' and reads back their tokens (so ranks on different hosts or in containers without a
@@ -19,9 +19,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from lightning_shardrec.distributed import shm_transport as shm
 from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.shm_transport import SLOT_BYTES, SLOTS, ShmTransport
+from lightning_shardrec.distributed.transport import shm
+from lightning_shardrec.distributed.transport.shm import SLOT_BYTES, SLOTS, ShmTransport
 from lightning_shardrec.errors import unknown_name
 
 TRANSPORT_ENV = "LIGHTNING_SHARDREC_TRANSPORT"

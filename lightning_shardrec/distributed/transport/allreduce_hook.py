@@ -2,7 +2,7 @@
 
 DDP all-reduces each gradient bucket on its process group; under gloo that is loopback TCP
 worked by gloo's threads, which on a small CPU host take cores from compute. When every rank
-of the dense group shares this host (:func:`~lightning_shardrec.distributed.shm_connect.connect`),
+of the dense group shares this host (:func:`~lightning_shardrec.distributed.transport.connect.connect`),
 :func:`use_shm_allreduce` replaces it with :meth:`ShmTransport.all_reduce`: a reduce-scatter
 (rank ``r`` sums chunk ``r`` of every rank's bucket, in rank order) and an all-gather of the
 summed chunks. Every rank ends with the same bits; with 2 ranks they equal
@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_shardrec.distributed.shm_connect import connect
-from lightning_shardrec.distributed.shm_transport import ShmTransport
+from lightning_shardrec.distributed.transport.connect import connect
+from lightning_shardrec.distributed.transport.shm import ShmTransport
 
 
 def _allreduce_hook(transport: ShmTransport, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

@@ -4,10 +4,10 @@
 are entries ``[b * S, (b + 1) * S)`` of the slot buffers and its candidates entries
 ``[b * K, (b + 1) * K)`` of the candidate buffers. One :class:`DynamicIdMapper`'s
 buffers are such a state, and so are the buffers of several mappers of the same
-slot layout and policy concatenated (:class:`~lightning_shardrec.modules.dynamic_group.MapperGroup`):
+slot layout and policy concatenated (:class:`~lightning_shardrec.modules.dynamic.mapper_group.MapperGroup`):
 buckets never interact, so one pass over many tables' buckets makes, bucket by
 bucket, the choices one pass per table makes, with a fixed number of tensor ops
-for all of them. The rules are :mod:`~lightning_shardrec.modules.dynamic_ids`'.
+for all of them. The rules are :mod:`~lightning_shardrec.modules.dynamic.mapper`'.
 
 Each table keeps its own step, so a step is passed as a scalar shared by every id
 (one table) or as one step per id (several tables).
@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.configs import DynamicConfig, EvictionPolicy
-from lightning_shardrec.modules.dynamic_hash import bucket_of
-from lightning_shardrec.modules.native import native_loops
+from lightning_shardrec.modules.dynamic.hashing import bucket_of
+from lightning_shardrec.modules.dynamic.native import native_loops
 
 COUNTERS = ("admissions", "evictions", "expirations", "misses", "dropped_candidates")
 _INT64_MAX = torch.iinfo(torch.int64).max

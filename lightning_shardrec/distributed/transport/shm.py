@@ -22,7 +22,7 @@ slice. :class:`ShmTransport` moves the same bytes through ``/dev/shm``:
   peer" at once; a peer that hangs is caught by the group's timeout (and, in the
   strategy, by the heartbeat watchdog).
 
-:func:`~lightning_shardrec.distributed.shm_connect.connect` builds one (collective) only when
+:func:`~lightning_shardrec.distributed.transport.connect.connect` builds one (collective) only when
 every rank of a gloo group can open the others' files and sees the same bytes; otherwise every
 rank gets None and keeps the process group. All files are unlinked as soon as every rank has
 opened them.
@@ -85,7 +85,7 @@ class ShmWork:
 class ShmTransport:
     """Shared-memory all-to-alls among the ``world_size`` ranks of ``pg`` (see the module docstring).
 
-    Made by :func:`~lightning_shardrec.distributed.shm_connect.connect`; every rank must issue the same
+    Made by :func:`~lightning_shardrec.distributed.transport.connect.connect`; every rank must issue the same
     ops in the same order, as on a process group.
     """
 
