@@ -31,6 +31,7 @@ from lightning_shardrec.configs import DynamicConfig
 from lightning_shardrec.modules.dynamic.hashing import bucket_of
 from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
 from lightning_shardrec.modules.dynamic.native import native_loops
+from lightning_shardrec.modules.dynamic.ops import serve
 
 _CHUNK = 1 << 22  # elements of an [ids, S] gather done at once
 
@@ -82,10 +83,7 @@ class QuantIdMap(nn.Module):
         width = self.slots_per_bucket
         loops = native_loops() if ids.device.type == "cpu" else None
         if loops is not None and self.ids.is_contiguous() and self.live.is_contiguous():  # the same, compiled
-            out = torch.empty_like(ids)
-            loops.serve(ids.numel(), ids.data_ptr(), self.num_buckets, width, self.ids.data_ptr(),
-                        self.live.data_ptr(), self.capacity, out.data_ptr())  # fmt: skip
-            return out
+            return serve(ids, self.num_buckets, width, self.ids, self.live, self.capacity)
         held_all, live_all = self.ids.view(-1, width), self.live.view(-1, width)
         out = torch.empty_like(ids)
         step = max(1, _CHUNK // width)

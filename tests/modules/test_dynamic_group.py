@@ -121,22 +121,21 @@ def _nothing() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_compiled_uniform_rows_equal_tensor_ops_bit_for_bit(dtype: torch.dtype) -> None:
+def test_cpu_uniform_rows_equal_tensor_ops_bit_for_bit(dtype: torch.dtype) -> None:
+    """CPU init (numpy's uint64 passes) against the tensor ops that CUDA runs, on the same seeds."""
     seeds = torch.tensor(ODD_IDS * 40)
     lows = torch.linspace(-1, 0, len(seeds), dtype=torch.float64)
-    cases = [lambda: table_init.uniform_rows(seeds, 64, -0.0022, 0.0022, dtype),
-             lambda: table_init.uniform_rows(seeds, 9, lows, lows + 0.5, dtype),
-             lambda: table_init.unit_uniform(seeds, 7, 5)]  # fmt: skip
-    compiled = [f() for f in cases]
-    with tensor_ops_only():
-        assert all(torch.equal(a, f()) for a, f in zip(compiled, cases, strict=True))
-    table = EmbeddingBagConfig(name="t", embedding_dim=24, num_embeddings=1000, feature_names=["f"])
-    whole = torch.empty(1000, 24, dtype=dtype)
+    for args in ((seeds, 0, 64, (-0.0022, 0.0022), dtype), (seeds, 0, 9, (lows, lows + 0.5), dtype),
+                 (seeds, 7, 5, None, torch.float64)):  # fmt: skip
+        assert torch.equal(table_init._uniform_rows(*args), table_init._uniform_torch(*args))
+    table = EmbeddingBagConfig(name="t", embedding_dim=24, num_embeddings=3000, feature_names=["f"])
+    whole, again = torch.empty(3000, 24, dtype=dtype), torch.empty(3000, 24, dtype=dtype)
     table_init.init_block(table, 5, whole)
-    with tensor_ops_only():
-        again = torch.empty_like(whole)
-        table_init.init_block(table, 5, again)
+    table_init._init_torch(5, *table.init_range(), again, 0, 0)
     assert torch.equal(whole, again)
+    block = torch.empty(24, 100, dtype=dtype).t()  # a strided block of rows [2000, 2100) x columns [7, 31)
+    table_init.init_block(table, 5, block, 2000, 7)
+    assert torch.equal(block[:, :17], whole[2000:2100, 7:])
 
 
 @pytest.mark.parametrize("compiled", [True, False])
@@ -225,7 +224,9 @@ def test_without_a_compiler_the_tensor_ops_run_after_one_warning(monkeypatch: py
     native.native_loops.cache_clear()
     monkeypatch.setattr(native, "_compiler", lambda: None)
     try:
-        with pytest.warns(UserWarning, match="no C compiler found .* run as tensor ops"):
+        with pytest.warns(
+            UserWarning, match=r"no C compiler was found .* run as tensor ops, .* \(static tables are not affected\)"
+        ):
             assert native.native_loops() is None
         mapper = DynamicIdMapper("t", DynamicConfig(), 16)
         assert mapper.lookup(torch.tensor(ODD_IDS), 0, True).slots.ge(0).all()

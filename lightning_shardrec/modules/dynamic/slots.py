@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.configs import DynamicConfig, EvictionPolicy
+from lightning_shardrec.modules.dynamic import ops
 from lightning_shardrec.modules.dynamic.hashing import bucket_of
 from lightning_shardrec.modules.dynamic.native import native_loops
 
@@ -122,17 +123,15 @@ def locate(
     (None: all of table 0); a training lookup records each hit (``steps[t]``, one sighting).
 
     Raises, naming the table, for an id outside its table's buckets here (nothing recorded).
-    Runs the compiled loop (:mod:`.native`) on CPU where it is built, else tensor ops.
+    Runs the compiled loop (op ``shardrec::locate``, :mod:`.ops`) on CPU where it is built, else tensor ops.
     """
     loops = native_loops() if ids.device.type == "cpu" else None
     inputs = (ids, table, ranges.num_buckets, ranges.lo, ranges.count, ranges.start, steps)
     buffers = (state.slot_ids, state.slot_step, state.slot_count)
     if loops is not None and all(t is None or (t.is_contiguous() and t.dtype == torch.int64) for t in inputs + buffers):
-        bucket, slot = torch.empty_like(ids), torch.empty_like(ids)
-        bad = loops.locate(ids.numel(), *_ptrs(inputs), state.width, *_ptrs(buffers), int(train),
-                           bucket.data_ptr(), slot.data_ptr())  # fmt: skip
-        if bad >= 0:
-            raise ranges.out_of_range(ids, table, bad)
+        bucket, slot, bad = ops.locate(*inputs, state.width, *buffers, train)
+        if int(bad) >= 0:
+            raise ranges.out_of_range(ids, table, int(bad))
         return bucket, slot
 
     def per_table(values: Tensor) -> Tensor:
@@ -194,11 +193,6 @@ def expire(state: SlotState, slot_steps: Step, cand_steps: Step) -> None:
     old_cands = (state.cand_step >= 0) & (cand_steps - state.cand_step > ttl)
     state.cand_step.masked_fill_(old_cands, -1)
     state.cand_count.masked_fill_(old_cands, 0)
-
-
-def _ptrs(tensors: tuple[Tensor | None, ...]) -> list[int | None]:
-    """Addresses for the compiled loops (None: a NULL pointer)."""
-    return [None if t is None else t.data_ptr() for t in tensors]
 
 
 def _per_element(step: Step) -> bool:
@@ -318,20 +312,16 @@ def place(
     this step) by policy, ties by lowest index. Returns each id's flat entry
     (``-1``: none left) and the occupied entries taken over. ``most``, an upper
     bound of ``total`` if known, lets one sort order the ids. On CPU the compiled
-    loop (:mod:`.native`) does the same.
+    loop (op ``shardrec::place``, :mod:`.ops`) does the same.
     """
     held, last, count = table
     if ids.numel() == 0:
         return torch.full_like(ids, -1), ids.new_zeros(0)
     loops = native_loops() if ids.device.type == "cpu" else None
-    if loops is not None and all(t.is_contiguous() for t in table):  # shardrec_place (native.c)
-        n = ids.numel()
+    if loops is not None and all(t.is_contiguous() and t.dtype == torch.int64 for t in table):
         steps = torch.as_tensor(step, dtype=torch.int64).reshape(-1).contiguous()  # [1] shared, or [n]
         ids, bucket, total = (t.to(torch.int64).contiguous() for t in (ids, bucket, total))
-        out, displaced, scratch = (torch.empty(n, dtype=torch.int64) for _ in range(3))
-        moved = loops.place(n, *_ptrs((ids, bucket, total, steps)), int(steps.numel() > 1), width, int(lfu),
-                            *_ptrs((*table, out, displaced, scratch)))  # fmt: skip
-        return out, displaced[:moved]
+        return ops.place(ids, bucket, total, steps, width, lfu, held, last, count)
     if most is not None:  # one key: bucket, then most sightings; ids arrive sorted, so ties stay by id
         order = torch.sort(bucket * (most + 1) + (most - total), stable=True).indices
     else:
