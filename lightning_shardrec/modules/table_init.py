@@ -114,6 +114,7 @@ def _uniform_torch(
     return out
 
 
+@torch.compiler.disable  # numpy's uint64 ops, run as they are (dynamo would trace them as torch ops)
 def _uniform_cpu(
     row_seeds: Tensor,
     c0: int,
@@ -139,8 +140,8 @@ def _uniform_cpu(
     scale: float | np.ndarray = 2.0**-53
     low: float | np.ndarray = 0.0
     if bounds is not None:
-        lo, hi = (b.to(torch.float64).numpy() if isinstance(b, Tensor) else float(b) for b in bounds)
-        scale, low = (np.subtract(hi, lo) * 2.0**-53), lo
+        lo, hi = (b.to(torch.float64).expand(rows).numpy() if isinstance(b, Tensor) else float(b) for b in bounds)
+        scale, low = (hi - lo) * 2.0**-53, lo
     for start in range(0, rows, step):
         n = min(step, rows - start)
         zz, tt, uu = z[:n], tmp[:n], unit[:n]

@@ -37,6 +37,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from lightning_shardrec.user_cache import user_cache_dir
 
 NATIVE_ENV = "LIGHTNING_SHARDREC_NATIVE"
@@ -122,6 +124,7 @@ def _build_or_load(cc: str) -> NativeLoops:
 
 
 @functools.cache
+@torch.compiler.disable  # under torch.compile: one graph break, the cached result (no tracing into the build)
 def native_loops() -> NativeLoops | None:
     """The compiled loops of dynamic tables, built if needed; None (after one warning) where they cannot be."""
     if os.environ.get(NATIVE_ENV, "1").lower() in ("0", "off", "false", "no"):

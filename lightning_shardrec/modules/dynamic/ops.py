@@ -155,7 +155,7 @@ def place(
 
 @place.register_fake
 def _(ids, bucket, total, step, width, lfu, held, last, count):  # type: ignore[no-untyped-def]
-    moved = torch.library.get_ctx().new_dynamic_size(max=ids.numel())
+    moved = torch.library.get_ctx().new_dynamic_size()  # at most ids.numel()
     return torch.empty_like(ids), ids.new_empty(moved)
 
 
