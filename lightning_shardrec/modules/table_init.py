@@ -132,11 +132,15 @@ def _uniform_cpu(
     if rows == 0 or cols == 0:
         return
     step = max(1, _BLOCK_NUMPY // cols)
-    seeds = row_seeds.to(torch.int64).contiguous().numpy().view(_U64)
+    seeds = row_seeds.to(torch.int64, copy=False).cpu()
     # mix64 adds GOLDEN first: column j's term (c0 + j) * GOLDEN and that GOLDEN, folded (mod 2**64)
-    col = (np.arange(c0, c0 + cols, dtype=_U64) + _U64(1)) * _U64(GOLDEN & ((1 << 64) - 1))
-    z = np.empty((min(step, rows), cols), dtype=_U64)
+    col = _columns(c0 + 1, cols, torch.device("cpu"))
+    z_torch = torch.empty(min(step, rows), cols, dtype=torch.int64)  # the same memory as z
+    z = z_torch.numpy().view(_U64)
     tmp, unit = np.empty_like(z), np.empty(z.shape, dtype=np.float64)
+    direct = out.device.type == "cpu" and (
+        out.dtype == torch.float32 or (out.dtype == torch.float64 and not via_float32)
+    )
     scale: float | np.ndarray = 2.0**-53
     low: float | np.ndarray = 0.0
     if bounds is not None:
@@ -145,22 +149,25 @@ def _uniform_cpu(
     for start in range(0, rows, step):
         n = min(step, rows - start)
         zz, tt, uu = z[:n], tmp[:n], unit[:n]
-        np.add(seeds[start : start + n, None], col, out=zz)
+        torch.add(seeds[start : start + n, None], col, out=z_torch[:n])  # torch broadcasts this faster
         for shift, mult in _MIX:
             np.right_shift(zz, shift, out=tt)
             np.bitwise_xor(zz, tt, out=zz)
             if mult is not None:
                 np.multiply(zz, mult, out=zz)
         np.right_shift(zz, _U64(11), out=zz)
-        uu[...] = zz
+        uu[...] = zz.view(np.int64)  # < 2**53: int64's conversion (vectorised; uint64's is not everywhere)
+        # the last float64 op writes straight into float32/float64 ``out`` (computed in float64, then rounded)
+        dst = out[start : start + n].numpy() if direct else uu
         if bounds is not None:
             sc, lw = (v[start : start + n, None] if isinstance(v, np.ndarray) else v for v in (scale, low))
             np.multiply(uu, sc, out=uu)
-            np.add(uu, lw, out=uu)
+            np.add(uu, lw, out=dst, casting="same_kind")
         else:
-            np.multiply(uu, scale, out=uu)
-        block = torch.from_numpy(uu)
-        out[start : start + n] = block.float() if via_float32 and out.dtype != torch.float32 else block
+            np.multiply(uu, scale, out=dst, casting="same_kind")
+        if not direct:
+            block = torch.from_numpy(uu)
+            out[start : start + n] = block.float() if via_float32 and out.dtype != torch.float32 else block
 
 
 def write_uniform_rows(weight: Tensor, rows: Tensor, row_seeds: Tensor, low: Tensor, high: Tensor) -> None:
