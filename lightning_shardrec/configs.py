@@ -314,8 +314,9 @@ class DynamicConfig:
     evicts on its own, so results do not depend on how buckets are split over ranks.
 
     * ``eviction``: ``"lru"`` or ``"lfu"``, used when a new id finds its bucket full.
-    * ``ttl_steps``: a row not seen for more than this many training steps is freed
-      (``None``: never).
+    * ``ttl_steps``: ``k``: a row (or candidate) last seen at training step ``s`` is freed
+      at the start of step ``s + k + 1``; its id then comes back as a new one, with a fresh
+      row (``None``: never).
     * ``min_count``: an id gets a row only once it has been seen this many times
       (counted in a bounded per-bucket candidate table); until then it reads zeros
       and gets no gradient.

@@ -1,7 +1,9 @@
 """A plain-Python, one-bucket-at-a-time model of a dynamic table's id -> slot semantics.
 
-Written from the rules in ``lightning_shardrec/modules/dynamic/mapper.py``'s docstring,
-with dicts and loops, to check the vectorised mapper against.
+Written from the rules in ``docs/dynamic-tables.md`` ("Semantics") alone, with dicts and
+loops, to check the vectorised mapper against: the bucket formula is computed here from
+the documented hash (nothing of the library is used), each step frees what ``ttl_steps``
+expires before its lookups, and every counter counts what the docs say it counts.
 """
 
 from __future__ import annotations
@@ -10,9 +12,21 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-import torch
+MASK = (1 << 64) - 1
 
-from lightning_shardrec.modules import bucket_of
+
+def splitmix64(x: int) -> int:
+    """The documented finalizer on the id's 64 bits read as unsigned (all mod 2**64, logical shifts)."""
+    z = (x + 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def bucket(id_: int, num_buckets: int) -> int:
+    """``bucket(id) = (splitmix64(id) >> 1) mod num_buckets``."""
+    return (splitmix64(id_ & MASK) >> 1) % num_buckets
+
 
 ODD_IDS = [0, 1, -1, 7, -(2**63), 2**63 - 1, 123_456_789_012_345, -987_654_321_098]
 
@@ -46,7 +60,7 @@ class ReferenceMapper:
     def lookup(self, ids: list[int], step: int, train: bool) -> tuple[list[int], dict[int, int]]:
         """Slots of ``ids`` (-1: miss) and ``{new slot: generation}``."""
         counts = Counter(ids)
-        bucket = dict(zip(counts, bucket_of(torch.tensor(list(counts)), self.B).tolist(), strict=True))
+        bucket_of_id = {i: bucket(i, self.B) for i in counts}
         slot_of: dict[int, int] = {}
         new: dict[int, int] = {}
         if train and self.ttl is not None:
@@ -57,7 +71,7 @@ class ReferenceMapper:
                             row[j] = None
                             self.stats["expirations"] += counted
         for b in range(self.B):
-            mine = sorted(i for i in counts if bucket[i] == b)
+            mine = sorted(i for i in counts if bucket_of_id[i] == b)
             row, cand = self.slots[b], self.cands[b]
             where = {e.id: j for j, e in enumerate(row) if e is not None}
             misses = []

@@ -19,16 +19,7 @@ from lightning_shardrec.modules import (
 )
 from lightning_shardrec.modules.dynamic.hashing import mix64
 from lightning_shardrec.modules.dynamic.tables import fresh_rows
-from tests.modules._dynamic_reference import ODD_IDS, ReferenceMapper, stream
-
-MASK = (1 << 64) - 1
-
-
-def splitmix64(x: int) -> int:
-    z = (x + 0x9E3779B97F4A7C15) & MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
-    return z ^ (z >> 31)
+from tests.modules._dynamic_reference import MASK, ODD_IDS, ReferenceMapper, splitmix64, stream
 
 
 def test_hash_of_negative_and_huge_ids_is_splitmix64() -> None:

@@ -1,7 +1,7 @@
 """Raw id -> slot mapping of a dynamic table, vectorised (no per-id Python).
 
 The table is ``B`` buckets of ``S`` slots; slot ``b * S + j`` is slot ``j`` of bucket
-``b``. An id lives in bucket ``mix64(id) mod B`` (:func:`bucket_of`), and each bucket
+``b``. An id lives in bucket ``(mix64(id) >> 1) mod B`` (logical shift, :func:`bucket_of`), and each bucket
 admits and evicts on its own, so a mapper over buckets ``[lo, hi)`` fed only the ids
 of those buckets makes exactly the choices the whole-table mapper makes for them:
 any contiguous range of buckets can live on one rank.
@@ -20,7 +20,11 @@ order of ids in a batch never changes a result. Per training step:
 5. ready ids left without a slot, and ids not ready, read zeros this step (counted as
    misses) and stay candidates; a new candidate that finds its bucket's candidate table
    full replaces the least recently seen candidate not seen this step, else is dropped
-   (each lost candidate is counted in ``dropped_candidates``).
+   (each candidate replaced or dropped is counted in ``dropped_candidates``; candidates
+   freed by step 1 or admitted are not).
+
+The rules as users read them, and what each counter counts: ``docs/dynamic-tables.md``
+("Semantics"), which the tests check against a plain-Python model written from it.
 
 Eval lookups (``train=False``) change nothing: resident, unexpired ids hit, others miss.
 """
