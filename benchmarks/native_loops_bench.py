@@ -8,8 +8,8 @@ machine's drift moves both). Cases:
 
 - ``static init``: ``init_block`` of a 200,000 x 64 float32 table (what every static
   table's build runs on CPU): numpy's uint64 passes (the shipped path), the C loop
-  ``shardrec_uniform_rows`` (what static tables used before), torch tensor ops (the
-  CUDA path, run on CPU).
+  ``shardrec_uniform_rows`` (what static tables used before), torch tensor ops (the CUDA
+  path, run on CPU).
 - ``fresh rows``: ``write_uniform_rows`` of 4,300 rows x 64 into a 1,000,000-row table (a
   dynamic table's admissions of one e2e step): op ``shardrec::write_uniform_rows`` (in
   place) against numpy rows + ``index_copy_``.
@@ -81,11 +81,12 @@ def static_init(loops: native.NativeLoops, reps: int) -> dict[str, tuple[float, 
     table_init.init_block(config, seed, ref)
     c_loop()
     assert torch.equal(out, ref), "the C loop and numpy disagree"
+
     return paired(
         {
-            "numpy (shipped)": lambda: table_init.init_block(config, seed, out),
-            "C loop": c_loop,
-            "tensor ops": lambda: table_init._init_torch(seed, low, high, out, 0, 0),
+            "numpy, 1 thread (shipped)": lambda: table_init.init_block(config, seed, out),
+            "C loop, 1 thread (before)": c_loop,
+            "tensor ops, 1 thread": lambda: table_init._init_torch(seed, low, high, out, 0, 0),
         },
         reps,
     )

@@ -116,7 +116,7 @@ def _uniform_torch(
 
 @torch.compiler.disable  # numpy's uint64 ops, run as they are (dynamo would trace them as torch ops)
 def _uniform_cpu(
-    row_seeds: Tensor,
+    row_seeds: Tensor | tuple[int, int],
     c0: int,
     bounds: tuple[float | Tensor, float | Tensor] | None,
     out: Tensor,
@@ -127,17 +127,19 @@ def _uniform_cpu(
     after it), so the hash takes 8 passes instead of 12. Bit for bit the tensor ops' result:
     ``u * span + low`` with ``u = (z >> 11) * 2**-53`` is computed as ``(z >> 11) * (span * 2**-53)
     + low`` (scaling by a power of two is exact), in float64.
+
+    ``row_seeds``: a tensor ``[rows]``, or ``(r0, seed)`` for a table's rows ``[r0, r0 + rows)``
+    (:func:`_row_seeds`, made a block at a time). One thread: on 2 loaded cores two threads
+    measured slower (``benchmarks/native_loops_bench.py``).
     """
     rows, cols = out.shape
     if rows == 0 or cols == 0:
         return
     step = max(1, _BLOCK_NUMPY // cols)
-    seeds = row_seeds.to(torch.int64, copy=False).cpu()
+    if isinstance(row_seeds, Tensor):
+        seeds = row_seeds.to(torch.int64, copy=False).cpu()
     # mix64 adds GOLDEN first: column j's term (c0 + j) * GOLDEN and that GOLDEN, folded (mod 2**64)
     col = _columns(c0 + 1, cols, torch.device("cpu"))
-    z_torch = torch.empty(min(step, rows), cols, dtype=torch.int64)  # the same memory as z
-    z = z_torch.numpy().view(_U64)
-    tmp, unit = np.empty_like(z), np.empty(z.shape, dtype=np.float64)
     direct = out.device.type == "cpu" and (
         out.dtype == torch.float32 or (out.dtype == torch.float64 and not via_float32)
     )
@@ -146,28 +148,38 @@ def _uniform_cpu(
     if bounds is not None:
         lo, hi = (b.to(torch.float64).expand(rows).numpy() if isinstance(b, Tensor) else float(b) for b in bounds)
         scale, low = (hi - lo) * 2.0**-53, lo
-    for start in range(0, rows, step):
-        n = min(step, rows - start)
-        zz, tt, uu = z[:n], tmp[:n], unit[:n]
-        torch.add(seeds[start : start + n, None], col, out=z_torch[:n])  # torch broadcasts this faster
-        for shift, mult in _MIX:
-            np.right_shift(zz, shift, out=tt)
-            np.bitwise_xor(zz, tt, out=zz)
-            if mult is not None:
-                np.multiply(zz, mult, out=zz)
-        np.right_shift(zz, _U64(11), out=zz)
-        uu[...] = zz.view(np.int64)  # < 2**53: int64's conversion (vectorised; uint64's is not everywhere)
-        # the last float64 op writes straight into float32/float64 ``out`` (computed in float64, then rounded)
-        dst = out[start : start + n].numpy() if direct else uu
-        if bounds is not None:
-            sc, lw = (v[start : start + n, None] if isinstance(v, np.ndarray) else v for v in (scale, low))
-            np.multiply(uu, sc, out=uu)
-            np.add(uu, lw, out=dst, casting="same_kind")
-        else:
-            np.multiply(uu, scale, out=dst, casting="same_kind")
-        if not direct:
-            block = torch.from_numpy(uu)
-            out[start : start + n] = block.float() if via_float32 and out.dtype != torch.float32 else block
+
+    def fill(first: int, last: int) -> None:  # rows [first, last)
+        z_torch = torch.empty(min(step, last - first), cols, dtype=torch.int64)  # the same memory as z
+        z = z_torch.numpy().view(_U64)
+        tmp, unit = np.empty_like(z), np.empty(z.shape, dtype=np.float64)
+        for start in range(first, last, step):
+            n = min(step, last - start)
+            zz, tt, uu = z[:n], tmp[:n], unit[:n]
+            block_seeds = seeds[start : start + n] if isinstance(row_seeds, Tensor) else None
+            if block_seeds is None:
+                block_seeds = _row_seeds(row_seeds[0] + start, n, row_seeds[1], torch.device("cpu"))  # type: ignore[index]
+            torch.add(block_seeds[:, None], col, out=z_torch[:n])  # torch broadcasts this faster
+            for shift, mult in _MIX:
+                np.right_shift(zz, shift, out=tt)
+                np.bitwise_xor(zz, tt, out=zz)
+                if mult is not None:
+                    np.multiply(zz, mult, out=zz)
+            np.right_shift(zz, _U64(11), out=zz)
+            uu[...] = zz.view(np.int64)  # < 2**53: int64's conversion (vectorised; uint64's is not everywhere)
+            # the last float64 op writes straight into float32/float64 ``out`` (in float64, then rounded)
+            dst = out[start : start + n].numpy() if direct else uu
+            if bounds is not None:
+                sc, lw = (v[start : start + n, None] if isinstance(v, np.ndarray) else v for v in (scale, low))
+                np.multiply(uu, sc, out=uu)
+                np.add(uu, lw, out=dst, casting="same_kind")
+            else:
+                np.multiply(uu, scale, out=dst, casting="same_kind")
+            if not direct:
+                block = torch.from_numpy(uu)
+                out[start : start + n] = block.float() if via_float32 and out.dtype != torch.float32 else block
+
+    fill(0, rows)
 
 
 def write_uniform_rows(weight: Tensor, rows: Tensor, row_seeds: Tensor, low: Tensor, high: Tensor) -> None:
@@ -223,7 +235,7 @@ def init_block(config: BaseEmbeddingConfig, seed: int, out: Tensor, r0: int = 0,
         if out.device.type == "cuda":
             _init_torch(seed, low, high, out, r0, c0)
         else:  # CPU (and MPS, which has no float64): numpy's passes, then copied
-            _uniform_cpu(_row_seeds(r0, rows, seed, torch.device("cpu")), c0, (low, high), out, via_float32=True)
+            _uniform_cpu((r0, seed), c0, (low, high), out, via_float32=True)
 
 
 def _init_torch(seed: int, low: float, high: float, out: Tensor, r0: int, c0: int) -> None:

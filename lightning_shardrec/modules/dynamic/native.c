@@ -1,9 +1,12 @@
 /* Two hot loops of lightning_shardrec on CPU, as plain C on raw buffers.
  *
  * lightning_shardrec/modules/dynamic/native.py compiles this file with the system C compiler the first
- * time it is needed and calls it through ctypes. Each function has a tensor-op twin that runs
- * wherever this library cannot (no compiler, other devices), and the tests hold the two equal
- * bit for bit. No torch headers: it builds in a fraction of a second.
+ * time a dynamic table needs it and loads it with ctypes; lightning_shardrec/modules/dynamic/ops.py calls
+ * it from torch.library custom ops (shardrec::locate, place, serve, write_uniform_rows) that check every
+ * argument (dtype, contiguity, shapes, index ranges) first: these functions trust their inputs.
+ * Each function has a tensor-op twin that runs wherever this library cannot (no compiler, other
+ * devices), and the tests hold the two equal bit for bit. No torch headers: it builds in a
+ * fraction of a second.
  *
  * shardrec_locate (twin: dynamic_slots.locate): where dynamic tables' raw ids live.
  *   For every raw id i of table t = table[i] (table == NULL: every id is of table 0):
@@ -24,7 +27,8 @@
  *   out[i] = the slot of bucket (splitmix64(id) >> 1) % num_buckets holding the id where live[slot],
  *   else `missing`.
  *
- * shardrec_uniform_rows (twin: table_init._uniform_rows): counter-based uniform rows.
+ * shardrec_uniform_rows (twin: table_init.uniform_rows, numpy on CPU): counter-based uniform rows
+ *   (dynamic tables' fresh rows; static tables' init never calls it).
  *   out[r][j] = low[r] + (high[r] - low[r]) * u, u = (splitmix64(seeds[r] + (c0 + j) * GOLDEN) >> 11) * 2^-53,
  *   in double (product, then sum: two roundings, as the tensor ops), stored as float (out_float)
  *   or double. low/high == NULL: u itself. Row r is written at out + at[r] * stride elements
