@@ -149,37 +149,35 @@ def _uniform_cpu(
         lo, hi = (b.to(torch.float64).expand(rows).numpy() if isinstance(b, Tensor) else float(b) for b in bounds)
         scale, low = (hi - lo) * 2.0**-53, lo
 
-    def fill(first: int, last: int) -> None:  # rows [first, last)
-        z_torch = torch.empty(min(step, last - first), cols, dtype=torch.int64)  # the same memory as z
-        z = z_torch.numpy().view(_U64)
-        tmp, unit = np.empty_like(z), np.empty(z.shape, dtype=np.float64)
-        for start in range(first, last, step):
-            n = min(step, last - start)
-            zz, tt, uu = z[:n], tmp[:n], unit[:n]
-            block_seeds = seeds[start : start + n] if isinstance(row_seeds, Tensor) else None
-            if block_seeds is None:
-                block_seeds = _row_seeds(row_seeds[0] + start, n, row_seeds[1], torch.device("cpu"))  # type: ignore[index]
-            torch.add(block_seeds[:, None], col, out=z_torch[:n])  # torch broadcasts this faster
-            for shift, mult in _MIX:
-                np.right_shift(zz, shift, out=tt)
-                np.bitwise_xor(zz, tt, out=zz)
-                if mult is not None:
-                    np.multiply(zz, mult, out=zz)
-            np.right_shift(zz, _U64(11), out=zz)
-            uu[...] = zz.view(np.int64)  # < 2**53: int64's conversion (vectorised; uint64's is not everywhere)
-            # the last float64 op writes straight into float32/float64 ``out`` (in float64, then rounded)
-            dst = out[start : start + n].numpy() if direct else uu
-            if bounds is not None:
-                sc, lw = (v[start : start + n, None] if isinstance(v, np.ndarray) else v for v in (scale, low))
-                np.multiply(uu, sc, out=uu)
-                np.add(uu, lw, out=dst, casting="same_kind")
-            else:
-                np.multiply(uu, scale, out=dst, casting="same_kind")
-            if not direct:
-                block = torch.from_numpy(uu)
-                out[start : start + n] = block.float() if via_float32 and out.dtype != torch.float32 else block
-
-    fill(0, rows)
+    z_torch = torch.empty(min(step, rows), cols, dtype=torch.int64)  # the same memory as z
+    z = z_torch.numpy().view(_U64)
+    tmp, unit = np.empty_like(z), np.empty(z.shape, dtype=np.float64)
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        zz, tt, uu = z[:n], tmp[:n], unit[:n]
+        if isinstance(row_seeds, Tensor):
+            block_seeds = seeds[start : start + n]
+        else:
+            block_seeds = _row_seeds(row_seeds[0] + start, n, row_seeds[1], torch.device("cpu"))
+        torch.add(block_seeds[:, None], col, out=z_torch[:n])  # torch broadcasts this faster
+        for shift, mult in _MIX:
+            np.right_shift(zz, shift, out=tt)
+            np.bitwise_xor(zz, tt, out=zz)
+            if mult is not None:
+                np.multiply(zz, mult, out=zz)
+        np.right_shift(zz, _U64(11), out=zz)
+        uu[...] = zz.view(np.int64)  # < 2**53: int64's conversion (vectorised; uint64's is not everywhere)
+        # the last float64 op writes straight into float32/float64 ``out`` (in float64, then rounded)
+        dst = out[start : start + n].detach().numpy() if direct else uu
+        if bounds is not None:
+            sc, lw = (v[start : start + n, None] if isinstance(v, np.ndarray) else v for v in (scale, low))
+            np.multiply(uu, sc, out=uu)
+            np.add(uu, lw, out=dst, casting="same_kind")
+        else:
+            np.multiply(uu, scale, out=dst, casting="same_kind")
+        if not direct:
+            block = torch.from_numpy(uu)
+            out[start : start + n] = block.float() if via_float32 and out.dtype != torch.float32 else block
 
 
 def write_uniform_rows(weight: Tensor, rows: Tensor, row_seeds: Tensor, low: Tensor, high: Tensor) -> None:
