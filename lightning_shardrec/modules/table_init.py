@@ -185,7 +185,7 @@ def write_uniform_rows(weight: Tensor, rows: Tensor, row_seeds: Tensor, low: Ten
     ``row_seeds``, ``low`` and ``high`` are ``[n]`` (integer, integer, float, float), ``rows`` in
     ``[0, len(weight))`` (checked here on CPU; on CUDA by ``index_copy_``). Dynamic tables' fresh
     rows: on CPU (float32/float64 rows of unit stride) written in place by the compiled loop
-    where it is built (4300 rows of 64: 3.5x faster than the numpy rows and a copy)."""
+    where it is built (4300 rows of 64: 2-3.5x faster than the numpy rows and a copy)."""
     n = rows.shape[0] if rows.dim() == 1 else -1
     shapes = [tuple(t.shape) for t in (rows, row_seeds, low, high)]
     if weight.dim() != 2 or n < 0 or any(s != (n,) for s in shapes):

@@ -5,15 +5,15 @@ passes over large temporaries or many small ops: locating raw ids in their bucke
 training and in serving (a dozen passes over ``[ids, slots per bucket]``; one C pass
 stops at the matching slot, ~5x faster for an e2e batch on one core), placing admitted
 ids in their buckets (some 30 ops over ``[buckets, slots]``) and writing fresh rows'
-init into a table's rows (3.5x faster than numpy's rows and a copy).
+init into a table's rows (2-3.5x faster than numpy's rows and a copy).
 They are ``torch.library`` custom ops (:mod:`.ops`: schemas, fake implementations,
 checked arguments); this module builds and loads the library behind them.
 
 Only a dynamic table (training, or its serving id map) calls :func:`native_loops`: static
 tables never compile or load anything (their init is numpy's, :mod:`~lightning_shardrec.
 modules.table_init`). The source is plain C on raw buffers (no torch headers), so it builds in
-0.15 s, where torch's C++ extension machinery takes ~25 s (torch headers, ninja) for the same
-loops; the shared library is kept in the user cache directory (else a per-user directory
+0.15-0.5 s, where torch's C++ extension machinery takes 25-100 s (torch headers, ninja) for
+one trivial op (``benchmarks/native_loops_bench.py``); the shared library is kept in the user cache directory (else a per-user directory
 under the system's temporary directory), keyed by the source, compiler and machine, and
 loaded with ctypes. Concurrent ranks build into private temporary files and rename them into
 place (atomic: every copy is the same), so they never read a half-written library.
