@@ -129,8 +129,8 @@ def _uniform_cpu(
     + low`` (scaling by a power of two is exact), in float64.
 
     ``row_seeds``: a tensor ``[rows]``, or ``(r0, seed)`` for a table's rows ``[r0, r0 + rows)``
-    (:func:`_row_seeds`, made a block at a time). One thread: on 2 loaded cores two threads
-    measured slower (``benchmarks/native_loops_bench.py``).
+    (:func:`_row_seeds`, made a block at a time). One thread: splitting the rows over two
+    threads measured slower on the 2 loaded cores of the benchmark machine.
     """
     rows, cols = out.shape
     if rows == 0 or cols == 0:

@@ -13,10 +13,11 @@ Only a dynamic table (training, or its serving id map) calls :func:`native_loops
 tables never compile or load anything (their init is numpy's, :mod:`~lightning_shardrec.
 modules.table_init`). The source is plain C on raw buffers (no torch headers), so it builds in
 0.15-0.5 s, where torch's C++ extension machinery takes 25-100 s (torch headers, ninja) for
-one trivial op (``benchmarks/native_loops_bench.py``); the shared library is kept in the user cache directory (else a per-user directory
-under the system's temporary directory), keyed by the source, compiler and machine, and
-loaded with ctypes. Concurrent ranks build into private temporary files and rename them into
-place (atomic: every copy is the same), so they never read a half-written library.
+one trivial op (``benchmarks/native_loops_bench.py``). The shared library is kept in the user
+cache directory (else a per-user directory under the system's temporary directory), keyed by
+the source, compiler and machine, and loaded with ctypes. Concurrent ranks build into private
+temporary files and rename them into place (atomic: every copy is the same), so they never
+read a half-written library.
 
 Where it cannot be used (no C compiler, ``LIGHTNING_SHARDREC_NATIVE=0``, tensors not on
 the CPU) each caller runs its tensor-op twin instead, with the same results bit for bit
