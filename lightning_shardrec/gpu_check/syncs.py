@@ -16,6 +16,8 @@ Two counters, one result type (:class:`SyncCount`):
 
 from __future__ import annotations
 
+import os
+import traceback
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -47,9 +49,11 @@ _BOOL_INDEXED = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.d
 
 @dataclass
 class SyncCount:
-    """Host syncs seen, by kind (``item``, ``nonzero``, ``bool_index``, ``h2d_copy``, ... or ``cuda``)."""
+    """Host syncs seen, by kind (``item``, ``nonzero``, ``bool_index``, ``h2d_copy``, ... or ``cuda``),
+    and by ``sites``: the innermost ``file:line`` of this package's code that made each one."""
 
     kinds: Counter[str] = field(default_factory=Counter)
+    sites: Counter[str] = field(default_factory=Counter)
 
     @property
     def total(self) -> int:
@@ -57,6 +61,20 @@ class SyncCount:
 
     def add(self, kind: str, n: int = 1) -> None:
         self.kinds[kind] += n
+        self.sites[_site()] += n
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SELF = os.path.dirname(os.path.abspath(__file__))
+
+
+def _site() -> str:
+    """``path:line`` (relative to the repository) of the innermost caller in this package, outside this folder."""
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_PACKAGE) and not path.startswith(_SELF):
+            return f"{os.path.relpath(path, os.path.dirname(_PACKAGE))}:{frame.lineno}"
+    return "elsewhere"
 
 
 def _bool_index(args: tuple[Any, ...]) -> bool:

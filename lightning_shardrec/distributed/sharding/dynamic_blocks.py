@@ -174,12 +174,14 @@ class DynamicMapping:
             return []
         assert self.kernel is not None
         weights = self.kernel.split_weights()
-        offsets = torch.tensor([m.row_offset for m in group.mappers], device=result.new_rows.device)
+        offsets = torch.tensor([m.row_offset for m in group.mappers]).to(result.new_rows.device, non_blocking=True)
         slots = result.new_rows + offsets.index_select(0, result.new_tables)  # global slots seed the rows
         configs = [self._configs[i] for i in members]
         uniform = fresh_seeds(configs, result.new_tables, slots, result.new_generations)
         # new rows come sorted by table (flat buckets are table-major), so a split gives each its rows
-        sizes = torch.bincount(result.new_tables, minlength=len(members)).tolist()
+        tables = torch.arange(len(members), device=result.new_tables.device)
+        ends = torch.searchsorted(result.new_tables, tables, right=True)
+        sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()  # one read (bincount would add a sync)
         parts = (result.new_rows, slots, result.new_generations, *(uniform or ()))
         out = []
         with torch.no_grad():
