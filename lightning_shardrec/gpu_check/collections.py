@@ -64,12 +64,16 @@ def _collection(kind: str, dynamic: bool) -> tuple[nn.Module, list[str], int]:
     features = [f"f{i}" for i in range(len(DIMS))]
     rows = 4 * ROWS if dynamic else ROWS
     if kind == "sequence":
-        tables = [EmbeddingConfig(name=f"t{i}", embedding_dim=DIMS[0], num_embeddings=rows, feature_names=[f])
-                  for i, f in enumerate(features)]  # fmt: skip
+        tables = [
+            EmbeddingConfig(name=f"t{i}", embedding_dim=DIMS[0], num_embeddings=rows, feature_names=[f])
+            for i, f in enumerate(features)
+        ]
         return EmbeddingCollection(tables), features, DIMS[0]
     dyn = DynamicConfig(num_buckets=4) if dynamic else None
-    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=d, num_embeddings=rows, feature_names=[f], dynamic=dyn)
-              for i, (f, d) in enumerate(zip(features, DIMS, strict=True))]  # fmt: skip
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=d, num_embeddings=rows, feature_names=[f], dynamic=dyn)
+        for i, (f, d) in enumerate(zip(features, DIMS, strict=True))
+    ]
     return EmbeddingBagCollection(tables, is_weighted=kind == "weighted"), features, sum(DIMS)
 
 
@@ -106,8 +110,9 @@ def _run(
     return outs
 
 
-def train_sharded(kind: str, optim: FusedOptimConfig, device: torch.device, data: list[KeyedJaggedTensor],
-                  dynamic: bool = False) -> tuple[list[Tensor], dict[str, Tensor]]:  # fmt: skip
+def train_sharded(
+    kind: str, optim: FusedOptimConfig, device: torch.device, data: list[KeyedJaggedTensor], dynamic: bool = False
+) -> tuple[list[Tensor], dict[str, Tensor]]:
     """Outputs of every step through DMP on ``device`` and the final state (CPU tensors)."""
     coll, features, width = _collection(kind, dynamic)
     dmp = DistributedModelParallel(
@@ -132,8 +137,9 @@ def fused_planner(device: torch.device, features: list[str], batch: int = 512) -
     )
 
 
-def train_plain(kind: str, make: Callable[..., torch.optim.Optimizer], device: torch.device,
-                data: list[KeyedJaggedTensor]) -> list[Tensor]:  # fmt: skip
+def train_plain(
+    kind: str, make: Callable[..., torch.optim.Optimizer], device: torch.device, data: list[KeyedJaggedTensor]
+) -> list[Tensor]:
     coll, _, width = _collection(kind, False)
     model = Probe(coll, width).to(device)
     opt = make(model.parameters())
@@ -153,8 +159,15 @@ def _compare(report: Report, name: str, got: list[Tensor], want: list[Tensor], a
     diff = _max_diff(got, want)
     ok = all(torch.allclose(x, y, **TOL) for x, y in zip(got, want, strict=True))
     status = Status.PASS if ok else Status.FAIL
-    report.add(Check("exactness", name, status, f"max |diff| {diff:.2e} vs {against} over {len(got)} outputs",
-                     {"max_abs_diff": diff, "against": against}))  # fmt: skip
+    report.add(
+        Check(
+            "exactness",
+            name,
+            status,
+            f"max |diff| {diff:.2e} vs {against} over {len(got)} outputs",
+            {"max_abs_diff": diff, "against": against},
+        )
+    )
 
 
 def check_collections(report: Report, mode: Mode) -> None:
@@ -192,6 +205,13 @@ def check_dynamic(report: Report, mode: Mode) -> None:
     same = [k for k in ints if k in got_state and torch.equal(got_state[k], want_state[k])]
     status = Status.PASS if ints and len(same) == len(ints) else Status.FAIL
     differ = sorted(set(ints) - set(same))
-    report.add(Check("exactness", "dynamic id -> slot state", status,
-                     f"{len(same)}/{len(ints)} integer buffers equal to {against}"
-                     + (f"; differ: {', '.join(differ[:4])}" if differ else ""), {"differ": differ}))  # fmt: skip
+    report.add(
+        Check(
+            "exactness",
+            "dynamic id -> slot state",
+            status,
+            f"{len(same)}/{len(ints)} integer buffers equal to {against}"
+            + (f"; differ: {', '.join(differ[:4])}" if differ else ""),
+            {"differ": differ},
+        )
+    )

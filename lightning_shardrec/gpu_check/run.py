@@ -24,7 +24,7 @@ NOT_ON_ONE_GPU = [
         "multi-rank NCCL",
         "sharded all-to-alls, reduce-scatters and DDP over NCCL need 2+ GPUs; CPU CI covers "
         "them with gloo, and the one-GPU runs here use a one-rank group",
-    ),  # fmt: skip
+    ),
     ("fbgemm kernels", "the GPU machine has no fbgemm-gpu: every run here uses the torch kernel"),
     ("same-host shared-memory transport", "gloo groups of several CPU ranks only"),
 ]

@@ -170,10 +170,12 @@ def plain_loop(mode: Mode, specs: list[EmbeddingBagConfig]) -> tuple[Distributed
     """The same model for a plain loop: ``(dmp, dense optimizer)`` (inside :func:`one_rank_group`)."""
     s = mode.sizes
     module = StepModule(specs)
-    planner = EmbeddingShardingPlanner(Topology(1, compute_device=mode.device.type), batch_size=s.step_batch,
-                                       constraints=table_wise(specs))  # fmt: skip
-    dmp = DistributedModelParallel(module, device=mode.device, planner=planner, kernel="torch",
-                                   embedding_optimizer="adagrad")  # fmt: skip
+    planner = EmbeddingShardingPlanner(
+        Topology(1, compute_device=mode.device.type), batch_size=s.step_batch, constraints=table_wise(specs)
+    )
+    dmp = DistributedModelParallel(
+        module, device=mode.device, planner=planner, kernel="torch", embedding_optimizer="adagrad"
+    )
     return dmp, torch.optim.Adagrad(dmp.dense_parameters(), lr=module.lr, eps=1e-8)
 
 
@@ -200,8 +202,20 @@ def check_lightning_overhead(report: Report, mode: Mode) -> None:
     specs = tables(s.step_tables, s.step_rows, s.step_dim)
     batches = step_batches(mode, specs)
     light, plain = lightning_step_seconds(mode, specs, batches), plain_step_seconds(mode, specs, batches)
-    report.add(Check("speed", "DLRM step: Lightning vs plain loop", Status.INFO,
-                     f"{light * 1e3:.2f} ms vs {plain * 1e3:.2f} ms per step of {s.step_batch} samples "
-                     f"(Lightning's overhead {100 * (light / plain - 1):+.0f}%)",
-                     {"lightning_s": light, "plain_s": plain, "batch": s.step_batch, "tables": s.step_tables,
-                      "rows": s.step_rows, "dim": s.step_dim}))  # fmt: skip
+    report.add(
+        Check(
+            "speed",
+            "DLRM step: Lightning vs plain loop",
+            Status.INFO,
+            f"{light * 1e3:.2f} ms vs {plain * 1e3:.2f} ms per step of {s.step_batch} samples "
+            f"(Lightning's overhead {100 * (light / plain - 1):+.0f}%)",
+            {
+                "lightning_s": light,
+                "plain_s": plain,
+                "batch": s.step_batch,
+                "tables": s.step_tables,
+                "rows": s.step_rows,
+                "dim": s.step_dim,
+            },
+        )
+    )
