@@ -11,7 +11,7 @@ and this checkout (no fbgemm, no network); :mod:`.syncs` counts host syncs on ei
 """
 
 from lightning_shardrec.gpu_check.report import Check, Report, Status
-from lightning_shardrec.gpu_check.run import main, run
+from lightning_shardrec.gpu_check.runner import main, run
 from lightning_shardrec.gpu_check.syncs import SyncCount, SyncOps, cuda_syncs
 
 __all__ = ["Check", "Report", "Status", "SyncCount", "SyncOps", "cuda_syncs", "main", "run"]
