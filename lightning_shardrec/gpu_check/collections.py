@@ -32,7 +32,13 @@ from lightning_shardrec.configs import EmbOptimType
 from lightning_shardrec.gpu_check.env import Mode, one_rank_group
 from lightning_shardrec.gpu_check.report import Check, Report, Status
 from lightning_shardrec.lightning.optimizers import derive_fused_config
-from lightning_shardrec.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
+from lightning_shardrec.planner import (
+    ComputeDevice,
+    EmbeddingShardingPlanner,
+    ParameterConstraints,
+    ShardingType,
+    Topology,
+)
 
 KINDS = ("pooled", "sequence", "weighted")
 TORCH_TWINS: dict[EmbOptimType, Callable[..., torch.optim.Optimizer]] = {
@@ -47,6 +53,8 @@ ROWS, DIMS, POOLING = 16, (8, 16), 3
 
 class Probe(nn.Module):
     """``kjt -> [N]``: the collection's output through a fixed projection (no dense parameters)."""
+
+    proj: Tensor
 
     def __init__(self, coll: nn.Module, width: int) -> None:
         super().__init__()
@@ -64,11 +72,11 @@ def _collection(kind: str, dynamic: bool) -> tuple[nn.Module, list[str], int]:
     features = [f"f{i}" for i in range(len(DIMS))]
     rows = 4 * ROWS if dynamic else ROWS
     if kind == "sequence":
-        tables = [
+        sequence = [
             EmbeddingConfig(name=f"t{i}", embedding_dim=DIMS[0], num_embeddings=rows, feature_names=[f])
             for i, f in enumerate(features)
         ]
-        return EmbeddingCollection(tables), features, DIMS[0]
+        return EmbeddingCollection(sequence), features, DIMS[0]
     dyn = DynamicConfig(num_buckets=4) if dynamic else None
     tables = [
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=d, num_embeddings=rows, feature_names=[f], dynamic=dyn)
@@ -131,7 +139,7 @@ def fused_planner(device: torch.device, features: list[str], batch: int = 512) -
     """A one-rank planner that shards every table ``t<i>`` table-wise (tiny tables would go data-parallel,
     trained by the dense optimizer instead of the fused one)."""
     table_wise = ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE])
-    topology = Topology(1, compute_device=device.type)
+    topology = Topology(1, compute_device=ComputeDevice(device.type))
     return EmbeddingShardingPlanner(
         topology, batch_size=batch, constraints={f"t{i}": table_wise for i in range(len(features))}
     )
@@ -157,7 +165,7 @@ def _max_diff(a: list[Tensor], b: list[Tensor]) -> float:
 
 def _compare(report: Report, name: str, got: list[Tensor], want: list[Tensor], against: str) -> None:
     diff = _max_diff(got, want)
-    ok = all(torch.allclose(x, y, **TOL) for x, y in zip(got, want, strict=True))
+    ok = all(torch.allclose(x, y, rtol=TOL["rtol"], atol=TOL["atol"]) for x, y in zip(got, want, strict=True))
     status = Status.PASS if ok else Status.FAIL
     report.add(
         Check(
@@ -182,7 +190,7 @@ def check_collections(report: Report, mode: Mode) -> None:
                 got, _ = train_sharded(kind, fused, mode.device, data)
                 want = train_plain(kind, make, mode.device, data)
                 _compare(report, f"{kind} {opt_type.value}", got, want, f"torch.optim.{type(twin).__name__}")
-            rowwise = FusedOptimConfig(optimizer="rowwise_adagrad", lr=0.1)
+            rowwise = FusedOptimConfig(optimizer=EmbOptimType.ROWWISE_ADAGRAD, lr=0.1)
             got, _ = train_sharded(kind, rowwise, mode.device, data)
             want, _ = train_sharded(kind, rowwise, torch.device("cpu"), data)
             _compare(report, f"{kind} rowwise_adagrad", got, want, "the same on CPU")
@@ -195,7 +203,7 @@ def check_dynamic(report: Report, mode: Mode) -> None:
 
     s = mode.sizes
     data = batches(_collection("pooled", True)[1], s.exact_batch, s.exact_steps + 3, False, True)
-    optim = FusedOptimConfig(optimizer="adagrad", lr=0.1)
+    optim = FusedOptimConfig(optimizer=EmbOptimType.ADAGRAD, lr=0.1)
     want, want_state = train_sharded("pooled", optim, torch.device("cpu"), data, dynamic=True)
     with gpu_code_path() as switched:
         got, got_state = train_sharded("pooled", optim, mode.device, data, dynamic=True)

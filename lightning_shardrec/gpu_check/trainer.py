@@ -18,13 +18,19 @@ from lightning_shardrec import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     ShardRecStrategy,
-    SyntheticRecDataModule,
 )
 from lightning_shardrec.data import RecBatch
+from lightning_shardrec.data.datamodule import SyntheticRecDataModule
 from lightning_shardrec.gpu_check.env import Mode, one_rank_group
 from lightning_shardrec.gpu_check.report import Check, Report, Status
 from lightning_shardrec.models.dlrm import DLRM
-from lightning_shardrec.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
+from lightning_shardrec.planner import (
+    ComputeDevice,
+    EmbeddingShardingPlanner,
+    ParameterConstraints,
+    ShardingType,
+    Topology,
+)
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed")
 TOL = {"32": {"rtol": 1e-4, "atol": 1e-5}, "mixed": {"rtol": 1e-3, "atol": 1e-4}}
@@ -171,7 +177,9 @@ def plain_loop(mode: Mode, specs: list[EmbeddingBagConfig]) -> tuple[Distributed
     s = mode.sizes
     module = StepModule(specs)
     planner = EmbeddingShardingPlanner(
-        Topology(1, compute_device=mode.device.type), batch_size=s.step_batch, constraints=table_wise(specs)
+        Topology(1, compute_device=ComputeDevice(mode.device.type)),
+        batch_size=s.step_batch,
+        constraints=table_wise(specs),
     )
     dmp = DistributedModelParallel(
         module, device=mode.device, planner=planner, kernel="torch", embedding_optimizer="adagrad"
