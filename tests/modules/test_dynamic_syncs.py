@@ -63,3 +63,18 @@ def test_one_table_maps_a_training_step_in_one_host_sync() -> None:
             with SyncOps() as count:
                 mapper.map(ids, train=step % 3 != 2)
             assert count.total == int(step % 3 != 2), dict(count.kinds)
+
+
+def test_put_where_writes_only_the_masked_entries() -> None:
+    from lightning_shardrec.modules.dynamic.slots import put_where
+
+    buf = torch.arange(10) * 10
+    index = torch.tensor([3, 3, 5, 0, 7])
+    mask = torch.tensor([False, True, True, False, False])
+    with SyncOps() as count:
+        put_where(buf, index, torch.tensor([-1, -2, -3, -4, -5]), mask)
+    assert buf.tolist() == [0, 10, 20, -2, 40, -3, 60, 70, 80, 90] and count.total == 0
+    put_where(buf, index, 7, torch.zeros(5, dtype=torch.bool))  # none masked in: nothing changes
+    assert buf.tolist() == [0, 10, 20, -2, 40, -3, 60, 70, 80, 90]
+    put_where(buf, torch.tensor([1, 1, 2]), torch.tensor(5), torch.tensor([True, True, False]))  # one value, twice
+    assert buf.tolist() == [0, 5, 20, -2, 40, -3, 60, 70, 80, 90]

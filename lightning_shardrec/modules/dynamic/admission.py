@@ -28,6 +28,7 @@ from lightning_shardrec.modules.dynamic.slots import (
     lookup_slots,
     place_fixed,
     put_where,
+    sort_pairs,
 )
 
 
@@ -56,14 +57,7 @@ def _unique_misses(
     Hits sort after every miss (their bucket key is shifted by ``buckets``), still apart
     by table; padding entries are bucket 0, id 0, count 0.
     """
-    key = torch.where(miss, bucket, bucket + buckets)
-    order = torch.sort(ids).indices
-    order = order.index_select(0, torch.sort(key.index_select(0, order), stable=True).indices)
-    k, i = key.index_select(0, order), ids.index_select(0, order)
-    change = torch.ones_like(k, dtype=torch.bool)
-    change[1:] = (k[1:] != k[:-1]) | (i[1:] != i[:-1])
-    group = torch.cumsum(change, 0) - 1
-    inverse = torch.empty_like(group).scatter_(0, order, group)
+    k, i, change, group, inverse = sort_pairs(torch.where(miss, bucket, bucket + buckets), ids)
     counts = torch.zeros_like(ids).index_add_(0, group, torch.ones_like(ids))
     ukey = torch.zeros_like(ids).scatter_(0, group, k)
     uniq = torch.zeros_like(ids).scatter_(0, group, i)

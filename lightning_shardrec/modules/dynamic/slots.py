@@ -212,20 +212,27 @@ def _first_of(inverse: Tensor, n: int) -> Tensor:
     )
 
 
-def _unique_pairs(bucket: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Unique ``(bucket, id)`` pairs sorted by bucket then id: ``(buckets, ids, inverse, counts)``.
-
-    Buckets of different tables differ, so a pair is a (table, id): the same raw id of two
-    tables stays two entries.
-    """
+def sort_pairs(bucket: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(bucket, id)`` pairs sorted by bucket then id (ties in input order): ``(buckets, ids, change,
+    group, inverse)``, ``change`` marking where a new pair starts, ``group`` the pair of each
+    sorted entry and ``inverse`` that of each input entry. No host sync."""
     order = torch.sort(ids).indices
     order = order.index_select(0, torch.sort(bucket.index_select(0, order), stable=True).indices)
     b, i = bucket.index_select(0, order), ids.index_select(0, order)
     change = torch.ones_like(b, dtype=torch.bool)
     change[1:] = (b[1:] != b[:-1]) | (i[1:] != i[:-1])
     group = torch.cumsum(change, 0) - 1
+    return b, i, change, group, torch.empty_like(group).scatter_(0, order, group)
+
+
+def _unique_pairs(bucket: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Unique ``(bucket, id)`` pairs sorted by bucket then id: ``(buckets, ids, inverse, counts)``.
+
+    Buckets of different tables differ, so a pair is a (table, id): the same raw id of two
+    tables stays two entries.
+    """
+    b, i, change, group, inverse = sort_pairs(bucket, ids)
     starts = change.nonzero().squeeze(1)
-    inverse = torch.empty_like(group).scatter_(0, order, group)
     counts = torch.diff(starts, append=starts.new_full((1,), b.numel()))
     return b[starts], i[starts], inverse, counts
 
