@@ -58,3 +58,23 @@ def test_a_failed_or_crashed_check_fails_the_run(tmp_path: Path, monkeypatch: py
     monkeypatch.setenv("GPU_CHECK_OUT", str(tmp_path / "env"))
     assert run_module.main(["--cpu"]) == 1
     assert (tmp_path / "env" / "report.md").exists()
+
+
+def test_cuda_syncs_counts_cudas_sync_warnings_by_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's sync debug mode warns once per synchronizing call; only those warnings count (faked here)."""
+    import warnings
+
+    import torch
+
+    from lightning_shardrec.gpu_check import cuda_syncs
+
+    modes: list[object] = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    with cuda_syncs() as count:
+        for _ in range(2):
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        warnings.warn("something else", stacklevel=1)
+    assert dict(count.kinds) == {"cuda": 2} and modes == ["warn", 0]
+    ((site, n),) = count.sites.items()  # both from the one line that warned
+    assert n == 2 and "test_gpu_check.py:" in site

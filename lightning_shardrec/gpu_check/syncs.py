@@ -73,8 +73,15 @@ def _site() -> str:
     for frame in reversed(traceback.extract_stack()):
         path = os.path.abspath(frame.filename)
         if path.startswith(_PACKAGE) and not path.startswith(_SELF):
-            return f"{os.path.relpath(path, os.path.dirname(_PACKAGE))}:{frame.lineno}"
+            return _relative(path, frame.lineno)
     return "elsewhere"
+
+
+def _relative(path: str, line: int | None) -> str:
+    """``path:line``, relative to the repository when the file is in this package."""
+    path = os.path.abspath(path)
+    where = os.path.relpath(path, os.path.dirname(_PACKAGE)) if path.startswith(_PACKAGE) else path
+    return f"{where}:{line}"
 
 
 def _bool_index(args: tuple[Any, ...]) -> bool:
@@ -139,4 +146,7 @@ def cuda_syncs() -> Iterator[SyncCount]:
             yield count
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-    count.add("cuda", sum("synchroniz" in str(w.message) for w in seen))
+    for w in seen:
+        if "synchroniz" in str(w.message):  # "called a synchronizing CUDA operation"
+            count.kinds["cuda"] += 1
+            count.sites[_relative(w.filename, w.lineno)] += 1

@@ -155,17 +155,17 @@ class DynamicMapping:
                     rows[a:b] = part
             resets += self._fresh(members, group, result)
         self.kernel.reset_state_rows(resets)
-        keep = rows >= 0
-        if bool(keep.all()):
+        hit = (rows >= 0).nonzero().squeeze(1)  # the one host read here (a miss changes the batch's shape)
+        if hit.numel() == rows.numel():
             return KeyedJaggedTensor._trusted(
                 kjt.keys(), rows, kjt.weights_or_none(), kjt.lengths(), kjt.stride()
             ), None
         lengths = kjt.lengths()
-        bag = segment_ids(lengths, total=values.numel())
-        kept = torch.bincount(bag[keep], minlength=lengths.numel()).to(lengths.dtype)
+        bag = segment_ids(lengths, total=values.numel()).index_select(0, hit)
+        kept = torch.zeros_like(lengths).index_add_(0, bag, torch.ones_like(bag, dtype=lengths.dtype))
         w = kjt.weights_or_none()
-        out = KeyedJaggedTensor._trusted(kjt.keys(), rows[keep], None if w is None else w[keep], kept, kjt.stride())
-        return out, keep.nonzero().squeeze(1)
+        w = None if w is None else w.index_select(0, hit)
+        return KeyedJaggedTensor._trusted(kjt.keys(), rows.index_select(0, hit), w, kept, kjt.stride()), hit
 
     def _fresh(self, members: list[int], group: MapperGroup, result: GroupLookup) -> list[tuple[int, Tensor]]:
         """Write the fresh rows of the rows a lookup (re)assigned; ``(kernel table, rows)`` whose
