@@ -34,7 +34,7 @@ def test_cpu_mode_runs_every_check_and_writes_the_report(tmp_path: Path) -> None
     names = {c["name"] for c in by_section["exactness"]}
     for kind in ("pooled", "sequence", "weighted"):
         assert {f"{kind} {o}" for o in ("sgd", "adagrad", "adam", "adamw", "rowwise_adagrad")} <= names
-    assert {"dynamic id -> slot state", "pipeline on vs off, 32"} <= names
+    assert {"dynamic adam id -> slot state", "pipeline on vs off, 32"} <= names
     assert {f"strategy vs none, {p}" for p in ("32", "16-mixed", "bf16-mixed")} <= names
     assert all(c["status"] == "pass" for c in by_section["exactness"] + by_section["syncs"])
     syncs = {c["name"]: c["figures"]["total"] for c in by_section["syncs"]}

@@ -198,28 +198,23 @@ def check_collections(report: Report, mode: Mode) -> None:
 
 
 def check_dynamic(report: Report, mode: Mode) -> None:
-    """Dynamic tables on the device (the sync-free tensor ops) vs on CPU (the compiled loops)."""
+    """Dynamic tables on the device (the sync-free tensor ops) vs on CPU (the compiled loops), with Adagrad
+    and with Adam (whose state rows are reset when a slot is reassigned)."""
     from lightning_shardrec.gpu_check.env import gpu_code_path
 
     s = mode.sizes
     data = batches(_collection("pooled", True)[1], s.exact_batch, s.exact_steps + 3, False, True)
-    optim = FusedOptimConfig(optimizer=EmbOptimType.ADAGRAD, lr=0.1)
-    want, want_state = train_sharded("pooled", optim, torch.device("cpu"), data, dynamic=True)
-    with gpu_code_path() as switched:
-        got, got_state = train_sharded("pooled", optim, mode.device, data, dynamic=True)
-    against = "the compiled loops on CPU" if (mode.cuda or switched) else "itself (the loops could not be switched)"
-    _compare(report, "dynamic adagrad (outputs)", got, want, against)
-    ints = [k for k, v in want_state.items() if not v.is_floating_point()]
-    same = [k for k in ints if k in got_state and torch.equal(got_state[k], want_state[k])]
-    status = Status.PASS if ints and len(same) == len(ints) else Status.FAIL
-    differ = sorted(set(ints) - set(same))
-    report.add(
-        Check(
-            "exactness",
-            "dynamic id -> slot state",
-            status,
-            f"{len(same)}/{len(ints)} integer buffers equal to {against}"
-            + (f"; differ: {', '.join(differ[:4])}" if differ else ""),
-            {"differ": differ},
-        )
-    )
+    for opt_type in (EmbOptimType.ADAGRAD, EmbOptimType.ADAM):
+        optim = FusedOptimConfig(optimizer=opt_type, lr=0.1)
+        want, want_state = train_sharded("pooled", optim, torch.device("cpu"), data, dynamic=True)
+        with gpu_code_path() as switched:
+            got, got_state = train_sharded("pooled", optim, mode.device, data, dynamic=True)
+        against = "the compiled loops on CPU" if (mode.cuda or switched) else "itself (loops not switched)"
+        _compare(report, f"dynamic {opt_type.value} (outputs)", got, want, against)
+        ints = [k for k, v in want_state.items() if not v.is_floating_point()]
+        same = [k for k in ints if k in got_state and torch.equal(got_state[k], want_state[k])]
+        differ = sorted(set(ints) - set(same))
+        detail = f"{len(same)}/{len(ints)} integer buffers equal to {against}"
+        detail += f"; differ: {', '.join(differ[:4])}" if differ else ""
+        status = Status.PASS if ints and not differ else Status.FAIL
+        report.add(Check("exactness", f"dynamic {opt_type.value} id -> slot state", status, detail, {"differ": differ}))
