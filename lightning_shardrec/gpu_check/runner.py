@@ -64,6 +64,7 @@ def run(out: Path, force_cpu: bool = False) -> Report:
             where = traceback.format_exc(limit=-3).strip().splitlines()
             report.add(Check(name, "ran to the end", Status.FAIL, f"{type(e).__name__}: {e}", {"traceback": where}))
         print(f"gpu-check: {name} took {time.perf_counter() - t0:.1f} s", flush=True)
+        report.write(out)  # after every section: a run killed later still leaves what it found
     for what, why in NOT_ON_ONE_GPU:
         report.add(Check("not checked here", what, Status.NOT_CHECKED, why))
     json_path, md_path = report.write(out)
