@@ -179,9 +179,10 @@ class DynamicMapping:
         configs = [self._configs[i] for i in members]
         uniform = fresh_seeds(configs, result.new_tables, slots, result.new_generations)
         # new rows come sorted by table (flat buckets are table-major), so a split gives each its rows
-        tables = torch.arange(len(members), device=result.new_tables.device)
-        ends = torch.searchsorted(result.new_tables, tables, right=True)
-        sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()  # one read (bincount would add a sync)
+        sizes = result.new_counts
+        if sizes is None:  # not read by the lookup: one read here (bincount would add a sync)
+            ends = torch.searchsorted(result.new_tables, torch.arange(len(members), device=slots.device), right=True)
+            sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
         parts = (result.new_rows, slots, result.new_generations, *(uniform or ()))
         out = []
         with torch.no_grad():

@@ -36,7 +36,7 @@ def lookup_slots_fixed(
     state: SlotState, ids: Tensor, bucket: Tensor, slot: Tensor, table: Tensor | None, steps: Tensor, train: bool
 ) -> SlotLookup:
     """:func:`~lightning_shardrec.modules.dynamic.slots.lookup_slots` in ``[N]``-sized tensors: one host sync
-    (the number of new slots) per training lookup, none per eval lookup."""
+    (the number of new slots of each table, kept in ``new_per_table``) per training lookup, none per eval lookup."""
     if not train or ids.numel() == 0:  # eval lookups compact nothing
         return lookup_slots(state, ids, bucket, slot, table, steps, train)
     miss = slot < 0
@@ -45,7 +45,11 @@ def lookup_slots_fixed(
     got = _admit_fixed(state, uniq, ubucket, counts, _table_steps(steps, utable), valid)
     state.count("misses", ubucket, counts * (valid & (got < 0)))
     slot = torch.where(miss, got.index_select(0, inverse), slot)
-    return SlotLookup(slot, got[got >= 0])  # the one sync: how many rows were (re)assigned
+    added = got >= 0
+    per_table = torch.zeros_like(steps).index_add_(0, torch.zeros_like(got) if utable is None else utable, added.long())
+    sizes = per_table.tolist()  # the one sync: how many rows each table (re)assigned
+    first = torch.sort((~added).to(torch.uint8), stable=True).indices[: sum(sizes)]  # the added, in order
+    return SlotLookup(slot, got.index_select(0, first), sizes)
 
 
 def _unique_misses(

@@ -49,13 +49,15 @@ class GroupLookup:
 
     ``rows [N]``: each id's row in its mapper's block (``slot - row_offset``; ``-1``:
     missed). ``new_tables``, ``new_rows``, ``new_generations [M]``: the rows (re)assigned
-    this step, by mapper index, to be reset before use.
+    this step, by mapper index, to be reset before use; ``new_counts``: how many each
+    mapper has, when the lookup read it anyway (else None).
     """
 
     rows: Tensor
     new_tables: Tensor
     new_rows: Tensor
     new_generations: Tensor
+    new_counts: list[int] | None = None
 
 
 class MapperGroup:
@@ -135,4 +137,4 @@ class MapperGroup:
         rows = torch.where(found.slots >= 0, found.slots - row_start.index_select(0, table), -1)
         new_tables = torch.searchsorted(row_start, found.new, right=True) - 1
         new_rows = found.new - row_start.index_select(0, new_tables)
-        return GroupLookup(rows, new_tables, new_rows, state.slot_gen[found.new])
+        return GroupLookup(rows, new_tables, new_rows, state.slot_gen[found.new], found.new_per_table)

@@ -99,10 +99,12 @@ class BucketRanges:
 
 @dataclass(frozen=True)
 class SlotLookup:
-    """Flat slots of one lookup: ``slots [N]`` (``-1``: missed), ``new [M]`` (re)assigned this step."""
+    """Flat slots of one lookup: ``slots [N]`` (``-1``: missed), ``new [M]`` (re)assigned this step;
+    ``new_per_table``: how many of ``new`` each table has, when the lookup read it anyway (else None)."""
 
     slots: Tensor
     new: Tensor
+    new_per_table: list[int] | None = None
 
 
 def _pick(step: Step, index: Tensor) -> Step:
