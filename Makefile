@@ -9,7 +9,7 @@ FBGEMM_EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(FBGEMM_EXTRA)
 PYTEST_ARGS ?=
 
-.PHONY: setup train test lint docs clean
+.PHONY: setup train test lint docs clean gpu-check
 
 setup: $(STAMP)
 
@@ -45,6 +45,13 @@ bench: $(STAMP)
 	$(PY) benchmarks/memory_bench.py --write-docs docs/benchmarks.md
 	$(PY) benchmarks/quant_bench.py --steps 300 --repeats 7 --write-docs docs/benchmarks.md
 	$(PY) benchmarks/e2e_bench.py --rounds 3 --plot docs/e2e_throughput.png --write-docs docs/benchmarks.md
+
+# The device check (issue 33): CUDA mode when a GPU is visible, else the CPU mode (tiny sizes).
+# Needs nothing installed: .venv's python when there is one, else the machine's own python3 and torch.
+# Report: $$GPU_CHECK_OUT (default ./gpu_check_report)/report.{json,md}; exits 1 when a check fails.
+GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	PYTHONPATH=. $(GPU_CHECK_PY) -m lightning_shardrec.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -135,11 +135,27 @@ def all_to_all_grad(
     return _AllToAllV.apply(tensor, out_splits, in_splits, env, precision)
 
 
+def backend_uses_cuda(backend: str) -> bool:
+    """Whether a process group backend, as :func:`torch.distributed.get_backend` spells it, takes
+    CUDA tensors: ``"nccl"``, ``"cuda:nccl"``, ``"cpu:gloo,cuda:nccl"`` (any case, spaces, order) do,
+    ``"gloo"`` and ``"cpu:gloo"`` do not."""
+    for part in str(backend).lower().split(","):
+        device, _, name = part.strip().rpartition(":")
+        if device.strip() == "cuda" or (not device and name.strip() == "nccl"):
+            return True
+    return False
+
+
+def uses_cuda(pg: dist.ProcessGroup | None) -> bool:
+    """Whether ``pg`` (None: the default group) runs its collectives on CUDA tensors."""
+    return backend_uses_cuda(dist.get_backend(pg))
+
+
 def sum_over_ranks(values: list[float], env: ShardingEnv) -> list[float]:
     """Collective: the element-wise sum of every rank's ``values`` (same length everywhere)."""
     if env.world_size == 1:
         return list(values)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(env.pg) == "nccl" else None
+    device = torch.device("cuda", torch.cuda.current_device()) if uses_cuda(env.pg) else None
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, group=env.pg)
     return [float(v) for v in t.tolist()]

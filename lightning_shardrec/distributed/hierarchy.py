@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, all_to_all_grad
+from lightning_shardrec.distributed.bounded_cache import BoundedCache
+from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, all_to_all_grad, uses_cuda
 from lightning_shardrec.distributed.groups import cached_group
 
 
@@ -65,7 +66,7 @@ def host_group(env: ShardingEnv) -> ShardingEnv:
 def _timeout(pg: dist.ProcessGroup | None) -> timedelta | None:
     """The collective timeout of ``pg``'s backend, when torch exposes it (else the default)."""
     group = pg or dist.group.WORLD
-    device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
+    device = torch.device("cuda" if uses_cuda(pg) else "cpu")
     try:
         return group._get_backend(device).options._timeout  # type: ignore[union-attr]
     except (AttributeError, RuntimeError):
@@ -127,7 +128,7 @@ class HolderExchange:
             raise ValueError(f"HolderExchange: output columns {missing} of {width} come from no unit")
         self._cols = torch.tensor(cols, dtype=torch.long)
         self._device = device
-        self._plans: dict[tuple[int, ...], _Plan] = {}  # per batch-size signature (one in a steady run)
+        self._plans: BoundedCache[_Plan] = BoundedCache()  # per batch-size signature (one in a steady run)
 
     def _plan(self, batch_sizes: list[int]) -> _Plan:
         """The splits, row spans and output placement for these batch sizes (built once, then reused)."""
@@ -186,9 +187,7 @@ class HolderExchange:
 
     def __call__(self, partial: Tensor, batch_sizes: list[int]) -> Tensor:
         """``partial [sum_s B_s, D_local]`` (this rank's kernel output) -> ``[B_r, width]`` summed."""
-        plan = self._plans.get(tuple(batch_sizes))
-        if plan is None:
-            plan = self._plans[tuple(batch_sizes)] = self._plan(batch_sizes)
+        plan = self._plans.get(tuple(batch_sizes), lambda: self._plan(batch_sizes))
         own = [_slice(partial, span, local) for _, span, local in plan.own]
         anchor = partial.reshape(-1)[:0]  # keeps every rank's collectives in the graph
         if self.host_active:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardrec.configs import FusedOptimConfig
-from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv
+from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, uses_cuda
 from lightning_shardrec.distributed.dynamic_stats import dynamic_stats
 from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
 from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
@@ -74,8 +74,8 @@ def table_names(collection: nn.Module) -> set[str]:
 
 
 def default_device(env: ShardingEnv) -> torch.device:
-    """CPU under gloo; under NCCL this rank's GPU (see :func:`cuda_index`)."""
-    if dist.is_initialized() and dist.get_backend(env.pg) == "nccl":
+    """CPU under gloo; under NCCL (``"nccl"``, ``"cpu:gloo,cuda:nccl"``, ...) this rank's GPU (:func:`cuda_index`)."""
+    if dist.is_initialized() and uses_cuda(env.pg):
         index = cuda_index(torch.cuda.current_device(), os.environ, torch.cuda.device_count())
         return torch.device("cuda", index)
     return torch.device("cpu")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_shardrec.distributed.bounded_cache import BoundedCache
 from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_single, exchange_flat
 from lightning_shardrec.distributed.qcomm import CommPrecision
 
@@ -34,10 +35,8 @@ class ColumnBlocks:
     # per source, the same blocks as a slice when they are evenly spaced (a strided copy is
     # about 2x an index_copy_ along dim 1 on CPU); None otherwise
     slices: list[slice | None] = field(default_factory=list)
-    #: (batch size, device) -> the block gathers of :meth:`gathers`, built once per batch size
-    _gathers: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
+    #: (batch size, device) -> the block gathers of :meth:`gathers`, built once per batch size (the recent ones)
+    _gathers: BoundedCache[tuple[Tensor, Tensor]] = field(default_factory=BoundedCache, compare=False, repr=False)
 
     def gathers(self, b: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """``(forward, backward)`` block-row indices for ``b`` rows: ``out = recv[forward]``, ``back = out[backward]``.
@@ -45,21 +44,21 @@ class ColumnBlocks:
         ``recv`` and ``out`` seen as rows of ``block`` columns (``[sum_s b * widths[s] / block, block]``
         and ``[b * D / block, block]``): one index op instead of one copy per source.
         """
-        key = (b, device)
-        if key not in self._gathers:
-            n = torch.tensor([w // self.block for w in self.widths])
-            base = torch.cumsum(n * b, 0) - n * b  # first block row of each source in recv
-            per = torch.repeat_interleave(torch.arange(len(n)), n)  # source of each block column
-            j = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-            place = torch.cat([i.cpu() for i in self.index])  # output block of each block column
-            rows = torch.arange(b).unsqueeze(1)
-            recv_pos = (base[per] + rows * n[per] + j).reshape(-1)
-            out_pos = (rows * place.numel() + place).reshape(-1)
-            forward, backward = torch.empty_like(recv_pos), torch.empty_like(out_pos)
-            forward[out_pos] = recv_pos
-            backward[recv_pos] = out_pos
-            self._gathers[key] = (forward.to(device), backward.to(device))
-        return self._gathers[key]
+        return self._gathers.get((b, device), lambda: self._make_gathers(b, device))
+
+    def _make_gathers(self, b: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        n = torch.tensor([w // self.block for w in self.widths])
+        base = torch.cumsum(n * b, 0) - n * b  # first block row of each source in recv
+        per = torch.repeat_interleave(torch.arange(len(n)), n)  # source of each block column
+        j = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        place = torch.cat([i.cpu() for i in self.index])  # output block of each block column
+        rows = torch.arange(b).unsqueeze(1)
+        recv_pos = (base[per] + rows * n[per] + j).reshape(-1)
+        out_pos = (rows * place.numel() + place).reshape(-1)
+        forward, backward = torch.empty_like(recv_pos), torch.empty_like(out_pos)
+        forward[out_pos] = recv_pos
+        backward[recv_pos] = out_pos
+        return forward.to(device), backward.to(device)
 
     def __post_init__(self) -> None:
         if not self.slices:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -20,6 +21,7 @@ from lightning_shardrec.modules import (
 from lightning_shardrec.modules.dynamic.hashing import mix64
 from lightning_shardrec.modules.dynamic.tables import fresh_rows
 from tests.modules._dynamic_reference import MASK, ODD_IDS, ReferenceMapper, splitmix64, stream
+from tests.modules.test_dynamic_group import tensor_ops_only
 
 
 def test_hash_of_negative_and_huge_ids_is_splitmix64() -> None:
@@ -233,9 +235,16 @@ def test_mapper_rejects_bad_bucket_ranges_and_foreign_ids() -> None:
         part.lookup(ids, 0, True)
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "tensor-ops"])
 @pytest.mark.parametrize("seed", range(6))
-def test_mapper_matches_reference_on_random_configs_and_skewed_streams(seed: int) -> None:
-    """Random layouts and policies, skewed batches with repeats, drift, eval steps, the step as a tensor."""
+def test_mapper_matches_reference_on_random_configs_and_skewed_streams(seed: int, compiled: bool) -> None:
+    """Random layouts and policies, skewed batches with repeats, drift, eval steps, the step as a tensor;
+    the compiled loops and the sync-free tensor ops (the GPU's path) alike."""
+    with contextlib.nullcontext() if compiled else tensor_ops_only():
+        _match_reference_on_a_random_stream(seed)
+
+
+def _match_reference_on_a_random_stream(seed: int) -> None:
     rng = random.Random(seed)
     buckets, slots = rng.choice([(1, 5), (2, 4), (4, 3), (3, 8)])
     config = DynamicConfig(

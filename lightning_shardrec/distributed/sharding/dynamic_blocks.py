@@ -155,17 +155,17 @@ class DynamicMapping:
                     rows[a:b] = part
             resets += self._fresh(members, group, result)
         self.kernel.reset_state_rows(resets)
-        keep = rows >= 0
-        if bool(keep.all()):
+        hit = (rows >= 0).nonzero().squeeze(1)  # the one host read here (a miss changes the batch's shape)
+        if hit.numel() == rows.numel():
             return KeyedJaggedTensor._trusted(
                 kjt.keys(), rows, kjt.weights_or_none(), kjt.lengths(), kjt.stride()
             ), None
         lengths = kjt.lengths()
-        bag = segment_ids(lengths, total=values.numel())
-        kept = torch.bincount(bag[keep], minlength=lengths.numel()).to(lengths.dtype)
+        bag = segment_ids(lengths, total=values.numel()).index_select(0, hit)
+        kept = torch.zeros_like(lengths).index_add_(0, bag, torch.ones_like(bag, dtype=lengths.dtype))
         w = kjt.weights_or_none()
-        out = KeyedJaggedTensor._trusted(kjt.keys(), rows[keep], None if w is None else w[keep], kept, kjt.stride())
-        return out, keep.nonzero().squeeze(1)
+        w = None if w is None else w.index_select(0, hit)
+        return KeyedJaggedTensor._trusted(kjt.keys(), rows.index_select(0, hit), w, kept, kjt.stride()), hit
 
     def _fresh(self, members: list[int], group: MapperGroup, result: GroupLookup) -> list[tuple[int, Tensor]]:
         """Write the fresh rows of the rows a lookup (re)assigned; ``(kernel table, rows)`` whose
@@ -174,12 +174,15 @@ class DynamicMapping:
             return []
         assert self.kernel is not None
         weights = self.kernel.split_weights()
-        offsets = torch.tensor([m.row_offset for m in group.mappers], device=result.new_rows.device)
+        offsets = torch.tensor([m.row_offset for m in group.mappers]).to(result.new_rows.device, non_blocking=True)
         slots = result.new_rows + offsets.index_select(0, result.new_tables)  # global slots seed the rows
         configs = [self._configs[i] for i in members]
         uniform = fresh_seeds(configs, result.new_tables, slots, result.new_generations)
         # new rows come sorted by table (flat buckets are table-major), so a split gives each its rows
-        sizes = torch.bincount(result.new_tables, minlength=len(members)).tolist()
+        sizes = result.new_counts
+        if sizes is None:  # not read by the lookup: one read here (bincount would add a sync)
+            ends = torch.searchsorted(result.new_tables, torch.arange(len(members), device=slots.device), right=True)
+            sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
         parts = (result.new_rows, slots, result.new_generations, *(uniform or ()))
         out = []
         with torch.no_grad():

@@ -37,8 +37,17 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import DynamicConfig
+from lightning_shardrec.modules.dynamic.admission import lookup_slots_fixed
 from lightning_shardrec.modules.dynamic.layout import BUFFERS, DynamicLayout, layout_problems
-from lightning_shardrec.modules.dynamic.slots import COUNTERS, BucketRanges, SlotState, expire, locate, lookup_slots
+from lightning_shardrec.modules.dynamic.slots import (
+    COUNTERS,
+    BucketRanges,
+    SlotState,
+    expire,
+    locate,
+    lookup_slots,
+    uses_compiled_loops,
+)
 
 
 @dataclass(frozen=True)
@@ -183,6 +192,7 @@ class DynamicIdMapper(nn.Module):
         if train:
             expire(state, steps[0], steps[0])
         bucket, slot = locate(state, self.bucket_ranges(), ids, None, steps, train)
-        found = lookup_slots(state, ids, bucket, slot, None, steps, train)
+        finish = lookup_slots if uses_compiled_loops(ids) else lookup_slots_fixed
+        found = finish(state, ids, bucket, slot, None, steps, train)
         slots = torch.where(found.slots >= 0, found.slots + self.row_offset, -1)
         return LookupResult(slots, found.new + self.row_offset, self.slot_gen[found.new])

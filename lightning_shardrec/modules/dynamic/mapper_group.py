@@ -24,9 +24,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_shardrec.modules.dynamic.admission import lookup_slots_fixed
 from lightning_shardrec.modules.dynamic.layout import BUFFERS
 from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
-from lightning_shardrec.modules.dynamic.slots import BucketRanges, SlotState, expire, locate, lookup_slots
+from lightning_shardrec.modules.dynamic.slots import (
+    BucketRanges,
+    SlotState,
+    expire,
+    locate,
+    lookup_slots,
+    uses_compiled_loops,
+)
 
 
 def fuse_key(mapper: DynamicIdMapper) -> Hashable:
@@ -41,13 +49,15 @@ class GroupLookup:
 
     ``rows [N]``: each id's row in its mapper's block (``slot - row_offset``; ``-1``:
     missed). ``new_tables``, ``new_rows``, ``new_generations [M]``: the rows (re)assigned
-    this step, by mapper index, to be reset before use.
+    this step, by mapper index, to be reset before use; ``new_counts``: how many each
+    mapper has, when the lookup read it anyway (else None).
     """
 
     rows: Tensor
     new_tables: Tensor
     new_rows: Tensor
     new_generations: Tensor
+    new_counts: list[int] | None = None
 
 
 class MapperGroup:
@@ -118,12 +128,13 @@ class MapperGroup:
             expire(state, slot_steps, cand_steps)
         n = ids.numel()
         device = ids.device
-        table = torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device),
-                                        output_size=n)  # fmt: skip
+        sizes = torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True)  # no sync: a queued copy
+        table = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes, output_size=n)
         bucket, slot = locate(state, ranges, ids, table, steps, train)
-        found = lookup_slots(state, ids, bucket, slot, table, steps, train)
+        finish = lookup_slots if uses_compiled_loops(ids) else lookup_slots_fixed
+        found = finish(state, ids, bucket, slot, table, steps, train)
         row_start = ranges.start * self.width
         rows = torch.where(found.slots >= 0, found.slots - row_start.index_select(0, table), -1)
         new_tables = torch.searchsorted(row_start, found.new, right=True) - 1
         new_rows = found.new - row_start.index_select(0, new_tables)
-        return GroupLookup(rows, new_tables, new_rows, state.slot_gen[found.new])
+        return GroupLookup(rows, new_tables, new_rows, state.slot_gen[found.new], found.new_per_table)

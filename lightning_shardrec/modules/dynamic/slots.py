@@ -100,10 +100,12 @@ class BucketRanges:
 
 @dataclass(frozen=True)
 class SlotLookup:
-    """Flat slots of one lookup: ``slots [N]`` (``-1``: missed), ``new [M]`` (re)assigned this step."""
+    """Flat slots of one lookup: ``slots [N]`` (``-1``: missed), ``new [M]`` (re)assigned this step;
+    ``new_per_table``: how many of ``new`` each table has, when the lookup read it anyway (else None)."""
 
     slots: Tensor
     new: Tensor
+    new_per_table: list[int] | None = None
 
 
 def _pick(step: Step, index: Tensor) -> Step:
@@ -144,11 +146,11 @@ def locate(
             raise ranges.out_of_range(ids, table, int(bad.nonzero()[0, 0]))
     bucket = local + per_table(ranges.start)
     slot = find(ids, bucket, state.slot_ids, state.slot_step, state.width)
-    if train:
-        hit = (slot >= 0).nonzero().squeeze(1)
-        hits = slot.index_select(0, hit)  # repeated ids repeat their slot: the same step, one sighting each
-        state.slot_step[hits] = _pick(_table_steps(steps, table), hit)
-        state.slot_count.index_add_(0, hits, torch.ones_like(hits))
+    if train:  # masked, not compacted: no host sync
+        hit = slot >= 0
+        at = slot.clamp(min=0)  # repeated ids repeat their slot: the same step, one sighting each
+        put_where(state.slot_step, at, _table_steps(steps, table), hit)
+        state.slot_count.index_add_(0, at, hit.long())
     return bucket, slot
 
 
@@ -206,20 +208,27 @@ def _first_of(inverse: Tensor, n: int) -> Tensor:
     )
 
 
-def _unique_pairs(bucket: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Unique ``(bucket, id)`` pairs sorted by bucket then id: ``(buckets, ids, inverse, counts)``.
-
-    Buckets of different tables differ, so a pair is a (table, id): the same raw id of two
-    tables stays two entries.
-    """
+def sort_pairs(bucket: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(bucket, id)`` pairs sorted by bucket then id (ties in input order): ``(buckets, ids, change,
+    group, inverse)``, ``change`` marking where a new pair starts, ``group`` the pair of each
+    sorted entry and ``inverse`` that of each input entry. No host sync."""
     order = torch.sort(ids).indices
     order = order.index_select(0, torch.sort(bucket.index_select(0, order), stable=True).indices)
     b, i = bucket.index_select(0, order), ids.index_select(0, order)
     change = torch.ones_like(b, dtype=torch.bool)
     change[1:] = (b[1:] != b[:-1]) | (i[1:] != i[:-1])
     group = torch.cumsum(change, 0) - 1
+    return b, i, change, group, torch.empty_like(group).scatter_(0, order, group)
+
+
+def _unique_pairs(bucket: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Unique ``(bucket, id)`` pairs sorted by bucket then id: ``(buckets, ids, inverse, counts)``.
+
+    Buckets of different tables differ, so a pair is a (table, id): the same raw id of two
+    tables stays two entries.
+    """
+    b, i, change, group, inverse = sort_pairs(bucket, ids)
     starts = change.nonzero().squeeze(1)
-    inverse = torch.empty_like(group).scatter_(0, order, group)
     counts = torch.diff(starts, append=starts.new_full((1,), b.numel()))
     return b[starts], i[starts], inverse, counts
 
@@ -239,9 +248,7 @@ def _admit(state: SlotState, ids: Tensor, bucket: Tensor, counts: Tensor, step: 
     else:
         ready = (total >= state.config.min_count).nonzero().squeeze(1)
         got = torch.full_like(ids, -1)
-        placed, displaced = place(
-            ids[ready], bucket[ready], total[ready], _pick(step, ready), slots, state.width, lfu
-        )
+        placed, displaced = place(ids[ready], bucket[ready], total[ready], _pick(step, ready), slots, state.width, lfu)
         got[ready] = placed
     new = placed[placed >= 0]
     state.slot_gen[new] += 1
@@ -322,6 +329,34 @@ def place(
         steps = torch.as_tensor(step, dtype=torch.int64).reshape(-1).contiguous()  # [1] shared, or [n]
         ids, bucket, total = (t.to(torch.int64).contiguous() for t in (ids, bucket, total))
         return ops.place(ids, bucket, total, steps, width, lfu, held, last, count)
+    out, entries, displaced = place_fixed(ids, bucket, total, step, table, width, lfu, most)
+    return out, entries[displaced]
+
+
+def place_fixed(
+    ids: Tensor,
+    bucket: Tensor,
+    total: Tensor,
+    step: Step,
+    table: tuple[Tensor, Tensor, Tensor],
+    width: int,
+    lfu: bool,
+    most: Tensor | None = None,
+    valid: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`place`'s tensor ops on ``N`` ids in ``[N]``-sized tensors, with no host sync.
+
+    Only ids ``valid [N]`` (None: all) are placed; the others go after every bucket, so
+    the valid ones keep their order and ranks. Returns each id's flat entry (``-1``:
+    none, or not valid), and, in sorted order, the entry each id was ranked for
+    (``[N]``, in range) and whether it took over an occupied one (``[N]`` bool).
+    """
+    held, last, count = table
+    buckets = held.numel() // width
+    if ids.numel() == 0:
+        return torch.full_like(ids, -1), ids.new_zeros(0), ids.new_zeros(0, dtype=torch.bool)
+    if valid is not None:
+        bucket, total = torch.where(valid, bucket, buckets), torch.where(valid, total, 0)
     if most is not None:  # one key: bucket, then most sightings; ids arrive sorted, so ties stay by id
         order = torch.sort(bucket * (most + 1) + (most - total), stable=True).indices
     else:
@@ -329,11 +364,14 @@ def place(
         order = order[torch.sort(bucket[order], stable=True).indices]
     b_sorted = bucket[order]
     rank = _rank_in_group(b_sorted)
-    touched, row = torch.unique_consecutive(b_sorted, return_inverse=True)
+    change = torch.ones_like(b_sorted, dtype=torch.bool)  # unique_consecutive, padded to [N]: no sync
+    change[1:] = b_sorted[1:] != b_sorted[:-1]
+    row = torch.cumsum(change, 0) - 1
+    touched = torch.zeros_like(b_sorted).scatter_(0, row, b_sorted).clamp_(max=buckets - 1)
     id_step = _pick(step, order)
     if _per_element(step):  # every id of a bucket has its bucket's step
         assert isinstance(id_step, Tensor)
-        bucket_step: Step = torch.empty_like(touched).scatter_(0, row, id_step)[:, None]
+        bucket_step: Step = torch.zeros_like(touched).scatter_(0, row, id_step)[:, None]
     else:
         bucket_step = step
     seen = last.view(-1, width).index_select(0, touched)
@@ -349,12 +387,38 @@ def place(
         perm = perm.gather(1, torch.sort(by_count, dim=1, stable=True).indices)
     ranked = touched[:, None] * width + perm
     wins = rank < free.sum(dim=1)[row]
+    if valid is not None:
+        wins &= valid[order]
     target = ranked.view(-1)[row * width + rank.clamp(max=width - 1)]
-    chosen = target[wins]
-    displaced = chosen[last[chosen] >= 0]
-    held[chosen], count[chosen] = ids[order][wins], total[order][wins]
-    last[chosen] = id_step[wins] if isinstance(id_step, Tensor) and id_step.dim() > 0 else id_step
+    displaced = wins & (last[target] >= 0)
+    put_where(held, target, ids[order], wins)
+    put_where(count, target, total[order], wins)
+    put_where(last, target, id_step, wins)
     out = torch.full_like(ids, -1)
     out[order] = torch.where(wins, target, -1)
-    return out, displaced
+    return out, target, displaced
 
+
+def put_where(buf: Tensor, index: Tensor, value: Tensor | int, mask: Tensor) -> None:
+    """``buf[index[i]] = value[i]`` where ``mask[i]`` (``value``: ``[N]``, 0-d or an int), in a fixed
+    number of ops: no compaction, so no host sync. ``index [N]`` must be in range everywhere, and
+    masked-in entries of one index must carry one value (they are written in any order).
+
+    The masked-out entries write the first masked-in entry's value again (or, if there is
+    none, its entry's own value), so no write of theirs can change anything.
+    """
+    if index.numel() == 0:
+        return
+    if isinstance(value, Tensor):
+        value = value.to(buf.dtype).expand(index.shape)
+    else:
+        value = torch.full_like(index, value, dtype=buf.dtype)
+    first = mask.to(torch.int32).argmax().view(1)  # the first masked-in entry (0: none)
+    at = index.index_select(0, first)
+    again = torch.where(mask.index_select(0, first), value.index_select(0, first), buf.index_select(0, at))
+    buf.index_put_((torch.where(mask, index, at),), torch.where(mask, value, again))
+
+
+def uses_compiled_loops(ids: Tensor) -> bool:
+    """Whether lookups of ``ids`` run the compiled CPU loops (else the sync-free tensor ops)."""
+    return ids.device.type == "cpu" and native_loops() is not None

@@ -58,10 +58,11 @@ def fresh_seeds(
     if any(b is None for b in bounds):
         return None
     device = slots.device
-    base = torch.tensor([_seed_base(t) for t in tables], dtype=torch.int64, device=device)
+    # made on the host, copied without waiting (a blocking copy would be a host sync on CUDA)
+    base = torch.tensor([_seed_base(t) for t in tables], dtype=torch.int64).to(device, non_blocking=True)
     seeds = mix64(mix64(slots.long() + base.index_select(0, which)) ^ generations.long())
     lows, highs = (
-        torch.tensor(v, dtype=torch.float64, device=device).index_select(0, which)
+        torch.tensor(v, dtype=torch.float64).to(device, non_blocking=True).index_select(0, which)
         for v in zip(*bounds, strict=True)  # type: ignore[misc]  # no None left
     )
     return seeds, lows, highs
