@@ -76,6 +76,16 @@ def _kt_flatten(kt: KeyedTensor) -> tuple[list[Tensor], tuple[list[str], list[in
     return [kt.values()], (kt.keys(), kt.length_per_key(), kt.key_dim())
 
 
+def _with_keys(flatten: Any, names: tuple[str, ...]) -> Any:
+    """``flatten`` with each leaf named by attribute (``GetAttrKey``): what ``torch.export`` needs."""
+
+    def flatten_with_keys(node: Any) -> tuple[list[tuple[pytree.KeyEntry, Any]], Any]:
+        leaves, context = flatten(node)
+        return [(pytree.GetAttrKey(n), leaf) for n, leaf in zip(names, leaves, strict=True)], context
+
+    return flatten_with_keys
+
+
 def _kt_unflatten(leaves: Iterable[Any], context: Any) -> KeyedTensor:
     keys, length_per_key, *rest = context
     return KeyedTensor(keys, length_per_key, next(iter(leaves)), *rest)
@@ -94,13 +104,25 @@ def register() -> None:
     if JaggedTensor in pytree.SUPPORTED_NODES:
         return
     pytree.register_pytree_node(
-        JaggedTensor, _jt_flatten, _jt_unflatten, serialized_type_name="lightning_shardrec.JaggedTensor"
+        JaggedTensor,
+        _jt_flatten,
+        _jt_unflatten,
+        serialized_type_name="lightning_shardrec.JaggedTensor",
+        flatten_with_keys_fn=_with_keys(_jt_flatten, ("values", "weights", "lengths", "offsets")),
     )
     pytree.register_pytree_node(
-        KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten, serialized_type_name="lightning_shardrec.KeyedJaggedTensor"
+        KeyedJaggedTensor,
+        _kjt_flatten,
+        _kjt_unflatten,
+        serialized_type_name="lightning_shardrec.KeyedJaggedTensor",
+        flatten_with_keys_fn=_with_keys(_kjt_flatten, _KJT_LEAVES),
     )
     pytree.register_pytree_node(
-        KeyedTensor, _kt_flatten, _kt_unflatten, serialized_type_name="lightning_shardrec.KeyedTensor"
+        KeyedTensor,
+        _kt_flatten,
+        _kt_unflatten,
+        serialized_type_name="lightning_shardrec.KeyedTensor",
+        flatten_with_keys_fn=_with_keys(_kt_flatten, ("values",)),
     )
     fx_pytree.register_pytree_flatten_spec(JaggedTensor, lambda jt, spec: _jt_flatten(jt)[0])
     fx_pytree.register_pytree_flatten_spec(KeyedJaggedTensor, lambda kjt, spec: _kjt_leaves(kjt))
