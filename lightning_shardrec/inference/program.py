@@ -192,6 +192,10 @@ def serving_copy(model: nn.Module) -> nn.Module:
         setattr(serving.get_submodule(parent_name) if parent_name else serving, child, ServingEmbeddingBags(qebc))  # type: ignore[arg-type]
     for p in serving.parameters():
         p.requires_grad_(False)
+    for m in serving.modules():  # views (e.g. two halves of one triu_indices) saved as their own tensors
+        for name, b in m._buffers.items():
+            if b is not None and b.untyped_storage().nbytes() != b.numel() * b.element_size():
+                m._buffers[name] = b.clone()
     return serving.eval()
 
 
