@@ -95,6 +95,7 @@ def export(
     dense: bool = False,
     format: str | ArtifactFormat = ArtifactFormat.STATE,
     example_inputs: Sequence[Any] | None = None,
+    device: str = "cpu",
 ) -> nn.Module:
     """Quantize a trained model and write the serving artifact to ``out``; returns the quantized model.
 
@@ -111,7 +112,8 @@ def export(
     ``torch.export`` program, :mod:`~lightning_shardrec.inference.program`) or ``"aoti"`` (an
     AOTInductor package). Both trace the quantized model on ``example_inputs`` (its positional
     inputs; built for DLRM, DCNv2 and DLRMTask when ``None``), serve a dynamic batch size and id
-    count, and load with torch alone.
+    count, and load with torch alone. ``device`` (``"cpu"``, ``"cuda"``): where the program's
+    weights and inputs live (an ``aoti`` package is compiled for it).
     """
     qdtype, fmt = QuantDType.parse(dtype), ArtifactFormat.parse(format)
     if fmt is not ArtifactFormat.STATE and dense:
@@ -142,8 +144,9 @@ def export(
     plain = [n for n, m in model.named_modules() if isinstance(m, (QuantEmbedding, QuantEmbeddingBag))]
     if fmt is not ArtifactFormat.STATE:
         inputs = default_example(model, target) if example_inputs is None else tuple(example_inputs)
-        program, specs = export_program(model, inputs)
-        info = {"factory": target, "dtype": qdtype.value, "collections": collections, "plain": plain}
+        program, specs = export_program(model, inputs, device=device)
+        info = {"factory": target, "dtype": qdtype.value, "collections": collections, "plain": plain,
+                "device": str(torch.device(device))}  # fmt: skip
         save_program(program, out, fmt.value, metadata(specs, info))
         return model
     artifact = {
@@ -328,12 +331,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "program; aoti: AOTInductor package (both load with torch alone)")
     parser.add_argument("--example", default=None, help="pt2/aoti: 'pkg.module:fn' returning the model's "
                         "positional inputs to trace on (default: built for DLRM, DCNv2, DLRMTask)")
+    parser.add_argument("--device", default="cpu", help="pt2/aoti: device of the program, cpu or cuda")
     args = parser.parse_args(argv)
     try:
         kwargs = None if args.model_kwargs is None else json.loads(args.model_kwargs)
         example = None if args.example is None else resolve_example(args.example)
         model = export(args.ckpt, args.model, args.dtype, args.out, factory_kwargs=kwargs, dense=args.dense,
-                       format=args.format, example_inputs=example)
+                       format=args.format, example_inputs=example, device=args.device)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as err:
         parser.error(str(err))
     size = Path(args.out).stat().st_size

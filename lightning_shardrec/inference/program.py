@@ -200,23 +200,31 @@ def serving_copy(model: nn.Module) -> nn.Module:
 
 
 def export_program(
-    model: nn.Module, example_inputs: Sequence[Any], *, shapes: Sequence[Any] | None = None
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    shapes: Sequence[Any] | None = None,
+    device: str | torch.device = "cpu",
 ) -> tuple[ExportedProgram, list[InputSpec]]:
     """``torch.export`` the quantized ``model`` on ``example_inputs`` (its own positional inputs).
 
     Checks the program's outputs on the example against ``model``'s and raises if they differ.
     ``shapes``: ``dynamic_shapes`` for the plain inputs, instead of the default ones.
+    ``device``: where the program (its weights and inputs) lives, e.g. ``"cuda"`` for an
+    AOTInductor package compiled for the GPU.
     """
     args = tuple(example_inputs)
     specs = input_specs(args)
-    plain = plain_inputs(args)
-    program = ServingProgram(serving_copy(model), specs)
+    device = torch.device(device)
+    plain = torch.utils._pytree.tree_map(lambda t: t.to(device), plain_inputs(args))
+    program = ServingProgram(serving_copy(model).to(device), specs)
     dims = dynamic_shapes(specs, plain, batch_size(args)) if shapes is None else tuple(shapes)
     with fx_config.patch(backed_size_oblivious=True), warnings.catch_warnings():  # batch 1 stays dynamic
         warnings.simplefilter("ignore", FutureWarning)
         ep = torch.export.export(program, plain, dynamic_shapes=(dims,))  # one entry: forward(*args)
     with torch.no_grad():
-        want, got = _plain_output(model.eval()(*args)), ep.module()(*plain)
+        want = _plain_output(model.eval()(*args))
+        got = torch.utils._pytree.tree_map(lambda t: t.cpu(), ep.module()(*plain))
     try:
         torch.utils._pytree.tree_map(lambda g, w: torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6), got, want)
     except AssertionError as err:
