@@ -116,11 +116,6 @@ def export(
     weights and inputs live (an ``aoti`` package is compiled for it).
     """
     qdtype, fmt = QuantDType.parse(dtype), ArtifactFormat.parse(format)
-    if fmt is not ArtifactFormat.STATE and dense:
-        raise ValueError(
-            f"export: format={fmt.value!r} takes fp32 dense layers; dense=True (torch.ao int8 Linear) does not "
-            "trace with torch.export. Drop dense, or use format='state'"
-        )
     checkpoint = _read_checkpoint(checkpoint_path) if checkpoint_path is not None else {}
     if model_factory_or_module is None:
         model_factory_or_module = _class_path_of(checkpoint, checkpoint_path)

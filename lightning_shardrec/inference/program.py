@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 
 from lightning_shardrec.data.batch import RecBatch
+from lightning_shardrec.inference.dense_int8 import exportable_dense
 from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection
 from lightning_shardrec.inference.serving_ebc import ServingEmbeddingBags
 from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
@@ -175,13 +176,7 @@ def dynamic_shapes(specs: Sequence[InputSpec], plain: Sequence[Any], batch: int 
 
 def serving_copy(model: nn.Module) -> nn.Module:
     """A copy of the quantized ``model`` in exportable modules (no gradients, eval mode)."""
-    dense = [n for n, m in model.named_modules() if type(m).__module__.startswith("torch.ao.nn.quantized")]
-    if dense:
-        raise ValueError(
-            f"export: {dense} are torch.ao dynamically quantized (int8) layers, which torch.export cannot trace "
-            "(their packed weights are TorchScript objects); export with dense=False (fp32 dense layers)"
-        )
-    serving = copy.deepcopy(model)
+    serving = exportable_dense(copy.deepcopy(model))  # torch.ao int8 Linear -> the same in aten ops
     targets = [n for n, m in serving.named_modules() if isinstance(m, QuantEmbeddingBagCollection)]
     for name in targets:
         qebc = serving.get_submodule(name)

@@ -3,13 +3,16 @@ and an exported program serves in a fresh process that cannot import lightning_s
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from _fresh_serve import serve_fresh
 from torch import nn
 
 from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
-from lightning_shardrec.inference import QuantDType, QuantEmbeddingBagCollection, quantize
+from lightning_shardrec.inference import QuantDType, QuantEmbeddingBagCollection, quantize, quantize_dense
+from lightning_shardrec.inference.dense_int8 import ExportableInt8Linear, exportable_dense
 from lightning_shardrec.inference.export import export
 from lightning_shardrec.inference.id_map import QuantIdMap, lookup_sorted, sorted_live
 from lightning_shardrec.inference.program import export_program, plain_inputs, read_metadata
@@ -151,8 +154,6 @@ def test_dlrm_pt2_from_export_serves_dynamic_batches_fresh(tmp_path):
 
 def test_export_program_errors(tmp_path):
     model = DLRM(EmbeddingBagCollection(_tables()[:1]), 4, [8], [8, 1])
-    with pytest.raises(ValueError, match="format='pt2' takes fp32 dense layers"):
-        export(None, model, "int8", tmp_path / "m.pt2", format="pt2", dense=True)
     with pytest.raises(ValueError, match=r"unknown export format 'onnx'|export format.*'onnx'"):
         export(None, model, "int8", tmp_path / "m.pt2", format="onnx")
     q = quantize(model, "int8", inplace=False)
@@ -160,9 +161,6 @@ def test_export_program_errors(tmp_path):
         export_program(q, (torch.randn(2, 4), [1, 2]))
     with pytest.raises(ValueError, match="no example inputs for .*--example pkg.module:fn"):
         export(None, nn.Sequential(nn.Embedding(4, 2)), "int8", tmp_path / "s.pt2", format="pt2")
-    dense = quantize(model, "int8", dense=True, inplace=False)
-    with pytest.raises(ValueError, match="torch.ao dynamically quantized"):
-        export_program(dense, (torch.randn(2, 4), _kjt(["a", "shared"], 2, 0)))
     (tmp_path / "plain.zip").write_bytes(b"")
     import zipfile
 
@@ -170,3 +168,32 @@ def test_export_program_errors(tmp_path):
         z.writestr("x/data.bin", b"1")
     with pytest.raises(ValueError, match="has no shardrec.json"):
         read_metadata(tmp_path / "plain.zip")
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1e-2, 1.0, 30.0])
+@pytest.mark.parametrize("shift", [-1.0, 0.0, 1.0])
+def test_exportable_int8_linear_equals_torch_ao(scale, shift):
+    torch.manual_seed(0)
+    dense = quantize_dense(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 5)))
+    exported = exportable_dense(copy.deepcopy(dense))
+    assert isinstance(exported[0], ExportableInt8Linear) and isinstance(exported[2], ExportableInt8Linear)
+    for batch in (1, 9):
+        x = torch.randn(batch, 64) * scale + shift * scale
+        with torch.no_grad():
+            torch.testing.assert_close(exported(x), dense(x), rtol=0, atol=0)
+    constant = torch.zeros(3, 64)  # a zero range: ATen's scale 0.1
+    torch.testing.assert_close(exported(constant), dense(constant), rtol=0, atol=0)
+
+
+def test_int8_dense_model_exports_and_serves_fresh(tmp_path):
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(num_embeddings=30, embedding_dim=8, name=f"t{i}", feature_names=[f"f{i}"])
+              for i in range(2)]  # fmt: skip
+    model = DLRM(EmbeddingBagCollection(tables), 4, [16, 8], [8, 1])
+    quantized = export(None, model, "int8", tmp_path / "dense.pt2", format="pt2", dense=True)
+    assert "quantized" in type(quantized.dense_arch[0]).__module__  # torch.ao's module in the eager model
+    batches = [(torch.randn(b, 4), _kjt(["f0", "f1"], b, seed=b)) for b in [1, 7]]
+    served = serve_fresh(tmp_path / "dense.pt2", "pt2", [plain_inputs(b) for b in batches], tmp_path)
+    with torch.no_grad():
+        for args, got in zip(batches, served, strict=True):
+            torch.testing.assert_close(got, quantized(*args), rtol=1e-6, atol=1e-6)
