@@ -17,9 +17,9 @@ Cases (one request = one forward under ``torch.inference_mode``, Python caller):
 
 Each case serves ``--requests`` requests per batch size after warm-up, with 1 intra-op thread
 and with all cores (``torch.set_num_threads``); reported: p50 and p99 per request (ms) and
-throughput (samples/s = batch * requests / total time). The cases run interleaved per batch
-size so machine load hits them alike. ``--write-docs`` replaces this machine's part of
-``## Serving latency`` (kept beside other machines').
+throughput (samples/s = batch * requests / their summed time). The cases run interleaved,
+request by request in a shuffled order, so machine load hits them alike. ``--write-docs``
+replaces this machine's part of ``## Serving latency`` (kept beside other machines').
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -68,18 +69,21 @@ def requests(tables: list[dict[str, Any]], batch: int, count: int) -> list[Any]:
     return list(dm.test_dataloader())
 
 
-def serve(fn: Callable[[Any], Any], reqs: list[Any], n: int, warmup: int) -> tuple[list[float], float]:
-    """Per-request seconds of ``n`` requests (cycled) after ``warmup``, and the total wall time."""
+def serve(cases: dict[str, Callable[[Any], Any]], reqs: list[Any], n: int, warmup: int) -> dict[str, list[float]]:
+    """Per-request seconds of each case over ``n`` requests (cycled) after ``warmup``; request by
+    request, the cases in a shuffled order, so machine load falls on all of them alike."""
+    order = list(cases)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    rng = random.Random(0)
     with torch.inference_mode():
-        for i in range(warmup):
-            fn(reqs[i % len(reqs)])
-        times = []
-        start = time.perf_counter()
-        for i in range(n):
-            t = time.perf_counter()
-            fn(reqs[i % len(reqs)])
-            times.append(time.perf_counter() - t)
-        return times, time.perf_counter() - start
+        for i in range(warmup + n):
+            rng.shuffle(order)
+            for name in order:
+                t = time.perf_counter()
+                cases[name](reqs[i % len(reqs)])
+                if i >= warmup:
+                    times[name].append(time.perf_counter() - t)
+    return times
 
 
 def p(values: list[float], q: float) -> float:
@@ -124,9 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             for threads in sorted({1, threads_all}):
                 torch.set_num_threads(threads)
                 n = max(5, n_req // (4 if batch == 512 else 1))
-                for name, fn in cases.items():
-                    times, total = serve(fn, reqs, n, warmup=min(10, n))
-                    rows.append((batch, threads, name, 1e3 * p(times, 50), 1e3 * p(times, 99), batch * n / total))
+                for name, times in serve(cases, reqs, n, warmup=min(10, n)).items():
+                    rows.append((batch, threads, name, 1e3 * p(times, 50), 1e3 * p(times, 99), batch * n / sum(times)))
         torch.set_num_threads(threads_all)
     cpu = machine_heading()
     lines = [

@@ -53,6 +53,13 @@ def _kjt_flatten(kjt: KeyedJaggedTensor) -> tuple[list[Tensor | None], list[str]
     return _kjt_leaves(kjt), kjt.keys()
 
 
+def _tracing(*tensors: Tensor) -> bool:
+    """Whether ``tensors`` are being traced (fake tensors of ``torch.export``/``torch.compile``)."""
+    import torch._guards
+
+    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode(tensors) is not None
+
+
 def _kjt_unflatten(leaves: Iterable[Any], context: Any) -> KeyedJaggedTensor:
     leaves = list(leaves)
     if len(leaves) > len(_KJT_LEAVES):
@@ -61,6 +68,11 @@ def _kjt_unflatten(leaves: Iterable[Any], context: Any) -> KeyedJaggedTensor:
         )
     padded: list[Tensor | None] = [*leaves, *[None] * (len(_KJT_LEAVES) - len(leaves))]
     values, weights, lengths, offsets, spkpr, inverse = padded
+    if lengths is not None and spkpr is None and inverse is None and _tracing(values, lengths):
+        # torch.export rebuilds its input from fake leaves: no data to check (the traced ops keep theirs)
+        kjt = KeyedJaggedTensor._trusted(list(context), values, weights, lengths, lengths.shape[0] // len(context))  # type: ignore[arg-type]
+        kjt._offsets = offsets
+        return kjt
     return KeyedJaggedTensor(
         context,
         values,  # type: ignore[arg-type]

@@ -197,3 +197,14 @@ def test_int8_dense_model_exports_and_serves_fresh(tmp_path):
     with torch.no_grad():
         for args, got in zip(batches, served, strict=True):
             torch.testing.assert_close(got, quantized(*args), rtol=1e-6, atol=1e-6)
+
+
+def test_a_kjt_input_exports_with_named_leaves():
+    """The issue's failure: ``torch.export.export(module, (kjt,))`` needs the KJT's leaves named."""
+    q = QuantEmbeddingBagCollection.from_float(EmbeddingBagCollection(_tables()), "int8", backend="torch")
+    kjt = _kjt(["a", "shared", "c"], 3, 0)
+    leaves, _ = torch.utils._pytree.tree_flatten_with_path(kjt)
+    names = [".values", ".weights", ".lengths", ".offsets", ".stride_per_key_per_rank", ".inverse_indices"]
+    assert [torch.utils._pytree.keystr(p) for p, _ in leaves] == names
+    ep = torch.export.export(ServingEmbeddingBags(q), (kjt,))
+    torch.testing.assert_close(ep.module()(kjt).values(), q(kjt).values(), rtol=0, atol=0)
