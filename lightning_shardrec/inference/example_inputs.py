@@ -36,7 +36,7 @@ def resolve_example(target: str) -> tuple[Any, ...]:
 
 def default_example(model: nn.Module, where: str) -> tuple[Any, ...]:
     """Inputs of a (quantized) DLRM / DCNv2 / DLRMTask: ``(dense, kjt)``, or ``(RecBatch,)`` for a task."""
-    core = next((m for m in model.modules() if type(m).__name__ in ("DLRM", "DCNv2")), None)
+    core: Any = next((m for m in model.modules() if type(m).__name__ in ("DLRM", "DCNv2")), None)
     if core is None:
         raise ValueError(
             f"export: no example inputs for {where}: pass example_inputs (--example pkg.module:fn returning "

@@ -214,7 +214,7 @@ def export_program(
     plain = torch.utils._pytree.tree_map(lambda t: t.to(device), plain_inputs(args))
     program = ServingProgram(serving_copy(model).to(device), specs)
     dims = dynamic_shapes(specs, plain, batch_size(args)) if shapes is None else tuple(shapes)
-    with fx_config.patch(backed_size_oblivious=True), warnings.catch_warnings():  # batch 1 stays dynamic
+    with fx_config.patch(backed_size_oblivious=True), warnings.catch_warnings():  # type: ignore[attr-defined]
         warnings.simplefilter("ignore", FutureWarning)
         ep = torch.export.export(program, plain, dynamic_shapes=(dims,))  # one entry: forward(*args)
     with torch.no_grad():

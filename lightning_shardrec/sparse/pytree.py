@@ -53,7 +53,7 @@ def _kjt_flatten(kjt: KeyedJaggedTensor) -> tuple[list[Tensor | None], list[str]
     return _kjt_leaves(kjt), kjt.keys()
 
 
-def _tracing(*tensors: Tensor) -> bool:
+def _tracing(*tensors: Tensor | None) -> bool:
     """Whether ``tensors`` are being traced (fake tensors of ``torch.export``/``torch.compile``)."""
     import torch._guards
 
