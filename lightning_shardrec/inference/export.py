@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import importlib
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -68,21 +67,7 @@ VERSION = 1
 Factory = Callable[..., nn.Module]
 
 
-class ArtifactFormat(enum.Enum):
-    """What :func:`export` writes: ``state`` (plain data, needs the model code), ``pt2``, ``aoti``."""
-
-    STATE = "state"
-    PT2 = "pt2"
-    AOTI = "aoti"
-
-    @classmethod
-    def parse(cls, value: str | ArtifactFormat) -> ArtifactFormat:
-        if isinstance(value, ArtifactFormat):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            raise unknown_name("export format", value, [m.value for m in cls]) from None
+FORMATS = ("state", "pt2", "aoti")  #: what export writes: plain data (needs the model code), two programs
 
 
 def export(
@@ -93,7 +78,7 @@ def export(
     *,
     factory_kwargs: Mapping[str, Any] | None = None,
     dense: bool = False,
-    format: str | ArtifactFormat = ArtifactFormat.STATE,
+    format: str = "state",
     example_inputs: Sequence[Any] | None = None,
     device: str = "cpu",
 ) -> nn.Module:
@@ -115,7 +100,9 @@ def export(
     count, and load with torch alone. ``device`` (``"cpu"``, ``"cuda"``): where the program's
     weights and inputs live (an ``aoti`` package is compiled for it).
     """
-    qdtype, fmt = QuantDType.parse(dtype), ArtifactFormat.parse(format)
+    qdtype, fmt = QuantDType.parse(dtype), str(format).lower()
+    if fmt not in FORMATS:
+        raise unknown_name("export format", format, list(FORMATS))
     checkpoint = _read_checkpoint(checkpoint_path) if checkpoint_path is not None else {}
     if model_factory_or_module is None:
         model_factory_or_module = _class_path_of(checkpoint, checkpoint_path)
@@ -137,12 +124,12 @@ def export(
     model = quantize(model, qdtype, dense=dense, inplace=not given)
     collections = {path: _describe(model.get_submodule(path)) for path in collection_paths(model)}
     plain = [n for n, m in model.named_modules() if isinstance(m, (QuantEmbedding, QuantEmbeddingBag))]
-    if fmt is not ArtifactFormat.STATE:
+    if fmt != "state":
         inputs = default_example(model, target) if example_inputs is None else tuple(example_inputs)
         program, specs = export_program(model, inputs, device=device)
         info = {"factory": target, "dtype": qdtype.value, "collections": collections, "plain": plain,
                 "device": str(torch.device(device))}  # fmt: skip
-        save_program(program, out, fmt.value, metadata(specs, info))
+        save_program(program, out, fmt, metadata(specs, info))
         return model
     artifact = {
         "format": FORMAT,
@@ -321,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default="int8", help=f"one of {', '.join(m.value for m in QuantDType)}")
     parser.add_argument("--dense", action="store_true", help="also quantize nn.Linear layers (torch.ao dynamic int8)")
     parser.add_argument("--out", required=True, help="artifact path, e.g. model.pt (state) or model.pt2")
-    parser.add_argument("--format", default="state", choices=[m.value for m in ArtifactFormat],
+    parser.add_argument("--format", default="state", choices=FORMATS,
                         help="state: torch.save of plain data (loading needs the model code); pt2: torch.export "
                         "program; aoti: AOTInductor package (both load with torch alone)")
     parser.add_argument("--example", default=None, help="pt2/aoti: 'pkg.module:fn' returning the model's "
