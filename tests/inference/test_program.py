@@ -4,6 +4,7 @@ and an exported program serves in a fresh process that cannot import lightning_s
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -208,3 +209,20 @@ def test_a_kjt_input_exports_with_named_leaves():
     assert [torch.utils._pytree.keystr(p) for p, _ in leaves] == names
     ep = torch.export.export(ServingEmbeddingBags(q), (kjt,))
     torch.testing.assert_close(ep.module()(kjt).values(), q(kjt).values(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp16"])
+def test_dcn_with_weighted_shared_and_mean_features_exports(dtype):
+    from lightning_shardrec.models import DCNv2
+
+    torch.manual_seed(0)
+    tables = [dataclasses.replace(t, embedding_dim=8) for t in _tables()]
+    model = DCNv2(EmbeddingBagCollection(tables, is_weighted=True), 4, [16, 8], [8, 1], dcn_num_layers=2,
+                  dcn_low_rank_dim=4)  # fmt: skip
+    q = quantize(model, dtype, backend="torch")
+    ep, specs = export_program(q, (torch.randn(3, 4), _kjt(["c", "a", "shared"], 3, 0, weighted=True)))
+    assert specs[1].weighted and specs[1].keys == ("c", "a", "shared")
+    for b in (1, 11):
+        args = (torch.randn(b, 4), _kjt(["c", "a", "shared"], b, b, weighted=True))
+        with torch.no_grad():
+            torch.testing.assert_close(ep.module()(*plain_inputs(args)), q(*args), rtol=0, atol=0)
