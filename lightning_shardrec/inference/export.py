@@ -176,7 +176,8 @@ def load(path: str | Path, *, backend: str | QuantBackend = QuantBackend.AUTO) -
         return QuantEmbeddingBagCollection(tables, dtype, spec["is_weighted"], "cpu", backend=backend)
 
     model = swap_collections(model, empty_quantized)
-    quantize_plain(model, dtype, copy_weights=False)
+    plain = artifact.get("plain", [])  # absent: written before plain modules were quantized
+    quantize_plain(model, dtype, copy_weights=False, paths=plain)
     if artifact["dense"]:
         model = quantize_dense(model)
     model.load_state_dict(artifact["state_dict"], strict=True)

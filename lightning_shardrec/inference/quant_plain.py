@@ -11,6 +11,8 @@ of its bag as torch does). All of it is plain aten, so ``torch.export`` keeps it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -86,11 +88,15 @@ class QuantEmbeddingBag(_QuantRows):
         )
 
 
-def quantize_plain(module: nn.Module, dtype: QuantDType, *, copy_weights: bool = True) -> list[str]:
-    """Swap every plain ``nn.Embedding``/``nn.EmbeddingBag`` of ``module`` (not inside a collection)
-    for its quantized module, in place; ``copy_weights=False`` leaves the rows empty (to load a
-    state dict). Returns the swapped paths."""
+def quantize_plain(
+    module: nn.Module, dtype: QuantDType, *, copy_weights: bool = True, paths: Sequence[str] | None = None
+) -> list[str]:
+    """Swap every plain ``nn.Embedding``/``nn.EmbeddingBag`` of ``module`` (not inside a collection;
+    only those at ``paths`` when given) for its quantized module, in place; ``copy_weights=False``
+    leaves the rows empty (to load a state dict). Returns the swapped paths."""
     found = find_embedding_modules(module)
+    if paths is not None:
+        found = {p: m for p, m in found.items() if p in set(paths)}
     for path, plain in found.items():
         kind = QuantEmbeddingBag if isinstance(plain, nn.EmbeddingBag) else QuantEmbedding
         quant = kind(plain, dtype, path)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from _fresh_serve import serve_fresh
 from torch import nn
 
 from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
-from lightning_shardrec.inference import QuantDType, QuantEmbeddingBagCollection, quantize, quantize_dense
+from lightning_shardrec.inference import QuantDType, QuantEmbeddingBagCollection, load, quantize, quantize_dense
 from lightning_shardrec.inference.dense_int8 import ExportableInt8Linear, exportable_dense
 from lightning_shardrec.inference.export import export
 from lightning_shardrec.inference.id_map import QuantIdMap, lookup_sorted, sorted_live
@@ -226,3 +226,30 @@ def test_dcn_with_weighted_shared_and_mean_features_exports(dtype):
         args = (torch.randn(b, 4), _kjt(["c", "a", "shared"], b, b, weighted=True))
         with torch.no_grad():
             torch.testing.assert_close(ep.module()(*plain_inputs(args)), q(*args), rtol=0, atol=0)
+
+
+class RecWithPosition(nn.Module):  # top level: the state format records it by import path
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(_tables()[:1])
+        self.position = nn.Embedding(5, 8)
+
+    def forward(self, kjt, pos):
+        return self.ebc(kjt).values()[:, :8] + self.position(pos)
+
+
+def test_state_artifacts_quantize_plain_modules_and_old_ones_load_as_written(tmp_path):
+    torch.manual_seed(0)
+    model = RecWithPosition()
+    quantized = export(None, model, "int8", tmp_path / "new.pt")
+    loaded = load(tmp_path / "new.pt")
+    assert isinstance(quantized.position, QuantEmbedding) and isinstance(loaded.position, QuantEmbedding)
+    args = (_kjt(["a", "shared"], 3, 0), torch.tensor([0, 4, 2]))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(*args), quantized(*args), rtol=0, atol=0)
+    old = torch.load(tmp_path / "new.pt", weights_only=True)  # as written before: float plain modules
+    del old["plain"]
+    old["state_dict"] = {k: v for k, v in old["state_dict"].items() if not k.startswith("position.")}
+    old["state_dict"]["position.weight"] = model.position.weight.detach()
+    torch.save(old, tmp_path / "old.pt")
+    assert type(load(tmp_path / "old.pt").position) is nn.Embedding
