@@ -101,56 +101,66 @@ def test_quantized_embedding_bag_matches_torch_on_its_rows(mode, padding_idx):
         torch.testing.assert_close(q(two_d), bag(two_d), rtol=0, atol=0)
 
 
-def test_quantize_swaps_plain_modules_and_export_serves_them_fresh(tmp_path):
-    class Tower(nn.Module):  # a local class: the fresh process could not import it anyway
-        def __init__(self):
-            super().__init__()
-            self.user = nn.EmbeddingBag(100, 8, mode="mean")
-            self.item = nn.Embedding(50, 8, padding_idx=0)
-            self.top = nn.Linear(8, 1)
+class Tower(nn.Module):  # plain torch embedding modules, as people write them
+    def __init__(self):
+        super().__init__()
+        self.user = nn.EmbeddingBag(100, 8, mode="mean")
+        self.item = nn.Embedding(50, 8, padding_idx=0)
+        self.top = nn.Linear(8, 1)
 
-        def forward(self, ids, offsets, items):
-            return self.top(self.user(ids, offsets) * self.item(items).mean(1)).squeeze(1)
+    def forward(self, ids, offsets, items):
+        return self.top(self.user(ids, offsets) * self.item(items).mean(1)).squeeze(1)
 
+
+def _tower_inputs(batch: int, seed: int) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (batch,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+    return torch.randint(0, 100, (int(lengths.sum()),), generator=g), offsets, torch.randint(0, 50, (batch, 3))
+
+
+def test_exported_programs_serve_fresh_and_equal_eager(tmp_path):
+    """A plain-module two-tower (int8), a DLRM (int4 tables) and a DLRM with int8 dense layers, exported
+    and served in one fresh process that cannot import lightning_shardrec, at batch sizes 1 and up."""
     torch.manual_seed(0)
     model = Tower()
-    q = quantize(model, "int8", inplace=False)
-    assert isinstance(q.user, QuantEmbeddingBag) and isinstance(q.item, QuantEmbedding)
-    assert isinstance(model.user, nn.EmbeddingBag)
-
-    def inputs(batch, seed):
-        g = torch.Generator().manual_seed(seed)
-        lengths = torch.randint(0, 4, (batch,), generator=g)
-        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
-        return torch.randint(0, 100, (int(lengths.sum()),), generator=g), offsets, torch.randint(0, 50, (batch, 3))
-
-    ep, _ = export_program(q, inputs(6, 0))
+    tower = quantize(model, "int8", inplace=False)
+    assert isinstance(tower.user, QuantEmbeddingBag) and isinstance(tower.item, QuantEmbedding)
+    assert isinstance(model.user, nn.EmbeddingBag)  # inplace=False left it
+    ep, _ = export_program(tower, _tower_inputs(6, 0))
     torch.export.save(ep, tmp_path / "tower.pt2")
-    batches = [inputs(b, s) for s, b in enumerate([1, 6, 33])]
-    served = serve_fresh(tmp_path / "tower.pt2", "pt2", batches, tmp_path)
-    with torch.no_grad():
-        for args, got in zip(batches, served, strict=True):
-            torch.testing.assert_close(got, q(*args), rtol=0, atol=0)
-            torch.testing.assert_close(got, model(*args), rtol=0.05, atol=0.05)
+    tower_batches = [_tower_inputs(b, s) for s, b in enumerate([1, 6, 33])]
 
-
-def test_dlrm_pt2_from_export_serves_dynamic_batches_fresh(tmp_path):
-    torch.manual_seed(0)
     tables = [EmbeddingBagConfig(num_embeddings=30, embedding_dim=8, name=f"t{i}", feature_names=[f"f{i}"])
               for i in range(3)]  # fmt: skip
-    model = DLRM(EmbeddingBagCollection(tables), 4, [16, 8], [8, 1])
-    out = tmp_path / "dlrm.pt2"
-    quantized = export(None, model, "int4", out, format="pt2")
-    info = read_metadata(out)
+    dlrm = export(None, DLRM(EmbeddingBagCollection(tables), 4, [16, 8], [8, 1]), "int4", tmp_path / "dlrm.pt2",
+                  format="pt2")  # fmt: skip
+    info = read_metadata(tmp_path / "dlrm.pt2")
     assert info["inputs"][1] == {"kind": "kjt", "keys": ["f0", "f1", "f2"], "weighted": False}
     assert info["dtype"] == "int4" and info["factory"] == "lightning_shardrec.models.dlrm:DLRM"
-    batches = [(torch.randn(b, 4), _kjt(["f0", "f1", "f2"], b, seed=b)) for b in [1, 7, 64]]
-    batches.append((torch.randn(2, 4), KeyedJaggedTensor(["f0", "f1", "f2"], torch.zeros(0, dtype=torch.long),
-                                                         lengths=torch.zeros(6, dtype=torch.long))))  # fmt: skip
-    served = serve_fresh(out, "pt2", [plain_inputs(b) for b in batches], tmp_path)
+    dlrm_batches = [(torch.randn(b, 4), _kjt(["f0", "f1", "f2"], b, seed=b)) for b in [1, 7, 64]]
+    no_ids = KeyedJaggedTensor(
+        ["f0", "f1", "f2"], torch.zeros(0, dtype=torch.long), lengths=torch.zeros(6, dtype=torch.long)
+    )
+    dlrm_batches.append((torch.randn(2, 4), no_ids))
+
+    dense = export(None, DLRM(EmbeddingBagCollection(tables), 4, [16, 8], [8, 1]), "int8", tmp_path / "dense.pt2",
+                   format="pt2", dense=True)  # fmt: skip
+    assert "quantized" in type(dense.dense_arch[0]).__module__  # torch.ao's module in the eager model
+
+    served = serve_fresh(
+        [(tmp_path / "tower.pt2", "pt2", tower_batches),
+         (tmp_path / "dlrm.pt2", "pt2", [plain_inputs(b) for b in dlrm_batches]),
+         (tmp_path / "dense.pt2", "pt2", [plain_inputs(b) for b in dlrm_batches])],
+        tmp_path,
+    )  # fmt: skip
     with torch.no_grad():
-        for args, got in zip(batches, served, strict=True):
-            torch.testing.assert_close(got, quantized(*args), rtol=1e-6, atol=1e-6)
+        for args, got in zip(tower_batches, served[0], strict=True):
+            torch.testing.assert_close(got, tower(*args), rtol=0, atol=0)
+            torch.testing.assert_close(got, model(*args), rtol=0.05, atol=0.05)
+        for eager, outs in ((dlrm, served[1]), (dense, served[2])):
+            for args, got in zip(dlrm_batches, outs, strict=True):
+                torch.testing.assert_close(got, eager(*args), rtol=1e-6, atol=1e-6)
 
 
 def test_export_program_errors(tmp_path):
@@ -184,20 +194,6 @@ def test_exportable_int8_linear_equals_torch_ao(scale, shift):
             torch.testing.assert_close(exported(x), dense(x), rtol=0, atol=0)
     constant = torch.zeros(3, 64)  # a zero range: ATen's scale 0.1
     torch.testing.assert_close(exported(constant), dense(constant), rtol=0, atol=0)
-
-
-def test_int8_dense_model_exports_and_serves_fresh(tmp_path):
-    torch.manual_seed(0)
-    tables = [EmbeddingBagConfig(num_embeddings=30, embedding_dim=8, name=f"t{i}", feature_names=[f"f{i}"])
-              for i in range(2)]  # fmt: skip
-    model = DLRM(EmbeddingBagCollection(tables), 4, [16, 8], [8, 1])
-    quantized = export(None, model, "int8", tmp_path / "dense.pt2", format="pt2", dense=True)
-    assert "quantized" in type(quantized.dense_arch[0]).__module__  # torch.ao's module in the eager model
-    batches = [(torch.randn(b, 4), _kjt(["f0", "f1"], b, seed=b)) for b in [1, 7]]
-    served = serve_fresh(tmp_path / "dense.pt2", "pt2", [plain_inputs(b) for b in batches], tmp_path)
-    with torch.no_grad():
-        for args, got in zip(batches, served, strict=True):
-            torch.testing.assert_close(got, quantized(*args), rtol=1e-6, atol=1e-6)
 
 
 def test_a_kjt_input_exports_with_named_leaves():

@@ -74,11 +74,15 @@ def _test_batches(dm: SyntheticRecDataModule) -> list:
     return list(dm.test_dataloader())
 
 
-def _check(artifact: Path, fmt: str, eager: torch.nn.Module, inputs: list[tuple], tmp: Path) -> None:
-    served = serve_fresh(artifact, fmt, [plain_inputs(a) for a in inputs], tmp)
+def _check(jobs: list[tuple[Path, str, torch.nn.Module, list[tuple]]], tmp: Path) -> None:
+    """Each ``(artifact, format, eager model, inputs)``: served in one fresh process, equal to the eager model."""
+    served = serve_fresh([(a, fmt, [plain_inputs(x) for x in inputs]) for a, fmt, _, inputs in jobs], tmp)
     with torch.no_grad():
-        for args, got in zip(inputs, served, strict=True):
-            torch.testing.assert_close(got, eager(*args), rtol=1e-6, atol=1e-6)
+        for (artifact, _, eager, inputs), outs in zip(jobs, served, strict=True):
+            for args, got in zip(inputs, outs, strict=True):
+                torch.testing.assert_close(
+                    got, eager(*args), rtol=1e-6, atol=1e-6, msg=lambda m, a=artifact: f"{a}: {m}"
+                )
 
 
 def _tower_inputs() -> list[tuple]:
@@ -87,34 +91,34 @@ def _tower_inputs() -> list[tuple]:
     return [*out, (ids, offsets, items)]  # batch 1
 
 
-def test_dlrm_and_two_tower_export_pt2_and_serve_fresh(trained, tmp_path):
+def test_dlrm_two_tower_and_dynamic_export_pt2_and_serve_fresh(trained, tmp_path):
     # DLRM task: default example (a RecBatch), int8 rows, the sharded checkpoint of 2 ranks
     assert main(["--ckpt", str(trained / "dlrm"), "--model", "lightning_shardrec.models:DLRMTask", "--dtype", "int8",
                  "--format", "pt2", "--out", str(tmp_path / "dlrm.pt2")]) == 0  # fmt: skip
     export(trained / "dlrm", "lightning_shardrec.models:DLRMTask", "int8", tmp_path / "dlrm.pt")
-    eager = load(tmp_path / "dlrm.pt", backend="torch")
-    inputs = [(b,) for b in _test_batches(_dlrm_data(batch_size=5))]
-    _check(tmp_path / "dlrm.pt2", "pt2", eager, inputs, tmp_path)
+    dlrm = load(tmp_path / "dlrm.pt", backend="torch")
     assert read_metadata(tmp_path / "dlrm.pt2")["inputs"] == [{"kind": "batch", "keys": ["a", "b"], "weighted": False}]
     # two-tower on plain nn.EmbeddingBag / nn.Embedding, int4 rows
     assert main(["--ckpt", str(trained / "tower"), "--model", "test_plain_modules:TwoTower", "--dtype", "int4",
                  "--format", "pt2", "--example", "test_serving_export:tower_example",
                  "--out", str(tmp_path / "tower.pt2")]) == 0  # fmt: skip
     export(trained / "tower", "test_plain_modules:TwoTower", "int4", tmp_path / "tower.pt")
-    _check(tmp_path / "tower.pt2", "pt2", load(tmp_path / "tower.pt"), _tower_inputs(), tmp_path)
-
-
-def test_dynamic_table_exports_with_its_frozen_id_map(trained, tmp_path):
+    # a dynamic table: raw ids through its frozen id map (the eager model's compiled bucket loop, the
+    # program's binary search in sorted ids)
     dm = _data_for(16)
     dm.setup("fit")
-    inputs = [(b,) for b in dm.train_dataloader()]
+    dyn_inputs = [(b,) for b in dm.train_dataloader()]
     export(trained / "dyn", "test_dynamic_monitor:DynRec", "int8", tmp_path / "dyn.pt2", factory_kwargs={},
-           format="pt2", example_inputs=inputs[0])  # fmt: skip
+           format="pt2", example_inputs=dyn_inputs[0])  # fmt: skip
     export(trained / "dyn", "test_dynamic_monitor:DynRec", "int8", tmp_path / "dyn.pt", factory_kwargs={})
-    eager = load(tmp_path / "dyn.pt")  # the compiled bucket loop, where the program searches sorted ids
-    _check(tmp_path / "dyn.pt2", "pt2", eager, inputs, tmp_path)
     table = read_metadata(tmp_path / "dyn.pt2")["collections"]["ebc"]["tables"][0]
     assert table["name"] == "t_user" and table["dynamic"]["eviction"] == "lru"
+    _check(
+        [(tmp_path / "dlrm.pt2", "pt2", dlrm, [(b,) for b in _test_batches(_dlrm_data(batch_size=5))]),
+         (tmp_path / "tower.pt2", "pt2", load(tmp_path / "tower.pt"), _tower_inputs()),
+         (tmp_path / "dyn.pt2", "pt2", load(tmp_path / "dyn.pt"), dyn_inputs)],
+        tmp_path,
+    )  # fmt: skip
 
 
 @pytest.mark.slow
@@ -122,9 +126,12 @@ def test_aoti_packages_serve_fresh(trained, tmp_path):
     """AOTInductor compiles C++ for each program (about a minute each on a loaded 2-core machine)."""
     export(trained / "dlrm", "lightning_shardrec.models:DLRMTask", "fp16", tmp_path / "dlrm_aoti.pt2", format="aoti")
     export(trained / "dlrm", "lightning_shardrec.models:DLRMTask", "fp16", tmp_path / "dlrm.pt")
-    inputs = [(b,) for b in _test_batches(_dlrm_data(batch_size=5))]
-    _check(tmp_path / "dlrm_aoti.pt2", "aoti", load(tmp_path / "dlrm.pt", backend="torch"), inputs, tmp_path)
     export(trained / "tower", "test_plain_modules:TwoTower", "int8", tmp_path / "tower_aoti.pt2", format="aoti",
            example_inputs=tower_example())  # fmt: skip
     export(trained / "tower", "test_plain_modules:TwoTower", "int8", tmp_path / "tower.pt")
-    _check(tmp_path / "tower_aoti.pt2", "aoti", load(tmp_path / "tower.pt"), _tower_inputs(), tmp_path)
+    _check(
+        [(tmp_path / "dlrm_aoti.pt2", "aoti", load(tmp_path / "dlrm.pt", backend="torch"),
+          [(b,) for b in _test_batches(_dlrm_data(batch_size=5))]),
+         (tmp_path / "tower_aoti.pt2", "aoti", load(tmp_path / "tower.pt"), _tower_inputs())],
+        tmp_path,
+    )  # fmt: skip
