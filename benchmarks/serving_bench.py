@@ -93,7 +93,7 @@ def p(values: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--quick", action="store_true", help="small tables, few requests, no AOTInductor")
+    parser.add_argument("--quick", action="store_true", help="small tables, few requests, one thread, no AOTInductor")
     parser.add_argument("--write-docs", type=Path, default=None)
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name in ("pt2 int8", "aoti int8"):
                     if name in cases:
                         torch.testing.assert_close(cases[name](reqs[0]), want, rtol=1e-5, atol=1e-5)
-            for threads in sorted({1, threads_all}):
+            for threads in [1] if args.quick else sorted({1, threads_all}):
                 torch.set_num_threads(threads)
                 n = max(5, n_req // (4 if batch == 512 else 1))
                 for name, times in serve(cases, reqs, n, warmup=min(10, n)).items():
