@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from lightning_shardrec.configs import EmbeddingBagConfig
 from lightning_shardrec.inference.quant_embedding_bag_collection import QuantTable, _check_dims
 from lightning_shardrec.inference.rowwise import QuantDType, dequantize_rows, quantize_rows
+from lightning_shardrec.inference.serving_ebc import check_rows
 from lightning_shardrec.modules.plain_embeddings import find_embedding_modules, table_name
 
 
@@ -39,6 +40,7 @@ class _QuantRows(QuantTable):
         """Float32 rows ``[N, dim]`` of ids ``[N]``."""
         rows = self.rows()
         ids = ids.long()
+        check_rows(ids, self.num_embeddings, f"{type(self).__name__} '{self.path}'")
         return dequantize_rows(
             rows.dtype,
             rows.data[ids],

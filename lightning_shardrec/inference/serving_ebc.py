@@ -107,6 +107,7 @@ class ServingEmbeddingBags(nn.Module):
     def _pool(self, table: str, ids: Tensor, bag_lengths: Tensor, weights: Tensor | None) -> Tensor:
         """SUM-pooled ``[bags, dim]``: the torch backend's gather, dequantize, ``embedding_bag``."""
         rows: QuantizedRows = self.embedding_bags[table].rows()  # type: ignore[operator]
+        check_rows(ids, rows.data.shape[0], f"ServingEmbeddingBags: table {table!r}")
         gathered = dequantize_rows(
             rows.dtype,
             rows.data[ids],
@@ -122,6 +123,12 @@ class ServingEmbeddingBags(nn.Module):
             per_sample_weights=weights,
             include_last_offset=True,
         )
+
+
+def check_rows(ids: Tensor, num_rows: int, where: str) -> None:
+    """Fail the request (an error, not a crash or another row) when an id is outside ``[0, num_rows)``."""
+    outside = ((ids < 0) | (ids >= num_rows)).any()
+    torch._assert_async(outside.logical_not(), f"{where}: an id is outside [0, {num_rows})")
 
 
 def _split_by_key(

@@ -249,3 +249,20 @@ def test_state_artifacts_quantize_plain_modules_and_old_ones_load_as_written(tmp
     old["state_dict"]["position.weight"] = model.position.weight.detach()
     torch.save(old, tmp_path / "old.pt")
     assert type(load(tmp_path / "old.pt").position) is nn.Embedding
+
+
+def test_an_id_outside_its_table_fails_the_request():
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(num_embeddings=30, embedding_dim=8, name="t0", feature_names=["f0"])]
+    q = quantize(DLRM(EmbeddingBagCollection(tables), 4, [8], [8, 1]), "int8", backend="torch")
+    ep, _ = export_program(q, (torch.randn(2, 4), _kjt(["f0"], 2, 0)))
+    bad = KeyedJaggedTensor(["f0"], torch.tensor([3, 30]), lengths=torch.tensor([1, 1]))
+    with pytest.raises(RuntimeError, match=r"table 't0': an id is outside \[0, 30\)"):
+        ep.module()(*plain_inputs((torch.randn(2, 4), bad)))
+    tower = quantize(Tower(), "int8")
+    ep, _ = export_program(tower, _tower_inputs(4, 0))
+    ids, offsets, items = _tower_inputs(4, 1)
+    with pytest.raises(RuntimeError, match=r"QuantEmbedding 'item': an id is outside \[0, 50\)"):
+        ep.module()(ids, offsets, items + 50)
+    with pytest.raises(RuntimeError, match=r"QuantEmbeddingBag 'user': an id is outside \[0, 100\)"):
+        tower(ids - 200, offsets, items)
