@@ -85,8 +85,8 @@ DESCRIPTION = (
 )
 EPILOG = (
     "export: shardrec export --ckpt CKPT --out model.pt [--dtype int8|int4|fp16] [--model pkg.mod:Class] "
-    "[--dense]: a quantized serving artifact, loaded with "
-    "lightning_shardrec.inference.load (see shardrec export --help)"
+    "[--dense] [--format state|pt2|aoti]: a quantized serving artifact, loaded with "
+    "lightning_shardrec.inference.load (state) or torch alone (pt2, aoti; see shardrec export --help)"
 )
 
 

@@ -7,12 +7,17 @@
   ``python -m lightning_shardrec.inference.export``).
 * ``QuantizedPredictor`` (imported lazily: it needs Lightning) runs a plain
   quantized module under ``Trainer.predict``.
+* :func:`export_program` (:mod:`~lightning_shardrec.inference.program`) traces a quantized
+  model into a ``torch.export`` program of aten ops (``ServingEmbeddingBags`` for the
+  collections), which loads with torch alone (``shardrec export --format pt2|aoti``).
 """
 
 from lightning_shardrec.inference.export import export as export_model  # the name `export` stays the module
 from lightning_shardrec.inference.export import load
 from lightning_shardrec.inference.lookup import QuantBackend
+from lightning_shardrec.inference.program import export_program
 from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection
+from lightning_shardrec.inference.quant_plain import QuantEmbedding, QuantEmbeddingBag
 from lightning_shardrec.inference.quantize import quantize, quantize_dense
 from lightning_shardrec.inference.rowwise import (
     QuantDType,
@@ -21,6 +26,7 @@ from lightning_shardrec.inference.rowwise import (
     quantize_rows,
     row_error_bound,
 )
+from lightning_shardrec.inference.serving_ebc import ServingEmbeddingBags
 
 
 def __getattr__(name: str) -> object:
@@ -34,11 +40,15 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "QuantBackend",
     "QuantDType",
+    "QuantEmbedding",
+    "QuantEmbeddingBag",
     "QuantEmbeddingBagCollection",
     "QuantizedPredictor",
     "QuantizedRows",
+    "ServingEmbeddingBags",
     "dequantize_rows",
     "export_model",
+    "export_program",
     "load",
     "quantize",
     "quantize_dense",

@@ -3,7 +3,8 @@
 ::
 
     python -m lightning_shardrec.inference.export --ckpt last.ckpt --model my_pkg.models:Rec \\
-        --dtype int8 --out model.pt [--model-kwargs '{"num_dense": 13}'] [--dense]
+        --dtype int8 --out model.pt [--model-kwargs '{"num_dense": 13}'] [--dense] \\
+        [--format state|pt2|aoti] [--example my_pkg.models:example_inputs]
 
 The artifact is one ``torch.save`` file of plain data, loadable with
 ``torch.load(path, weights_only=True)`` (no pickled code, no process group)::
@@ -16,6 +17,7 @@ The artifact is one ``torch.save`` file of plain data, loadable with
     dense           bool                    nn.Linear layers dynamically quantized (int8)
     collections     {path: {"is_weighted": bool, "tables": [{name, num_embeddings, embedding_dim,
                                                               feature_names, pooling, dynamic}]}}
+    plain           [path]                  plain nn.Embedding/nn.EmbeddingBag modules, quantized
     state_dict      the quantized model's state dict (uint8 rows + fp16 scale/bias, fp32 dense;
                     a dynamic table's frozen id mapping, ``id_maps.<table>.ids/rows``)
 
@@ -25,9 +27,11 @@ dict of plain values; its raw int64 ids are served as in the float module's ``ev
 :func:`load` rebuilds the model from ``factory(**factory_kwargs)`` on the CPU, swaps
 its collections for empty quantized ones built from ``collections``, quantizes the
 dense layers when ``dense`` is set, and loads ``state_dict`` strictly. The model
-code must be importable where the artifact is loaded; the weights need nothing
-else. (``torch.export``/TorchScript would drop that need but do not round-trip
-here: the KeyedJaggedTensor input is not a pytree/TorchScript type.)
+code must be importable where the artifact is loaded; the weights need nothing else.
+
+``--format pt2`` / ``aoti`` write a self-contained program instead (``torch.export.load`` /
+``torch._inductor.aoti_load_package``, no model code and no lightning_shardrec import): see
+:mod:`lightning_shardrec.inference.program` and docs/serving.md.
 
 Import the functions from this module (``from lightning_shardrec.inference.export
 import export, load``): ``lightning_shardrec.inference.export`` names the module.
@@ -47,16 +51,23 @@ import torch
 from torch import nn
 
 from lightning_shardrec.configs import DynamicConfig, EmbeddingBagConfig, PoolingType
-from lightning_shardrec.errors import CheckpointError
+from lightning_shardrec.errors import CheckpointError, unknown_name
+from lightning_shardrec.inference.example_inputs import default_example, resolve_example
 from lightning_shardrec.inference.lookup import QuantBackend
-from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection
+from lightning_shardrec.inference.program import export_program, metadata, save_program
+from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection, QuantTable
+from lightning_shardrec.inference.quant_plain import QuantEmbedding, QuantEmbeddingBag, quantize_plain
 from lightning_shardrec.inference.quantize import collection_paths, quantize, quantize_dense, swap_collections
 from lightning_shardrec.inference.rowwise import QuantDType
 from lightning_shardrec.modules import EmbeddingBagCollection
+from lightning_shardrec.modules.plain_embeddings import find_embedding_modules
 
 FORMAT = "lightning_shardrec.quantized"
 VERSION = 1
 Factory = Callable[..., nn.Module]
+
+
+FORMATS = ("state", "pt2", "aoti")  #: what export writes: plain data (needs the model code), two programs
 
 
 def export(
@@ -67,6 +78,9 @@ def export(
     *,
     factory_kwargs: Mapping[str, Any] | None = None,
     dense: bool = False,
+    format: str = "state",
+    example_inputs: Sequence[Any] | None = None,
+    device: str = "cpu",
 ) -> nn.Module:
     """Quantize a trained model and write the serving artifact to ``out``; returns the quantized model.
 
@@ -78,8 +92,17 @@ def export(
     records in the checkpoint (``hyper_parameters["_class_path"]``). ``factory_kwargs``
     default to the checkpoint's ``hyper_parameters`` (minus LightningCLI's ``_``-keys),
     else a module's ``hparams``, else ``{}``.
+
+    ``format``: ``"state"`` (the default: the file described above), ``"pt2"`` (a
+    ``torch.export`` program, :mod:`~lightning_shardrec.inference.program`) or ``"aoti"`` (an
+    AOTInductor package). Both trace the quantized model on ``example_inputs`` (its positional
+    inputs; built for DLRM, DCNv2 and DLRMTask when ``None``), serve a dynamic batch size and id
+    count, and load with torch alone. ``device`` (``"cpu"``, ``"cuda"``): where the program's
+    weights and inputs live (an ``aoti`` package is compiled for it).
     """
-    qdtype = QuantDType.parse(dtype)
+    qdtype, fmt = QuantDType.parse(dtype), str(format).lower()
+    if fmt not in FORMATS:
+        raise unknown_name("export format", format, list(FORMATS))
     checkpoint = _read_checkpoint(checkpoint_path) if checkpoint_path is not None else {}
     if model_factory_or_module is None:
         model_factory_or_module = _class_path_of(checkpoint, checkpoint_path)
@@ -96,9 +119,18 @@ def export(
             model.load_state_dict(state, strict=True)
         except RuntimeError as err:
             raise CheckpointError(f"export: checkpoint {str(checkpoint_path)!r} does not fit {target}: {err}") from None
-    if not collection_paths(model):
-        raise ValueError(f"export: {target} has no EmbeddingBagCollection to quantize")
+    if not collection_paths(model) and not find_embedding_modules(model):
+        raise ValueError(f"export: {target} has no EmbeddingBagCollection, nn.Embedding or nn.EmbeddingBag to quantize")
     model = quantize(model, qdtype, dense=dense, inplace=not given)
+    collections = {path: _describe(model.get_submodule(path)) for path in collection_paths(model)}
+    plain = [n for n, m in model.named_modules() if isinstance(m, (QuantEmbedding, QuantEmbeddingBag))]
+    if fmt != "state":
+        inputs = default_example(model, target) if example_inputs is None else tuple(example_inputs)
+        program, specs = export_program(model, inputs, device=device)
+        info = {"factory": target, "dtype": qdtype.value, "collections": collections, "plain": plain,
+                "device": str(torch.device(device))}  # fmt: skip
+        save_program(program, out, fmt, metadata(specs, info))
+        return model
     artifact = {
         "format": FORMAT,
         "version": VERSION,
@@ -106,7 +138,8 @@ def export(
         "factory_kwargs": kwargs,
         "dtype": qdtype.value,
         "dense": dense,
-        "collections": {path: _describe(model.get_submodule(path)) for path in collection_paths(model)},
+        "collections": collections,
+        "plain": plain,
         "state_dict": model.state_dict(),
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -143,6 +176,8 @@ def load(path: str | Path, *, backend: str | QuantBackend = QuantBackend.AUTO) -
         return QuantEmbeddingBagCollection(tables, dtype, spec["is_weighted"], "cpu", backend=backend)
 
     model = swap_collections(model, empty_quantized)
+    plain = artifact.get("plain", [])  # absent: written before plain modules were quantized
+    quantize_plain(model, dtype, copy_weights=False, paths=plain)
     if artifact["dense"]:
         model = quantize_dense(model)
     model.load_state_dict(artifact["state_dict"], strict=True)
@@ -273,16 +308,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "checkpoint's hyper_parameters)")
     parser.add_argument("--dtype", default="int8", help=f"one of {', '.join(m.value for m in QuantDType)}")
     parser.add_argument("--dense", action="store_true", help="also quantize nn.Linear layers (torch.ao dynamic int8)")
-    parser.add_argument("--out", required=True, help="artifact path, e.g. model.pt")
+    parser.add_argument("--out", required=True, help="artifact path, e.g. model.pt (state) or model.pt2")
+    parser.add_argument("--format", default="state", choices=FORMATS,
+                        help="state: torch.save of plain data (loading needs the model code); pt2: torch.export "
+                        "program; aoti: AOTInductor package (both load with torch alone)")
+    parser.add_argument("--example", default=None, help="pt2/aoti: 'pkg.module:fn' returning the model's "
+                        "positional inputs to trace on (default: built for DLRM, DCNv2, DLRMTask)")
+    parser.add_argument("--device", default="cpu", help="pt2/aoti: device of the program, cpu or cuda")
     args = parser.parse_args(argv)
     try:
         kwargs = None if args.model_kwargs is None else json.loads(args.model_kwargs)
-        model = export(args.ckpt, args.model, args.dtype, args.out, factory_kwargs=kwargs, dense=args.dense)
-    except (ValueError, FileNotFoundError, ImportError) as err:
+        example = None if args.example is None else resolve_example(args.example)
+        model = export(args.ckpt, args.model, args.dtype, args.out, factory_kwargs=kwargs, dense=args.dense,
+                       format=args.format, example_inputs=example, device=args.device)
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as err:
         parser.error(str(err))
     size = Path(args.out).stat().st_size
-    n = sum(m.nbytes() for m in model.modules() if isinstance(m, QuantEmbeddingBagCollection))
-    print(f"wrote {args.out}: {size / 2**20:.2f} MiB ({args.dtype} tables {n / 2**20:.2f} MiB)")
+    n = sum(m.nbytes() for m in model.modules() if isinstance(m, (QuantEmbeddingBagCollection, QuantTable)))
+    print(f"wrote {args.out} ({args.format}): {size / 2**20:.2f} MiB ({args.dtype} tables {n / 2**20:.2f} MiB)")
     return 0
 
 

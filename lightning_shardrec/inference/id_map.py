@@ -95,3 +95,26 @@ class QuantIdMap(nn.Module):
             hit = match.gather(1, first).squeeze(1)
             out[start : start + step] = torch.where(hit, bucket * width + first.squeeze(1), self.capacity)
         return out
+
+
+def sorted_live(id_map: QuantIdMap) -> tuple[Tensor, Tensor]:
+    """``(keys [n], rows [n])``: the live ids in ascending order and the row each reads.
+
+    The tensor-op form of the same frozen map, for :func:`lookup_sorted` (``torch.export``
+    traces it; the bucket loop above is a compiled CPU loop it cannot). With no live id
+    the pair is one entry that reads the zero row ``C``, so the lookup needs no branch.
+    """
+    rows = id_map.live_rows()
+    keys = id_map.ids[rows]
+    if keys.numel() == 0:
+        return keys.new_zeros(1), rows.new_full((1,), id_map.capacity)
+    keys, order = torch.sort(keys)
+    return keys, rows[order]
+
+
+def lookup_sorted(keys: Tensor, rows: Tensor, ids: Tensor, capacity: int) -> Tensor:
+    """Rows ``[N]`` of raw ids ``[N]`` by binary search in ``keys`` (from :func:`sorted_live`);
+    ``capacity`` (the zero row) where an id is not live: equal to ``QuantIdMap.forward``."""
+    ids = ids.to(torch.int64)
+    pos = torch.searchsorted(keys, ids).clamp_(max=keys.numel() - 1)
+    return torch.where(keys[pos] == ids, rows[pos], capacity)

@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_shardrec.inference.lookup import QuantBackend
 from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection
+from lightning_shardrec.inference.quant_plain import quantize_plain
 from lightning_shardrec.inference.rowwise import QuantDType
 from lightning_shardrec.modules import EmbeddingBagCollection
 
@@ -31,7 +32,9 @@ def quantize(
     inplace: bool = True,
 ) -> nn.Module:
     """Return ``module`` with each ``EmbeddingBagCollection`` replaced by a
-    :class:`QuantEmbeddingBagCollection` of ``dtype`` (``"int8"``, ``"int4"``, ``"fp16"``).
+    :class:`QuantEmbeddingBagCollection` of ``dtype`` (``"int8"``, ``"int4"``, ``"fp16"``),
+    and each plain ``nn.Embedding``/``nn.EmbeddingBag`` by a
+    :class:`~lightning_shardrec.inference.quant_plain.QuantEmbedding`/``QuantEmbeddingBag``.
 
     ``dense=True`` also quantizes ``nn.Linear`` layers dynamically (int8).
     ``backend`` picks the lookup kernel (``"auto"``, ``"fbgemm"``, ``"torch"``).
@@ -43,6 +46,7 @@ def quantize(
     module = swap_collections(
         module, lambda _path, ebc: QuantEmbeddingBagCollection.from_float(ebc, qdtype, backend=qbackend)
     )
+    quantize_plain(module, qdtype)
     if dense:
         module = quantize_dense(module)
     return module.eval()

@@ -135,7 +135,7 @@ def unpack(data: Tensor, bits: int) -> Tensor:
         return data
     mask = (1 << bits) - 1
     parts = [(data >> (k * bits)) & mask for k in range(per_byte)]
-    return torch.stack(parts, dim=-1).view(data.shape[0], -1)
+    return torch.stack(parts, dim=-1).flatten(1)  # no -1 view: exports with any number of rows
 
 
 def dequantize_rows(dtype: QuantDType, data: Tensor, scale: Tensor | None, bias: Tensor | None) -> Tensor:

@@ -53,6 +53,13 @@ def _kjt_flatten(kjt: KeyedJaggedTensor) -> tuple[list[Tensor | None], list[str]
     return _kjt_leaves(kjt), kjt.keys()
 
 
+def _tracing(*tensors: Tensor | None) -> bool:
+    """Whether ``tensors`` are being traced (fake tensors of ``torch.export``/``torch.compile``)."""
+    import torch._guards
+
+    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode(tensors) is not None
+
+
 def _kjt_unflatten(leaves: Iterable[Any], context: Any) -> KeyedJaggedTensor:
     leaves = list(leaves)
     if len(leaves) > len(_KJT_LEAVES):
@@ -61,6 +68,11 @@ def _kjt_unflatten(leaves: Iterable[Any], context: Any) -> KeyedJaggedTensor:
         )
     padded: list[Tensor | None] = [*leaves, *[None] * (len(_KJT_LEAVES) - len(leaves))]
     values, weights, lengths, offsets, spkpr, inverse = padded
+    if lengths is not None and spkpr is None and inverse is None and _tracing(values, lengths):
+        # torch.export rebuilds its input from fake leaves: no data to check (the traced ops keep theirs)
+        kjt = KeyedJaggedTensor._trusted(list(context), values, weights, lengths, lengths.shape[0] // len(context))  # type: ignore[arg-type]
+        kjt._offsets = offsets
+        return kjt
     return KeyedJaggedTensor(
         context,
         values,  # type: ignore[arg-type]
@@ -74,6 +86,16 @@ def _kjt_unflatten(leaves: Iterable[Any], context: Any) -> KeyedJaggedTensor:
 
 def _kt_flatten(kt: KeyedTensor) -> tuple[list[Tensor], tuple[list[str], list[int], int]]:
     return [kt.values()], (kt.keys(), kt.length_per_key(), kt.key_dim())
+
+
+def _with_keys(flatten: Any, names: tuple[str, ...]) -> Any:
+    """``flatten`` with each leaf named by attribute (``GetAttrKey``): what ``torch.export`` needs."""
+
+    def flatten_with_keys(node: Any) -> tuple[list[tuple[pytree.KeyEntry, Any]], Any]:
+        leaves, context = flatten(node)
+        return [(pytree.GetAttrKey(n), leaf) for n, leaf in zip(names, leaves, strict=True)], context
+
+    return flatten_with_keys
 
 
 def _kt_unflatten(leaves: Iterable[Any], context: Any) -> KeyedTensor:
@@ -94,13 +116,25 @@ def register() -> None:
     if JaggedTensor in pytree.SUPPORTED_NODES:
         return
     pytree.register_pytree_node(
-        JaggedTensor, _jt_flatten, _jt_unflatten, serialized_type_name="lightning_shardrec.JaggedTensor"
+        JaggedTensor,
+        _jt_flatten,
+        _jt_unflatten,
+        serialized_type_name="lightning_shardrec.JaggedTensor",
+        flatten_with_keys_fn=_with_keys(_jt_flatten, ("values", "weights", "lengths", "offsets")),
     )
     pytree.register_pytree_node(
-        KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten, serialized_type_name="lightning_shardrec.KeyedJaggedTensor"
+        KeyedJaggedTensor,
+        _kjt_flatten,
+        _kjt_unflatten,
+        serialized_type_name="lightning_shardrec.KeyedJaggedTensor",
+        flatten_with_keys_fn=_with_keys(_kjt_flatten, _KJT_LEAVES),
     )
     pytree.register_pytree_node(
-        KeyedTensor, _kt_flatten, _kt_unflatten, serialized_type_name="lightning_shardrec.KeyedTensor"
+        KeyedTensor,
+        _kt_flatten,
+        _kt_unflatten,
+        serialized_type_name="lightning_shardrec.KeyedTensor",
+        flatten_with_keys_fn=_with_keys(_kt_flatten, ("values",)),
     )
     fx_pytree.register_pytree_flatten_spec(JaggedTensor, lambda jt, spec: _jt_flatten(jt)[0])
     fx_pytree.register_pytree_flatten_spec(KeyedJaggedTensor, lambda kjt, spec: _kjt_leaves(kjt))
