@@ -4,9 +4,17 @@ from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
 from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from lightning_shardrec.distributed.model_parallel import DistributedModelParallel, find_collections
+from lightning_shardrec.distributed.sharders import (
+    EmbeddingBagCollectionSharder,
+    EmbeddingCollectionSharder,
+    ModuleSharder,
+)
 
 __all__ = [
     "DistributedModelParallel",
+    "EmbeddingBagCollectionSharder",
+    "EmbeddingCollectionSharder",
+    "ModuleSharder",
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",
     "ShardingEnv",
