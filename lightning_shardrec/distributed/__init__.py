@@ -9,6 +9,7 @@ from lightning_shardrec.distributed.sharders import (
     EmbeddingCollectionSharder,
     ModuleSharder,
 )
+from lightning_shardrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 __all__ = [
     "DistributedModelParallel",
@@ -18,5 +19,6 @@ __all__ = [
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",
     "ShardingEnv",
+    "TrainPipelineSparseDist",
     "find_collections",
 ]
