@@ -1,3 +1,4 @@
+# ruff: noqa
 # TorchRec's examples/golden_training/train_dlrm.py, shrunk to CPU (small tables, few steps, returns the losses).
 # Kept with ``torchrec`` imports: tests/migration/test_programs.py runs it after s/torchrec/lightning_shardrec/.
 
