@@ -52,6 +52,10 @@ class ShardedStateError(ShardRecError):
     """A sharded module's ``state_dict()`` was asked for where only the full (gathered) one is meaningful."""
 
 
+class ShardedWeightError(ShardedStateError, AttributeError):
+    """``.weight`` of a sharded plain ``nn.Embedding``/``nn.EmbeddingBag``: no rank holds the whole table."""
+
+
 class MissingTorchRecFeatureError(UnsupportedFeatureError, ImportError):
     """A TorchRec module path or name this library does not provide (also an ``ImportError``, so ``from x import
     y`` fails as Python's own would); the message names it and the ``docs/migrating.md`` section."""

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardrec.configs import FusedOptimConfig
+from lightning_shardrec.distributed import dmp_state
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.dmp_settings import (
     WaitableDict,
@@ -274,6 +275,22 @@ class DistributedModelParallel(nn.Module):
         fused = {id(t) for s in self.sharded.values() for g in s.groups if g.fused for t in g.parameters()}
         fused |= {id(t) for s in self.sharded.values() for g in s.groups if g.fused for t in g.buffers()}
         return (p for p in self.module.parameters() if id(p) not in fused)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """Collective: the model's own keys, sharded tables as ShardedTensors (:mod:`.dmp_state`)."""
+        if args or destination is not None:
+            raise TypeError("DistributedModelParallel.state_dict takes only prefix= and keep_vars=")
+        return dmp_state.state_dict(self, prefix, keep_vars)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load :meth:`state_dict`'s layout, or full tables (a plain model's state dict); not collective."""
+        if assign:
+            raise UnsupportedFeatureError("DistributedModelParallel.load_state_dict(assign=True) is not supported")
+        return dmp_state.load_state_dict(self, state_dict, strict)
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Collective: the unsharded model's state dict (every table whole) on every rank; small models."""
+        return dmp_state.full_state_dict(self)
 
     def dynamic_stats(self) -> dict[str, dict[str, int]]:
         """Collective: per dynamic table, occupancy, capacity, admissions, ... summed over ranks
