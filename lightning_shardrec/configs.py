@@ -73,7 +73,7 @@ class BaseEmbeddingConfig:
     ``need_pos`` is accepted (it marks position-weighted tables in TorchRec; every
     sharding type here takes weights).
     TorchRec's virtual-table fields (``input_dim``, ``total_num_buckets``,
-    ``use_virtual_table``, ``virtual_table_eviction_policy``, ``enable_embedding_update``)
+    ``use_virtual_table``, ``virtual_table_eviction_policy``, ``enable_embedding_update``, ``stash_weights``)
     keep their positions; any value but the default raises :class:`UnsupportedFeatureError`.
     """
 
@@ -92,6 +92,7 @@ class BaseEmbeddingConfig:
     use_virtual_table: bool = False
     virtual_table_eviction_policy: object | None = None
     enable_embedding_update: bool = False
+    stash_weights: bool = False
     dynamic: DynamicConfig | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -199,6 +200,7 @@ _VIRTUAL_TABLE_FIELDS: tuple[tuple[str, object, str], ...] = (
     ("use_virtual_table", False, "virtual (SSD / key-value) tables are not supported; size num_embeddings"),
     ("virtual_table_eviction_policy", None, "virtual tables (and their eviction) are not supported"),
     ("enable_embedding_update", False, "write-back embedding updates are not supported"),
+    ("stash_weights", False, "stashing table weights is not supported"),
 )
 
 
