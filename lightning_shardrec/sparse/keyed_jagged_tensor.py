@@ -323,7 +323,8 @@ class KeyedJaggedTensor:
     def dist_splits(self, key_splits: list[int]) -> list[list[int]]:
         """Per destination (keys cut in ``key_splits``): bags, ids, then keys (VBE) and ids (weights)."""
         if sum(key_splits) != len(self._keys):
-            raise ValueError(f"dist_splits: key_splits {key_splits} sum to {sum(key_splits)}, not {len(self._keys)} keys")
+            total = sum(key_splits)
+            raise ValueError(f"dist_splits: key_splits {key_splits} sum to {total}, not {len(self._keys)} keys")
 
         def by_splits(values: list[int]) -> list[int]:
             out, i = [], 0
