@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_shardrec.configs import FusedOptimConfig
+from lightning_shardrec.configs import EmbOptimType, FusedOptimConfig
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.qcomm import CommPrecision
 from lightning_shardrec.distributed.sharders import ModuleSharder, sharder_comm_precision, sharder_optim
@@ -81,10 +81,8 @@ def in_backward_tables(module: nn.Module, sharders: Sequence[ModuleSharder[Any]]
         if type(coll) not in _COLLECTIONS:
             continue
         if type(coll) in with_params or any(getattr(p, "_optimizer_classes", None) for p in coll.parameters()):
-            configs = (
-                coll.embedding_configs() if isinstance(coll, EmbeddingCollection) else coll.embedding_bag_configs()
-            )
-            out |= {c.name for c in configs}
+            method = "embedding_configs" if isinstance(coll, EmbeddingCollection) else "embedding_bag_configs"
+            out |= {c.name for c in getattr(coll, method)()}
     return out
 
 
@@ -123,7 +121,7 @@ def resolve_fused_config(
     where: str,
 ) -> FusedOptimConfig:
     """The one fused config every table of ``module`` trains with (see the module docstring)."""
-    base = FusedOptimConfig(optimizer=explicit) if isinstance(explicit, str) else explicit
+    base = FusedOptimConfig(optimizer=EmbOptimType.parse(explicit)) if isinstance(explicit, str) else explicit
     by_type = sharder_optim(sharders, base or FusedOptimConfig(), where)
     chosen: dict[FusedOptimConfig, list[str]] = {}
     for table, kind, own in _table_configs(module):

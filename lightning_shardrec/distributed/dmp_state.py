@@ -19,7 +19,7 @@ Dynamic tables are refused by name: their rows are slots, saved with their id ma
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor import ShardMetadata as TorchShardMetadata
 
 from lightning_shardrec.errors import ShardedStateError
-from lightning_shardrec.planner import ShardingType
+from lightning_shardrec.planner import ShardingPlan, ShardingType
 
 if TYPE_CHECKING:
     from lightning_shardrec.distributed.model_parallel import DistributedModelParallel
@@ -44,7 +44,7 @@ def _tables(dmp: DistributedModelParallel) -> list[tuple[str, Any, Any, list[tup
     out = []
     for path, coll in dmp.sharded.items():
         prefix = f"{path}." if path else ""
-        plan = dmp.plan.get_plan_for_module(path) or {}
+        plan = cast(ShardingPlan, dmp.plan).get_plan_for_module(path) or {}
         shards = coll.local_shards()
         for cfg in coll.table_configs():
             key = f"{prefix}{coll.state_key(cfg.name)}"

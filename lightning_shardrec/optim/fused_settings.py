@@ -51,7 +51,7 @@ _IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 
 
 def _defaults(optimizer_class: type) -> dict[str, Any]:
-    params = inspect.signature(optimizer_class.__init__).parameters
+    params = inspect.signature(optimizer_class).parameters
     return {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
 
 
