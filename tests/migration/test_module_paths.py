@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_shardrec.errors import MissingTorchRecFeatureError, UnsupportedFeatureError
+from lightning_shardrec.testing import run_ranks
 
 # the import lines of TorchRec's tutorials and examples (intro, sharding notebook, golden_training, prediction,
 # retrieval two-tower), after s/torchrec/lightning_shardrec/
@@ -35,6 +36,7 @@ IMPORTS = {
     "optim.rowwise_adagrad": ["RowWiseAdagrad"],
     "optim.apply_optimizer_in_backward": ["apply_optimizer_in_backward"],
     "models.dlrm": ["DLRM", "DLRMTrain", "SparseArch"],
+    "inference.state_dict_transform": ["state_dict_gather", "state_dict_to_device", "state_dict_all_gather_keys"],
     "datasets.random": ["RandomRecDataset"],
     "datasets.utils": ["Batch"],
     "datasets.criteo": ["DEFAULT_CAT_NAMES", "DEFAULT_INT_NAMES", "DEFAULT_LABEL_NAME", "CAT_FEATURE_COUNT"],
@@ -86,7 +88,7 @@ def test_missing_torchrec_names_are_refused_by_name(path, name, match):
 
 
 @pytest.mark.parametrize(
-    "path", ["fx", "quant", "distributed.fused_embeddingbag", "inference.state_dict_transform", "metrics.ne"]
+    "path", ["fx", "quant", "distributed.fused_embeddingbag", "inference.modules", "metrics.ne"]
 )
 def test_torchrec_paths_we_lack_raise_a_named_import_error(path):
     with pytest.raises(MissingTorchRecFeatureError, match=re.escape(f"(TorchRec's torchrec.{path}) is not provided")):
@@ -180,3 +182,26 @@ def test_mlp_applies_the_activation_after_every_layer():
         MLP(4, [2], activation="tanhh")
     with pytest.raises(ValueError, match="swish_layernorm.* is not provided here"):
         MLP(4, [2], activation="swish_layernorm")
+
+
+def _transform_errors(rank, world):
+    from lightning_shardrec.inference.state_dict_transform import state_dict_gather, state_dict_to_device
+
+    out = []
+    try:
+        state_dict_gather({"a": 3}, {"a": torch.zeros(1)})
+    except ValueError as e:
+        out.append(str(e))
+    try:
+        state_dict_to_device({"a": 3}, None, torch.device("cpu"))
+    except ValueError as e:
+        out.append(str(e))
+    moved = state_dict_to_device({"b": torch.ones(2)}, None, torch.device("cpu"))
+    return out, moved["b"].tolist()
+
+
+def test_state_dict_transform_refuses_what_is_not_a_tensor():
+    (gather, to_device), moved = run_ranks(_transform_errors, 1)[0]
+    assert gather == "state_dict_gather: 'a' is a int, not a tensor or ShardedTensor"
+    assert to_device == "state_dict_to_device: 'a' is a int, not a tensor"
+    assert moved == [1.0, 1.0]

@@ -109,3 +109,21 @@ def test_sharding_tutorial_program_runs_on_two_ranks():
     for kind, shape, lr in run_ranks(_sharding_tutorial, 2):
         assert str(getattr(kind, "value", kind)) == "row_wise"
         assert shape == (2, 16) and lr == 0.02
+
+
+def _retrieval(rank, world):
+    model, cpu = load("retrieval_two_tower").train()
+    full = model.full_state_dict()  # collective
+    if rank != 0:
+        return None
+    got = cpu.state_dict()
+    return sorted(got) == sorted(full) and all(torch.equal(got[k], full[k]) for k in full), sorted(full)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_retrieval_two_tower_trains_and_gathers_its_sharded_state_to_cpu(world):
+    same, keys = run_ranks(_retrieval, world)[0]
+    assert (
+        "two_tower.ebc.embedding_bags.t_userId.weight" in keys and "two_tower.query_proj._mlp.0._linear.weight" in keys
+    )
+    assert same
