@@ -149,8 +149,12 @@ class DistributedModelParallel(nn.Module):
 
     ``plan`` (whole or partial) pins tables; the others are planned by ``planner``
     (default: an :class:`EmbeddingShardingPlanner` for the live process group). Tables
-    train with ``embedding_optimizer`` inside backward; ``fused_optimizer`` exposes it
-    as a ``torch.optim.Optimizer`` (for LR schedulers and checkpoints).
+    train inside backward with the optimizer ``apply_optimizer_in_backward`` gave them, else
+    their sharder's ``fused_params``, else ``embedding_optimizer`` (default adagrad, lr 0.01;
+    :mod:`.dmp_settings`); ``fused_optimizer`` exposes it as a ``torch.optim.Optimizer`` (for LR
+    schedulers and checkpoints). TorchRec's positional arguments come first (``env``, ``device``,
+    ``plan``, ``sharders``, ``init_data_parallel``, ``init_parameters``, ``data_parallel_wrapper``);
+    ``state_dict()`` uses the model's own keys (:mod:`.dmp_state`).
 
     Plain ``nn.Embedding`` / ``nn.EmbeddingBag`` submodules are sharded too (same call and
     result, see :mod:`lightning_shardrec.modules.plain_embeddings`): ``embedding_modules`` is
@@ -189,6 +193,10 @@ class DistributedModelParallel(nn.Module):
                 "supported: the dense part is always wrapped in DistributedDataParallel (see docs/migrating.md, "
                 "'DistributedModelParallel')"
             )
+        if isinstance(env, ShardingPlan | dict):  # this library's former order, (module, plan, ...): still the plan
+            if plan is not None:
+                raise TypeError("DistributedModelParallel: a plan was given both second and as plan=; pass it once")
+            env, plan = None, env
         pg = env_group(env, pg)
         swap_embedding_modules(module, embedding_modules, embedding_min_rows)
         sharders = check_sharders(sharders, "DistributedModelParallel")

@@ -55,9 +55,7 @@ def shards_of(rank: int, world: int) -> list[tuple[str, bool, str, bool]]:
                 model = build(sequence, where)
                 on_meta = {p.device.type for p in model.coll.parameters()} == {"meta"}
                 assert on_meta == (where != "cpu"), (where, on_meta)
-                dmp = DistributedModelParallel(
-                    model, plan=plan, device="cpu", embedding_optimizer="sgd", kernel="torch"
-                )
+                dmp = DistributedModelParallel(model, plan, device="cpu", embedding_optimizer="sgd", kernel="torch")
                 shards = {
                     k: [(m.shard_offsets, w.detach().clone()) for m, w in v] for k, v in dmp.local_shards().items()
                 }

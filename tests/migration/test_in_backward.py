@@ -129,6 +129,16 @@ def _conflict(rank, world, case):
         elif case == "explicit":
             apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
             DistributedModelParallel(ebc, device="cpu", embedding_optimizer="adagrad")
+        elif case == "plan_twice":
+            from lightning_shardrec.planner import ShardingPlan
+
+            DistributedModelParallel(ebc, ShardingPlan({}), device="cpu", plan=ShardingPlan({}))
+        elif case == "env":
+            DistributedModelParallel(ebc, env=object())
+        elif case == "from_local":
+            from lightning_shardrec.distributed import ShardingEnv
+
+            DistributedModelParallel(ebc, env=ShardingEnv.from_local(4, 0))
         elif case == "wrapper":
             DistributedModelParallel(ebc, device="cpu", data_parallel_wrapper=object())
         elif case == "sharder_override":
@@ -155,4 +165,17 @@ def _conflict(rank, world, case):
 def test_settings_that_would_not_be_honoured_are_refused(case, match):
     message = run_ranks(_conflict, 1, case)[0]
     assert message.startswith("UnsupportedFeatureError"), message
+    assert re.search(match, message), message
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("plan_twice", "TypeError: DistributedModelParallel: a plan was given both second and as plan=; pass it once"),
+        ("env", "TypeError: DistributedModelParallel: env must be a ShardingEnv, got object"),
+        ("from_local", r"UnsupportedFeatureError: .*env=ShardingEnv\(world_size=4, rank=0\) has no process group"),
+    ],
+)
+def test_dmp_arguments_in_torchrec_order_are_checked(case, match):
+    message = run_ranks(_conflict, 1, case)[0]
     assert re.search(match, message), message
