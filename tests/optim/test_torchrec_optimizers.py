@@ -1,4 +1,4 @@
-"""TorchRec's optimizer API: KeyedOptimizer(Wrapper), CombinedOptimizer, RowWiseAdagrad, in_backward_optimizer_filter."""
+"""TorchRec's optimizer API: KeyedOptimizer(Wrapper), CombinedOptimizer, RowWiseAdagrad, the in-backward filter."""
 
 from __future__ import annotations
 
