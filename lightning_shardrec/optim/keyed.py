@@ -34,12 +34,12 @@ class KeyedOptimizer(torch.optim.Optimizer):
     ) -> None:
         self._bind(params, state, param_groups)
         self.defaults = {"_save_param_groups": False}
-        self._optimizer_step_pre_hooks: dict[int, Any] = OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: dict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: dict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: dict[int, Any] = OrderedDict()
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
 
     def _bind(
         self, params: Mapping[str, Tensor], state: Mapping[Any, Any], groups: Collection[Mapping[str, Any]]
@@ -149,12 +149,12 @@ class CombinedOptimizer(KeyedOptimizer):
     def optimizers(self) -> list[tuple[str, torch.optim.Optimizer]]:
         return self._optims
 
-    @property  # type: ignore[override]
-    def params(self) -> dict[str, Tensor]:
+    @property
+    def params(self) -> dict[str, Tensor]:  # type: ignore[override]
         return {self.prepend_opt_key(n, k): p for k, o in self._optims for n, p in _named(o).items()}
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return [g for _, o in self._optims for g in o.param_groups]
 
     @staticmethod
