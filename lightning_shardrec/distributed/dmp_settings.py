@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,6 +32,14 @@ from lightning_shardrec.optim.fused_settings import in_backward_config
 from lightning_shardrec.planner import EmbeddingComputeKernel, ParameterConstraints
 
 _COLLECTIONS = (EmbeddingBagCollection, EmbeddingCollection, PlainEmbeddingBag, PlainMaxEmbeddingBag, PlainEmbedding)
+
+
+class DataParallelWrapper(abc.ABC):
+    """TorchRec's hook for wrapping the dense part (for imports and annotations); ``DistributedModelParallel``
+    refuses any instance: the dense part is always wrapped in ``DistributedDataParallel`` here."""
+
+    @abc.abstractmethod
+    def wrap(self, dmp: nn.Module, env: ShardingEnv, device: torch.device) -> None: ...
 
 
 class WaitableDict(dict):  # type: ignore[type-arg]

@@ -23,6 +23,7 @@ from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed import dmp_state
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.dmp_settings import (
+    DataParallelWrapper,
     WaitableDict,
     check_fused,
     env_group,
@@ -174,7 +175,7 @@ class DistributedModelParallel(nn.Module):
         sharders: Sequence[ModuleSharder[Any]] | None = None,
         init_data_parallel: bool = True,
         init_parameters: bool = True,
-        data_parallel_wrapper: object | None = None,
+        data_parallel_wrapper: DataParallelWrapper | None = None,
         *,
         planner: EmbeddingShardingPlanner | None = None,
         embedding_optimizer: FusedOptimConfig | str | None = None,

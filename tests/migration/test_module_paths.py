@@ -20,7 +20,7 @@ IMPORTS = {
     "modules.embedding_modules": ["EmbeddingBagCollection", "EmbeddingCollection"],
     "modules.mlp": ["MLP", "Perceptron"],
     "distributed": ["DistributedModelParallel", "TrainPipelineSparseDist", "ModuleSharder", "ShardingEnv"],
-    "distributed.model_parallel": ["DistributedModelParallel"],
+    "distributed.model_parallel": ["DistributedModelParallel", "DataParallelWrapper"],
     "distributed.embeddingbag": ["EmbeddingBagCollectionSharder", "ShardedEmbeddingBagCollection"],
     "distributed.embedding": ["EmbeddingCollectionSharder", "ShardedEmbeddingCollection"],
     "distributed.embedding_types": ["EmbeddingComputeKernel", "BaseEmbeddingSharder"],
