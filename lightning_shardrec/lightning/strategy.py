@@ -124,6 +124,10 @@ class ShardRecStrategy(RankFailureHandling):
             every ``log_every_n_steps``) when the model has dynamic tables and the Trainer has none.
         start_method: how Lightning launches the ranks (``DDPStrategy``'s meaning): ``"popen"``
             (scripts, the CLI), ``"spawn"``, ``"fork"`` or ``"forkserver"`` (notebooks).
+        sharders: TorchRec's ``EmbeddingBagCollectionSharder`` / ``EmbeddingCollectionSharder``:
+            their ``fused_params`` set the tables' fused optimizer and their qcomm config the
+            ``comm_precision`` (as does ``apply_optimizer_in_backward`` on the tables); see
+            docs/migrating.md, 'Sharders'.
 
     Only these options exist (no ``**kwargs`` passed through to ``DistributedDataParallel``),
     so a config's ``class_path: lightning_shardrec.ShardRecStrategy`` lists exactly them.
