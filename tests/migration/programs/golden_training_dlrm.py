@@ -1,6 +1,6 @@
 # ruff: noqa
 # TorchRec's examples/golden_training/train_dlrm.py, shrunk to CPU (small tables, few steps, returns the losses).
-# Kept with ``torchrec`` imports: tests/migration/test_programs.py runs it after s/torchrec/lightning_shardrec/.
+# Kept with ``torchrec`` imports: tests/migration/test_torchrec_programs.py runs it after s/torchrec/lightning_shardrec/.
 
 import torch
 from torch import distributed as dist

@@ -1,6 +1,6 @@
 # ruff: noqa
 # TorchRec's examples/prediction/predict_using_torchrec.py, shrunk (fewer samples and epochs; returns the losses).
-# Kept with ``torchrec`` imports: tests/migration/test_programs.py runs it after s/torchrec/lightning_shardrec/.
+# Kept with ``torchrec`` imports: tests/migration/test_torchrec_programs.py runs it after s/torchrec/lightning_shardrec/.
 from typing import Dict, List
 
 import torch

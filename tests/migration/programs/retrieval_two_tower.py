@@ -1,7 +1,7 @@
 # ruff: noqa
 # TorchRec's examples/retrieval (modules/two_tower.py, data/dataloader.py, two_tower_train.py) in one file,
 # shrunk to CPU: small tables, few steps, no faiss index; returns the DMP and the gathered CPU state dict.
-# Kept with ``torchrec`` imports: tests/migration/test_programs.py runs it after s/torchrec/lightning_shardrec/.
+# Kept with ``torchrec`` imports: tests/migration/test_torchrec_programs.py runs it after s/torchrec/lightning_shardrec/.
 from typing import List, Optional, Tuple
 
 import torch

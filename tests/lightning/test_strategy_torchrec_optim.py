@@ -42,7 +42,6 @@ def _fit(rank, world, mode):
     return {k: v.clone() for k, v in t.strategy.full_state_dict().items()}, t.strategy._config
 
 
-@pytest.mark.slow
 def test_apply_optimizer_in_backward_trains_the_tables_as_plain_torch():
     want, _ = run_ranks(_fit, 1, "plain")[0]
     got, config = run_ranks(_fit, 1, "in_backward")[0]
