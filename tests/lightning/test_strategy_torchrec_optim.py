@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from _models import Rec, data, external_launch, trainer
 

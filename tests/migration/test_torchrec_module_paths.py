@@ -87,9 +87,7 @@ def test_missing_torchrec_names_are_refused_by_name(path, name, match):
     assert not hasattr(module, "no_such_name_anywhere")  # other names: a plain AttributeError
 
 
-@pytest.mark.parametrize(
-    "path", ["fx", "quant", "distributed.fused_embeddingbag", "inference.modules", "metrics.ne"]
-)
+@pytest.mark.parametrize("path", ["fx", "quant", "distributed.fused_embeddingbag", "inference.modules", "metrics.ne"])
 def test_torchrec_paths_we_lack_raise_a_named_import_error(path):
     with pytest.raises(MissingTorchRecFeatureError, match=re.escape(f"(TorchRec's torchrec.{path}) is not provided")):
         importlib.import_module(f"lightning_shardrec.{path}")
