@@ -72,3 +72,7 @@ __all__ = [
     "Topology",
     "__version__",
 ]
+
+from lightning_shardrec import torchrec_paths as _torchrec_paths  # noqa: E402
+
+_torchrec_paths.install()  # TorchRec paths we lack raise a named error, not ModuleNotFoundError

@@ -73,7 +73,7 @@ class BaseEmbeddingConfig:
     ``need_pos`` is accepted (it marks position-weighted tables in TorchRec; every
     sharding type here takes weights).
     TorchRec's virtual-table fields (``input_dim``, ``total_num_buckets``,
-    ``use_virtual_table``, ``virtual_table_eviction_policy``, ``enable_embedding_update``)
+    ``use_virtual_table``, ``virtual_table_eviction_policy``, ``enable_embedding_update``, ``stash_weights``)
     keep their positions; any value but the default raises :class:`UnsupportedFeatureError`.
     """
 
@@ -92,6 +92,7 @@ class BaseEmbeddingConfig:
     use_virtual_table: bool = False
     virtual_table_eviction_policy: object | None = None
     enable_embedding_update: bool = False
+    stash_weights: bool = False
     dynamic: DynamicConfig | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -199,6 +200,7 @@ _VIRTUAL_TABLE_FIELDS: tuple[tuple[str, object, str], ...] = (
     ("use_virtual_table", False, "virtual (SSD / key-value) tables are not supported; size num_embeddings"),
     ("virtual_table_eviction_policy", None, "virtual tables (and their eviction) are not supported"),
     ("enable_embedding_update", False, "write-back embedding updates are not supported"),
+    ("stash_weights", False, "stashing table weights is not supported"),
 )
 
 
@@ -207,8 +209,7 @@ def _refuse_virtual_table_fields(config: BaseEmbeddingConfig, label: str) -> Non
         value = getattr(config, name)
         if value is not default and value != default:
             raise UnsupportedFeatureError(
-                f"{label}: {name}={value!r} is not supported ({why}); leave it at {default!r}. "
-                "See docs/migrating.md"
+                f"{label}: {name}={value!r} is not supported ({why}); leave it at {default!r}. See docs/migrating.md"
             )
 
 
@@ -242,13 +243,22 @@ class EmbOptimType(str, enum.Enum):
     ROWWISE_ADAGRAD = "rowwise_adagrad"
     ADAM = "adam"
     ADAMW = "adamw"
+    # fbgemm's / TorchRec's names for the same rules (aliases: ``EXACT_SGD is SGD``)
+    EXACT_SGD = "sgd"
+    EXACT_ADAGRAD = "adagrad"
+    EXACT_ROWWISE_ADAGRAD = "rowwise_adagrad"
 
     @classmethod
-    def parse(cls, value: str | EmbOptimType) -> EmbOptimType:
+    def parse(cls, value: object) -> EmbOptimType:
+        """A member from itself, its value or name in any case, or fbgemm's ``EmbOptimType`` (or its value)."""
         if isinstance(value, EmbOptimType):
             return value
+        raw = getattr(value, "value", value)  # fbgemm_gpu's EmbOptimType member
+        key = str(raw).lower()
+        if key in _FBGEMM_OPTIM_NAMES:
+            return cls(_FBGEMM_OPTIM_NAMES[key])
         try:
-            return cls(str(value).lower())
+            return cls(key)
         except ValueError:
             raise unknown_name("embedding optimizer", value, [m.value for m in cls]) from None
 
@@ -261,6 +271,16 @@ class EmbOptimType(str, enum.Enum):
             EmbOptimType.ADAM: 2 * dim,
             EmbOptimType.ADAMW: 2 * dim,
         }[self]
+
+
+#: fbgemm_gpu ``EmbOptimType`` values (and names) -> ours: the exact rules fbgemm names that we implement
+_FBGEMM_OPTIM_NAMES = {
+    "exact_sgd": "sgd",
+    "exact_adagrad": "adagrad",
+    "exact_row_wise_adagrad": "rowwise_adagrad",
+    "exact_rowwise_adagrad": "rowwise_adagrad",
+    "row_wise_adagrad": "rowwise_adagrad",
+}
 
 
 @dataclass(frozen=True, kw_only=True)

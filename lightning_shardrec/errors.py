@@ -7,6 +7,9 @@ here mark failures of a whole stage, so callers can catch them by kind.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NoReturn
+
 
 class ShardRecError(RuntimeError):
     """Base class of lightning_shardrec's own failures."""
@@ -47,3 +50,29 @@ class CollectiveCallError(ShardRecError):
 
 class ShardedStateError(ShardRecError):
     """A sharded module's ``state_dict()`` was asked for where only the full (gathered) one is meaningful."""
+
+
+class ShardedWeightError(ShardedStateError, AttributeError):
+    """``.weight`` of a sharded plain ``nn.Embedding``/``nn.EmbeddingBag``: no rank holds the whole table."""
+
+
+class MissingTorchRecFeatureError(UnsupportedFeatureError, ImportError):
+    """A TorchRec module path or name this library does not provide (also an ``ImportError``, so ``from x import
+    y`` fails as Python's own would); the message names it and the ``docs/migrating.md`` section."""
+
+
+def missing_names(module: str, names: dict[str, str]) -> Callable[[str], NoReturn]:
+    """A module ``__getattr__`` that refuses TorchRec's ``names`` (name -> why / what to use) by name.
+
+    Any other unknown attribute raises ``AttributeError`` as usual (``hasattr`` keeps working).
+    """
+
+    def __getattr__(name: str) -> NoReturn:
+        if name in names:
+            raise MissingTorchRecFeatureError(
+                f"{module}.{name} (TorchRec's {module.replace('lightning_shardrec', 'torchrec', 1)}.{name}) is not "
+                f"provided: {names[name]}. See docs/migrating.md, 'Not provided'"
+            )
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__

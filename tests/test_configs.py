@@ -257,20 +257,20 @@ def test_torchrec_accessors() -> None:
 
 def test_torchrec_field_positions() -> None:
     # TorchRec: ..., init_fn, need_pos, input_dim, total_num_buckets, use_virtual_table,
-    #           virtual_table_eviction_policy, enable_embedding_update, then pooling
+    #           virtual_table_eviction_policy, enable_embedding_update, stash_weights, then pooling (17th)
     cfg = EmbeddingBagConfig(10, 4, "t", DataType.FP32, ["a"], None, None, None, None, False,
-                             None, None, False, None, False, PoolingType.MEAN)
+                             None, None, False, None, False, False, PoolingType.MEAN)
     assert cfg.pooling is PoolingType.MEAN
     assert [f.name for f in dataclasses.fields(cfg) if not f.kw_only][8:] == [  # kw_only: not positional
         "init_fn", "need_pos", "input_dim", "total_num_buckets", "use_virtual_table",
-        "virtual_table_eviction_policy", "enable_embedding_update", "pooling",
+        "virtual_table_eviction_policy", "enable_embedding_update", "stash_weights", "pooling",
     ]
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
     [("input_dim", 8), ("total_num_buckets", 4), ("use_virtual_table", True),
-     ("virtual_table_eviction_policy", object()), ("enable_embedding_update", True)],
+     ("virtual_table_eviction_policy", object()), ("enable_embedding_update", True), ("stash_weights", True)],
 )
 def test_unimplemented_torchrec_fields_are_refused(field: str, value: object) -> None:
     from lightning_shardrec.errors import UnsupportedFeatureError

@@ -78,6 +78,16 @@ class ShardingEnv:
             )
         return ShardingEnv(dist.get_rank(pg), dist.get_world_size(pg), pg, local_world_size)
 
+    @staticmethod
+    def from_local(world_size: int, rank: int) -> ShardingEnv:
+        """TorchRec's env without a process group (``DistributedModelParallel`` then uses the default group)."""
+        return ShardingEnv(rank, world_size, None)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """TorchRec's name for ``pg``."""
+        return self.pg
+
 
 def all_to_all_single(
     out: Tensor,

@@ -170,3 +170,8 @@ def _split_by_width(plan: ParameterSharding) -> list[tuple[int, ParameterShardin
         shards = [s for s in plan.shards if s.shard_sizes[1] == w]
         out.append((w, replace(plan, ranks=[s.rank for s in shards], shards=shards)))
     return out
+
+
+from lightning_shardrec.distributed.sharders import EmbeddingCollectionSharder  # noqa: E402  TorchRec's path
+
+__all__ = ["EmbeddingCollectionSharder", "ShardedEmbeddingCollection"]

@@ -150,3 +150,8 @@ def _prefix(sizes: list[int]) -> list[int]:
         out.append(acc)
         acc += s
     return out
+
+
+from lightning_shardrec.distributed.sharders import EmbeddingBagCollectionSharder  # noqa: E402  TorchRec's path
+
+__all__ = ["EmbeddingBagCollectionSharder", "ShardedEmbeddingBagCollection"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,20 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardrec.configs import FusedOptimConfig
-from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, uses_cuda
+from lightning_shardrec.distributed import dmp_state
+from lightning_shardrec.distributed.comm import ShardingEnv, uses_cuda
+from lightning_shardrec.distributed.dmp_settings import (
+    DataParallelWrapper,
+    WaitableDict,
+    check_fused,
+    env_group,
+    fused_only,
+    in_backward_tables,
+    mark_in_backward,
+    materialize_meta,
+    resolve_comm_precision,
+    resolve_fused_config,
+)
 from lightning_shardrec.distributed.dynamic_stats import dynamic_stats
 from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
 from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
@@ -29,9 +43,11 @@ from lightning_shardrec.distributed.plain_embeddings import (
     ShardedPlainEmbeddingBag,
     ShardedPlainMaxEmbeddingBag,
 )
+from lightning_shardrec.distributed.sharders import ModuleSharder, check_sharders
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
 from lightning_shardrec.distributed.transport.connect import attach
+from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.modules.plain_embeddings import (
@@ -134,8 +150,12 @@ class DistributedModelParallel(nn.Module):
 
     ``plan`` (whole or partial) pins tables; the others are planned by ``planner``
     (default: an :class:`EmbeddingShardingPlanner` for the live process group). Tables
-    train with ``embedding_optimizer`` inside backward; ``fused_optimizer`` exposes it
-    as a ``torch.optim.Optimizer`` (for LR schedulers and checkpoints).
+    train inside backward with the optimizer ``apply_optimizer_in_backward`` gave them, else
+    their sharder's ``fused_params``, else ``embedding_optimizer`` (default adagrad, lr 0.01;
+    :mod:`.dmp_settings`); ``fused_optimizer`` exposes it as a ``torch.optim.Optimizer`` (for LR
+    schedulers and checkpoints). TorchRec's positional arguments come first (``env``, ``device``,
+    ``plan``, ``sharders``, ``init_data_parallel``, ``init_parameters``, ``data_parallel_wrapper``);
+    ``state_dict()`` uses the model's own keys (:mod:`.dmp_state`).
 
     Plain ``nn.Embedding`` / ``nn.EmbeddingBag`` submodules are sharded too (same call and
     result, see :mod:`lightning_shardrec.modules.plain_embeddings`): ``embedding_modules`` is
@@ -149,30 +169,51 @@ class DistributedModelParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        plan: ShardingPlan | dict[str, ParameterSharding] | None = None,
-        planner: EmbeddingShardingPlanner | None = None,
+        env: ShardingEnv | None = None,
         device: torch.device | str | None = None,
-        embedding_optimizer: FusedOptimConfig | str = "adagrad",
+        plan: ShardingPlan | dict[str, ParameterSharding] | None = None,
+        sharders: Sequence[ModuleSharder[Any]] | None = None,
+        init_data_parallel: bool = True,
+        init_parameters: bool = True,
+        data_parallel_wrapper: DataParallelWrapper | None = None,
+        *,
+        planner: EmbeddingShardingPlanner | None = None,
+        embedding_optimizer: FusedOptimConfig | str | None = None,
         kernel: KernelBackend | str = KernelBackend.AUTO,
         pg: dist.ProcessGroup | None = None,
         batch_size: int = 512,
         embedding_modules: bool | Sequence[str] = True,
         embedding_min_rows: int = 0,
-        comm_precision: str = "fp32",
+        comm_precision: str | None = None,
         comm_transport: str = "auto",
     ) -> None:
         super().__init__()
+        if data_parallel_wrapper is not None:
+            raise UnsupportedFeatureError(
+                f"DistributedModelParallel(data_parallel_wrapper={type(data_parallel_wrapper).__name__}) is not "
+                "supported: the dense part is always wrapped in DistributedDataParallel (see docs/migrating.md, "
+                "'DistributedModelParallel')"
+            )
+        if isinstance(env, ShardingPlan | dict):  # this library's former order, (module, plan, ...): still the plan
+            if plan is not None:
+                raise TypeError("DistributedModelParallel: a plan was given both second and as plan=; pass it once")
+            env, plan = None, env
+        pg = env_group(env, pg)
         swap_embedding_modules(module, embedding_modules, embedding_min_rows)
+        sharders = check_sharders(sharders, "DistributedModelParallel")
+        precision = resolve_comm_precision(comm_precision, sharders)
+        optim = resolve_fused_config(module, embedding_optimizer, sharders, "DistributedModelParallel")
+        in_backward = in_backward_tables(module, sharders)
         # ranks per host: the planner's topology when given, so plan and execution see the same hosts
         env = ShardingEnv.from_process_group(pg, planner.topology.local_world_size if planner else 0)  # type: ignore[arg-type]
         self.env = attach(env, comm_transport)  # collective: shared-memory all-to-alls when every rank can
         self.device = torch.device(device) if device is not None else default_device(self.env)
-        optim = embedding_optimizer
-        if not isinstance(optim, FusedOptimConfig):
-            optim = FusedOptimConfig(optimizer=optim)
         if planner is None:
             topology = Topology.from_process_group(pg, local_world_size=self.env.local_world_size)
-            planner = EmbeddingShardingPlanner(topology, batch_size=batch_size, optimizer=optim.optimizer)
+            constraints = fused_only(in_backward, {})
+            planner = EmbeddingShardingPlanner(
+                topology, batch_size=batch_size, constraints=constraints, optimizer=optim.optimizer
+            )
         collections = find_collections(module)
         if isinstance(plan, ShardingPlan) and set(plan.plan) >= set(collections):
             complete = all(set(plan.plan[p]) >= table_names(c) for p, c in collections.items())
@@ -185,14 +226,23 @@ class DistributedModelParallel(nn.Module):
             device=self.device,
             batch_size=planner.batch_size,
             pooling=pooling_of(planner.constraints),
-            comm_precision=CommPrecision.parse(comm_precision),
+            comm_precision=precision,
         )
         self.sharded = shard_modules(module, self.plan, self.env, setup)  # type: ignore[arg-type]
         if "" in self.sharded:  # the model *is* a collection
             module = self.sharded[""]
+        if init_parameters:
+            materialize_meta(module, self.device)
         module.to(self.device)
         self.fused_optimizer = FusedOptimizer([k for s in self.sharded.values() for k in s.kernels()], optim)
-        self._dmp_wrapped_module = self._wrap_dense(module)
+        mark_in_backward(self.sharded, self.fused_optimizer)
+        check_fused(in_backward, self.sharded)
+        self._dmp_wrapped_module = self._wrap_dense(module) if init_data_parallel else module
+
+    def init_data_parallel(self) -> None:
+        """Wrap the dense part in DDP now (after ``init_data_parallel=False``); a no-op when already wrapped."""
+        if not isinstance(self._dmp_wrapped_module, DistributedDataParallel) and "" not in self.sharded:
+            self._dmp_wrapped_module = self._wrap_dense(self._dmp_wrapped_module)
 
     def _wrap_dense(self, module: nn.Module) -> nn.Module:
         fused: list[str] = []
@@ -213,7 +263,9 @@ class DistributedModelParallel(nn.Module):
         ranks = tuple(dist.get_process_group_ranks(self.env.pg or dist.group.WORLD))
         dense_pg = cached_group(("dense", str(dist.get_backend()), ranks), lambda: dist.new_group(ranks=list(ranks)))
         ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=dense_pg)
-        if self.env.transport is not None:  # every rank alike: the dense all-reduce through shared memory too
+        in_backward = any(hasattr(p, "_in_backward_optimizers") for n, p in module.named_parameters() if n not in skip)
+        if self.env.transport is not None and not in_backward:  # DDP's own hook steps in-backward optimizers
+            # every rank alike: the dense all-reduce through shared memory too
             use_shm_allreduce(ddp, dense_pg)
         return ddp
 
@@ -224,13 +276,30 @@ class DistributedModelParallel(nn.Module):
         return m.module if isinstance(m, DistributedDataParallel) else m
 
     def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        return self._dmp_wrapped_module(*args, **kwargs)
+        out = self._dmp_wrapped_module(*args, **kwargs)
+        return WaitableDict(out) if type(out) is dict else out  # a sharded EmbeddingCollection's output
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:
         """Parameters the user's optimizer should train: all but the fused tables."""
         fused = {id(t) for s in self.sharded.values() for g in s.groups if g.fused for t in g.parameters()}
         fused |= {id(t) for s in self.sharded.values() for g in s.groups if g.fused for t in g.buffers()}
         return (p for p in self.module.parameters() if id(p) not in fused)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """Collective: the model's own keys, sharded tables as ShardedTensors (:mod:`.dmp_state`)."""
+        if args or destination is not None:
+            raise TypeError("DistributedModelParallel.state_dict takes only prefix= and keep_vars=")
+        return dmp_state.state_dict(self, prefix, keep_vars)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load :meth:`state_dict`'s layout, or full tables (a plain model's state dict); not collective."""
+        if assign:
+            raise UnsupportedFeatureError("DistributedModelParallel.load_state_dict(assign=True) is not supported")
+        return dmp_state.load_state_dict(self, state_dict, strict)
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Collective: the unsharded model's state dict (every table whole) on every rank; small models."""
+        return dmp_state.full_state_dict(self)
 
     def dynamic_stats(self) -> dict[str, dict[str, int]]:
         """Collective: per dynamic table, occupancy, capacity, admissions, ... summed over ranks

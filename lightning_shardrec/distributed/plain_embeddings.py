@@ -7,10 +7,13 @@ module's own key, ``<path>.weight``, as the plain model does.
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
 from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from lightning_shardrec.distributed.sharding import KernelSetup
+from lightning_shardrec.errors import ShardedWeightError
 from lightning_shardrec.modules.plain_embeddings import (
     EmbeddingBagCall,
     EmbeddingCall,
@@ -21,7 +24,24 @@ from lightning_shardrec.modules.plain_embeddings import (
 from lightning_shardrec.planner import ParameterSharding
 
 
-class ShardedPlainEmbeddingBag(EmbeddingBagCall, ShardedEmbeddingBagCollection):
+class _NoFullWeight:
+    """``.weight`` of a sharded plain module: a named error (this rank holds only shards of the table).
+
+    An ``AttributeError`` (``hasattr`` is False, ``getattr(m, "weight", None)`` is None) with a message.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "weight":
+            raise ShardedWeightError(
+                f"{type(self).__name__}.weight: the table is sharded, so no rank holds it whole. Read it with "
+                "DistributedModelParallel.state_dict()['<path>.weight'] (a ShardedTensor of this rank's shards), "
+                ".full_state_dict() (collective, the whole table) or .local_shards(); under the Trainer, "
+                "trainer.strategy.full_state_dict()"
+            )
+        return super().__getattr__(name)  # type: ignore[misc]
+
+
+class ShardedPlainEmbeddingBag(_NoFullWeight, EmbeddingBagCall, ShardedEmbeddingBagCollection):
     """A sharded ``nn.EmbeddingBag`` (mode sum/mean): same call, same result, ``<path>.weight`` in checkpoints."""
 
     weight_prefix = ""
@@ -36,7 +56,7 @@ class ShardedPlainEmbeddingBag(EmbeddingBagCall, ShardedEmbeddingBagCollection):
         return "weight"
 
 
-class ShardedPlainMaxEmbeddingBag(EmbeddingBagCall, ShardedEmbeddingCollection):
+class ShardedPlainMaxEmbeddingBag(_NoFullWeight, EmbeddingBagCall, ShardedEmbeddingCollection):
     """A sharded ``nn.EmbeddingBag(mode="max")``: rows per id, max-pooled after the output distribution."""
 
     weight_prefix = ""
@@ -51,7 +71,7 @@ class ShardedPlainMaxEmbeddingBag(EmbeddingBagCall, ShardedEmbeddingCollection):
         return "weight"
 
 
-class ShardedPlainEmbedding(EmbeddingCall, ShardedEmbeddingCollection):
+class ShardedPlainEmbedding(_NoFullWeight, EmbeddingCall, ShardedEmbeddingCollection):
     """A sharded ``nn.Embedding``: same call (any input shape), same result."""
 
     weight_prefix = ""

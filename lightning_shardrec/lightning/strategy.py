@@ -31,8 +31,15 @@ from lightning_shardrec.checkpoint import table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv
+from lightning_shardrec.distributed.dmp_settings import (
+    check_fused,
+    fused_only,
+    in_backward_tables,
+    resolve_fused_config,
+)
 from lightning_shardrec.distributed.groups import live_group, new_group_like
 from lightning_shardrec.distributed.model_parallel import find_collections, kernel_labels, pooling_of, shard_modules
+from lightning_shardrec.distributed.sharders import ModuleSharder, check_sharders, sharder_comm_precision
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
 from lightning_shardrec.distributed.transport.connect import attach, parse_transport
@@ -117,6 +124,10 @@ class ShardRecStrategy(RankFailureHandling):
             every ``log_every_n_steps``) when the model has dynamic tables and the Trainer has none.
         start_method: how Lightning launches the ranks (``DDPStrategy``'s meaning): ``"popen"``
             (scripts, the CLI), ``"spawn"``, ``"fork"`` or ``"forkserver"`` (notebooks).
+        sharders: TorchRec's ``EmbeddingBagCollectionSharder`` / ``EmbeddingCollectionSharder``:
+            their ``fused_params`` set the tables' fused optimizer and their qcomm config the
+            ``comm_precision`` (as does ``apply_optimizer_in_backward`` on the tables); see
+            docs/migrating.md, 'Sharders'.
 
     Only these options exist (no ``**kwargs`` passed through to ``DistributedDataParallel``),
     so a config's ``class_path: lightning_shardrec.ShardRecStrategy`` lists exactly them.
@@ -149,6 +160,7 @@ class ShardRecStrategy(RankFailureHandling):
         gradient_as_bucket_view: bool = False,
         log_dynamic_stats: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        sharders: Sequence[ModuleSharder[Any]] | None = None,
     ) -> None:
         super().__init__(
             process_group_backend=process_group_backend,
@@ -174,9 +186,19 @@ class ShardRecStrategy(RankFailureHandling):
         if not (isinstance(planner_batch_size, int) and planner_batch_size > 0):
             raise ValueError(f"ShardRecStrategy: planner_batch_size must be an int > 0, got {planner_batch_size!r}")
         self._embedding_optimizer = embedding_optimizer
+        self._sharders = check_sharders(sharders, "ShardRecStrategy")
+        asked = sharder_comm_precision(self._sharders, "ShardRecStrategy")  # a QCommsConfig in a sharder
+        if asked is not None and comm_precision == "fp32":
+            comm_precision = asked.value
+        elif asked is not None and CommPrecision.parse(comm_precision) is not asked:
+            raise ValueError(
+                f"ShardRecStrategy: comm_precision={comm_precision} but the sharders' QCommsConfig asks for "
+                f"{asked.value}; pass one"
+            )
         self._strict_optimizer = strict_optimizer
         self._log_dynamic_stats = log_dynamic_stats
         self._holder_slot: tuple[int, int] | None = None  # the param group the tables train as, across fits
+        self._migrated: FusedOptimConfig | None = None  # set by apply_optimizer_in_backward / sharders
         self.guard: guards.ShardedGuard | None = None
         self._embedding_lr = embedding_lr
         self._constraints = dict(constraints or {})
@@ -235,6 +257,7 @@ class ShardRecStrategy(RankFailureHandling):
             holder = holder or group_at(self.optimizers, self._holder_slot)  # a later fit: tables not in it
             self._holder_slot = group_slot(self.optimizers, holder)
         if collections:
+            self._migrated = self._torchrec_config(module)
             self._shard(module, self._fused_config(holder))
             for coll in self.sharded.values():  # where a later configure_optimizers puts it = where the tables train
                 coll.register_parameter(_ANCHOR, torch.nn.Parameter(torch.empty(0, device=self.root_device)))
@@ -286,8 +309,18 @@ class ShardRecStrategy(RankFailureHandling):
             self._own_groups.append(env.pg)  # type: ignore[arg-type]
             self.pipeline = TrainPipeline(self.sharded, env, self.root_device)
 
+    def _torchrec_config(self, module: torch.nn.Module) -> FusedOptimConfig | None:
+        """The fused config TorchRec's ways set (``apply_optimizer_in_backward``, sharders' ``fused_params``);
+        None when neither is used. Conflicts with ``embedding_optimizer`` are refused by name."""
+        uses = bool(in_backward_tables(module, self._sharders))
+        if not uses:
+            return None
+        return resolve_fused_config(module, self._embedding_optimizer, self._sharders, "ShardRecStrategy")
+
     def _fused_config(self, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> FusedOptimConfig:
-        if self._embedding_optimizer is not None:
+        if self._migrated is not None:
+            config = self._migrated
+        elif self._embedding_optimizer is not None:
             config = self._embedding_optimizer
         elif holder is not None:
             config = derive_fused_config(*holder)
@@ -324,6 +357,7 @@ class ShardRecStrategy(RankFailureHandling):
 
     def _shard(self, module: torch.nn.Module, config: FusedOptimConfig) -> None:
         self._config = config
+        fused_tables = in_backward_tables(module, self._sharders)  # TorchRec's optimizer settings: planned fused
         local = ranks_per_host(dist.get_world_size(), self.num_nodes, self.num_processes)  # Lightning's hosts
         env = ShardingEnv.from_process_group(local_world_size=local)
         env = attach(env, self._comm_transport)  # collective; waits as long as the group's timeout
@@ -333,7 +367,7 @@ class ShardRecStrategy(RankFailureHandling):
         planner = EmbeddingShardingPlanner(
             topology,
             batch_size=self._planner_batch_size,
-            constraints=self._constraints,
+            constraints=fused_only(fused_tables, self._constraints),
             optimizer=config.optimizer,
             reserve=self._planner_reserve,
         )
@@ -347,6 +381,7 @@ class ShardRecStrategy(RankFailureHandling):
             comm_precision=self._comm_precision,
         )
         self.sharded = shard_modules(module, self.plan, env, setup)
+        check_fused(fused_tables, self.sharded)
         _print_plan(self.plan, kernel_labels(self.sharded))
 
     def _wrap_dense(self, model: torch.nn.Module) -> torch.nn.Module:

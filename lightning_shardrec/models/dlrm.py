@@ -20,11 +20,12 @@ replaces the EBC in place and the forward is unchanged.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_shardrec.errors import unknown_name
+from lightning_shardrec.errors import missing_names, unknown_name
 from lightning_shardrec.modules import EmbeddingBagCollection
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
@@ -115,6 +116,7 @@ class DLRM(nn.Module):
         dense_in_features: ``D_in``, the number of dense features.
         dense_arch_layer_sizes: bottom MLP, e.g. ``[128, 64]``; the last is ``D``.
         over_arch_layer_sizes: top MLP, ending in ``1`` (no activation after it).
+        dense_device: where the dense arches live (TorchRec's); None: the default device.
         interaction: ``"dot"`` (TorchRec's DLRM) or ``"concat"``.
     """
 
@@ -124,6 +126,7 @@ class DLRM(nn.Module):
         dense_in_features: int,
         dense_arch_layer_sizes: Sequence[int],
         over_arch_layer_sizes: Sequence[int],
+        dense_device: torch.device | str | None = None,
         interaction: str = "dot",
     ) -> None:
         super().__init__()
@@ -132,6 +135,9 @@ class DLRM(nn.Module):
         self.dense_arch = mlp(dense_in_features, dense_arch_layer_sizes)
         self.inter_arch = make_interaction(interaction, dense_arch_layer_sizes[-1], self.sparse_arch.feature_dims)
         self.over_arch = mlp(self.inter_arch.out_features, over_arch_layer_sizes, last_activation=False)
+        if dense_device is not None:  # TorchRec's: the dense arches there, the tables where they were built
+            for arch in (self.dense_arch, self.inter_arch, self.over_arch):
+                arch.to(dense_device)
 
     def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:
         x = self.inter_arch(self.dense_arch(dense_features), self.sparse_arch(sparse_features))
@@ -142,3 +148,36 @@ def check_over_arch(layer_sizes: Sequence[int]) -> None:
     """The top MLP must end in one logit."""
     if not layer_sizes or layer_sizes[-1] != 1:
         raise ValueError(f"over_arch_layer_sizes must end in 1 (one logit per sample), got {list(layer_sizes)!r}")
+
+
+class DLRMTrain(nn.Module):
+    """TorchRec's training wrapper: ``forward(batch) -> (loss, (loss, logits, labels))``, all detached but ``loss``.
+
+    ``batch`` has ``dense_features``, ``sparse_features`` and ``labels`` (a
+    :class:`~lightning_shardrec.datasets.utils.Batch`; a ``RecBatch`` works too). The loss is
+    ``BCEWithLogitsLoss`` over the ``[B]`` logits.
+    """
+
+    def __init__(self, dlrm_module: DLRM) -> None:
+        super().__init__()
+        self.model = dlrm_module
+        self.loss_fn: nn.Module = nn.BCEWithLogitsLoss()
+
+    def forward(self, batch: Any) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+        logits = self.model(batch.dense, batch.sparse).squeeze(-1)
+        loss = self.loss_fn(logits, batch.labels.float())
+        return loss, (loss.detach(), logits.detach(), batch.labels.detach())
+
+
+__getattr__ = missing_names(
+    __name__,
+    {
+        "DenseArch": "the dense arch is a plain MLP here (DLRM.dense_arch); build one with models.dlrm.mlp",
+        "OverArch": "the over arch is a plain MLP here (DLRM.over_arch)",
+        "InteractionArch": "DLRM(interaction='dot') is TorchRec's interaction (DLRM.inter_arch)",
+        "InteractionDCNArch": "use lightning_shardrec.models.DCNv2",
+        "InteractionProjectionArch": "the projection interaction is not implemented",
+        "DLRM_DCN": "use lightning_shardrec.models.DCNv2",
+        "DLRM_Projection": "the projection interaction is not implemented",
+    },
+)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from lightning_shardrec.configs import EmbOptimType
 from lightning_shardrec.errors import PlannerError, UnsupportedFeatureError
@@ -186,7 +187,8 @@ class EmbeddingShardingPlanner:
 
     def _plan(self, module: TablesInput, fixed: FixedPlan | None) -> ShardingPlan:
         topo, work = self.topology, self.work
-        specs = table_specs(find_tables(module), self.constraints, topo.world_size)
+        constraints = in_backward_constraints(module, self.constraints)
+        specs = table_specs(find_tables(module), constraints, topo.world_size)
         by_key = {s.key: s for s in specs}
         given = self._fixed(fixed, specs)
         cap = self.budget.tables
@@ -350,3 +352,22 @@ def _sharding(p: Placement) -> ParameterSharding:
         ShardMetadata((x.row_offset, x.col_offset), (x.rows, x.cols), x.rank) for x in p.pieces
     ]
     return ParameterSharding(p.kind, EmbeddingComputeKernel.FUSED, [s.rank for s in shards], shards)
+
+
+def in_backward_constraints(
+    module: object, constraints: dict[str, ParameterConstraints]
+) -> dict[str, ParameterConstraints]:
+    """``constraints`` with the fused kernel required for tables whose weights carry an in-backward optimizer
+    (``apply_optimizer_in_backward``): as plain ``data_parallel`` weights it would never run. A table the user
+    constrained keeps its constraint (a conflicting one is refused when sharding)."""
+    if not isinstance(module, nn.Module):
+        return constraints
+    out = dict(constraints)
+    for coll in module.modules():
+        getter = getattr(coll, "embedding_bag_configs", None) or getattr(coll, "embedding_configs", None)
+        if not callable(getter) or not any(getattr(p, "_optimizer_classes", None) for p in coll.parameters()):
+            continue
+        for cfg in getter():
+            if cfg.name not in out:
+                out[cfg.name] = ParameterConstraints(compute_kernels=[EmbeddingComputeKernel.FUSED])
+    return out

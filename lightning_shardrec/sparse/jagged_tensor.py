@@ -307,3 +307,16 @@ def _check_data(
     total = int(lengths.sum())
     if total > num_values:
         raise ValueError(f"{where}: lengths sum to {total} but there are {num_values} values")
+
+
+def __getattr__(name: str) -> object:
+    """TorchRec's ``torchrec.sparse.jagged_tensor`` also holds the keyed types (imported late: they import this)."""
+    if name == "KeyedJaggedTensor":
+        from lightning_shardrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+
+        return KeyedJaggedTensor
+    if name == "KeyedTensor":
+        from lightning_shardrec.sparse.keyed_tensor import KeyedTensor
+
+        return KeyedTensor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

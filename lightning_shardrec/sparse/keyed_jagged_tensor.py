@@ -307,6 +307,49 @@ class KeyedJaggedTensor:
             self._index_per_key = {k: i for i, k in enumerate(self._keys)}
         return self._index_per_key
 
+    def _key_indices(self) -> dict[str, int]:
+        """TorchRec's name for :meth:`index_per_key`."""
+        return self.index_per_key()
+
+    def dist_labels(self) -> list[str]:
+        """Names of :meth:`dist_tensors` (TorchRec's): lengths, values, then strides (VBE), weights."""
+        labels = ["lengths", "values"]
+        if self.variable_stride_per_key():
+            labels.append("strides")
+        if self.weights_or_none() is not None:
+            labels.append("weights")
+        return labels
+
+    def dist_splits(self, key_splits: list[int]) -> list[list[int]]:
+        """Per destination (keys cut in ``key_splits``): bags, ids, then keys (VBE) and ids (weights)."""
+        if sum(key_splits) != len(self._keys):
+            total = sum(key_splits)
+            raise ValueError(f"dist_splits: key_splits {key_splits} sum to {total}, not {len(self._keys)} keys")
+
+        def by_splits(values: list[int]) -> list[int]:
+            out, i = [], 0
+            for n in key_splits:
+                out.append(sum(values[i : i + n]))
+                i += n
+            return out
+
+        length_per_split = by_splits(self.length_per_key())
+        splits = [by_splits(self.stride_per_key()), length_per_split]
+        if self.variable_stride_per_key():
+            splits.append(list(key_splits))
+        if self.weights_or_none() is not None:
+            splits.append(length_per_split)
+        return splits
+
+    def dist_tensors(self) -> list[Tensor]:
+        """The tensors :meth:`dist_labels` names (strides as an int64 tensor on the values' device)."""
+        tensors = [self.lengths(), self.values()]
+        if self.variable_stride_per_key():
+            tensors.append(torch.tensor(self.stride_per_key(), device=self.values().device))
+        if self.weights_or_none() is not None:
+            tensors.append(self.weights())
+        return tensors
+
     def _key_index(self, key: str) -> int:
         try:
             return self.index_per_key()[key]
@@ -369,11 +412,11 @@ class KeyedJaggedTensor:
         return out
 
     def to(
-        self, device: torch.device | str, non_blocking: bool | None = None, dtype: torch.dtype | None = None
+        self, device: torch.device | str, non_blocking: bool | None = False, dtype: torch.dtype | None = None
     ) -> KeyedJaggedTensor:
-        """A copy on ``device``; ``dtype`` (as TorchRec) converts the weights only. ``non_blocking=None``
-        (what Lightning's batch transfer passes): asynchronous for pinned host memory going to CUDA
-        (stream-ordered, so safe), blocking otherwise."""
+        """A copy on ``device``; ``dtype`` (as TorchRec) converts the weights only. ``non_blocking`` defaults to
+        False as TorchRec's; ``None`` (what ``RecBatch.to`` passes): asynchronous for pinned host memory going
+        to CUDA (stream-ordered, so safe), blocking otherwise."""
 
         def move_weights(t: Tensor) -> Tensor:
             return t.to(device, dtype=dtype, non_blocking=async_copy(t, device, non_blocking))

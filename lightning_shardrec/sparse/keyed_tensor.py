@@ -68,6 +68,14 @@ class KeyedTensor:
     ) -> KeyedTensor:
         return KeyedTensor(keys, [t.shape[key_dim] for t in tensors], torch.cat(list(tensors), cat_dim), key_dim)
 
+    def _key_indices(self) -> dict[str, int]:
+        """Key -> its position (TorchRec's)."""
+        return {k: i for i, k in enumerate(self.keys())}
+
+    def wait(self) -> KeyedTensor:
+        """TorchRec's awaitable protocol: a sharded collection's output is already computed here."""
+        return self
+
     def keys(self) -> list[str]:
         return self._keys
 

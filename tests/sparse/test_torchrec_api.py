@@ -166,3 +166,29 @@ def test_out_of_range_key_indices_raise_index_error_as_torchrec(kjt: KeyedJagged
         kjt.permute([0, 2])
     with pytest.raises(IndexError, match=re.escape("split segments [3] must be non-negative and sum to 2 keys")):
         kjt.split([3])
+
+
+# --- TorchRec's distribution helpers, key indices, to() default ----------------------------------
+def test_kjt_dist_helpers_as_torchrec() -> None:
+    kjt = KeyedJaggedTensor(["a", "b", "c"], torch.arange(6), torch.ones(6), lengths=T([1, 2, 0, 1, 1, 1]))
+    assert kjt.dist_labels() == ["lengths", "values", "weights"]
+    assert kjt.dist_splits([2, 1]) == [[4, 2], [4, 2], [4, 2]]  # bags, ids, weights per destination
+    lengths, values, weights = kjt.dist_tensors()
+    assert lengths.tolist() == [1, 2, 0, 1, 1, 1] and values.tolist() == list(range(6)) and weights.sum() == 6
+    assert kjt._key_indices() == {"a": 0, "b": 1, "c": 2}
+    vbe = KeyedJaggedTensor(["a", "b"], T([1, 2, 3]), lengths=T([2, 0, 1]), stride_per_key_per_rank=[[2], [1]])
+    assert vbe.dist_labels() == ["lengths", "values", "strides"]
+    assert vbe.dist_splits([1, 1]) == [[2, 1], [2, 1], [1, 1]]
+    assert vbe.dist_tensors()[2].tolist() == [2, 1]
+    with pytest.raises(ValueError, match=re.escape("dist_splits: key_splits [1] sum to 1, not 3 keys")):
+        kjt.dist_splits([1])
+
+
+def test_kt_key_indices_and_to_defaults() -> None:
+    import inspect
+
+    kt = KeyedTensor.from_tensor_list(["x", "y"], [T([[1.0]]), T([[2.0, 3.0]])])
+    assert kt._key_indices() == {"x": 0, "y": 1}
+    assert kt.wait() is kt  # a sharded collection's output: already computed
+    for cls in (KeyedJaggedTensor, JaggedTensor, KeyedTensor):
+        assert inspect.signature(cls.to).parameters["non_blocking"].default is False

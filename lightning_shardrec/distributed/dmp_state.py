@@ -1,0 +1,170 @@
+"""``DistributedModelParallel``'s state dict with the model's own keys, as TorchRec's.
+
+::
+
+    dense parameters and buffers   "<path>"                        plain tensors (DDP's prefix dropped)
+    a sharded table                "<coll>.embedding_bags.<t>.weight"  torch ShardedTensor: this rank's shards,
+                                   ("<coll>.embeddings.<t>.weight",     global [rows, dim] metadata (TorchRec's
+                                    "<emb>.weight" for nn.Embedding)    type; torch.distributed.checkpoint saves it)
+    a data_parallel table          same key                         the full (replicated) tensor
+
+:func:`state_dict` is collective (building a ShardedTensor exchanges metadata); every rank calls it.
+:func:`load_state_dict` takes that layout back, or full ``[rows, dim]`` tensors (each rank copies
+its slices), so a plain model's state dict loads into the sharded one. :func:`full_state_dict`
+(collective) gathers every table whole, on every rank: for tests and small tables.
+Dynamic tables are refused by name: their rows are slots, saved with their id map by
+``lightning_shardrec.checkpoint``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor import ShardMetadata as TorchShardMetadata
+
+from lightning_shardrec.errors import ShardedStateError
+from lightning_shardrec.planner import ShardingPlan, ShardingType
+
+if TYPE_CHECKING:
+    from lightning_shardrec.distributed.model_parallel import DistributedModelParallel
+
+
+class IncompatibleKeys(NamedTuple):
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def _tables(dmp: DistributedModelParallel) -> list[tuple[str, Any, Any, list[tuple[Any, Tensor]]]]:
+    """``(key, config, sharding, local shards)`` of every sharded table, in the same order on every rank."""
+    out = []
+    for path, coll in dmp.sharded.items():
+        prefix = f"{path}." if path else ""
+        plan = cast(ShardingPlan, dmp.plan).get_plan_for_module(path) or {}
+        shards = coll.local_shards()
+        for cfg in coll.table_configs():
+            key = f"{prefix}{coll.state_key(cfg.name)}"
+            if cfg.dynamic is not None:
+                raise ShardedStateError(
+                    f"DistributedModelParallel.state_dict(): table '{cfg.name}' ({key}) is dynamic: its rows are "
+                    "slots of an id map; save and load it with lightning_shardrec.checkpoint "
+                    "(see docs/migrating.md, 'State dicts')"
+                )
+            out.append((key, cfg, plan[cfg.name], shards.get(cfg.name, [])))
+    return out
+
+
+def _dense_keys(dmp: DistributedModelParallel) -> dict[str, Tensor]:
+    paths = [p for p in dmp.sharded if p]
+    if "" in dmp.sharded:
+        return {}
+    state = dmp.module.state_dict(keep_vars=True)
+    return {k: v for k, v in state.items() if not any(k.startswith(f"{p}.") for p in paths)}
+
+
+def state_dict(dmp: DistributedModelParallel, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+    """Collective: the model's keys; sharded tables as ShardedTensors of this rank's shards."""
+    out: dict[str, Any] = {}
+    for k, v in _dense_keys(dmp).items():
+        out[prefix + k] = v if keep_vars else v.detach()
+    pg = dmp.env.pg
+    rank = dist.get_rank(pg)
+    for key, cfg, sharding, shards in _tables(dmp):
+        if sharding.sharding_type is ShardingType.DATA_PARALLEL:
+            out[prefix + key] = shards[0][1].detach()
+            continue
+        local = [
+            Shard(
+                w.detach() if w.is_contiguous() else w.detach().contiguous(),
+                TorchShardMetadata(list(m.shard_offsets), list(m.shard_sizes), f"rank:{rank}/{w.device}"),
+            )
+            for m, w in shards
+        ]
+        out[prefix + key] = ShardedTensor._init_from_local_shards(
+            local, cfg.num_embeddings, cfg.embedding_dim, process_group=pg
+        )
+    return out
+
+
+def load_state_dict(dmp: DistributedModelParallel, state: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
+    """Copy ``state`` (this layout, or full tensors for the tables) into the model; not collective."""
+    tables = {key: (cfg, shards) for key, cfg, _, shards in _tables(dmp)}
+    dense = _dense_keys(dmp)
+    missing = sorted(set(tables) - set(state))
+    unexpected = sorted(set(state) - set(tables) - set(dense))
+    if strict and (missing or unexpected):
+        raise KeyError(
+            f"DistributedModelParallel.load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
+        )
+    dense_state = {k: v for k, v in state.items() if k in dense}
+    if "" not in dmp.sharded:
+        result = _load_dense(dmp.module, dense_state, set(dense), strict)
+        missing += result
+    with torch.no_grad():
+        for key, (cfg, shards) in tables.items():
+            if key in state:
+                _load_table(key, cfg, shards, state[key])
+    return IncompatibleKeys(missing, unexpected)
+
+
+def _load_dense(module: nn.Module, state: dict[str, Any], keys: set[str], strict: bool) -> list[str]:
+    missing = sorted(keys - set(state))
+    if strict and missing:
+        raise KeyError(f"DistributedModelParallel.load_state_dict: missing keys {missing}")
+    live = module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for k, v in state.items():
+            if tuple(live[k].shape) != tuple(v.shape):
+                raise ValueError(
+                    f"DistributedModelParallel.load_state_dict: '{k}' has shape {tuple(v.shape)}, "
+                    f"the model's is {tuple(live[k].shape)}"
+                )
+            live[k].copy_(v)
+    return missing
+
+
+def _load_table(key: str, cfg: Any, shards: list[tuple[Any, Tensor]], value: Any) -> None:
+    if isinstance(value, ShardedTensor):
+        given = {tuple(s.metadata.shard_offsets): s.tensor for s in value.local_shards()}
+        for meta, w in shards:
+            src = given.get(tuple(meta.shard_offsets))
+            if src is None or tuple(src.shape) != tuple(w.shape):
+                raise ValueError(
+                    f"DistributedModelParallel.load_state_dict: '{key}' is a ShardedTensor of another layout "
+                    f"(no local shard at offsets {tuple(meta.shard_offsets)} of shape {tuple(w.shape)}); pass the "
+                    "full tensor (full_state_dict()) or reshard with lightning_shardrec.checkpoint"
+                )
+            w.copy_(src)
+        return
+    if tuple(value.shape) != (cfg.num_embeddings, cfg.embedding_dim):
+        raise ValueError(
+            f"DistributedModelParallel.load_state_dict: '{key}' has shape {tuple(value.shape)}, table "
+            f"'{cfg.name}' is [{cfg.num_embeddings}, {cfg.embedding_dim}]"
+        )
+    for meta, w in shards:
+        (r, c), (h, d) = meta.shard_offsets, meta.shard_sizes
+        w.copy_(value[r : r + h, c : c + d])
+
+
+def full_state_dict(dmp: DistributedModelParallel) -> dict[str, Tensor]:
+    """Collective: the unsharded model's state dict, every table gathered whole, on every rank (host memory)."""
+    out = {k: v.detach().clone() for k, v in _dense_keys(dmp).items()}
+    pg = dmp.env.pg
+    world = dist.get_world_size(pg)
+    for key, cfg, sharding, shards in _tables(dmp):
+        mine = [(tuple(m.shard_offsets), w.detach().cpu()) for m, w in shards]
+        if sharding.sharding_type is ShardingType.DATA_PARALLEL:
+            out[key] = mine[0][1].clone()
+            continue
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, mine, group=pg)
+        full = torch.empty(cfg.num_embeddings, cfg.embedding_dim, dtype=shards[0][1].dtype if shards else torch.float32)
+        for rank_shards in every:
+            for (r, c), w in rank_shards:
+                full[r : r + w.shape[0], c : c + w.shape[1]] = w
+        out[key] = full
+    return out

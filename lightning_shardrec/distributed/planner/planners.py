@@ -1,0 +1,5 @@
+"""``EmbeddingShardingPlanner`` at TorchRec's path (``torchrec.distributed.planner.planners``)."""
+
+from lightning_shardrec.planner import EmbeddingShardingPlanner
+
+__all__ = ["EmbeddingShardingPlanner"]

@@ -1,0 +1,43 @@
+"""Sharding types at TorchRec's path (``torchrec.distributed.types``)."""
+
+from __future__ import annotations
+
+from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.sharders import ModuleSharder
+from lightning_shardrec.errors import missing_names
+from lightning_shardrec.planner import (
+    EmbeddingComputeKernel,
+    ParameterSharding,
+    ShardingPlan,
+    ShardingType,
+    ShardMetadata,
+)
+
+_ASYNC = "outputs are ready tensors here (a sharded collection's output has wait(), returning itself)"
+__getattr__ = missing_names(
+    __name__,
+    {
+        "Awaitable": _ASYNC,
+        "LazyAwaitable": _ASYNC,
+        "NoWait": _ASYNC,
+        "ShardedTensor": "DistributedModelParallel.state_dict() holds DTensors (see docs/migrating.md, 'State dicts')",
+        "ShardedModule": "the sharded collections are ShardedEmbeddingBagCollection / ShardedEmbeddingCollection",
+        "ShardingPlanner": "use EmbeddingShardingPlanner",
+        "EnumerableShardingSpec": "shards are described by ShardMetadata",
+        "QuantizedCommCodecs": "use get_qcomm_codecs_registry from lightning_shardrec.distributed.fbgemm_qcomm_codec",
+        "ShardingEnv2D": "2D parallelism is not supported",
+        "CacheParams": "there are no UVM caches (tables live on the device)",
+        "KeyValueParams": "key-value (SSD) tables are not supported",
+        "PipelineType": "the pipeline is TrainPipelineSparseDist or ShardRecStrategy(pipeline=True)",
+    },
+)
+
+__all__ = [
+    "EmbeddingComputeKernel",
+    "ModuleSharder",
+    "ParameterSharding",
+    "ShardMetadata",
+    "ShardingEnv",
+    "ShardingPlan",
+    "ShardingType",
+]

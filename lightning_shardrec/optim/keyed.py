@@ -1,0 +1,234 @@
+"""Optimizers over named parameters, at TorchRec's path (``torchrec.optim.keyed``).
+
+* :class:`KeyedOptimizerWrapper` ``(params: {name: tensor}, optim_factory)``: the optimizer the
+  factory builds over ``params.values()``, with the names kept for ``params`` and ``state_dict()``.
+* :class:`CombinedOptimizer` ``([opt, (prefix, opt), ...])``: one optimizer stepping several,
+  e.g. ``CombinedOptimizer([dmp.fused_optimizer, dense_opt])``.
+
+Both are ``torch.optim.Optimizer``s whose ``param_groups`` are the wrapped optimizers' own
+dicts, so an LR scheduler on the wrapper reaches them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class KeyedOptimizer(torch.optim.Optimizer):
+    """``KeyedOptimizer(params, state, param_groups)``: an optimizer whose parameters have names.
+
+    ``params`` maps names to tensors; ``state`` and ``param_groups`` are the live objects of the
+    optimizer that does the work (TorchRec's constructor). ``state_dict()`` is keyed by name.
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, Tensor],
+        state: Mapping[Any, Any],
+        param_groups: Collection[Mapping[str, Any]],
+    ) -> None:
+        self._bind(params, state, param_groups)
+        self.defaults = {"_save_param_groups": False}
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+
+    def _bind(
+        self, params: Mapping[str, Tensor], state: Mapping[Any, Any], groups: Collection[Mapping[str, Any]]
+    ) -> None:
+        self.params = dict(params)
+        self.state = state  # type: ignore[assignment]
+        self.param_groups = groups  # type: ignore[assignment]
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        raise NotImplementedError(f"{type(self).__name__}.step: use KeyedOptimizerWrapper or CombinedOptimizer")
+
+    def init_state(self, sparse_grad_parameter_names: set[str] | None = None) -> None:
+        """Create the optimizer state now: zero gradients (sparse for the named ones), then one step.
+
+        As TorchRec: the step runs with zero gradients, so stateless rules (and Adagrad) leave the
+        values unchanged; rules with a bias correction or decay may move them.
+        """
+        names = sparse_grad_parameter_names or set()
+        for name, p in self.params.items():
+            if not p.requires_grad or p.grad is not None:
+                continue
+            if name in names:
+                dims = p.shape[0]
+                p.grad = torch.sparse_coo_tensor(
+                    torch.empty(1, 0, dtype=torch.long, device=p.device),
+                    torch.empty(0, *p.shape[1:], device=p.device, dtype=p.dtype),
+                    (dims, *p.shape[1:]),
+                )
+            else:
+                p.grad = torch.zeros_like(p)
+        self.step(closure=None)
+
+    def save_param_groups(self, save: bool) -> None:
+        """Whether :meth:`state_dict` includes the param groups (TorchRec's switch; off by default)."""
+        self.defaults["_save_param_groups"] = save
+
+    def _ordered(self) -> list[Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {name: state}, "param_groups": [{..., "params": [names]}]}``."""
+        name_of = {id(t): n for n, t in self.params.items()}
+        state = {name_of[id(p)]: s for p, s in self.state.items() if id(p) in name_of}
+        groups = [{**g, "params": [name_of[id(p)] for p in g["params"]]} for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a :meth:`state_dict`: state tensors copied per name, hyper-parameters per group."""
+        unknown = sorted(set(state_dict["state"]) - set(self.params))
+        if unknown:
+            raise KeyError(
+                f"KeyedOptimizer.load_state_dict: unknown parameter names {unknown}; known: {sorted(self.params)}"
+            )
+        for name, saved in state_dict["state"].items():
+            mine = self.state[self.params[name]]
+            for k, v in saved.items():
+                if isinstance(v, Tensor) and isinstance(mine.get(k), Tensor):
+                    mine[k].copy_(v)
+                else:
+                    mine[k] = v
+        for group, saved in zip(self.param_groups, state_dict.get("param_groups", []), strict=False):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def post_load_state_dict(self) -> None:
+        """Hook run after :meth:`load_state_dict` (nothing to do here)."""
+
+
+class KeyedOptimizerWrapper(KeyedOptimizer):
+    """``KeyedOptimizerWrapper(params, optim_factory)``: ``optim_factory(list(params.values()))``, keyed by name."""
+
+    def __init__(
+        self, params: Mapping[str, Tensor], optim_factory: Callable[[list[Tensor]], torch.optim.Optimizer]
+    ) -> None:
+        self._optimizer = optim_factory(list(params.values()))
+        super().__init__(params, self._optimizer.state, self._optimizer.param_groups)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        return self._optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        self._optimizer.zero_grad(set_to_none)
+
+
+class CombinedOptimizer(KeyedOptimizer):
+    """Steps every optimizer of ``optims`` (each an optimizer or ``(prefix, optimizer)``).
+
+    ``params`` are ``"<prefix>.<name>"`` (the prefix left out when empty); an optimizer that is not
+    keyed (``DistributedModelParallel.fused_optimizer``) names its tables, or ``param_<i>``.
+    ``state_dict()`` holds one entry per optimizer: its prefix, or its position when it has none.
+    """
+
+    def __init__(self, optims: Sequence[torch.optim.Optimizer | tuple[str, torch.optim.Optimizer]]) -> None:
+        self._optims: list[tuple[str, torch.optim.Optimizer]] = []
+        for i, item in enumerate(optims):
+            prefix, opt = item if isinstance(item, tuple) else ("", item)
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"CombinedOptimizer: item {i} is {type(opt).__name__}, not a torch.optim.Optimizer")
+            self._optims.append((prefix, opt))
+        super().__init__({}, _CombinedState(self._optims), [])
+
+    def _bind(
+        self, params: Mapping[str, Tensor], state: Mapping[Any, Any], groups: Collection[Mapping[str, Any]]
+    ) -> None:
+        self.state = state  # type: ignore[assignment]  # params and param_groups: the wrapped optimizers', live
+
+    @property
+    def optimizers(self) -> list[tuple[str, torch.optim.Optimizer]]:
+        return self._optims
+
+    @property
+    def params(self) -> dict[str, Tensor]:  # type: ignore[override]
+        return {self.prepend_opt_key(n, k): p for k, o in self._optims for n, p in _named(o).items()}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return [g for _, o in self._optims for g in o.param_groups]
+
+    @staticmethod
+    def prepend_opt_key(name: str, opt_key: str) -> str:
+        return name if not opt_key else f"{opt_key}.{name}"
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for _, opt in self._optims:
+            opt.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        for _, opt in self._optims:
+            opt.zero_grad(set_to_none)
+
+    def save_param_groups(self, save: bool) -> None:
+        super().save_param_groups(save)
+        for _, opt in self._optims:
+            if isinstance(opt, KeyedOptimizer):
+                opt.save_param_groups(save)
+
+    def post_load_state_dict(self) -> None:
+        for _, opt in self._optims:
+            if isinstance(opt, KeyedOptimizer):
+                opt.post_load_state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{key: optimizer.state_dict()}``, key the prefix (or the position when there is none)."""
+        return {self._key(i): opt.state_dict() for i, (_, opt) in enumerate(self._optims)}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        keys = [self._key(i) for i in range(len(self._optims))]
+        if sorted(state_dict) != sorted(keys):
+            raise KeyError(f"CombinedOptimizer.load_state_dict: got keys {sorted(state_dict)}, expected {keys}")
+        for key, (_, opt) in zip(keys, self._optims, strict=True):
+            opt.load_state_dict(state_dict[key])
+        self.post_load_state_dict()
+
+    def _key(self, i: int) -> str:
+        return self._optims[i][0] or str(i)
+
+
+def _named(opt: torch.optim.Optimizer) -> dict[str, Tensor]:
+    if isinstance(opt, KeyedOptimizer):
+        return opt.params
+    ordered = [p for g in opt.param_groups for p in g["params"]]
+    names = getattr(opt, "table_names", None)
+    if names is not None and len(names) == len(ordered):
+        return dict(zip(names, ordered, strict=True))
+    return {f"param_{i}": p for i, p in enumerate(ordered)}
+
+
+class _CombinedState(Mapping):  # type: ignore[type-arg]
+    """Every wrapped optimizer's live state, looked up by parameter."""
+
+    def __init__(self, optimizers: list[tuple[str, torch.optim.Optimizer]]) -> None:
+        self._optimizers = optimizers
+
+    def __getitem__(self, param: Any) -> Any:
+        for _, opt in self._optimizers:
+            if param in opt.state:
+                return opt.state[param]
+        raise KeyError(param)
+
+    def __iter__(self) -> Iterator[Any]:
+        for _, opt in self._optimizers:
+            yield from opt.state
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for _, opt in self._optimizers)
+
+
+__all__ = ["CombinedOptimizer", "KeyedOptimizer", "KeyedOptimizerWrapper"]
