@@ -261,7 +261,10 @@ class RankMonitor:
         stuck = [r for r in first if self._read(f"beat/{r}") == first[r] and first[r] != _DONE]
         if not stuck:
             return None
-        return ", ".join(f"rank {r}" for r in stuck) + f" stopped (no heartbeat for {wait:.1f} s: killed or hung)"
+        hosts = "".join(dict.fromkeys(self._host_ranks(r) for r in stuck if self._whereabouts(r) is not None))
+        return (
+            ", ".join(f"rank {r}" for r in stuck) + f" stopped (no heartbeat for {wait:.1f} s: killed or hung)" + hosts
+        )
 
     def _read(self, key: str) -> str | None:
         full = f"{_PREFIX}/{key}"

@@ -119,3 +119,19 @@ def test_scattered_hosts_keep_the_process_group():
 
     assert run_ranks(_attach, 4, "abab", "auto")[0][0] == "NoneType"  # a host's ranks are not consecutive
     assert _span([0, 2]) == "0, 2"
+
+
+def _one_rank_without_shm(rank, world):
+    from lightning_shardrec.distributed.transport import shm
+    from lightning_shardrec.distributed.transport.per_host import connect_hosts
+
+    with pretend_hosts(rank, "aabb"):
+        if rank == 3:
+            shm.SHM_DIR = "/nonexistent/shm"
+        return connect_hosts()
+
+
+def test_a_host_without_shared_memory_keeps_the_process_group_everywhere():
+    for transport, why in run_ranks(_one_rank_without_shm, 4):
+        assert transport is None
+        assert why == "rank 3: no writable /nonexistent/shm"

@@ -47,15 +47,21 @@ def shm_hosts(pg: dist.ProcessGroup | None = None) -> tuple[list[list[int]], lis
     if failed:
         return [], [], failed[0]
     base = os.path.join(shm.SHM_DIR, f"shardrec-hosts-{infos[0][1]}-r")
-    mine = f"{base}{rank}"
-    with open(mine, "w") as f:
-        f.write(infos[rank][1])
+    mine, why = f"{base}{rank}", ""
     try:
-        _gather(("", "", ""), pg, world)  # every rank has written its token
+        with open(mine, "x") as f:
+            f.write(infos[rank][1])
+    except OSError as e:  # a full /dev/shm, say
+        why = f"cannot write in {shm.SHM_DIR}: {e}"
+    try:
+        failed = [f"rank {r}: {w}" for r, w in enumerate(_gather(why, pg, world)) if w]  # every token written
         seen = [s for s in range(world) if _read(f"{base}{s}") == infos[s][1]]
         views = _gather(seen, pg, world)
     finally:
-        os.unlink(mine)
+        with contextlib.suppress(OSError):
+            os.unlink(mine)
+    if failed:
+        return [], [], failed[0]
     hosts: list[list[int]] = []
     for r, view in enumerate(views):
         if r not in view or any(views[s] != view for s in view):
