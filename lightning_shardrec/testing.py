@@ -160,9 +160,10 @@ def pretend_hosts(rank: int, layout: str) -> Iterator[None]:
 
     names: list[str | None] = [None]
     if rank == 0:
-        names[0] = tempfile.mkdtemp(prefix="shardrec-hosts-", dir=shm.SHM_DIR if os.path.isdir(shm.SHM_DIR) else None)
+        made = tempfile.mkdtemp(prefix="shardrec-hosts-", dir=shm.SHM_DIR if os.path.isdir(shm.SHM_DIR) else None)
         for host in set(layout):
-            os.mkdir(os.path.join(names[0], host))
+            os.mkdir(os.path.join(made, host))
+        names[0] = made
     dist.broadcast_object_list(names, src=0)
     old, shm.SHM_DIR = shm.SHM_DIR, os.path.join(str(names[0]), layout[rank])
     try:
