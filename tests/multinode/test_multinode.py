@@ -98,6 +98,7 @@ def fault_run(out: Path, node: int, fault: str) -> tuple[list[int], float, str]:
 )
 def test_a_frozen_node_is_named_by_the_other_within_heartbeat_timeout(tmp_path, node, named):
     codes, took, logs = fault_run(tmp_path, node, "freeze")
+    print(f"node {nodes.NAMES[node]} frozen: the other exited {codes[0]} after {took:.1f} s")
     assert codes[0] not in (0, -9), logs[-4000:]  # ended by itself, non-zero
     assert named in logs, logs[-4000:]
     assert took < HEARTBEAT_S + 30  # heartbeat_timeout plus seconds (a loaded machine), not for ever
@@ -105,6 +106,7 @@ def test_a_frozen_node_is_named_by_the_other_within_heartbeat_timeout(tmp_path, 
 
 def test_a_killed_node_is_named_and_its_checkpoint_resumes_on_one_node_of_three(tmp_path):
     codes, took, logs = fault_run(tmp_path, 1, "kill")
+    print(f"node {nodes.NAMES[1]} killed: the other exited {codes[0]} after {took:.1f} s")
     assert codes[0] not in (0, -9), logs[-4000:]
     assert "lightning_shardrec: rank 2" in logs or "lightning_shardrec: rank 3" in logs, logs[-4000:]
     assert took < HEARTBEAT_S + 30
