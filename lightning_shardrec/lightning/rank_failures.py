@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
-import time
+import threading
 
 import torch.distributed as dist
 from typing_extensions import override
@@ -51,8 +51,20 @@ class RankFailureHandling(ShardedCheckpointing):
 
     def _on_dead_rank(self, rank: int, what: str) -> None:
         """The watchdog found a dead or hung rank while this one may be blocked in a collective: exit."""
-        if self._failing:  # the main thread is reporting a failure: exit only if it is stuck there
-            time.sleep(_GRACE_S)
+        if self._failing:  # the main thread is reporting a failure: exit only if it is still stuck there later
+            monitor = self.monitor
+            later = threading.Timer(_GRACE_S, self._exit_if_stuck, args=(monitor, rank, what))
+            later.daemon = True
+            later.start()
+            return
+        self._exit(rank, what)
+
+    def _exit_if_stuck(self, monitor: RankMonitor | None, rank: int, what: str) -> None:
+        """Exit unless the failure report finished (the monitor was stopped at teardown) since the watchdog fired."""
+        if monitor is not None and self.monitor is monitor:
+            self._exit(rank, what)
+
+    def _exit(self, rank: int, what: str) -> None:
         print(f"lightning_shardrec: rank {rank} {what}. Rank {self.global_rank} exits. {_RESUME}", flush=True)
         if self.launcher is not None:  # the ranks this process launched (Lightning's subprocess launcher)
             self.launcher.kill(signal.SIGKILL)
