@@ -21,7 +21,9 @@ network) and :meth:`Node.kill` (SIGKILL) are the faults.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -88,17 +90,17 @@ class Node:
     def freeze(self) -> None:
         """SIGSTOP every process of the node: it goes silent, its connections stay open."""
         for pid in self.pids():
-            with_gone(os.kill, pid, signal.SIGSTOP)
+            send(pid, signal.SIGSTOP)
 
     def kill(self) -> None:
         """SIGKILL the node (its PID namespace's first process: the kernel ends the rest)."""
         for pid in self.pids():
-            with_gone(os.kill, pid, signal.SIGKILL)
+            send(pid, signal.SIGKILL)
 
     def thaw_and_end(self) -> None:
         for pid in self.pids():
-            with_gone(os.kill, pid, signal.SIGKILL)
-            with_gone(os.kill, pid, signal.SIGCONT)
+            send(pid, signal.SIGKILL)
+            send(pid, signal.SIGCONT)
         self.proc.kill()
         self.proc.wait()
 
@@ -106,11 +108,10 @@ class Node:
         return self.log.read_text(errors="replace")
 
 
-def with_gone(fn, *args) -> None:  # type: ignore[no-untyped-def]
-    try:
-        fn(*args)
-    except ProcessLookupError:
-        pass
+def send(pid: int, sig: signal.Signals) -> None:
+    """``os.kill(pid, sig)``; a process already gone is fine."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
 
 
 def start(out: Path, argv: list[str], launcher: str = "lightning", devices: int = 2) -> list[Node]:
@@ -169,6 +170,4 @@ def start(out: Path, argv: list[str], launcher: str = "lightning", devices: int 
 
 
 def _quote(arg: str) -> str:
-    import shlex
-
     return shlex.quote(str(arg))
