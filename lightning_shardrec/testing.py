@@ -141,3 +141,35 @@ def _close_pools() -> None:
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+@contextmanager
+def pretend_hosts(rank: int, layout: str) -> Iterator[None]:
+    """Collective (every rank of the default group): this rank's ``/dev/shm`` as on host ``layout[rank]``.
+
+    ``layout`` names each rank's host, e.g. ``"aabb"`` (2 hosts x 2 ranks): inside the block each
+    host's ranks share a directory of their own as ``/dev/shm``, so they share memory only with
+    each other, as on separate nodes (:mod:`lightning_shardrec.distributed.transport.per_host`).
+    """
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    from lightning_shardrec.distributed.transport import shm
+
+    names: list[str | None] = [None]
+    if rank == 0:
+        made = tempfile.mkdtemp(prefix="shardrec-hosts-", dir=shm.SHM_DIR if os.path.isdir(shm.SHM_DIR) else None)
+        for host in set(layout):
+            os.mkdir(os.path.join(made, host))
+        names[0] = made
+    dist.broadcast_object_list(names, src=0)
+    old, shm.SHM_DIR = shm.SHM_DIR, os.path.join(str(names[0]), layout[rank])
+    try:
+        yield
+    finally:
+        shm.SHM_DIR = old
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(str(names[0]), ignore_errors=True)

@@ -31,6 +31,7 @@ from lightning_shardrec.distributed.qcomm import (
 from lightning_shardrec.planner.topology import local_world_size_from_env
 
 if TYPE_CHECKING:
+    from lightning_shardrec.distributed.transport.per_host import HostTransport
     from lightning_shardrec.distributed.transport.shm import ShmTransport
 
 
@@ -53,8 +54,9 @@ class ShardingEnv:
     world_size: int
     pg: dist.ProcessGroup | None = None
     local_world_size: int = 0
-    #: same-host shared-memory all-to-alls for CPU tensors (:mod:`.transport.shm`); None: ``pg``'s
-    transport: ShmTransport | None = field(default=None, compare=False, repr=False)
+    #: shared-memory all-to-alls for CPU tensors (:mod:`.transport.shm`, per host: :mod:`.transport.per_host`);
+    #: None: ``pg``'s
+    transport: ShmTransport | HostTransport | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         local = self.local_world_size or local_world_size_from_env(self.world_size)

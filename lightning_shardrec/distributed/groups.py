@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.transport.connect import attach
+from lightning_shardrec.distributed.transport.per_host import HostTransport
 
 
 def live_group(group: dist.ProcessGroup | None) -> bool:
@@ -51,4 +52,4 @@ def new_group_like(env: ShardingEnv, timeout: timedelta | None = None) -> Shardi
     new = ShardingEnv.from_process_group(group, env.local_world_size)
     if env.transport is None:
         return new
-    return attach(new, "shm")
+    return attach(new, "auto" if isinstance(env.transport, HostTransport) else "shm")

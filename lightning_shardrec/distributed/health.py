@@ -10,6 +10,15 @@ peer", NCCL: a timeout) without saying which rank went away, and a rank that han
   in this PID namespace whose process is gone, or a counter that has not moved for
   ``dead_after`` seconds, calls ``on_dead(rank, what)`` (``what``: "died (...)").
 
+The store itself lives in rank 0's process. A host that goes silent (powered off, cut off,
+frozen) does not close its connections: a ``TCPStore`` read then waits for ever (its timeout
+covers waiting for a key, not a silent server) while writes still "succeed" into the socket.
+So each heartbeat is a round trip (``add``), and a timer thread declares rank 0's host
+unreachable when no heartbeat has come back for ``dead_after`` seconds: every surviving rank
+then exits within ``dead_after`` plus a beat, naming that host and its ranks
+(``local_world_size`` ranks per host, Lightning's layout). :meth:`RankMonitor.explain` is
+bounded the same way.
+
 After a failed collective, :meth:`RankMonitor.explain` names the lost rank within
 about a second: a rank that raised says so itself (:meth:`report_failure`), a killed
 rank whose pid this process can see (:mod:`.whereabouts`: same host *and* PID namespace,
@@ -64,9 +73,11 @@ class RankMonitor:
         rank, world_size: this rank and the number of ranks.
         interval: seconds between heartbeats (0.25: a killed rank is named within ~0.6 s, before
             Lightning's launcher tears the job down; 8 store operations per rank and second).
-        dead_after: seconds without a neighbour heartbeat before ``on_dead`` runs; ``None``
-            only records heartbeats (for :meth:`explain`) and never acts on its own.
-        on_dead: called once, on the monitor thread, with ``(rank, what happened)``.
+        dead_after: seconds without a neighbour heartbeat (or without a heartbeat write that reached
+            the store) before ``on_dead`` runs; ``None`` only records heartbeats (for :meth:`explain`)
+            and never acts on its own.
+        on_dead: called once, on a monitor thread, with ``(rank, what happened)``.
+        local_world_size: ranks per host (``h*L .. h*L+L-1`` on host ``h``), to name a lost host's ranks.
     """
 
     def __init__(
@@ -78,64 +89,115 @@ class RankMonitor:
         interval: float = 0.25,
         dead_after: float | None = 60.0,
         on_dead: Callable[[int, str], None] | None = None,
+        local_world_size: int = 1,
     ) -> None:
         if interval <= 0:
             raise ValueError(f"heartbeat interval must be > 0 seconds, got {interval}")
         if dead_after is not None and dead_after <= interval:
             raise ValueError(f"dead_after must exceed the heartbeat interval ({interval} s), got {dead_after}")
-        self.store, self.rank, self.world_size = store, rank, world_size
+        if local_world_size <= 0 or world_size % local_world_size:
+            raise ValueError(
+                f"local_world_size (ranks per host) must be a positive divisor of world_size {world_size}, "
+                f"got {local_world_size}"
+            )
+        self.store = store
+        self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
         self.interval, self.dead_after, self.on_dead = interval, dead_after, on_dead
         self._stop = threading.Event()
-        self._beats = 0
-        self.store.delete_key(f"{_PREFIX}/failed/{rank}")  # a store can outlive a run (several fits, one group)
+        self._declared = threading.Lock()  # held by the first declaration: on_dead runs once
+        self._where: dict[int, Whereabouts] = {}  # published records read so far (hosts, for names)
+        for key in ("failed", "beat"):  # a store can outlive a run (several fits, one group)
+            self.store.delete_key(f"{_PREFIX}/{key}/{rank}")
         if rank == 0:
             self.store.delete_key(f"{_PREFIX}/lost")
         self.store.set(f"{_PREFIX}/where/{rank}", Whereabouts.of().encode())
         self._beat()
         self._thread = threading.Thread(target=self._run, name=f"shardrec-heartbeat-{rank}", daemon=True)
         self._thread.start()
+        self._timer: threading.Thread | None = None
+        if dead_after is not None:
+            self._timer = threading.Thread(target=self._time_store, name=f"shardrec-store-timer-{rank}", daemon=True)
+            self._timer.start()
 
-    # --- the thread -----------------------------------------------------------------------
+    # --- the threads ----------------------------------------------------------------------
     def _beat(self) -> None:
-        self._beats += 1
-        self.store.set(f"{_PREFIX}/beat/{self.rank}", str(self._beats))
+        self.store.add(f"{_PREFIX}/beat/{self.rank}", 1)  # a round trip (a set returns before the store has it)
+        self._written = time.monotonic()  # the store answered
 
     def _run(self) -> None:
         neighbour = (self.rank + 1) % self.world_size
         last, since = None, time.monotonic()
         local: Whereabouts | None = None  # its process, if this one can see its pid
-        looked = neighbour == self.rank
         while not self._stop.wait(self.interval):
             try:
                 self._beat()
                 seen = self._read(f"beat/{neighbour}") if neighbour != self.rank else None
-                if not looked and self._read(f"where/{neighbour}") is not None:  # published (it may start late)
-                    local, looked = self._local(neighbour), True
-            except Exception:  # the store's host (rank 0) is gone
-                seen, neighbour, local, looked = None, 0, None, True
+                if neighbour not in self._where or 0 not in self._where:  # published (it may start late)
+                    local = self._local(neighbour)
+                    self._whereabouts(0)
+            except Exception:  # the store did not answer in time: the store timer judges its host
+                continue
             now = time.monotonic()
             if local is not None and seen != _DONE and not local.alive():
-                self._declare(neighbour, _GONE)
+                self._declare(neighbour, _GONE + self._host_ranks(neighbour))
                 return
             if seen != last or seen == _DONE:
                 last, since = seen, now
             elif self.dead_after is not None and now - since > self.dead_after:
                 silent = f"{now - since:.0f} s"
-                self._declare(neighbour, f"stopped (no heartbeat for {silent}: killed, hung or its host is down)")
+                what = f"stopped (no heartbeat for {silent}: killed, hung or its host is down)"
+                self._declare(neighbour, what + self._host_ranks(neighbour))
                 return
 
-    def _declare(self, rank: int, what: str) -> None:
-        with contextlib.suppress(Exception):  # first declaration wins; every survivor then names the same rank
-            self.store.compare_set(f"{_PREFIX}/lost", "", f"{rank}|{what}")
+    def _time_store(self) -> None:
+        """Declare rank 0's host unreachable when no heartbeat came back for ``dead_after`` seconds."""
+        assert self.dead_after is not None  # started only then
+        while not self._stop.wait(self.interval):
+            silent = time.monotonic() - self._written
+            if silent > self.dead_after:
+                what = (
+                    f"is unreachable{self._host_ranks(0)}; it serves the rendezvous store, and no heartbeat "
+                    f"reached it for {silent:.0f} s (its host is down, cut off or frozen, or rank 0 hung)"
+                )
+                self._declare(0, what, reachable=False)
+                return
+
+    def _declare(self, rank: int, what: str, *, reachable: bool = True) -> None:
+        if not self._declared.acquire(blocking=False):
+            return
+        if reachable:  # first declaration wins; every survivor then names the same rank
+            with contextlib.suppress(Exception):
+                first = self.store.compare_set(f"{_PREFIX}/lost", "", f"{rank}|{what}").decode()
+                if first and "|" in first:
+                    found, what = first.split("|", 1)
+                    rank = int(found)
         log.error("lightning_shardrec: rank %d %s", rank, what)
         if self.on_dead is not None and not self._stop.is_set():
             self.on_dead(rank, what)
 
+    def _whereabouts(self, rank: int) -> Whereabouts | None:
+        """``rank``'s published record (read once, then kept), None until it is published."""
+        if rank not in self._where:
+            text = self._read(f"where/{rank}")
+            where = Whereabouts.decode(text) if text is not None else None
+            if where is not None:
+                self._where[rank] = where
+        return self._where.get(rank)
+
     def _local(self, rank: int) -> Whereabouts | None:
         """``rank``'s process when this one can see its pid (its death is then visible at once)."""
-        text = self._read(f"where/{rank}")
-        where = Whereabouts.decode(text) if text is not None else None
+        where = self._whereabouts(rank)
         return where if where is not None and where.visible() else None
+
+    def _host_ranks(self, rank: int) -> str:
+        """`` on host 'b' (ranks 2, 3)``: the host of ``rank`` (as it published) and the ranks on it."""
+        where = self._where.get(rank)
+        host = where.host if where is not None else None
+        named = f" on host {host!r}" if host else f" on host {rank // self.local_world_size}"
+        if self.local_world_size == 1:
+            return named
+        first = rank - rank % self.local_world_size
+        return f"{named} (ranks {', '.join(str(r) for r in range(first, first + self.local_world_size))})"
 
     def stop(self) -> None:
         """Stop beating and mark this rank as finished (a clean exit is not a death)."""
@@ -143,6 +205,8 @@ class RankMonitor:
         # Wait out a store call in flight, even on a loaded machine: a thread still inside the store
         # when the interpreter exits can abort the process (lightning/teardown.py).
         self._thread.join(timeout=max(30.0, 2 * self.interval))
+        if self._timer is not None:
+            self._timer.join(timeout=max(30.0, 2 * self.interval))
         with contextlib.suppress(Exception):
             self.store.set(f"{_PREFIX}/beat/{self.rank}", _DONE)
 
@@ -159,10 +223,20 @@ class RankMonitor:
         watchdog, local ranks whose process is gone, then (waiting up to ``wait``
         seconds, default 3 heartbeats) ranks whose heartbeat does not move.
         """
-        try:
-            return self._explain(3 * self.interval if wait is None else wait)
-        except Exception:  # the store itself is unreachable: it lives in rank 0's process
-            return "rank 0 is unreachable (it hosts the rendezvous store: killed, crashed or its host is down)"
+        wait = 3 * self.interval if wait is None else wait
+        found: list[str | None] = []
+
+        def look() -> None:
+            with contextlib.suppress(Exception):  # the store itself is unreachable: nothing found
+                found.append(self._explain(wait))
+
+        looking = threading.Thread(target=look, name=f"shardrec-explain-{self.rank}", daemon=True)
+        looking.start()
+        looking.join(timeout=wait + 10.0)  # a silent store host never answers a read
+        if found:
+            return found[0]
+        where = self._host_ranks(0)
+        return f"rank 0 is unreachable{where} (it hosts the rendezvous store: killed, crashed or its host is down)"
 
     def _explain(self, wait: float) -> str | None:
         others = [r for r in range(self.world_size) if r != self.rank]
@@ -187,7 +261,10 @@ class RankMonitor:
         stuck = [r for r in first if self._read(f"beat/{r}") == first[r] and first[r] != _DONE]
         if not stuck:
             return None
-        return ", ".join(f"rank {r}" for r in stuck) + f" stopped (no heartbeat for {wait:.1f} s: killed or hung)"
+        hosts = "".join(dict.fromkeys(self._host_ranks(r) for r in stuck if self._whereabouts(r) is not None))
+        return (
+            ", ".join(f"rank {r}" for r in stuck) + f" stopped (no heartbeat for {wait:.1f} s: killed or hung)" + hosts
+        )
 
     def _read(self, key: str) -> str | None:
         full = f"{_PREFIX}/{key}"

@@ -74,6 +74,11 @@ class Whereabouts:
         except (ValueError, KeyError, TypeError):
             return None
 
+    @property
+    def host(self) -> str | None:
+        """The hostname the rank ran on (None where /proc could not tell its namespace)."""
+        return None if self.namespace is None else self.namespace.rsplit("/", 1)[-1]
+
     def visible(self) -> bool:
         """Whether this process can see that pid: the same, known, PID namespace."""
         return self.namespace is not None and self.namespace == pid_namespace()

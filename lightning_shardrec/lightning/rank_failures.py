@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_shardrec.distributed.health import RankMonitor, default_store, is_comm_failure
 from lightning_shardrec.lightning.checkpointing import ShardedCheckpointing
+from lightning_shardrec.lightning.cluster import ranks_per_host
 from lightning_shardrec.lightning.teardown import destroy_default_group_at_exit
 
+_GRACE_S = 10.0  # seconds the main thread's failure report may take before the watchdog exits anyway
 _RESUME = "Restart the job and resume with trainer.fit(model, ckpt_path='last')"
 
 
@@ -38,13 +41,30 @@ class RankFailureHandling(ShardedCheckpointing):
         store = default_store()
         if self.monitor is None and store is not None and self.world_size > 1:
             self.monitor = RankMonitor(
-                store, self.global_rank, self.world_size, dead_after=self._heartbeat_timeout, on_dead=self._on_dead_rank
+                store,
+                self.global_rank,
+                self.world_size,
+                dead_after=self._heartbeat_timeout,
+                on_dead=self._on_dead_rank,
+                local_world_size=ranks_per_host(self.world_size, self.num_nodes, self.num_processes),
             )
 
     def _on_dead_rank(self, rank: int, what: str) -> None:
         """The watchdog found a dead or hung rank while this one may be blocked in a collective: exit."""
-        if self._failing:
-            return  # the main thread is already reporting a failure
+        if self._failing:  # the main thread is reporting a failure: exit only if it is still stuck there later
+            monitor = self.monitor
+            later = threading.Timer(_GRACE_S, self._exit_if_stuck, args=(monitor, rank, what))
+            later.daemon = True
+            later.start()
+            return
+        self._exit(rank, what)
+
+    def _exit_if_stuck(self, monitor: RankMonitor | None, rank: int, what: str) -> None:
+        """Exit unless the failure report finished (the monitor was stopped at teardown) since the watchdog fired."""
+        if monitor is not None and self.monitor is monitor:
+            self._exit(rank, what)
+
+    def _exit(self, rank: int, what: str) -> None:
         print(f"lightning_shardrec: rank {rank} {what}. Rank {self.global_rank} exits. {_RESUME}", flush=True)
         if self.launcher is not None:  # the ranks this process launched (Lightning's subprocess launcher)
             self.launcher.kill(signal.SIGKILL)

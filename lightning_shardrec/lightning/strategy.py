@@ -43,6 +43,7 @@ from lightning_shardrec.distributed.sharders import ModuleSharder, check_sharder
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
 from lightning_shardrec.distributed.transport.connect import attach, parse_transport
+from lightning_shardrec.distributed.transport.per_host import transport_report
 from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
@@ -90,7 +91,9 @@ class ShardRecStrategy(RankFailureHandling):
             embeddings' all-to-alls / reduce-scatters and their gradients (half the bytes).
         comm_transport: ``"auto"`` (the embeddings' all-to-alls go through shared memory when every
             rank is on this host under gloo, see :mod:`lightning_shardrec.distributed.transport.shm`;
-            else through the process group), ``"shm"`` (required) or ``"pg"`` (never shared memory).
+            on several hosts through shared memory inside each and the process group between them,
+            :mod:`~lightning_shardrec.distributed.transport.per_host`; else through the process group;
+            printed at fit start per host), ``"shm"`` (required) or ``"pg"`` (never shared memory).
             Results are identical either way.
         pipeline: overlap the next batch's input distribution (id all-to-alls, host-to-device copy)
             with this batch's forward/backward (see :mod:`lightning_shardrec.lightning.pipeline`);
@@ -383,6 +386,7 @@ class ShardRecStrategy(RankFailureHandling):
         self.sharded = shard_modules(module, self.plan, env, setup)
         check_fused(fused_tables, self.sharded)
         _print_plan(self.plan, kernel_labels(self.sharded))
+        _print_transport(env)  # collective
 
     def _wrap_dense(self, model: torch.nn.Module) -> torch.nn.Module:
         fused: list[str] = []
@@ -515,6 +519,13 @@ def _fused_params(coll: ShardedCollection) -> list[torch.nn.Parameter]:
 @rank_zero_only
 def _print_plan(plan: ShardingPlan, kernels: dict[tuple[str, str], str]) -> None:
     print(f"lightning_shardrec sharding plan:\n{plan.table(kernels)}", flush=True)
+
+
+def _print_transport(env: ShardingEnv) -> None:
+    """Collective: rank 0 prints the hosts x ranks the plan assumed and each host's transport."""
+    report = transport_report(env)
+    if env.rank == 0:
+        print(report, flush=True)
 
 
 @rank_zero_only

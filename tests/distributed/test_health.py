@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -178,9 +181,78 @@ def test_watchdog_names_a_killed_neighbour_at_once_only_in_its_namespace(beside)
         if beside:
             assert calls == []  # a healthy rank in a container beside this one is not declared dead
         else:
-            assert calls == [(1, "died (its process is gone: killed or crashed)")]
+            assert calls == [(1, f"died (its process is gone: killed or crashed) on host {socket.gethostname()!r}")]
             assert time.monotonic() - started < 2  # not the 60 s heartbeat timeout
     finally:
         monitor.stop()
         stop.set()
         beats.join()
+
+
+# --- the store's own host goes silent (rank 0's process serves it) ------------------------------
+SERVE = (
+    "import sys, time, torch.distributed as d\n"
+    "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+    "print(s.port, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+@pytest.fixture
+def store_host():
+    """A TCP store served by another process (rank 0's), and that process to freeze."""
+    server = subprocess.Popen([sys.executable, "-c", SERVE], stdout=subprocess.PIPE, text=True)
+    port = int(server.stdout.readline())
+    yield server, dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(minutes=10))
+    server.kill()
+    server.wait()
+
+
+@linux
+def test_a_frozen_store_host_is_declared_within_heartbeat_timeout(store_host):
+    server, store = store_host
+    elsewhere = dataclasses.replace(Whereabouts.of(server.pid), namespace="boot/1:2/node-a")
+    store.set(f"{PREFIX}/where/0", elsewhere.encode())  # rank 0 on host node-a, with rank 1
+    stop = threading.Event()
+    beats = threading.Thread(target=beat_forever, args=(store, 3, stop), daemon=True)
+    beats.start()  # the neighbour (rank 3) is healthy; only the store's host goes silent
+    calls: list[tuple[int, str]] = []
+    monitor = RankMonitor(
+        store, 2, 4, interval=0.1, dead_after=3.0, on_dead=lambda r, why: calls.append((r, why)), local_world_size=2
+    )
+    try:
+        time.sleep(0.5)
+        os.kill(server.pid, signal.SIGSTOP)  # a host that lost power: its connections stay open, silent
+        frozen = time.monotonic()
+        while not calls and time.monotonic() - frozen < 20:
+            time.sleep(0.05)
+        took = time.monotonic() - frozen
+        assert [r for r, _ in calls] == [0], calls
+        assert calls[0][1].startswith("is unreachable on host 'node-a' (ranks 0, 1); it serves the rendezvous store")
+        assert 3.0 - 0.3 < took < 3.0 + 5  # heartbeat_timeout (from the last beat) plus a few seconds, not for ever
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        stop.set()
+        monitor.stop()
+        beats.join()
+
+
+@linux
+def test_explain_after_the_store_host_froze_names_it_in_bounded_time(store_host):
+    server, store = store_host
+    monitor = RankMonitor(store, 1, 2, interval=0.1, dead_after=None)
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert monitor.explain(wait=0.5).startswith("rank 0 is unreachable on host 0 (it hosts the rendezvous store")
+        assert time.monotonic() - started < 0.5 + 12  # a store read would wait for ever
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        monitor.stop()
+
+
+def test_bad_local_world_size_is_refused():
+    with pytest.raises(
+        ValueError, match=r"local_world_size \(ranks per host\) must be a positive divisor of world_size 4, got 3"
+    ):
+        RankMonitor(dist.HashStore(), 0, 4, dead_after=None, local_world_size=3)

@@ -9,21 +9,23 @@ groups, and the weights equal the single-device run's.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import pytest
 import torch
 from _models import Rec, data, trainer
 
 from lightning_shardrec.lightning.cluster import ranks_per_host
-from lightning_shardrec.testing import run_ranks
+from lightning_shardrec.testing import pretend_hosts, run_ranks
 
 STEPS = 3
 BATCH = 4  # per rank
 TYPES = {"mid": "grid_shard", "tiny": "row_wise"}
 
 
-def two_nodes(rank, world):
+def two_nodes(rank, world, layout=None):
     from lightning_shardrec import ParameterConstraints, ParameterSharding, ShardRecStrategy
+    from lightning_shardrec.lightning import strategy as strategy_module
     from lightning_shardrec.planner import ShardMetadata
 
     for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "NUM_NODES", "SLURM_NNODES", "NNODES"):
@@ -42,22 +44,38 @@ def two_nodes(rank, world):
     pinned = {"t_big": ParameterSharding("table_row_wise", "fused", [2, 3], blocks)}
     strategy = ShardRecStrategy(constraints=constraints, plan=pinned)
     t = trainer(strategy=strategy, devices=2, num_nodes=2, max_steps=STEPS)
-    t.fit(Rec("sgd"), data(BATCH, STEPS))
+    registered, hook = [], strategy_module.use_shm_allreduce  # the dense all-reduce's path, recorded
+    strategy_module.use_shm_allreduce = lambda ddp, pg: registered.append(hook(ddp, pg)) or registered[-1]
+    try:
+        with pretend_hosts(rank, layout) if layout else nullcontext():  # each node its own /dev/shm
+            t.fit(Rec("sgd"), data(BATCH, STEPS))
+    finally:
+        strategy_module.use_shm_allreduce = hook
     sharded = strategy.sharded["ebc"]
-    holders = {
-        name: sorted({s.rank for s in p.shards}) for name, p in strategy.plan.get_plan_for_module("ebc").items()
-    }
+    holders = {name: sorted({s.rank for s in p.shards}) for name, p in strategy.plan.get_plan_for_module("ebc").items()}
     host_sizes = sorted({g.exchange.host.world_size for g in sharded.groups if hasattr(g, "exchange")})
     state = {k: v.clone() for k, v in strategy.full_state_dict().items()}
-    return (strategy.topology.num_hosts, sharded.env.local_world_size), holders, host_sizes, state
+    transport = type(sharded.env.transport).__name__
+    return (
+        (strategy.topology.num_hosts, sharded.env.local_world_size),
+        holders,
+        host_sizes,
+        state,
+        (transport, registered),
+    )
 
 
-def test_two_nodes_of_two_are_planned_and_run_as_two_hosts():
-    results = run_ranks(two_nodes, 4)
+@pytest.mark.parametrize(
+    ("layout", "transport"),
+    [(None, "ShmTransport"), pytest.param("aabb", "HostTransport", marks=pytest.mark.slow)],
+)
+def test_two_nodes_of_two_are_planned_and_run_as_two_hosts(layout, transport):
+    results = run_ranks(two_nodes, 4, layout)
     model = Rec("sgd")
     trainer(devices=1, max_steps=STEPS).fit(model, data(BATCH * 4, STEPS))
     want = model.state_dict()
-    for hosts, holders, host_sizes, state in results:
+    for hosts, holders, host_sizes, state, kind in results:
+        assert kind == (transport, [True])  # one /dev/shm for all, or per node and gloo between; DDP's too
         assert hosts == (2, 2)  # the planner's topology: 2 hosts; the runtime: 2 ranks per host
         assert host_sizes == [2]
         assert holders["t_big"] == [2, 3]

@@ -67,3 +67,25 @@ def test_hung_rank_is_named_by_the_heartbeat_watchdog(tmp_path):
     assert hung.returncode != 0
     assert "lightning_shardrec: rank 1 stopped (no heartbeat for" in hung.stdout + hung.stderr, hung.stdout[-3000:]
     assert detect_seconds(tmp_path, ended) < 30
+
+
+@pytest.mark.parametrize("report_finishes", [True, False])
+def test_a_declaration_during_a_failure_report_exits_only_if_the_report_is_stuck(monkeypatch, report_finishes):
+    from lightning_shardrec import ShardRecStrategy
+    from lightning_shardrec.lightning import rank_failures
+
+    class Stopped:
+        def stop(self) -> None:
+            pass
+
+    exits: list[int] = []
+    monkeypatch.setattr(rank_failures, "_GRACE_S", 0.2)
+    monkeypatch.setattr(rank_failures.os, "_exit", exits.append)
+    strategy = ShardRecStrategy()
+    strategy.monitor, strategy._failing = Stopped(), True  # the main thread is reporting a failure
+    strategy._on_dead_rank(0, "is unreachable on host 'node-a' (ranks 0, 1)")
+    assert exits == []  # not at once: the report goes first
+    if report_finishes:
+        strategy.stop_monitor()  # teardown after the report
+    time.sleep(1.0)
+    assert exits == ([] if report_finishes else [1])

@@ -18,10 +18,11 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardrec.distributed.transport.connect import connect
+from lightning_shardrec.distributed.transport.per_host import HostTransport, connect_hosts
 from lightning_shardrec.distributed.transport.shm import ShmTransport
 
 
-def _allreduce_hook(transport: ShmTransport, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+def _allreduce_hook(transport: ShmTransport | HostTransport, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP's default (divide by the world size, sum) through shared memory; the process group for non-CPU buckets."""
     buf = bucket.buffer()
     buf.div_(transport.world_size)
@@ -40,8 +41,12 @@ _allreduce_hook.__annotations__["return"] = torch.futures.Future[Tensor]
 
 def use_shm_allreduce(ddp: DistributedDataParallel, pg: dist.ProcessGroup) -> bool:
     """Collective over ``pg`` (DDP's group): register the shared-memory all-reduce when every rank can share
-    memory; False (DDP keeps its own) otherwise, on every rank alike."""
+    memory, or every host's ranks can (:mod:`.per_host`: the group between hosts); False (DDP keeps its own)
+    otherwise, on every rank alike."""
+    transport: ShmTransport | HostTransport | None
     transport, _ = connect(pg)
+    if transport is None:  # several hosts: shared memory inside each, the group between them
+        transport, _ = connect_hosts(pg)
     if transport is None:
         return False
     ddp.register_comm_hook(transport, _allreduce_hook)

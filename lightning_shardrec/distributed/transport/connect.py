@@ -39,7 +39,8 @@ def parse_transport(value: str, owner: str = "comm_transport") -> str:
 def attach(env: ShardingEnv, mode: str = "auto", timeout: float | None = None) -> ShardingEnv:
     """Collective over ``env.pg``: ``env`` with a same-host :class:`ShmTransport` for its all-to-alls.
 
-    ``mode``: ``"auto"`` (shared memory when every rank of a gloo group can use it, else the group;
+    ``mode``: ``"auto"`` (shared memory when every rank of a gloo group can use it; on several hosts shared
+    memory inside each and the group between them (:mod:`.per_host`); else the group;
     ``$LIGHTNING_SHARDREC_TRANSPORT`` may say ``shm`` or ``pg`` instead; ranks that disagree raise),
     ``"shm"`` (required: raises where it cannot be used) or ``"pg"`` (the process group's own).
     ``timeout``: seconds a rank waits for a peer's data (None: the group's own collective timeout).
@@ -63,6 +64,12 @@ def attach(env: ShardingEnv, mode: str = "auto", timeout: float | None = None) -
         if mode == "pg":
             return env
         transport, why = connect(env.pg, timeout)
+        if transport is None and mode == "auto":  # several hosts: shared memory inside each (per_host imports us)
+            from lightning_shardrec.distributed.transport.per_host import connect_hosts
+
+            host_transport, _ = connect_hosts(env.pg, timeout)
+            if host_transport is not None:
+                return replace(env, transport=host_transport)
     if transport is None:
         if mode == "shm":
             raise RuntimeError(
