@@ -117,7 +117,6 @@ The fuzz tests behind the KJT and Criteo rows: ``tests/sparse/test_kjt_fuzz.py``
 | strategy | negative embedding_lr | ValueError |  |
 | strategy | planner_batch_size 0 | ValueError |  |
 | strategy | planner_reserve 1.5 | ValueError |  |
-| strategy | accumulate_grad_batches=2 | ValueError | tests/lightning/test_strategy_errors.py::test_accumulation_and_underivable_optimizer_are_refused_at_setup |
 | strategy | optimizer with no fused form (SGD momentum) | ValueError | tests/lightning/test_strategy_errors.py::test_derived_optimizers |
 | Criteo TSV | wrong column count | ValueError | tests/data/test_criteo_reader.py::test_bad_line_errors_name_file_and_line |
 | Criteo TSV | non-hex categorical | ValueError | tests/data/test_criteo_reader.py::test_bad_line_errors_name_file_and_line |
@@ -575,8 +574,6 @@ CASES: list[Case] = [
          ValueError, r"planner_batch_size.*0"),
     Case("strategy", "planner_reserve 1.5", lambda: _strategy(planner_reserve=1.5),
          ValueError, r"ShardRecStrategy: planner_reserve is the fraction .* got 1\.5"),
-    Case("strategy", "accumulate_grad_batches=2", None, ValueError, "accumulate_grad_batches=2 is not supported",
-         "tests/lightning/test_strategy_errors.py::test_accumulation_and_underivable_optimizer_are_refused_at_setup"),
     Case("strategy", "optimizer with no fused form (SGD momentum)", None, ValueError, "has no fused row-sparse form",
          "tests/lightning/test_strategy_errors.py::test_derived_optimizers"),
     # --- data -----------------------------------------------------------------------------------------
