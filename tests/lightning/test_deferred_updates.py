@@ -266,3 +266,64 @@ def test_clipping_engages():
 @pytest.mark.parametrize("case", [c for c in SLOW + SEQ_SLOW if c not in FAST], ids=_id)
 def test_every_sharding_type_matches_one_process(case):
     check(*case)
+
+
+# --- dynamic tables: rows admitted and evicted inside an accumulation window -----------------------------
+def fit_dynamic(rank, world, options):
+    from test_strategy_dynamic import DynamicRec
+    from test_strategy_dynamic import data as dynamic_data
+
+    from lightning_shardrec import ParameterConstraints, ShardRecStrategy
+
+    external_launch(rank, world)
+    row_wise = {"t_user": ParameterConstraints(sharding_types=["row_wise"])}
+    strategy = ShardRecStrategy(constraints=row_wise, pipeline=options.get("pipeline", False))
+    t = trainer(strategy=strategy, devices=world, max_epochs=1, **trainer_options(options))
+    t.fit(DynamicRec(), dynamic_data(BATCH))
+    return {k: v.clone() for k, v in strategy.full_state_dict().items()}
+
+
+@pytest.mark.parametrize("options", [{**ACC2, **CLIP005}, {**ACC2, "pipeline": True}], ids=str)
+def test_dynamic_tables_evicting_inside_the_window_match_one_process(options):
+    """A slot evicted and given to another id between two micro-batches keeps the window's gradient
+    sum, as the ``.grad`` of one process does (its weight and state reset at admission, in forward)."""
+    from test_strategy_dynamic import DynamicRec
+    from test_strategy_dynamic import data as dynamic_data
+
+    model = DynamicRec()
+    trainer(devices=1, max_epochs=1, **trainer_options(options)).fit(model, dynamic_data(2 * BATCH))
+    want = model.state_dict()
+    assert model.ebc.dynamic_stats()["t_user"]["evictions"] > 0
+    keys = ("ebc.embedding_bags.t_user.weight", "ebc.embedding_bags.t_item.weight", "mlp.weight", "mlp.bias")
+    for rank, got in enumerate(run_ranks(fit_dynamic, 2, options)):
+        for k in keys:
+            torch.testing.assert_close(got[k], want[k], **TOL, msg=f"dynamic {options} rank {rank}: {k}")
+
+
+# --- no cost when off --------------------------------------------------------------------------------------
+def fit_plain(rank, world, options):
+    from lightning_shardrec import ParameterConstraints, ShardRecStrategy
+
+    external_launch(rank, world)
+    constraints = {t: ParameterConstraints(sharding_types=[k]) for t, k in kinds_of("mixed").items()}
+    strategy = ShardRecStrategy(constraints=constraints)
+    seen = []
+    t = trainer(strategy=strategy, devices=world, max_steps=2, **options)
+    model = Rec("sgd")
+    model.on_train_batch_start = lambda *a: seen.append(
+        sorted({str(k.row_sink is not None) for s in strategy.sharded.values() for k in s.kernels()})
+    )
+    t.fit(model, data(BATCH, 2))
+    return seen, strategy._deferred_glue is not None
+
+
+def test_without_accumulation_or_norm_clipping_the_updates_stay_in_backward():
+    """Plain fits and value clipping keep the fused in-backward path (no sink, no glue)."""
+
+    def sinks(results):
+        assert any(x for seen, _ in results for x in seen)  # some rank holds fused kernels
+        return {x for seen, _ in results for step in seen for x in step}, {glued for _, glued in results}
+
+    for options in ({}, {"gradient_clip_val": 0.1, "gradient_clip_algorithm": "value"}):
+        assert sinks(run_ranks(fit_plain, 2, options)) == ({"False"}, {False}), options
+    assert sinks(run_ranks(fit_plain, 2, ACC2)) == ({"True"}, {True})
