@@ -349,3 +349,43 @@ def test_without_accumulation_or_norm_clipping_the_updates_stay_in_backward():
     for options in ({}, {"gradient_clip_val": 0.1, "gradient_clip_algorithm": "value"}):
         assert sinks(run_ranks(fit_plain, 2, options)) == ({"False"}, {False}), options
     assert sinks(run_ranks(fit_plain, 2, ACC2)) == ({"True"}, {True})
+
+
+# --- what the plan printout and the fit-start line say -------------------------------------------------------
+class ClipsItself(Rec):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, 0.5, "norm")
+
+
+def test_the_plan_printout_and_the_fit_start_line_say_why_updates_wait(capsys):
+    from types import SimpleNamespace
+
+    from lightning_shardrec.lightning.deferred import deferral_line, deferral_reason
+    from lightning_shardrec.lightning.strategy import _print_plan
+    from lightning_shardrec.planner import EmbeddingShardingPlanner, Topology
+
+    def fit(k=1, clip=None, algorithm=None):
+        return SimpleNamespace(accumulate_grad_batches=k, gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
+
+    assert deferral_reason(fit(), Rec()) is None
+    assert deferral_reason(fit(clip=0.1, algorithm="value"), Rec()) is None  # clamped inside the fused update
+    reason = deferral_reason(fit(k=2, clip=0.05), Rec())
+    assert reason == (
+        "accumulate_grad_batches=2: the tables' row gradients of 2 micro-batches are summed; "
+        "gradient_clip_val=0.05 by norm: the norm counts the tables' gradients"
+    )
+    assert deferral_reason(fit(), ClipsItself()) == (
+        "configure_gradient_clipping is overridden: it may clip the tables' gradients"
+    )
+    assert deferral_reason(fit(), Rec(manual=True)).startswith(
+        "manual optimization: the tables step in optimizer.step()"
+    )
+    plan = EmbeddingShardingPlanner(Topology(2, compute_device="cpu")).plan(Rec())
+    _print_plan(plan, {}, reason)
+    out = capsys.readouterr().out
+    assert out.startswith("lightning_shardrec sharding plan:\n")
+    assert out.rstrip("\n").endswith(deferral_line(reason))
+    assert deferral_line(reason).startswith(
+        "ShardRecStrategy: table updates are deferred to the optimizer step (accumulate_grad_batches=2: "
+    )
+    assert "each rank keeps the window's unique rows x dim of gradient until the step" in deferral_line(reason)
