@@ -79,6 +79,15 @@ class DeferredGlue:
         self.device = device
         self.scaler = scaler
 
+    @classmethod
+    def attach(cls, strategy: Any, kernels: Any, holder: Any, group: Any, scaler: Any) -> DeferredGlue:
+        """Defer ``kernels``' updates for this fit of ``strategy``; ``holder``: the (optimizer, group) of the tables."""
+        glue = cls(
+            DeferredTableUpdates(kernels), None if holder is None else holder[0], group, strategy.root_device, scaler
+        )
+        glue.install(strategy.precision_plugin)
+        return glue
+
     def _trains_tables(self, optimizer: Any) -> bool:
         return self.holder is None or getattr(optimizer, "_optimizer", optimizer) is self.holder
 

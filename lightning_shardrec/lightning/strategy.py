@@ -57,7 +57,7 @@ from lightning_shardrec.lightning.sigterm import LaggedSigterm
 from lightning_shardrec.lightning.teardown import destroy_groups
 from lightning_shardrec.modules.plain_embeddings import check_embedding_options, swap_embedding_modules
 from lightning_shardrec.modules.table_init import tables_on_meta
-from lightning_shardrec.optim import DeferredTableUpdates, FusedOptimizer, ScaledTableUpdates
+from lightning_shardrec.optim import FusedOptimizer, ScaledTableUpdates
 from lightning_shardrec.planner import (
     EmbeddingShardingPlanner,
     ParameterConstraints,
@@ -277,12 +277,8 @@ class ShardRecStrategy(RankFailureHandling):
         if fitting:
             group = next(iter(self.sharded.values())).env.pg
             deferred = self._deferral is not None and any(g.fused for s in self.sharded.values() for g in s._groups())
-            self._deferred_glue = None
-            if deferred:  # updates at the optimizer step (lightning/deferred.py); the scaler included
-                updates = DeferredTableUpdates(kernels)
-                holder_opt = None if holder is None else holder[0]
-                self._deferred_glue = DeferredGlue(updates, holder_opt, group, self.root_device, scaler)
-                self._deferred_glue.install(self.precision_plugin)
+            # updates at the optimizer step (lightning/deferred.py), the scaler's decision included
+            self._deferred_glue = DeferredGlue.attach(self, kernels, holder, group, scaler) if deferred else None
             glue = (
                 None
                 if scaler is None or deferred
