@@ -143,6 +143,69 @@ def run_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[float
     return out
 
 
+def kernel_times(cfg: dict[str, Any]) -> dict[str, list[float]]:
+    """One process, no communication: the fused lookup + backward + update of the 4 big tables, ms per
+    micro-batch, for the three ways (interleaved; the global batch's ids, as a row-wise owner sees them)."""
+    import torch
+
+    from lightning_shardrec import FusedOptimConfig, KeyedJaggedTensor
+    from lightning_shardrec.data.synthetic import SyntheticRecDataset, SyntheticRecGenerator, SyntheticSpec, to_features
+    from lightning_shardrec.kernels import TableSpec, make_kernel
+    from lightning_shardrec.optim import DeferredTableUpdates
+
+    torch.set_num_threads(1)
+    rows, batch = cfg["rows"][0], 2 * cfg["batch"]
+    names = [f"f{i}" for i in range(4)]
+    spec = SyntheticSpec(features=to_features([{"name": n, "num_embeddings": rows} for n in names]), num_dense=13)
+    ds = SyntheticRecDataset(spec, batch_size=batch, num_batches=8, generator=SyntheticRecGenerator(spec))
+    kjts = [ds.batch(i).sparse for i in range(8)]
+    kjts = [KeyedJaggedTensor(k.keys(), k.values(), None, k.lengths()) for k in kjts]
+    specs = [TableSpec(name=n, num_embeddings=rows, embedding_dim=64) for n in names]
+    config = FusedOptimConfig(optimizer="rowwise_adagrad", lr=0.01)
+    grad = torch.randn(batch, 4 * 64)
+
+    def kernel() -> Any:
+        return make_kernel(specs, [0, 1, 2, 3], config, pooled=True, device="cpu", kernel="torch")
+
+    plain, clipped, accumulated = kernel(), kernel(), kernel()
+    clip_updates, acc_updates = DeferredTableUpdates([clipped]), DeferredTableUpdates([accumulated])
+    out: dict[str, list[float]] = {"in backward": [], "deferred, norm clip, k=1": [], "deferred, k=4": []}
+    for it in range(4 * cfg["kernel_iters"]):
+        kjt = kjts[it % len(kjts)]
+        t0 = time.perf_counter()
+        plain(kjt).backward(grad)
+        t1 = time.perf_counter()
+        clipped(kjt).backward(grad)
+        norm = clip_updates.sum_squares().sqrt()
+        clip_updates.scale_(torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+        clip_updates.apply()
+        t2 = time.perf_counter()
+        accumulated(kjt).backward(grad)
+        if it % 4 == 3:
+            acc_updates.apply()
+        t3 = time.perf_counter()
+        if it >= 4:
+            out["in backward"].append(1e3 * (t1 - t0))
+            out["deferred, norm clip, k=1"].append(1e3 * (t2 - t1))
+            out["deferred, k=4"].append(1e3 * (t3 - t2))
+    return out
+
+
+def kernel_report(times: dict[str, list[float]]) -> list[str]:
+    base = statistics.median(times["in backward"])
+    lines = [
+        "Kernel alone (one process, no communication; lookup + backward + update of the 4 big tables over the "
+        "global batch's ids, interleaved, median ms per micro-batch):",
+        "",
+        "| variant | ms per micro-batch | vs in backward |",
+        "|---|---|---|",
+    ]
+    for name, values in times.items():
+        med = statistics.median(values)
+        lines.append(f"| {name} | {med:.1f} | {med / base:.2f}x |")
+    return lines + [""]
+
+
 def report(results: list[dict[str, list[float]]], cfg: dict[str, Any], command: str) -> str:
     def med(key: str) -> tuple[float, float, float]:
         per_repeat = [statistics.mean(r[key][i] for r in results) for i in range(cfg["repeats"])]
@@ -183,6 +246,8 @@ def report(results: list[dict[str, list[float]]], cfg: dict[str, Any], command: 
         )
     tables = ", ".join(f"{r['table bytes'][0] / 2**20:.0f}" for r in results)
     lines += ["", f"Tables held per rank (MiB): {tables}.", ""]
+    if cfg.get("kernel"):
+        lines += kernel_report(cfg["kernel"])
     return "\n".join(lines)
 
 
@@ -193,19 +258,22 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kernel-iters", type=int, default=10, help="kernel-alone windows of 4 micro-batches")
     p.add_argument("--variants", default="", help="comma-separated variant numbers (1-4) to run; default all")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script runs")
     p.add_argument("--write-docs", type=Path, default=None)
     a = p.parse_args()
     cfg = {"rows": [int(x) for x in a.rows.split(",")], "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
            "repeats": a.repeats}  # fmt: skip
+    cfg["kernel_iters"] = a.kernel_iters
     if a.quick:
-        cfg.update(rows=[2000, 200], batch=64, steps=8, warmup=4, repeats=1)
+        cfg.update(rows=[2000, 200], batch=64, steps=8, warmup=4, repeats=1, kernel_iters=2)
     names = list(VARIANTS)
     cfg["variants"] = [names[int(i) - 1] for i in a.variants.split(",")] if a.variants else names
     from lightning_shardrec.testing import run_ranks
 
     results = run_ranks(run_rank, 2, cfg, timeout=1800)
+    cfg["kernel"] = kernel_times(cfg)
     command = "python benchmarks/deferred_bench.py " + " ".join(sys.argv[1:])
     text = report(results, cfg, command.strip())
     print(text)
