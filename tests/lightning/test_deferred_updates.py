@@ -389,3 +389,30 @@ def test_the_plan_printout_and_the_fit_start_line_say_why_updates_wait(capsys):
         "ShardRecStrategy: table updates are deferred to the optimizer step (accumulate_grad_batches=2: "
     )
     assert "each rank keeps the window's unique rows x dim of gradient until the step" in deferral_line(reason)
+
+
+# --- plain nn.EmbeddingBag / nn.Embedding (padding_idx) modules, sharded in place ------------------------------
+def fit_plain_modules(rank, world, options):
+    from test_plain_modules import GLOBAL, TwoTower, loader
+    from test_plain_modules import trainer as plain_trainer
+
+    from lightning_shardrec import ParameterConstraints, ShardRecStrategy
+
+    external_launch(rank, world)
+    lo, hi = rank * GLOBAL // world, (rank + 1) * GLOBAL // world
+    strategy = ShardRecStrategy(constraints={"user": ParameterConstraints(sharding_types=["row_wise"])})
+    t = plain_trainer(strategy=strategy, devices=world, use_distributed_sampler=False, enable_checkpointing=False,
+                      **options)  # fmt: skip
+    t.fit(TwoTower("adagrad", "mean"), loader(lo, hi))
+    return {k: v.clone() for k, v in strategy.full_state_dict().items()}
+
+
+def test_plain_embedding_modules_accumulate_and_clip_like_one_process():
+    from test_plain_modules import GLOBAL, TwoTower, loader
+    from test_plain_modules import trainer as plain_trainer
+
+    options = {**ACC2, **CLIP005}
+    model = TwoTower("adagrad", "mean")
+    plain_trainer(devices=1, enable_checkpointing=False, **options).fit(model, loader(0, GLOBAL))
+    for rank, got in enumerate(run_ranks(fit_plain_modules, 2, options)):
+        assert_same(got, model.state_dict(), f"plain modules rank {rank}")
