@@ -118,7 +118,7 @@ The fuzz tests behind the KJT and Criteo rows: ``tests/sparse/test_kjt_fuzz.py``
 | strategy | planner_batch_size 0 | ValueError |  |
 | strategy | planner_reserve 1.5 | ValueError |  |
 | strategy | clip_gradients by norm from a hook the strategy was not told of | ValueError | tests/lightning/test_strategy_habits.py::test_a_norm_clip_the_strategy_was_not_told_of_is_refused_by_name |
-| optim | DeferredTableUpdates over fbgemm kernels | ValueError | tests/optim/test_deferred_updates.py::test_fbgemm_kernels_are_refused_by_name |
+| optim | DeferredTableUpdates over fbgemm kernels | ValueError | tests/optim/test_deferred_table_updates.py::test_fbgemm_kernels_are_refused_by_name |
 | strategy | optimizer with no fused form (SGD momentum) | ValueError | tests/lightning/test_strategy_errors.py::test_derived_optimizers |
 | Criteo TSV | wrong column count | ValueError | tests/data/test_criteo_reader.py::test_bad_line_errors_name_file_and_line |
 | Criteo TSV | non-hex categorical | ValueError | tests/data/test_criteo_reader.py::test_bad_line_errors_name_file_and_line |
@@ -580,7 +580,7 @@ CASES: list[Case] = [
          r"clip_gradients\(gradient_clip_algorithm='norm'\) was called in a fit whose table updates run inside backward",
          "tests/lightning/test_strategy_habits.py::test_a_norm_clip_the_strategy_was_not_told_of_is_refused_by_name"),
     Case("optim", "DeferredTableUpdates over fbgemm kernels", None, ValueError, r"DeferredTableUpdates needs torch kernels",
-         "tests/optim/test_deferred_updates.py::test_fbgemm_kernels_are_refused_by_name"),
+         "tests/optim/test_deferred_table_updates.py::test_fbgemm_kernels_are_refused_by_name"),
     Case("strategy", "optimizer with no fused form (SGD momentum)", None, ValueError, "has no fused row-sparse form",
          "tests/lightning/test_strategy_errors.py::test_derived_optimizers"),
     # --- data -----------------------------------------------------------------------------------------
