@@ -169,25 +169,31 @@ def kernel_times(cfg: dict[str, Any]) -> dict[str, list[float]]:
 
     plain, clipped, accumulated = kernel(), kernel(), kernel()
     clip_updates, acc_updates = DeferredTableUpdates([clipped]), DeferredTableUpdates([accumulated])
-    out: dict[str, list[float]] = {"in backward": [], "deferred, norm clip, k=1": [], "deferred, k=4": []}
-    for it in range(4 * cfg["kernel_iters"]):
-        kjt = kjts[it % len(kjts)]
-        t0 = time.perf_counter()
+
+    def in_backward(kjt: Any, last: bool) -> None:
         plain(kjt).backward(grad)
-        t1 = time.perf_counter()
+
+    def norm_clip(kjt: Any, last: bool) -> None:
         clipped(kjt).backward(grad)
         norm = clip_updates.sum_squares().sqrt()
         clip_updates.scale_(torch.clamp(1.0 / (norm + 1e-6), max=1.0))
         clip_updates.apply()
-        t2 = time.perf_counter()
+
+    def accumulate(kjt: Any, last: bool) -> None:
         accumulated(kjt).backward(grad)
-        if it % 4 == 3:
+        if last:
             acc_updates.apply()
-        t3 = time.perf_counter()
-        if it >= 4:
-            out["in backward"].append(1e3 * (t1 - t0))
-            out["deferred, norm clip, k=1"].append(1e3 * (t2 - t1))
-            out["deferred, k=4"].append(1e3 * (t3 - t2))
+
+    ways = {"in backward": in_backward, "deferred, norm clip, k=1": norm_clip, "deferred, k=4": accumulate}
+    out: dict[str, list[float]] = {name: [] for name in ways}
+    for window in range(cfg["kernel_iters"] + 1):  # the first window warms up
+        order = list(ways)[window % 3 :] + list(ways)[: window % 3]  # rotate: no variant always runs first
+        for name in order:
+            start = time.perf_counter()
+            for i in range(4):
+                ways[name](kjts[(4 * window + i) % len(kjts)], i == 3)
+            if window:
+                out[name].append(1e3 * (time.perf_counter() - start) / 4)
     return out
 
 
@@ -195,7 +201,8 @@ def kernel_report(times: dict[str, list[float]]) -> list[str]:
     base = statistics.median(times["in backward"])
     lines = [
         "Kernel alone (one process, no communication; lookup + backward + update of the 4 big tables over the "
-        "global batch's ids, interleaved, median ms per micro-batch):",
+        "global batch's ids; windows of 4 micro-batches, the three ways in rotating order; median ms per "
+        "micro-batch):",
         "",
         "| variant | ms per micro-batch | vs in backward |",
         "|---|---|---|",
@@ -258,7 +265,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--kernel-iters", type=int, default=10, help="kernel-alone windows of 4 micro-batches")
+    p.add_argument("--kernel-iters", type=int, default=12, help="kernel-alone windows of 4 micro-batches")
+    p.add_argument("--kernel-only", action="store_true", help="only the kernel-alone comparison (no Trainer)")
     p.add_argument("--variants", default="", help="comma-separated variant numbers (1-4) to run; default all")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script runs")
     p.add_argument("--write-docs", type=Path, default=None)
@@ -272,8 +280,11 @@ def main() -> None:
     cfg["variants"] = [names[int(i) - 1] for i in a.variants.split(",")] if a.variants else names
     from lightning_shardrec.testing import run_ranks
 
-    results = run_ranks(run_rank, 2, cfg, timeout=1800)
     cfg["kernel"] = kernel_times(cfg)
+    if a.kernel_only:
+        print("\n".join(kernel_report(cfg["kernel"])))
+        return
+    results = run_ranks(run_rank, 2, cfg, timeout=1800)
     command = "python benchmarks/deferred_bench.py " + " ".join(sys.argv[1:])
     text = report(results, cfg, command.strip())
     print(text)

@@ -61,7 +61,8 @@ def test_window_sum_is_the_dense_gradient_and_applies_once():
         torch.testing.assert_close(k.split_weights()[t], START[t], rtol=0, atol=0)  # not moved yet
     want_sq = sum(g.square().sum() for g in dense_grads())
     torch.testing.assert_close(updates.sum_squares(), want_sq)
-    assert updates.kept_bytes() == 7 * (4 * 4 + 8)  # rows 0, 1, 2, 5, 8 of t and 3, 4 of u: fp32 rows, int64 ids
+    # rows 0, 1, 2, 5, 8 of t and 3, 4 of u: 7 kept (fp32 rows, int64 ids), in buffers grown to 2 x 7
+    assert updates.pending == 1 and updates.kept_bytes() == 14 * (4 * 4 + 8)
     reference = [w.clone() for w in START]
     sums = [torch.zeros_like(w) for w in START]
     for w, s, g in zip(reference, sums, dense_grads(), strict=True):  # torch.optim.Adagrad once
@@ -99,3 +100,22 @@ def test_scaled_window_is_checked_unscaled_clipped_and_discarded():
 def test_fbgemm_kernels_are_refused_by_name():
     with pytest.raises(ValueError, match=r"DeferredTableUpdates needs torch kernels .* got backends \['fbgemm'\]"):
         DeferredTableUpdates([kernel("sgd", "fbgemm")])
+
+
+def test_a_later_window_reuses_the_buffers_and_starts_empty():
+    k = kernel("sgd")
+    updates = DeferredTableUpdates([k])
+    accumulate(k, updates)
+    updates.apply()
+    fresh = kernel("sgd")
+    fresh.load_weights([w.clone() for w in k.split_weights()])
+    fresh_updates = DeferredTableUpdates([fresh])
+    for _ in range(2):  # window 2 of k (in window 1's buffers) vs window 1 of a kernel at the same weights
+        accumulate(k, updates)
+        accumulate(fresh, fresh_updates)
+        for got, want in zip(kept(updates), kept(fresh_updates), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        updates.apply()
+        fresh_updates.apply()
+        for got, want in zip(k.split_weights(), fresh.split_weights(), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
