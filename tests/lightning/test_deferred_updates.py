@@ -419,3 +419,40 @@ def test_plain_embedding_modules_accumulate_and_clip_like_one_process():
     plain_trainer(devices=1, enable_checkpointing=False, **options).fit(model, loader(0, GLOBAL))
     for rank, got in enumerate(run_ranks(fit_plain_modules, 2, options)):
         assert_same(got, model.state_dict(), f"plain modules rank {rank}")
+
+
+# --- the program users run: DLRMTask, strategy="shardrec" with every default -------------------------------------
+def dlrm_task():
+    from lightning_shardrec.models import DLRMTask
+
+    sizes = {"dense_arch_layer_sizes": [8, 4], "over_arch_layer_sizes": [8, 1]}
+    return DLRMTask(embedding_dim=4, num_dense=3, arch="dlrm", lr=0.1, **sizes)
+
+
+def dlrm_data(batch_size: int):
+    from lightning_shardrec import SyntheticRecDataModule
+
+    tables = [{"name": "a", "num_embeddings": 50_000}, {"name": "b", "num_embeddings": 9}]
+    return SyntheticRecDataModule(num_dense=3, tables=tables, batch_size=batch_size, num_batches=BATCHES,
+                                  pooling_factor=2.0, seed=3)  # fmt: skip
+
+
+def fit_task(rank, world, options):
+    external_launch(rank, world)
+    t = trainer(strategy="shardrec", devices=world, max_epochs=1, **options)
+    t.fit(dlrm_task(), dlrm_data(BATCH))
+    fused = sum(g.fused for s in t.strategy.sharded.values() for g in s._groups())
+    return {k: v.clone() for k, v in t.strategy.full_state_dict().items()}, fused
+
+
+@pytest.mark.parametrize("options", [ACC2, {"gradient_clip_val": 1.0}, CLIP005, {**ACC2, **CLIP005}], ids=str)
+def test_dlrm_task_with_every_default_matches_one_process(options):
+    """``Trainer(strategy="shardrec", devices=2, accumulate_grad_batches=2 / gradient_clip_val=...)`` on the
+    library's own DLRM task (default plan and kernel) ends with the weights of ``devices=1``."""
+    want = dlrm_task()
+    trainer(devices=1, max_epochs=1, **options).fit(want, dlrm_data(2 * BATCH))
+    results = run_ranks(fit_task, 2, options)
+    assert sum(fused for _, fused in results) > 0  # the default plan fuses some table: the updates were deferred
+    for rank, (got, _) in enumerate(results):
+        for k, v in want.state_dict().items():
+            torch.testing.assert_close(got[k], v, **TOL, msg=f"DLRMTask {options} rank {rank}: {k}")
