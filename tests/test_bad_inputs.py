@@ -117,7 +117,8 @@ The fuzz tests behind the KJT and Criteo rows: ``tests/sparse/test_kjt_fuzz.py``
 | strategy | negative embedding_lr | ValueError |  |
 | strategy | planner_batch_size 0 | ValueError |  |
 | strategy | planner_reserve 1.5 | ValueError |  |
-| strategy | accumulate_grad_batches=2 | ValueError | tests/lightning/test_strategy_errors.py::test_accumulation_and_underivable_optimizer_are_refused_at_setup |
+| strategy | clip_gradients by norm from a hook the strategy was not told of | ValueError | tests/lightning/test_strategy_habits.py::test_a_norm_clip_the_strategy_was_not_told_of_is_refused_by_name |
+| optim | DeferredTableUpdates over fbgemm kernels | ValueError | tests/optim/test_deferred_table_updates.py::test_fbgemm_kernels_are_refused_by_name |
 | strategy | optimizer with no fused form (SGD momentum) | ValueError | tests/lightning/test_strategy_errors.py::test_derived_optimizers |
 | Criteo TSV | wrong column count | ValueError | tests/data/test_criteo_reader.py::test_bad_line_errors_name_file_and_line |
 | Criteo TSV | non-hex categorical | ValueError | tests/data/test_criteo_reader.py::test_bad_line_errors_name_file_and_line |
@@ -575,8 +576,11 @@ CASES: list[Case] = [
          ValueError, r"planner_batch_size.*0"),
     Case("strategy", "planner_reserve 1.5", lambda: _strategy(planner_reserve=1.5),
          ValueError, r"ShardRecStrategy: planner_reserve is the fraction .* got 1\.5"),
-    Case("strategy", "accumulate_grad_batches=2", None, ValueError, "accumulate_grad_batches=2 is not supported",
-         "tests/lightning/test_strategy_errors.py::test_accumulation_and_underivable_optimizer_are_refused_at_setup"),
+    Case("strategy", "clip_gradients by norm from a hook the strategy was not told of", None, ValueError,
+         r"clip_gradients\(gradient_clip_algorithm='norm'\) was called in a fit whose table updates run inside backward",
+         "tests/lightning/test_strategy_habits.py::test_a_norm_clip_the_strategy_was_not_told_of_is_refused_by_name"),
+    Case("optim", "DeferredTableUpdates over fbgemm kernels", None, ValueError, r"DeferredTableUpdates needs torch kernels",
+         "tests/optim/test_deferred_table_updates.py::test_fbgemm_kernels_are_refused_by_name"),
     Case("strategy", "optimizer with no fused form (SGD momentum)", None, ValueError, "has no fused row-sparse form",
          "tests/lightning/test_strategy_errors.py::test_derived_optimizers"),
     # --- data -----------------------------------------------------------------------------------------

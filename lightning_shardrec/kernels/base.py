@@ -13,7 +13,9 @@ Backward never returns a weight gradient: it applies the optimizer to the touche
 rows in place. The hyper-parameters live in ``hparams``, a dict the
 ``FusedOptimizer`` replaces with its param group so schedulers reach the kernel.
 While ``deferred`` is set (a :class:`~lightning_shardrec.optim.ScaledTableUpdates`, under
-a loss scaler), a lookup with grad enabled keeps its gradient for later instead.
+a loss scaler), a lookup with grad enabled keeps its gradient for later instead; while
+``row_sink`` is set (a :class:`~lightning_shardrec.optim.DeferredTableUpdates`: accumulation,
+norm clipping), the torch kernel's backward hands its summed row gradients to it instead.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class BatchedEmbeddingKernel(nn.Module):
     backend: KernelBackend
     #: set by ``ScaledTableUpdates``: lookups with grad enabled go through its ``lookup``
     deferred: Any = None
+    #: set by ``DeferredTableUpdates`` (torch kernel): backward hands each group's summed row
+    #: gradients to its ``keep`` instead of applying the rule
+    row_sink: Any = None
 
     def __init__(
         self,

@@ -132,8 +132,16 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
     ) -> None:
         """Apply the rule to the rows of ``ids``; id ``i``'s gradient is ``grad[source[i]] * weights[i]``."""
         rows, row_grad = row_updates.accumulate_rows(ids, grad, source, weights, num_rows=g.rows)
+        if self.row_sink is not None:  # deferred to the optimizer step (optim.DeferredTableUpdates)
+            self.row_sink.keep(self, g, rows, row_grad)
+            return
         if self.grad_clip_value is not None:  # a dense table gradient is these per-row sums: clamp them
             row_grad.clamp_(-self.grad_clip_value, self.grad_clip_value)
+        self.apply_rows(g, rows, row_grad)
+
+    @torch.no_grad()
+    def apply_rows(self, g: _DimGroup, rows: Tensor, row_grad: Tensor) -> None:
+        """One step of the rule on unique ``rows [U]`` of group ``g`` with their summed gradient ``row_grad [U, D]``."""
         state = self._state(g)
         if "step" in state:
             state["step"].add_(1)

@@ -2,8 +2,9 @@
 
 * Gradient clipping (:func:`fused_clip_value`, :func:`guard_clipping`): by value is applied per
   row inside the fused update (a table's dense gradient is the per-row sum of its ids'
-  gradients, which the fused update clamps before its rule: exact); by norm is refused, since
-  the fused tables are updated in backward, before the norm over all parameters exists.
+  gradients, which the fused update clamps before its rule: exact); by norm defers the table
+  updates to the optimizer step (:mod:`lightning_shardrec.lightning.deferred`); a norm clip the
+  strategy was not told of at setup (the tables already updated) is refused.
 * :class:`ShardedGuard`, installed on every sharded collection:
 
   - ``state_dict()`` of a sharded collection (so of the LightningModule) raises
@@ -29,30 +30,32 @@ from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CollectiveCallError, ShardedStateError, UnevenBatchesError
 
 NORM_CLIPPING = (
-    "ShardRecStrategy: clipping gradients by norm is not supported: the fused embedding tables are updated inside "
-    "backward, before the norm over all parameters (which needs their gradients) exists, so one process would "
-    "clip them differently. Clip by value instead (Trainer(gradient_clip_val=..., gradient_clip_algorithm='value'): "
-    "applied per row inside the fused update, exact), or do not clip"
+    "ShardRecStrategy: clip_gradients(gradient_clip_algorithm='norm') was called in a fit whose table updates run "
+    "inside backward (automatic optimization without accumulate_grad_batches, gradient_clip_val by norm or an "
+    "overridden configure_gradient_clipping), so the fused embedding tables were updated before the norm over all "
+    "parameters existed. Clip through Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm') or in "
+    "configure_gradient_clipping: the strategy then defers the table updates to the optimizer step (exact)"
 )
 
 
 def fused_clip_value(trainer: Any) -> float | None:
-    """The value the fused updates clamp each row's gradient to (None: no clipping); refuses norm clipping."""
+    """The value the fused updates clamp each row's gradient to (None: no clipping by value).
+
+    Norm clipping is not done here: it defers the table updates (:mod:`lightning_shardrec.lightning.deferred`).
+    """
     value = trainer.gradient_clip_val
-    if not value:
-        return None
     algorithm = trainer.gradient_clip_algorithm
-    if algorithm is None or GradClipAlgorithmType(algorithm) is GradClipAlgorithmType.NORM:
-        raise ValueError(NORM_CLIPPING)
+    if not value or algorithm is None or GradClipAlgorithmType(algorithm) is GradClipAlgorithmType.NORM:
+        return None
     return float(value)
 
 
 def guard_clipping(precision: Any, value: float | None) -> None:
     """Make ``precision.clip_gradients`` refuse what the fused tables cannot match (undo: :func:`unguard_clipping`).
 
-    Lightning's automatic clipping passes the Trainer's value, which the fused updates already
-    apply; a different value or norm clipping (e.g. ``self.clip_gradients`` under manual
-    optimization, after the tables were updated in ``manual_backward``) raises.
+    Used when the table updates run inside backward. Lightning's automatic clipping passes the
+    Trainer's value, which the fused updates already apply; a different value or norm clipping
+    (e.g. from ``on_before_optimizer_step``, after the tables were updated) raises.
     """
     original = type(precision).clip_gradients.__get__(precision)
 
@@ -65,9 +68,9 @@ def guard_clipping(precision: Any, value: float | None) -> None:
             if value is None or float(clip_val) != value:
                 raise ValueError(
                     f"ShardRecStrategy: clip_gradients(gradient_clip_val={clip_val}) comes after backward, when the "
-                    f"fused embedding tables have already been updated with gradients clipped at {value}; clip by "
-                    "value only through Trainer(gradient_clip_val=..., gradient_clip_algorithm='value') "
-                    "(automatic optimization)"
+                    f"fused embedding tables have already been updated with gradients clipped at {value}; clip "
+                    "through Trainer(gradient_clip_val=...) or in configure_gradient_clipping (the strategy then "
+                    "clips the tables alike)"
                 )
         original(optimizer, clip_val, gradient_clip_algorithm)
 

@@ -48,6 +48,7 @@ from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
 from lightning_shardrec.lightning.cluster import ranks_per_host
+from lightning_shardrec.lightning.deferred import DeferredGlue, deferral_line, deferral_reason
 from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
 from lightning_shardrec.lightning.optimizers import (
     derive_fused_config,
@@ -222,6 +223,8 @@ class ShardRecStrategy(RankFailureHandling):
         self.topology: Topology | None = None  # what the planner assumed (hosts from num_nodes x devices)
         self.fused_optimizer: FusedOptimizer | None = None
         self._scaler_glue: ScalerGlue | None = None  # "16-mixed": table updates follow the GradScaler
+        self._deferral: str | None = None  # why this fit's table updates wait for the optimizer step
+        self._deferred_glue: DeferredGlue | None = None
 
     # --- model construction -------------------------------------------------------------------
     @contextmanager
@@ -246,11 +249,7 @@ class ShardRecStrategy(RankFailureHandling):
             return super().setup(trainer)
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and trainer.accumulate_grad_batches > 1:
-            raise ValueError(
-                f"ShardRecStrategy: accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported: fused "
-                "embedding tables are updated in every backward; raise the batch size instead"
-            )
+        self._deferral = deferral_reason(trainer, module) if fitting else None  # accumulation, norm clipping
         if fitting:
             self.setup_optimizers(trainer)
         table_params = [p for c in collections.values() for p in c.parameters()]
@@ -303,7 +302,14 @@ class ShardRecStrategy(RankFailureHandling):
         scaler = ScalerGlue.wanted(self.precision_plugin)
         if fitting:
             group = next(iter(self.sharded.values())).env.pg
-            glue = None if scaler is None else ScalerGlue(scaler, ScaledTableUpdates(kernels), group, self.root_device)
+            deferred = self._deferral is not None and any(g.fused for s in self.sharded.values() for g in s._groups())
+            # updates at the optimizer step (lightning/deferred.py), the scaler's decision included
+            self._deferred_glue = DeferredGlue.attach(self, kernels, holder, group, scaler) if deferred else None
+            glue = (
+                None
+                if scaler is None or deferred
+                else ScalerGlue(scaler, ScaledTableUpdates(kernels), group, self.root_device)
+            )
             self._scaler_glue = glue
         if fitting and self._check_finite and self._finite is None:
             self._finite = FiniteGuard(kernels)
@@ -340,16 +346,25 @@ class ShardRecStrategy(RankFailureHandling):
         dense = sorted({t.config.name for g in groups if not g.fused for t in g.tables})
         explicit = self._embedding_optimizer is not None or self._embedding_lr is not None
         rank_zero_info(rule_report(holder, self._config, explicit, fused, dense, self._strict_optimizer))
+        if fused and self._deferral is not None:  # clipping done at the step (lightning/deferred.py)
+            rank_zero_info(deferral_line(self._deferral))
+            self._to_torch_kernels()
+            for k in (k for s in self.sharded.values() for k in s.kernels()):
+                k.grad_clip_value = None
+            return
         clip = guards.fused_clip_value(trainer) if fused else None
         if clip is not None:
-            for coll in self.sharded.values():
-                if any(k.backend is not KernelBackend.TORCH for k in coll.kernels()):
-                    coll.rebuild_kernels(self._config, KernelBackend.TORCH)  # clamps rows; fbgemm's TBE cannot
-                    self.fused_optimizer = None
+            self._to_torch_kernels()  # clamps rows; fbgemm's TBE cannot
             for k in (k for s in self.sharded.values() for k in s.kernels()):
                 k.grad_clip_value = clip
         if fused:
             guards.guard_clipping(self.precision_plugin, clip)
+
+    def _to_torch_kernels(self) -> None:
+        for coll in self.sharded.values():
+            if any(k.backend is not KernelBackend.TORCH for k in coll.kernels()):
+                coll.rebuild_kernels(self._config, KernelBackend.TORCH)
+                self.fused_optimizer = None
 
     def _adopt(self, module: torch.nn.Module) -> None:
         """Take over the collections another ShardRecStrategy sharded (a second Trainer on the same model)."""
@@ -377,7 +392,7 @@ class ShardRecStrategy(RankFailureHandling):
         self.plan = planner.collective_plan(module, fixed=self._fixed_plan)  # type: ignore[arg-type]
         setup = KernelSetup(
             optim=config,
-            backend=self._kernel,
+            backend=KernelBackend.TORCH if self._deferral else self._kernel,  # deferred: torch kernels
             device=self.root_device,
             batch_size=self._planner_batch_size,
             pooling=pooling_of(self._constraints),
@@ -385,7 +400,7 @@ class ShardRecStrategy(RankFailureHandling):
         )
         self.sharded = shard_modules(module, self.plan, env, setup)
         check_fused(fused_tables, self.sharded)
-        _print_plan(self.plan, kernel_labels(self.sharded))
+        _print_plan(self.plan, kernel_labels(self.sharded), self._deferral)
         _print_transport(env)  # collective
 
     def _wrap_dense(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -433,6 +448,8 @@ class ShardRecStrategy(RankFailureHandling):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._deferred_glue is not None:
+            return self._deferred_glue.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
         if self._scaler_glue is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         return self._scaler_glue.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
@@ -484,6 +501,8 @@ class ShardRecStrategy(RankFailureHandling):
         guards.unguard_clipping(self.precision_plugin)
         if self._scaler_glue is not None:  # kept (skipped_steps) until the next fit replaces it
             self._scaler_glue.updates.detach()
+        if self._deferred_glue is not None:  # kept (skipped_steps) until the next fit replaces it
+            self._deferred_glue.updates.detach()
         if not self.sharded:
             return super().teardown()
         if isinstance(self.model, DistributedDataParallel):
@@ -517,8 +536,9 @@ def _fused_params(coll: ShardedCollection) -> list[torch.nn.Parameter]:
 
 
 @rank_zero_only
-def _print_plan(plan: ShardingPlan, kernels: dict[tuple[str, str], str]) -> None:
-    print(f"lightning_shardrec sharding plan:\n{plan.table(kernels)}", flush=True)
+def _print_plan(plan: ShardingPlan, kernels: dict[tuple[str, str], str], deferral: str | None) -> None:
+    note = "" if deferral is None else "\n" + deferral_line(deferral)
+    print(f"lightning_shardrec sharding plan:\n{plan.table(kernels)}{note}", flush=True)
 
 
 def _print_transport(env: ShardingEnv) -> None:

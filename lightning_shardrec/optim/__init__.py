@@ -2,6 +2,7 @@
 
 from lightning_shardrec.configs import EmbOptimType, FusedOptimConfig
 from lightning_shardrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from lightning_shardrec.optim.deferred_updates import DeferredTableUpdates
 from lightning_shardrec.optim.fused_optimizer import FusedOptimizer
 from lightning_shardrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from lightning_shardrec.optim.optimizers import in_backward_optimizer_filter
@@ -10,6 +11,7 @@ from lightning_shardrec.optim.scaled_updates import ScaledTableUpdates
 
 __all__ = [
     "CombinedOptimizer",
+    "DeferredTableUpdates",
     "EmbOptimType",
     "FusedOptimConfig",
     "FusedOptimizer",

@@ -53,3 +53,12 @@ def test_quant_bench_quick():
     assert text.startswith("## Quantized inference")
     for case in ("| int8 |", "| int4 |", "| fp16 |", "| int8 + dense int8 |", "| int8 torch |"):
         assert case in text
+
+
+@pytest.mark.slow
+def test_deferred_bench_quick():
+    text = run_quick("deferred_bench.py")
+    assert "\n## Deferred table updates (accumulation, norm clipping)\n" in text  # after the ranks' plan printouts
+    for variant in ("in backward, kernel=torch", "deferred: gradient_clip_val=1.0 (norm), k=1",
+                    "deferred: accumulate_grad_batches=4", "in backward", "deferred, k=4"):  # fmt: skip
+        assert f"\n| {variant} | " in text, variant

@@ -191,36 +191,50 @@ def test_value_clipping_is_exact(world):
         assert_same(got, want, f"value clipping W={world} rank {rank}")
 
 
-def test_norm_clipping_is_refused_by_name():
-    for options in ({"gradient_clip_val": 0.5}, {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "norm"}):
-        for msg in run_ranks(fit_clipped, 2, options):
-            assert msg.startswith("ShardRecStrategy: clipping gradients by norm is not supported")
+class LateNormClip(Rec):
+    """Clips by norm in ``on_before_optimizer_step``: after the tables were updated in backward."""
+
+    def __init__(self):
+        super().__init__("sgd", lr=0.5)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
 
 
 class ManualClip(Rec):
     def __init__(self):
-        super().__init__("sgd", manual=True)
+        super().__init__("sgd", lr=0.5, manual=True)
 
     def training_step(self, batch, i):
         opt = self.optimizers()
         opt.zero_grad()
         self.manual_backward(F.binary_cross_entropy_with_logits(self(batch), batch.labels))
-        self.clip_gradients(opt, gradient_clip_val=0.1, gradient_clip_algorithm="value")
+        self.clip_gradients(opt, gradient_clip_val=0.004, gradient_clip_algorithm="value")
         opt.step()
 
 
-def fit_manual_clip(rank, world):
+def fit_late_clip(rank, world, cls):
     external_launch(rank, world)
+    t = trainer(strategy=strategy(), devices=world, max_steps=STEPS)
     try:
-        trainer(strategy=strategy(), devices=world, max_steps=2).fit(ManualClip(), data(4, 2))
+        t.fit(cls(), data(BATCH, STEPS))
     except ValueError as e:
         return str(e)
-    return "trained"
+    return full_state(t)
 
 
-def test_clipping_after_a_manual_backward_is_refused():
-    for msg in run_ranks(fit_manual_clip, 2):
-        assert msg.startswith("ShardRecStrategy: clip_gradients(gradient_clip_val=0.1) comes after backward")
+def test_a_norm_clip_the_strategy_was_not_told_of_is_refused_by_name():
+    for msg in run_ranks(fit_late_clip, 2, LateNormClip):
+        assert msg.startswith("ShardRecStrategy: clip_gradients(gradient_clip_algorithm='norm') was called in a fit")
+        assert "the strategy then defers the table updates to the optimizer step (exact)" in msg
+
+
+def test_clipping_after_a_manual_backward_is_exact():
+    """Manual optimization defers the table updates to ``opt.step()``: ``clip_gradients`` reaches them."""
+    model = ManualClip()
+    trainer(devices=1, max_steps=STEPS).fit(model, data(BATCH * 2, STEPS))
+    for rank, got in enumerate(run_ranks(fit_late_clip, 2, ManualClip)):
+        assert_same(got, model.state_dict(), f"manual value clipping rank {rank}")
 
 
 # --- 5: the model after fit ---------------------------------------------------------------------------
@@ -362,7 +376,10 @@ def test_shardrec_checkpoints_without_the_strategy(tmp_path):
         assert_same(loaded.state_dict(), want, f"load_from_checkpoint ({fmt})")
         plain = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, max_steps=4)
         plain.validate(Rec(), data(8, 2, val_batches=1), ckpt_path=path, verbose=False)  # weights only: works
-        with pytest.raises(CheckpointError, match="was written by ShardRecStrategy: its embedding tables train in a "
-                           r"fused optimizer .* Resume with Trainer\(strategy='shardrec'\) on any number of devices "
-                           r"\(devices=1 too\); .*convert_to_full"):
+        with pytest.raises(
+            CheckpointError,
+            match="was written by ShardRecStrategy: its embedding tables train in a "
+            r"fused optimizer .* Resume with Trainer\(strategy='shardrec'\) on any number of devices "
+            r"\(devices=1 too\); .*convert_to_full",
+        ):
             plain.fit(Rec(), data(8, 4), ckpt_path=path)
