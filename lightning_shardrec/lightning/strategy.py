@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_shardrec.checkpoint import table_parameter_keys
+from lightning_shardrec.checkpoint import param_layout, table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv
@@ -53,6 +53,7 @@ from lightning_shardrec.lightning.pipeline import TrainPipeline
 from lightning_shardrec.lightning.precision import ScalerGlue, convert_dense
 from lightning_shardrec.lightning.rank_failures import RankFailureHandling
 from lightning_shardrec.lightning.sigterm import LaggedSigterm
+from lightning_shardrec.lightning.table_memory import tables_hidden
 from lightning_shardrec.lightning.teardown import destroy_groups
 from lightning_shardrec.modules.plain_embeddings import check_embedding_options, swap_embedding_modules
 from lightning_shardrec.modules.table_init import tables_on_meta
@@ -227,7 +228,9 @@ class ShardRecStrategy(RankFailureHandling):
                 "embedding tables are updated in every backward; raise the batch size instead"
             )
         if fitting:
-            self.setup_optimizers(trainer)
+            fused = [g for s in self.sharded.values() for g in s.groups if g.fused]
+            with tables_hidden([*collections.values(), *fused], lambda: self.optimizers):  # no state for tables
+                self.setup_optimizers(trainer)
         table_params = [p for c in collections.values() for p in c.parameters()]
         table_params += [p for s in self.sharded.values() for p in _fused_params(s)]
         holder = find_group(self.optimizers, table_params) if fitting else None
@@ -245,9 +248,9 @@ class ShardRecStrategy(RankFailureHandling):
             for coll in self.sharded.values():
                 coll.rebuild_kernels(self._config)
         if fitting:
-            # as configure_optimizers built them: a plain run's optimizer state resumes through this
-            self._groups_before = [[list(g["params"]) for g in opt.param_groups] for opt in self.optimizers]
-            self._table_keys = table_parameter_keys(collections, self.sharded)
+            # as configure_optimizers built them (tables as keys: no full weight kept): a plain run's state resumes
+            keys = {**dict.fromkeys(map(id, table_params), ""), **table_parameter_keys(collections, self.sharded)}
+            self._groups_before = param_layout(self.optimizers, keys)
             remove_params(self.optimizers, table_params)
             dense_tables = [p for s in self.sharded.values() for g in s.groups if not g.fused for p in g.parameters()]
             held = {id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]}
