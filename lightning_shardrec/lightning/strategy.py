@@ -53,7 +53,7 @@ from lightning_shardrec.lightning.pipeline import TrainPipeline
 from lightning_shardrec.lightning.precision import ScalerGlue, convert_dense
 from lightning_shardrec.lightning.rank_failures import RankFailureHandling
 from lightning_shardrec.lightning.sigterm import LaggedSigterm
-from lightning_shardrec.lightning.table_memory import tables_hidden
+from lightning_shardrec.lightning.table_memory import has_meta_tables, tables_hidden
 from lightning_shardrec.lightning.teardown import destroy_groups
 from lightning_shardrec.modules.plain_embeddings import check_embedding_options, swap_embedding_modules
 from lightning_shardrec.modules.table_init import tables_on_meta
@@ -65,7 +65,7 @@ from lightning_shardrec.planner import (
     ShardingPlan,
     Topology,
 )
-from lightning_shardrec.planner.memory import DEFAULT_RESERVE, check_reserve
+from lightning_shardrec.planner.memory import DEFAULT_RESERVE, check_reserve, peak_line
 
 
 class ShardRecStrategy(RankFailureHandling):
@@ -448,7 +448,7 @@ class ShardRecStrategy(RankFailureHandling):
         guards.unguard_clipping(self.precision_plugin)
         if self._scaler_glue is not None:  # kept (skipped_steps) until the next fit replaces it
             self._scaler_glue.updates.detach()
-        if not self.sharded:
+        if not self.sharded and not has_meta_tables(self.lightning_module):  # meta: a refused plan, nothing to move
             return super().teardown()
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
@@ -482,7 +482,8 @@ def _fused_params(coll: ShardedCollection) -> list[torch.nn.Parameter]:
 
 @rank_zero_only
 def _print_plan(plan: ShardingPlan, kernels: dict[tuple[str, str], str]) -> None:
-    print(f"lightning_shardrec sharding plan:\n{plan.table(kernels)}", flush=True)
+    peak = "" if plan.stats is None else "\n" + peak_line(plan.stats.max_storage, plan.stats.storage_cap)
+    print(f"lightning_shardrec sharding plan:\n{plan.table(kernels)}{peak}", flush=True)
 
 
 @rank_zero_only

@@ -28,7 +28,8 @@ def tables_hidden(
 ) -> Iterator[None]:
     """Inside: every non-meta parameter of ``modules`` (unsharded collections, fused groups of sharded
     ones) is a ``meta`` placeholder of its shape; on exit the modules get their weights back and so do
-    the optimizers ``optimizers()`` returns."""
+    the optimizers ``optimizers()`` returns, without state for any table (a failed setup then tears
+    down without moving meta state)."""
     modules = list(modules)
     real = {id(p): p for c in modules for p in c.parameters() if p.device.type != "meta"}
     stand_in = {pid: nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for pid, p in real.items()}
@@ -47,8 +48,14 @@ def tables_hidden(
         for m, name, pid in slots:
             m._parameters[name] = real[pid]
         back = {id(s): real[pid] for pid, s in stand_in.items()}
-        for opt in optimizers() if real else []:
+        tables = {id(p) for c in modules for p in c.parameters()} | set(back)  # tables built on meta too
+        for opt in optimizers() if tables else []:
             for group in opt.param_groups:
                 group["params"] = [back.get(id(p), p) for p in group["params"]]
-            for p in [p for p in opt.state if id(p) in back]:
+            for p in [p for p in opt.state if id(p) in tables]:
                 del opt.state[p]  # meta state (Adagrad's "sum"); the fused optimizer keeps the real one
+
+
+def has_meta_tables(module: nn.Module | None) -> bool:
+    """Whether ``module`` still holds tables on ``meta`` (a setup that failed before sharding them)."""
+    return module is not None and any(p.device.type == "meta" for p in module.parameters())

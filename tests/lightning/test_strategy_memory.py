@@ -12,6 +12,8 @@ peaked at ``3T`` (tables + Adagrad state for them + the shards).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from _memory import Big, MiB, batches, held_bytes, peak, reset_peak, rss
 from _models import external_launch, trainer
@@ -115,3 +117,32 @@ def test_resume_from_a_plain_checkpoint_keeps_only_the_share(tmp_path) -> None:
         msg = _message("plain_resume", rank, f)
         # the loaded checkpoint (tables + their Adagrad state, 2T) is gone once restored; before: + T kept
         assert f["after_fit"] < f["held"] + ALLOWANCE, msg
+
+
+def refused(rank: int, world: int) -> tuple[str, int]:
+    from lightning_shardrec import ShardRecStrategy
+    from lightning_shardrec.errors import PlannerError
+    from lightning_shardrec.planner import memory, topology
+
+    external_launch(rank, world)
+    _warm_up(world)
+    topology.host_memory = lambda: 2 * 2**30  # this host: 2 GiB for its 2 ranks
+    base = rss()
+    t = trainer(strategy=ShardRecStrategy(), devices=world, max_steps=1, use_distributed_sampler=False)
+    try:
+        with t.init_module():
+            model = Big(50_000_000, TABLES)  # 2 x 3 GiB of weights, as much again of Adagrad state
+        t.fit(model, batches(1000, TABLES, 1, rank))
+    except PlannerError as e:
+        return str(e), rss() - base
+    finally:
+        topology.host_memory = memory.host_memory
+    return "fitted", rss() - base
+
+
+def test_a_plan_that_cannot_fit_the_host_is_refused_before_anything_is_allocated() -> None:
+    for message, grown in run_ranks(refused, 2, timeout=600):
+        assert "no sharding plan fits in memory" in message, message
+        assert re.search(r"fullest rank \d: \d+ bytes \([\d.]+ GiB\) of tables, optimizer state and buffers", message)
+        assert "capacity 1073741824 bytes (1.00 GiB)" in message, message  # the host's 2 GiB over 2 ranks
+        assert grown < ALLOWANCE, f"grew {grown / MiB:.0f} MiB before the refusal"
