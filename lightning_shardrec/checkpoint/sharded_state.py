@@ -352,7 +352,10 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
 
 
 def read_full(checkpoint_dir: str | Path) -> dict[str, Any]:
-    """A sharded checkpoint directory as one full checkpoint dict (one process, no group, no pickled code)."""
+    """A sharded checkpoint directory as one full checkpoint dict (one process, no group, no pickled code).
+
+    Reads the weights only (tables and dense), not the fused optimizer state: peak about the model's size.
+    """
     checkpoint_dir = Path(checkpoint_dir)
     metadata = read_metadata(checkpoint_dir)
     raise_if_any(checkpoint_dir, file_problems(checkpoint_dir, metadata))
@@ -360,7 +363,8 @@ def read_full(checkpoint_dir: str | Path) -> dict[str, Any]:
     full: dict[str, Any] = {}
     reader = SafeFileSystemReader(checkpoint_dir)
     try:
-        _load_state_dict(full, storage_reader=reader, planner=SafeEmptyLoadPlanner(), no_dist=True)
+        # the weights only: the fused optimizer state (as large as the tables, or twice) is not read
+        _load_state_dict(full, storage_reader=reader, planner=SafeEmptyLoadPlanner(keys={"state_dict"}), no_dist=True)
     except CheckpointException as e:
         raise CheckpointError(f"reading checkpoint '{checkpoint_dir}' failed:\n  " + "\n  ".join(describe(e))) from None
     meta["state_dict"] = full["state_dict"]

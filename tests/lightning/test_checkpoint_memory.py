@@ -14,7 +14,7 @@ from _memory import Big, MiB, batches, held_bytes, peak, reset_peak, rss
 from _models import external_launch, trainer
 from test_strategy_checkpoint import GLOBAL_BATCH, STEPS, TOL, fit
 
-from lightning_shardrec.checkpoint import read_metadata
+from lightning_shardrec.checkpoint import read_full, read_metadata
 from lightning_shardrec.testing import run_ranks
 
 ROWS, TABLES = 2_000_000, 2  # T = 244 MiB; with Adagrad state a 2-rank share is 244 MiB, a 3-rank one 163 MiB
@@ -78,6 +78,13 @@ def test_save_and_resume_on_another_world_size_stay_near_the_share(tmp_path):
         msg = _message("save on 2 ranks", rank, f)
         assert f["held"] > 0.45 * T and f["peak_fit"] < f["held"] + ALLOWANCE, msg
         assert f["save_peak_over_fit"] < ALLOWANCE, msg  # before: + the share (every shard cloned)
+    reset_peak()
+    before = rss()
+    weights = read_full(path)["state_dict"]  # what Model.load_from_checkpoint(path) reads in one process
+    read = peak() - before
+    assert sum(v.numel() * v.element_size() for v in weights.values()) >= T
+    del weights
+    assert read < 1.25 * T, f"reading the weights peaked at {read / MiB:.0f} MiB for T {T / MiB:.0f} MiB (before: 2T)"
     for rank, f in enumerate(run_ranks(save_or_resume, 3, path, True, timeout=600)):
         msg = _message("resume on 3 ranks", rank, f)
         assert f["held"] > 0.3 * T and f["peak_fit"] < f["held"] + ALLOWANCE, msg  # before: + 2 saved shards
