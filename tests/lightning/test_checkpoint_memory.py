@@ -9,6 +9,7 @@ whole saved shard, two at once). Results are identical with pieces of any size.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _memory import Big, MiB, batches, held_bytes, peak, reset_peak, rss
 from _models import external_launch, trainer
@@ -72,6 +73,7 @@ def _message(what: str, rank: int, f: dict[str, int]) -> str:
     return f"{what}, rank {rank}: {figures} (T {T / MiB:.0f} MiB)"
 
 
+@pytest.mark.slow
 def test_save_and_resume_on_another_world_size_stay_near_the_share(tmp_path):
     path = str(tmp_path / "ckpt")
     for rank, f in enumerate(run_ranks(save_or_resume, 2, path, False, timeout=600)):

@@ -114,6 +114,7 @@ def write_plain_checkpoint(path: str) -> None:
     t.save_checkpoint(path)
 
 
+@pytest.mark.slow
 def test_resume_from_a_plain_checkpoint_keeps_only_the_share(tmp_path) -> None:
     ckpt = str(tmp_path / "plain.ckpt")
     write_plain_checkpoint(ckpt)
