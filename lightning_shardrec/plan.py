@@ -48,7 +48,14 @@ from lightning_shardrec.planner import (
     ShardingPlan,
     Topology,
 )
-from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, cuda_capacity, size_text
+from lightning_shardrec.planner.memory import (
+    DEFAULT_RESERVE,
+    RESERVED_FOR,
+    cuda_capacity,
+    host_memory,
+    peak_line,
+    size_text,
+)
 from lightning_shardrec.planner.storage import id_map_bytes, resident_bytes
 from lightning_shardrec.planner.tables import TRAIN_WEIGHT_BYTES, table_specs
 
@@ -153,7 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-gib",
         type=float,
         default=None,
-        help="memory per rank (default: the visible GPU's total memory, else the device default)",
+        help="memory per rank (default: the visible GPU's total memory on cuda; on cpu this host's memory "
+        "shared by the ranks per host, see --host-memory-gib)",
+    )
+    p.add_argument(
+        "--host-memory-gib",
+        type=float,
+        default=None,
+        help="cpu: memory of each host, shared by its ranks (default: this machine's, from /proc/meminfo "
+        "and the cgroup limit)",
     )
     p.add_argument(
         "--reserve",
@@ -183,8 +198,14 @@ def hosts(world_size: int, device: str, local_world_size: int | None) -> tuple[i
     return GPUS_PER_HOST, f"default for cuda: {GPUS_PER_HOST} GPUs per host"
 
 
-def capacity(device: str, memory_gib: float | None) -> tuple[dict[str, int], str]:
-    """Topology overrides for the per-rank memory and where the figure comes from."""
+def capacity(
+    device: str, memory_gib: float | None, host_memory_gib: float | None = None, local: int = 1
+) -> tuple[dict[str, int], str]:
+    """Topology overrides for the per-rank memory and where the figure comes from.
+
+    On cpu the ranks of a host share its memory: ``host / local`` per rank (the stated
+    ``host_memory_gib``, else this machine's), unless ``memory_gib`` gives the per-rank figure.
+    """
     key = "hbm_cap" if device == "cuda" else "ddr_cap"
     if memory_gib is not None:
         return {key: int(memory_gib * GiB)}, "--memory-gib"
@@ -192,6 +213,11 @@ def capacity(device: str, memory_gib: float | None) -> tuple[dict[str, int], str
         found = cuda_capacity(0)
         if found is not None:
             return {key: found[0]}, f"total memory of the visible {found[1]}"
+    else:
+        host, where = (int(host_memory_gib * GiB), "--host-memory-gib") if host_memory_gib else (host_memory(), "")
+        if host is not None:
+            where = where or "this machine's memory (/proc/meminfo, cgroup limit)"
+            return {key: host // local}, f"{where} {size_text(host)} shared by {local} rank(s) per host"
     defaults = DEVICE_DEFAULTS[ComputeDevice(device)]
     return {}, f"default for {defaults.label}; set --memory-gib for yours"
 
@@ -271,7 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         tables, constraints = load_tables(args.tables)
         local, hosts_from = hosts(args.world_size, args.device, args.local_world_size)
-        cap, memory_from = capacity(args.device, args.memory_gib)
+        if args.host_memory_gib is not None and not args.host_memory_gib > 0:
+            raise ValueError(f"--host-memory-gib must be > 0, got {args.host_memory_gib}")
+        cap, memory_from = capacity(args.device, args.memory_gib, args.host_memory_gib, local)
         topo = Topology(args.world_size, compute_device=args.device, local_world_size=local, **cap)
         planner = EmbeddingShardingPlanner(
             topo,
@@ -289,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(plan)
     print(estimate_line(plan, planner.work.global_batch))
     assert plan.stats is not None
+    print(peak_line(plan.stats.max_storage, plan.stats.storage_cap))
     if plan.stats.tight:
         print(f"warning: {plan.stats.verdict()}", file=sys.stderr)
     if args.json:

@@ -7,6 +7,7 @@ before writing anything (:mod:`.validate`) and run no pickled code (:mod:`.safe_
 from lightning_shardrec.checkpoint.atomic import agree_failures, discard, recover_interrupted, save_file
 from lightning_shardrec.checkpoint.full_state import dense_problems, gather_full_state, load_full_state
 from lightning_shardrec.checkpoint.plain_optimizer import (
+    param_layout,
     replicated_keys,
     split_plain_optimizer_states,
     table_parameter_keys,
@@ -34,6 +35,7 @@ __all__ = [
     "load_file",
     "load_full_state",
     "load_sharded",
+    "param_layout",
     "read_full",
     "read_metadata",
     "recover_interrupted",

@@ -17,26 +17,37 @@ from torch import Tensor, nn
 
 from lightning_shardrec.errors import CheckpointError
 
+#: a parameter as :func:`param_layout` records it: the parameter itself (dense, alive in the model
+#: anyway) or, for an embedding table, its state-dict key (the full weight is freed once sharded);
+#: ``""``: a table parameter without a key (a fused kernel's own, from an earlier setup)
+Slot = nn.Parameter | str
+
+
+def param_layout(optimizers: Sequence[Any], table_keys: Mapping[int, str]) -> list[list[list[Slot]]]:
+    """Per optimizer, per param group: each parameter, tables replaced by their key (``table_keys``:
+    ``id(weight) -> key``, ``""`` for no key), so keeping the layout keeps no table alive."""
+    return [[[table_keys.get(id(p), p) for p in g["params"]] for g in opt.param_groups] for opt in optimizers]
+
 
 def split_plain_optimizer_states(
     saved: Sequence[Mapping[str, Any]],
-    groups_before: Sequence[Sequence[Sequence[nn.Parameter]]],
+    groups_before: Sequence[Sequence[Sequence[Slot]]],
     groups_now: Sequence[Sequence[Sequence[nn.Parameter]]],
-    table_keys: Mapping[int, str],
     replicated: Mapping[int, str],
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Tensor]]]:
     """``(dense optimizer states, fused table states)`` from a plain run's ``optimizer_states``.
 
-    ``groups_before`` / ``groups_now``: per optimizer, per param group, its parameters as
-    ``configure_optimizers`` built them and as they are now (fused tables out, data-parallel
-    tables moved); ``table_keys``: ``id(table parameter) -> its state-dict key``;
-    ``replicated``: the same for the data-parallel tables' new parameters (dense-trained).
+    ``groups_before``: per optimizer, per param group, its parameters as ``configure_optimizers``
+    built them (:func:`param_layout`: tables as their state-dict keys); ``groups_now``: as they are
+    now (fused tables out, data-parallel tables moved); ``replicated``: ``id(parameter) -> key`` of
+    the data-parallel tables' new parameters (dense-trained).
     """
     if len(saved) != len(groups_before):
         raise CheckpointError(
             f"the checkpoint has {len(saved)} optimizer states, configure_optimizers returned {len(groups_before)}"
         )
-    found: dict[int, Any] = {}  # id(parameter) -> its saved state
+    found: dict[int | str, Any] = {}  # id(dense parameter) or table key -> its saved state
+    tables: list[str] = []
     for i, (opt_state, groups) in enumerate(zip(saved, groups_before, strict=True)):
         sizes = [len(g["params"]) for g in opt_state["param_groups"]]
         if sizes != [len(g) for g in groups]:
@@ -46,12 +57,11 @@ def split_plain_optimizer_states(
             )
         for saved_group, params in zip(opt_state["param_groups"], groups, strict=True):
             for index, p in zip(saved_group["params"], params, strict=True):
-                if index in opt_state["state"]:
-                    found[id(p)] = opt_state["state"][index]
-    by_key = {key: found[pid] for pid, key in table_keys.items() if pid in found}
-    found.update({pid: by_key[key] for pid, key in replicated.items() if key in by_key})
+                tables += [p] if isinstance(p, str) and p else []
+                if index in opt_state["state"] and p != "":
+                    found[p if isinstance(p, str) else id(p)] = opt_state["state"][index]
+    found.update({pid: found[key] for pid, key in replicated.items() if key in found})
     dense: list[dict[str, Any]] = []
-    kept = {pid for pid, key in table_keys.items() if key in replicated.values()}
     for opt_state, groups in zip(saved, groups_now, strict=True):
         state: dict[int, Any] = {}
         new_groups = []
@@ -59,17 +69,15 @@ def split_plain_optimizer_states(
         for saved_group, params in zip(opt_state["param_groups"], groups, strict=True):
             indices = []
             for p in params:
-                kept.add(id(p))
                 if id(p) in found:
                     state[position] = found[id(p)]
                 indices.append(position)
                 position += 1
             new_groups.append({**saved_group, "params": indices})
         dense.append({"state": state, "param_groups": new_groups})
+    dp = set(replicated.values())
     fused = {
-        key: {n: t for n, t in found.get(pid, {}).items() if isinstance(t, Tensor)}
-        for pid, key in table_keys.items()
-        if pid not in kept
+        key: {n: t for n, t in found.get(key, {}).items() if isinstance(t, Tensor)} for key in tables if key not in dp
     }
     return dense, fused
 

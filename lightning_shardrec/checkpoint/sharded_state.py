@@ -17,6 +17,7 @@ A dynamic table's id mapping enters as global tensors chunked by bucket range
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,35 @@ def _shard_meta(
     return TorchShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{rank}/{device}")
 
 
+#: the most bytes one saved piece holds: a shard is written (and read back) in row chunks of at most
+#: this size, so resuming stages one chunk at a time rather than a whole shard (1M rows of 16 fp32)
+PIECE_BYTES = 64 * 2**20
+
+Piece = tuple[tuple[int, ...], tuple[int, ...], int]  # offsets, sizes, rank
+
+
+def row_pieces(offsets: tuple[int, ...], sizes: tuple[int, ...], rank: int, row_bytes: int) -> list[Piece]:
+    """``(offsets, sizes, rank)`` cut along rows into pieces of at most :data:`PIECE_BYTES` (one row at least)."""
+    step = max(1, PIECE_BYTES // max(1, row_bytes))
+    rows = sizes[0]
+    if rows <= step:
+        return [(tuple(offsets), tuple(sizes), rank)]
+    return [((offsets[0] + a, *offsets[1:]), (min(step, rows - a), *sizes[1:]), rank) for a in range(0, rows, step)]
+
+
+def own_storage(t: Tensor) -> Tensor:
+    """``t`` (a view into a kernel's flat buffer) as a tensor whose storage is exactly its bytes, same memory.
+
+    DCP's writer clones every tensor whose storage is larger than itself and keeps the clones until
+    the rank's file is closed (a second copy of the rank's share); a CPU tensor with its own
+    storage is written from where it lies. Loading writes through it into the buffer.
+    """
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+        return t
+    raw = torch.from_numpy(t.detach().reshape(-1).view(torch.uint8).numpy())  # shares t's memory
+    return raw.view(t.dtype).view(t.shape)
+
+
 def _sharded(
     size: tuple[int, ...],
     shards: list[tuple[tuple[int, ...], tuple[int, ...], int]],
@@ -84,14 +114,20 @@ def _sharded(
     rank: int,
     dtype: torch.dtype = torch.float32,
 ) -> ShardedTensor:
-    """A ShardedTensor over ``local`` views, with the plan's ``shards`` as global metadata (no collective)."""
+    """A ShardedTensor over ``local`` views, with the plan's ``shards`` as global metadata (no collective),
+    each shard cut into row pieces of at most :data:`PIECE_BYTES` (see :func:`row_pieces`)."""
     device = local[0][1].device if local else torch.device("cpu")
-    metas = [_shard_meta(o, s, r, device) for o, s, r in shards]
     dtype = local[0][1].dtype if local else dtype
+    row_bytes = math.prod(size[1:]) * torch.empty(0, dtype=dtype).element_size()
+    pieces = [p for o, s, r in shards for p in row_pieces(o, s, r, row_bytes)]
+    metas = [_shard_meta(o, s, r, device) for o, s, r in pieces]
     global_meta = ShardedTensorMetadata(
         shards_metadata=metas, size=torch.Size(size), tensor_properties=TensorProperties(dtype=dtype)
     )
-    by_offset = {tuple(o): t for o, t in local}
+    by_offset: dict[tuple[int, ...], Tensor] = {}
+    for offsets, t in local:
+        for o, s, _ in row_pieces(tuple(offsets), tuple(t.shape), rank, row_bytes):
+            by_offset[tuple(o)] = own_storage(t.narrow(0, o[0] - offsets[0], s[0]))
     mine = [Shard(by_offset[tuple(m.shard_offsets)], m) for m in metas if m.placement.rank() == rank]  # type: ignore[union-attr]
     return ShardedTensor._init_from_local_shards_and_global_metadata(mine, global_meta, process_group=None)
 
@@ -316,7 +352,10 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
 
 
 def read_full(checkpoint_dir: str | Path) -> dict[str, Any]:
-    """A sharded checkpoint directory as one full checkpoint dict (one process, no group, no pickled code)."""
+    """A sharded checkpoint directory as one full checkpoint dict (one process, no group, no pickled code).
+
+    Reads the weights only (tables and dense), not the fused optimizer state: peak about the model's size.
+    """
     checkpoint_dir = Path(checkpoint_dir)
     metadata = read_metadata(checkpoint_dir)
     raise_if_any(checkpoint_dir, file_problems(checkpoint_dir, metadata))
@@ -324,7 +363,8 @@ def read_full(checkpoint_dir: str | Path) -> dict[str, Any]:
     full: dict[str, Any] = {}
     reader = SafeFileSystemReader(checkpoint_dir)
     try:
-        _load_state_dict(full, storage_reader=reader, planner=SafeEmptyLoadPlanner(), no_dist=True)
+        # the weights only: the fused optimizer state (as large as the tables, or twice) is not read
+        _load_state_dict(full, storage_reader=reader, planner=SafeEmptyLoadPlanner(keys={"state_dict"}), no_dist=True)
     except CheckpointException as e:
         raise CheckpointError(f"reading checkpoint '{checkpoint_dir}' failed:\n  " + "\n  ".join(describe(e))) from None
     meta["state_dict"] = full["state_dict"]

@@ -56,9 +56,8 @@ class ShardedCheckpointing(DDPStrategy):
     _checkpoint_format: str
     _loaded_in_place: bool
     _fused_states: Any
-    #: per optimizer, per param group: its parameters before the tables left it (set in setup)
-    _groups_before: list[list[list[torch.nn.Parameter]]] | None = None
-    _table_keys: dict[int, str]
+    #: per optimizer, per param group: its parameters before the tables left it, tables as keys (set in setup)
+    _groups_before: list[list[list[torch.nn.Parameter | str]]] | None = None
 
     @property
     @override
@@ -189,7 +188,6 @@ class ShardedCheckpointing(DDPStrategy):
                 checkpoint["optimizer_states"],
                 self._groups_before,
                 now,
-                self._table_keys,
                 replicated_keys(self.sharded),
             )
             super().load_optimizer_state_dict({**checkpoint, "optimizer_states": dense})

@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_shardrec.checkpoint import table_parameter_keys
+from lightning_shardrec.checkpoint import param_layout, table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv
@@ -62,6 +62,7 @@ from lightning_shardrec.lightning.pipeline import TrainPipeline
 from lightning_shardrec.lightning.precision import ScalerGlue, convert_dense
 from lightning_shardrec.lightning.rank_failures import RankFailureHandling
 from lightning_shardrec.lightning.sigterm import LaggedSigterm
+from lightning_shardrec.lightning.table_memory import has_meta_tables, tables_hidden
 from lightning_shardrec.lightning.teardown import destroy_groups
 from lightning_shardrec.modules.plain_embeddings import check_embedding_options, swap_embedding_modules
 from lightning_shardrec.modules.table_init import tables_on_meta
@@ -73,7 +74,7 @@ from lightning_shardrec.planner import (
     ShardingPlan,
     Topology,
 )
-from lightning_shardrec.planner.memory import DEFAULT_RESERVE, check_reserve
+from lightning_shardrec.planner.memory import DEFAULT_RESERVE, check_reserve, peak_line
 
 
 class ShardRecStrategy(RankFailureHandling):
@@ -251,7 +252,9 @@ class ShardRecStrategy(RankFailureHandling):
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._deferral = deferral_reason(trainer, module) if fitting else None  # accumulation, norm clipping
         if fitting:
-            self.setup_optimizers(trainer)
+            fused = [g for s in self.sharded.values() for g in s.groups if g.fused]
+            with tables_hidden([*collections.values(), *fused], lambda: self.optimizers):  # no state for tables
+                self.setup_optimizers(trainer)
         table_params = [p for c in collections.values() for p in c.parameters()]
         table_params += [p for s in self.sharded.values() for p in _fused_params(s)]
         holder = find_group(self.optimizers, table_params) if fitting else None
@@ -270,9 +273,9 @@ class ShardRecStrategy(RankFailureHandling):
             for coll in self.sharded.values():
                 coll.rebuild_kernels(self._config)
         if fitting:
-            # as configure_optimizers built them: a plain run's optimizer state resumes through this
-            self._groups_before = [[list(g["params"]) for g in opt.param_groups] for opt in self.optimizers]
-            self._table_keys = table_parameter_keys(collections, self.sharded)
+            # as configure_optimizers built them (tables as keys: no full weight kept): a plain run's state resumes
+            keys = {**dict.fromkeys(map(id, table_params), ""), **table_parameter_keys(collections, self.sharded)}
+            self._groups_before = param_layout(self.optimizers, keys)
             remove_params(self.optimizers, table_params)
             dense_tables = [p for s in self.sharded.values() for g in s.groups if not g.fused for p in g.parameters()]
             held = {id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]}
@@ -503,7 +506,7 @@ class ShardRecStrategy(RankFailureHandling):
             self._scaler_glue.updates.detach()
         if self._deferred_glue is not None:  # kept (skipped_steps) until the next fit replaces it
             self._deferred_glue.updates.detach()
-        if not self.sharded:
+        if not self.sharded and not has_meta_tables(self.lightning_module):  # meta: a refused plan, nothing to move
             return super().teardown()
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
@@ -537,8 +540,9 @@ def _fused_params(coll: ShardedCollection) -> list[torch.nn.Parameter]:
 
 @rank_zero_only
 def _print_plan(plan: ShardingPlan, kernels: dict[tuple[str, str], str], deferral: str | None) -> None:
+    peak = "" if plan.stats is None else "\n" + peak_line(plan.stats.max_storage, plan.stats.storage_cap)
     note = "" if deferral is None else "\n" + deferral_line(deferral)
-    print(f"lightning_shardrec sharding plan:\n{plan.table(kernels)}{note}", flush=True)
+    print(f"lightning_shardrec sharding plan:\n{plan.table(kernels)}{peak}{note}", flush=True)
 
 
 def _print_transport(env: ShardingEnv) -> None:

@@ -24,6 +24,23 @@ RESERVED_FOR = (
 )
 
 
+#: what a CPU rank holds besides its tables, measured (docs/benchmarks.md, issue 29): the process itself
+#: (interpreter, torch, Lightning: ~0.45 GiB resident after a first step) plus the run's buffers, a
+#: step's activations and the checkpoint pieces in flight (<= 64 MiB over the share at every phase)
+RANK_ALLOWANCE = 640 * 2**20
+
+
+def peak_line(max_storage: int, capacity: int, allowance: int = RANK_ALLOWANCE) -> str:
+    """``estimated peak per rank: 1.20 GiB (tables, optimizer state, buffers) + 0.62 GiB allowance = ...``."""
+    total = max_storage + allowance
+    verdict = "fits" if total <= capacity else "DOES NOT FIT"
+    return (
+        f"estimated peak per rank: {size_text(max_storage)} (fullest rank: tables, optimizer state, buffers) + "
+        f"{size_text(allowance)} allowance (process and run, measured on CPU ranks) = {size_text(total)} of "
+        f"{size_text(capacity)} capacity: {verdict}"
+    )
+
+
 def check_reserve(reserve: object, where: str = "reserve") -> float:
     """``reserve`` as a float in ``[0, 1)``, else a ``ValueError`` naming ``where``."""
     if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0.0 <= reserve < 1.0:
@@ -61,6 +78,25 @@ class MemoryBudget:
 def size_text(nbytes: float) -> str:
     """``12.00 GiB``; below 0.01 GiB in MiB (``3.20 MiB``) so small figures stay readable."""
     return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB / 100 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def host_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup/memory.max") -> int | None:
+    """Bytes of memory this host gives its processes: ``MemTotal``, or the cgroup's limit when lower
+    (a container); None where neither can be read (not Linux). The ranks on a host share it."""
+    found: list[int] = []
+    try:
+        with open(meminfo) as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open(cgroup) as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            found.append(int(limit))
+    except OSError:
+        pass
+    return min(found) if found else None
 
 
 def cuda_capacity(index: int | None = None) -> tuple[int, str] | None:

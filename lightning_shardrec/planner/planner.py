@@ -239,10 +239,16 @@ class EmbeddingShardingPlanner:
         free = [cap - u for u in used]
         placed, failed, ranks = partition(free_opts, work, load, free, lower / topo.world_size)
         if failed:
+            full = min(range(topo.world_size), key=lambda r: (ranks.free[r], r))
+            held = int(cap - ranks.free[full])
+            names = sorted(o.table.name for o in failed)
             raise PlannerError(
                 "no sharding plan fits in memory:\n  "
                 + "\n  ".join(self._too_big(o, ranks) for o in failed)
                 + f"\n  per rank: {self._budget_text()}"
+                + f"\n  fullest rank {full}: {held} bytes ({held / GiB:.2f} GiB) of tables, optimizer state and "
+                f"buffers placed before {names} fit nowhere; capacity {topo.memory_cap} bytes "
+                f"({topo.memory_cap / GiB:.2f} GiB)"
             )
         for p in placed:
             result[p.table.key] = _sharding(p)

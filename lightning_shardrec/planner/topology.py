@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol
 
-from lightning_shardrec.planner.memory import cuda_capacity
+from lightning_shardrec.planner.memory import cuda_capacity, host_memory
 from lightning_shardrec.planner.types import parse_enum
 
 GiB = 1024**3
@@ -145,7 +145,9 @@ class Topology:
         """The live default (or given) process group: its size, device from its backend.
 
         On ``cuda`` with a visible GPU, ``hbm_cap`` is the current device's total memory
-        (``torch.cuda.get_device_properties``) unless given; else the named default.
+        (``torch.cuda.get_device_properties``) unless given; on ``cpu``, ``ddr_cap`` is this
+        host's memory (:func:`~lightning_shardrec.planner.memory.host_memory`) shared by the
+        ranks on the host unless given; else the named default.
         """
         import torch.distributed as dist
 
@@ -162,6 +164,10 @@ class Topology:
                 overrides.setdefault("hbm_cap", found[0])
         world = dist.get_world_size(pg)
         overrides.setdefault("local_world_size", _local_world_size(world, os.environ))
+        if overrides["compute_device"] in (ComputeDevice.CPU, "cpu") and "ddr_cap" not in overrides:
+            host = host_memory()
+            if host is not None:
+                overrides["ddr_cap"] = host // int(overrides["local_world_size"])
         return cls(world, **overrides)
 
     @classmethod

@@ -48,6 +48,14 @@ def test_memory_bench_quick():
     assert all("| 1.0000 |" in ln for ln in rows)
 
 
+@pytest.mark.slow
+def test_trainer_memory_bench_quick():
+    out = run_quick("trainer_memory_bench.py")  # the ranks print their plans first
+    text = out[out.index("## Memory per phase through the Trainer") :]
+    rows = [ln for ln in text.splitlines() if ln.startswith(("| 2 ranks | ", "| 3 ranks (resumed from 2) | "))]
+    assert len(rows) == 2 + 3 + 2  # per rank of each run, then the estimate of each run
+
+
 def test_quant_bench_quick():
     text = run_quick("quant_bench.py")
     assert text.startswith("## Quantized inference")

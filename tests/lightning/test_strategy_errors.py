@@ -64,13 +64,10 @@ def fit_with(rank, world, what):
         model = Rec("sgd")
         model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     elif what == "reserve":  # the CPU ranks' memory just above what the tables need: refused by the reserve
-        from dataclasses import replace
-
-        from lightning_shardrec.planner import DEVICE_DEFAULTS, ComputeDevice, EmbeddingShardingPlanner, Topology
+        from lightning_shardrec.planner import EmbeddingShardingPlanner, Topology, topology
 
         need = EmbeddingShardingPlanner(Topology(world, compute_device="cpu"), reserve=0.0).plan(Rec()).stats
-        cpu = DEVICE_DEFAULTS[ComputeDevice.CPU]
-        DEVICE_DEFAULTS[ComputeDevice.CPU] = replace(cpu, ddr_cap=int(need.max_storage / 0.95))
+        topology.host_memory = lambda: world * int(need.max_storage / 0.95)  # the host's, shared by its ranks
         t = trainer(strategy=ShardRecStrategy(planner_reserve=0.1), devices=world, max_steps=2)
         model = Rec()
     else:  # no embedding collection: plain DDP
@@ -78,13 +75,14 @@ def fit_with(rank, world, what):
         model = Rec()
         model.ebc = torch.nn.Identity()
         model.training_step = lambda batch, batch_idx: model.mlp(torch.nn.functional.pad(batch.dense, (0, 24))).mean()
+    from lightning_shardrec.planner import memory, topology
+
     try:
         t.fit(model, data(4, 2))
     except (ValueError, PlannerError) as e:
         return str(e)
-    finally:  # the pool's rank processes run later tests: leave the defaults as they were
-        if what == "reserve":
-            DEVICE_DEFAULTS[ComputeDevice.CPU] = cpu
+    finally:
+        topology.host_memory = memory.host_memory  # the pooled rank process goes on to other tests
     return "ok"
 
 

@@ -167,7 +167,7 @@ def test_bad_calls_name_the_module():
 
 
 def test_plain_optimizer_state_splits_by_parameter():
-    from lightning_shardrec.checkpoint import split_plain_optimizer_states
+    from lightning_shardrec.checkpoint import param_layout, split_plain_optimizer_states
     from lightning_shardrec.errors import CheckpointError
 
     table, dense, replicated_new, replicated_old = (nn.Parameter(torch.zeros(2)) for _ in range(4))
@@ -177,10 +177,11 @@ def test_plain_optimizer_state_splits_by_parameter():
             "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}],
         }
     ]
-    before = [[[table, dense, replicated_old]]]
-    now = [[[dense, replicated_new]]]
     keys = {id(table): "emb.weight", id(replicated_old): "small.weight"}
-    out, fused = split_plain_optimizer_states(saved, before, now, keys, {id(replicated_new): "small.weight"})
+    before = param_layout([torch.optim.SGD([table, dense, replicated_old], lr=0.1)], keys)
+    assert before == [[["emb.weight", dense, "small.weight"]]]  # tables kept as keys, never as tensors
+    now = [[[dense, replicated_new]]]
+    out, fused = split_plain_optimizer_states(saved, before, now, {id(replicated_new): "small.weight"})
     assert out == [
         {
             "state": {0: {"sum": torch.full((1,), 2.0)}, 1: {"sum": torch.full((1,), 3.0)}},
@@ -193,6 +194,6 @@ def test_plain_optimizer_state_splits_by_parameter():
         match=r"optimizer 0: the checkpoint's param groups hold \[3\] parameters, "
         r"configure_optimizers' hold \[2\]",
     ):
-        split_plain_optimizer_states(saved, [[[table, dense]]], now, keys, {})
+        split_plain_optimizer_states(saved, [[["emb.weight", dense]]], now, {})
     with pytest.raises(CheckpointError, match="the checkpoint has 1 optimizer states, configure_optimizers returned 2"):
-        split_plain_optimizer_states(saved, before * 2, now, keys, {})
+        split_plain_optimizer_states(saved, before * 2, now, {})

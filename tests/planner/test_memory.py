@@ -143,3 +143,30 @@ def test_cuda_capacity_is_the_device_total() -> None:
 
     found = cuda_capacity(0)
     assert found is not None and found[0] == torch.cuda.get_device_properties(0).total_memory
+
+
+def test_host_memory_is_the_lower_of_meminfo_and_the_cgroup_limit(tmp_path) -> None:
+    from lightning_shardrec.planner.memory import host_memory
+
+    meminfo, cgroup = tmp_path / "meminfo", tmp_path / "memory.max"
+    meminfo.write_text("MemTotal:       25165824 kB\nMemFree:         1000 kB\n")  # 24 GiB
+    assert host_memory(str(meminfo), str(tmp_path / "absent")) == 24 * GiB
+    cgroup.write_text("8589934592\n")
+    assert host_memory(str(meminfo), str(cgroup)) == 8 * GiB
+    cgroup.write_text("max\n")  # no limit
+    assert host_memory(str(meminfo), str(cgroup)) == 24 * GiB
+    assert host_memory(str(tmp_path / "absent"), str(tmp_path / "absent")) is None
+
+
+def test_live_cpu_topology_shares_the_host_memory_among_its_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On cpu the ranks of a host share its memory: each plans with host / ranks per host, not 64 GiB."""
+    monkeypatch.setattr(topology_module, "host_memory", lambda: 24 * GiB)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert Topology.from_process_group(compute_device="cpu").ddr_cap == 24 * GiB
+        assert Topology.from_process_group(compute_device="cpu", ddr_cap=GiB).ddr_cap == GiB  # given: kept
+        monkeypatch.setattr(topology_module, "host_memory", lambda: None)  # unreadable: the named default
+        assert Topology.from_process_group(compute_device="cpu").ddr_cap == 64 * GiB
+    finally:
+        dist.destroy_process_group()

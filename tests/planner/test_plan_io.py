@@ -1,5 +1,6 @@
 """ShardingPlan: JSON round trip, printed table, user-given (fixed) plans, the CLI."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -290,3 +291,26 @@ def test_cli_host_and_reserve_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
     )
     assert main(_cli(tmp_path, "--reserve", "1.5")) == 2
     assert "reserve is the fraction of each rank's memory kept free" in capsys.readouterr().err
+
+
+def test_cli_on_cpu_shares_the_host_memory_and_prints_the_peak(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_shardrec.planner.memory import RANK_ALLOWANCE
+
+    assert main(_cli(tmp_path, "--device", "cpu", "--host-memory-gib", "8", world=4)) == 0
+    text = capsys.readouterr().out
+    assert "DDR 2.00 GiB (--host-memory-gib 8.00 GiB shared by 4 rank(s) per host)" in text
+    peak = next(line for line in text.splitlines() if line.startswith("estimated peak per rank:"))
+    assert f"+ {RANK_ALLOWANCE / GiB:.2f} GiB allowance (process and run, measured on CPU ranks)" in peak
+    assert peak.endswith("of 2.00 GiB capacity: fits"), peak
+    monkeypatch.setattr(plan_cli, "host_memory", lambda: 24 * GiB)  # this machine's, when not stated
+    assert main(_cli(tmp_path, "--device", "cpu", world=2)) == 0
+    assert "DDR 12.00 GiB (this machine's memory (/proc/meminfo, cgroup limit) 24.00 GiB shared by 2" in (
+        capsys.readouterr().out
+    )
+    assert main(_cli(tmp_path, "--device", "cpu", "--host-memory-gib", "0.001", world=2)) == 2  # refused
+    err = capsys.readouterr().err
+    assert re.search(r"fullest rank \d: \d+ bytes \([\d.]+ GiB\) of tables, .* capacity 536870 bytes", err), err
+    assert main(_cli(tmp_path, "--device", "cpu", "--host-memory-gib", "0", world=2)) == 2
+    assert "--host-memory-gib must be > 0, got 0.0" in capsys.readouterr().err
