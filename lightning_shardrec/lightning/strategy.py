@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -210,53 +211,100 @@ class ShardRecStrategy(RankFailureHandling):
     # --- setup --------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
+        """Each phase in its own method: find the tables, (fit) pick the tables' param group, shard (or,
+        for a later fit, rebuild the fused state), (fit) hand the tables to the fused optimizer, place
+        the model, (fit) wrap the dense rest in DDP, precision, and (fit) the per-step helpers."""
         module = self.lightning_module
         assert module is not None and self.accelerator is not None
-        swap_embedding_modules(module, self._embedding_modules, self._embedding_min_rows)
-        collections = find_collections(module)
-        if not collections and not self.sharded:
-            self._adopt(module)  # sharded by an earlier Trainer's strategy
+        collections = self._find_tables(module)
         if not collections and not self.sharded:
             rank_zero_info("ShardRecStrategy: the LightningModule has no embedding collection; training as plain DDP")
             return super().setup(trainer)
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and trainer.accumulate_grad_batches > 1:
+        table_params = [p for c in collections.values() for p in c.parameters()]
+        table_params += [p for s in self.sharded.values() for p in _fused_params(s)]
+        holder = self._table_holder(trainer, table_params) if fitting else None
+        if collections:
+            self._shard_collections(trainer, module, holder)
+        elif fitting:  # sharded by validate/test/predict or an earlier fit: fresh fused state, this fit's rule
+            self._renew_fused_state(holder)
+        if fitting:
+            self._hand_tables_to_fused(trainer, module, collections, table_params, holder)
+        kernels = self._place_model(holder)
+        if fitting:
+            self.model = self._wrap_dense(self.model)
+            self._register_ddp_hooks()
+        self.setup_precision_plugin()
+        if fitting:
+            self._fit_helpers(kernels)
+
+    def _find_tables(self, module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        """The collections still to shard (plain embedding modules swapped in place first); adopts the
+        collections an earlier Trainer's strategy sharded when there are none."""
+        swap_embedding_modules(module, self._embedding_modules, self._embedding_min_rows)
+        collections = find_collections(module)
+        if not collections and not self.sharded:
+            self._adopt(module)  # sharded by an earlier Trainer's strategy
+        return collections
+
+    def _table_holder(
+        self, trainer: Any, table_params: list[torch.nn.Parameter]
+    ) -> tuple[torch.optim.Optimizer, dict[str, Any]] | None:
+        """Fit: the user's optimizers, and the param group the tables train as (kept across fits)."""
+        if trainer.accumulate_grad_batches > 1:
             raise ValueError(
                 f"ShardRecStrategy: accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported: fused "
                 "embedding tables are updated in every backward; raise the batch size instead"
             )
-        if fitting:
-            self.setup_optimizers(trainer)
-        table_params = [p for c in collections.values() for p in c.parameters()]
-        table_params += [p for s in self.sharded.values() for p in _fused_params(s)]
-        holder = find_group(self.optimizers, table_params) if fitting else None
-        if fitting:
-            holder = holder or group_at(self.optimizers, self._holder_slot)  # a later fit: tables not in it
-            self._holder_slot = group_slot(self.optimizers, holder)
-        if collections:
-            self._shard(module, self._fused_config(holder))
-            for coll in self.sharded.values():  # where a later configure_optimizers puts it = where the tables train
-                coll.register_parameter(_ANCHOR, torch.nn.Parameter(torch.empty(0, device=self.root_device)))
-            _save_plan(self.plan, getattr(trainer.checkpoint_callback, "dirpath", None))
-        elif fitting:  # sharded by validate/test/predict or an earlier fit: fresh fused state, this fit's rule
-            self._config = self._fused_config(holder)
-            self.fused_optimizer = None
-            for coll in self.sharded.values():
-                coll.rebuild_kernels(self._config)
-        if fitting:
-            # as configure_optimizers built them: a plain run's optimizer state resumes through this
-            self._groups_before = [[list(g["params"]) for g in opt.param_groups] for opt in self.optimizers]
-            self._table_keys = table_parameter_keys(collections, self.sharded)
-            remove_params(self.optimizers, table_params)
-            dense_tables = [p for s in self.sharded.values() for g in s.groups if not g.fused for p in g.parameters()]
-            held = {id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]}
-            dense_tables = [p for p in dense_tables if id(p) not in held]
-            if dense_tables and holder is not None:
-                holder[1]["params"].extend(dense_tables)  # data-parallel tables train like dense layers
-            self._fit_guards(trainer, holder)
-            if self._log_dynamic_stats:
-                add_dynamic_monitor(trainer, module)  # every rank: gathering the figures is collective
+        self.setup_optimizers(trainer)
+        holder = find_group(self.optimizers, table_params)
+        holder = holder or group_at(self.optimizers, self._holder_slot)  # a later fit: tables not in it
+        self._holder_slot = group_slot(self.optimizers, holder)
+        return holder
+
+    def _shard_collections(
+        self, trainer: Any, module: torch.nn.Module, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None
+    ) -> None:
+        """Plan and shard (collective); each collection gets the anchor its param group is found by."""
+        self._shard(module, self._fused_config(holder))
+        for coll in self.sharded.values():  # where a later configure_optimizers puts it = where the tables train
+            coll.register_parameter(_ANCHOR, torch.nn.Parameter(torch.empty(0, device=self.root_device)))
+        _save_plan(self.plan, getattr(trainer.checkpoint_callback, "dirpath", None))
+
+    def _renew_fused_state(self, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> None:
+        """A fit on collections sharded before: this fit's rule, a fresh fused state."""
+        self._config = self._fused_config(holder)
+        self.fused_optimizer = None
+        for coll in self.sharded.values():
+            coll.rebuild_kernels(self._config)
+
+    def _hand_tables_to_fused(
+        self,
+        trainer: Any,
+        module: LightningModule,
+        collections: Mapping[str, torch.nn.Module],
+        table_params: list[torch.nn.Parameter],
+        holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None,
+    ) -> None:
+        """Fit: the fused tables leave the user's optimizers (data-parallel tables join the holder's group);
+        the rule report, clipping guards and the dynamic tables' monitor."""
+        # as configure_optimizers built them: a plain run's optimizer state resumes through this
+        self._groups_before = [[list(g["params"]) for g in opt.param_groups] for opt in self.optimizers]
+        self._table_keys = table_parameter_keys(collections, self.sharded)
+        remove_params(self.optimizers, table_params)
+        dense_tables = [p for s in self.sharded.values() for g in s.groups if not g.fused for p in g.parameters()]
+        held = {id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]}
+        dense_tables = [p for p in dense_tables if id(p) not in held]
+        if dense_tables and holder is not None:
+            holder[1]["params"].extend(dense_tables)  # data-parallel tables train like dense layers
+        self._fit_guards(trainer, holder)
+        if self._log_dynamic_stats:
+            add_dynamic_monitor(trainer, module)  # every rank: gathering the figures is collective
+
+    def _place_model(self, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> list[Any]:
+        """Dense precision, the model on its device, the fused optimizer (lr linked to the holder's group),
+        the origin a later Trainer adopts, the collective-call guard; the kernels of every table group."""
         convert_dense(self.precision_plugin, self.model, self.sharded)  # tables keep their config's dtype
         self.model_to_device()
         kernels = [k for s in self.sharded.values() for k in s.kernels()]
@@ -268,20 +316,19 @@ class ShardRecStrategy(RankFailureHandling):
             coll.shardrec_origin = (self.plan, self._holder_slot, self._config)  # type: ignore[assignment]
         if self.guard is None and self.sharded:
             self.guard = guards.ShardedGuard(self.sharded, lambda: getattr(self.lightning_module, "_trainer", None))
-        if fitting:
-            self.model = self._wrap_dense(self.model)
-            self._register_ddp_hooks()
-        self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        return kernels
+
+    def _fit_helpers(self, kernels: list[Any]) -> None:
+        """Fit, after precision: optimizers on the device, the GradScaler glue, the finite guard, the pipeline."""
+        _optimizers_to_device(self.optimizers, self.root_device)
         scaler = ScalerGlue.wanted(self.precision_plugin)
-        if fitting:
-            group = next(iter(self.sharded.values())).env.pg
-            glue = None if scaler is None else ScalerGlue(scaler, ScaledTableUpdates(kernels), group, self.root_device)
-            self._scaler_glue = glue
-        if fitting and self._check_finite and self._finite is None:
+        group = next(iter(self.sharded.values())).env.pg
+        self._scaler_glue = (
+            None if scaler is None else ScalerGlue(scaler, ScaledTableUpdates(kernels), group, self.root_device)
+        )
+        if self._check_finite and self._finite is None:
             self._finite = FiniteGuard(kernels)
-        if fitting and self._pipeline_on and self.sharded and (self.pipeline is None or self.pipeline.closed):
+        if self._pipeline_on and self.sharded and (self.pipeline is None or self.pipeline.closed):
             env = new_group_like(next(iter(self.sharded.values())).env, self._timeout)  # collective
             self._own_groups.append(env.pg)  # type: ignore[arg-type]
             self.pipeline = TrainPipeline(self.sharded, env, self.root_device)
