@@ -37,6 +37,7 @@ from lightning_shardrec.distributed.model_parallel import find_collections, kern
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
 from lightning_shardrec.distributed.transport.connect import attach, parse_transport
+from lightning_shardrec.distributed.transport.shm import ShmTransport
 from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
@@ -168,6 +169,7 @@ class ShardRecStrategy(RankFailureHandling):
         self.pipeline: TrainPipeline | None = None
         self._sigterm: LaggedSigterm | None = None  # Lightning's per-batch SIGTERM broadcast, made async
         self._own_groups: list[dist.ProcessGroup] = []  # destroyed in teardown (lightning/teardown.py)
+        self._dense_transport: ShmTransport | None = None  # the DDP hook's (closed in teardown)
         if isinstance(embedding_optimizer, str):
             embedding_optimizer = FusedOptimConfig(optimizer=embedding_optimizer)  # validates the name
         if embedding_lr is not None and not (isinstance(embedding_lr, (int, float)) and embedding_lr >= 0):
@@ -420,7 +422,7 @@ class ShardRecStrategy(RankFailureHandling):
         )
         transport = next(iter(self.sharded.values())).env.transport
         if transport is not None:  # every rank alike: the dense all-reduce through shared memory too
-            use_shm_allreduce(ddp, self._dense_pg)
+            self._dense_transport = use_shm_allreduce(ddp, self._dense_pg)  # closed in teardown
         return ddp
 
     def collective(self) -> AbstractContextManager[None]:
@@ -496,8 +498,11 @@ class ShardRecStrategy(RankFailureHandling):
             return super().teardown()
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
+        if self._dense_transport is not None:  # with its DDP wrapper (the next fit connects another)
+            self._dense_transport.close()
+            self._dense_transport = None
         if self.pipeline is not None and not self._failing:
-            self.pipeline.close()  # prefetch off: its group goes next
+            self.pipeline.close()  # prefetch off, its transport closed: its group goes next
         if not self._failing:  # after a failure a group may hold work for a dead peer: leave it to exit
             destroy_groups(self._own_groups)
             self._own_groups = []
