@@ -54,7 +54,7 @@ from lightning_shardrec.lightning.optimizers import (
 from lightning_shardrec.lightning.pipeline import TrainPipeline
 from lightning_shardrec.lightning.precision import ScalerGlue, convert_dense
 from lightning_shardrec.lightning.rank_failures import RankFailureHandling
-from lightning_shardrec.lightning.sigterm import LaggedSigterm
+from lightning_shardrec.lightning.sigterm import LaggedSigterm, SigtermDeadline
 from lightning_shardrec.lightning.teardown import destroy_groups
 from lightning_shardrec.modules.plain_embeddings import check_embedding_options, swap_embedding_modules
 from lightning_shardrec.modules.table_init import tables_on_meta
@@ -168,6 +168,7 @@ class ShardRecStrategy(RankFailureHandling):
         self._pipeline_on = pipeline
         self.pipeline: TrainPipeline | None = None
         self._sigterm: LaggedSigterm | None = None  # Lightning's per-batch SIGTERM broadcast, made async
+        self._deadline: SigtermDeadline | None = None  # SIGTERM ends a rank within seconds (lightning/sigterm.py)
         self._own_groups: list[dist.ProcessGroup] = []  # destroyed in teardown (lightning/teardown.py)
         self._dense_transport: ShmTransport | None = None  # the DDP hook's (closed in teardown)
         if isinstance(embedding_optimizer, str):
@@ -471,6 +472,9 @@ class ShardRecStrategy(RankFailureHandling):
                 group = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)  # collective
                 self._sigterm = LaggedSigterm(group, self.root_device)
             self._sigterm.install(self.lightning_module.trainer)  # type: ignore[union-attr]
+        if self.world_size > 1 and self._deadline is None:  # SIGTERM ends this rank, also inside a collective
+            self._deadline = SigtermDeadline(self.global_rank)
+            self._deadline.install(self.lightning_module.trainer)  # type: ignore[union-attr]
 
     @override
     def on_train_end(self) -> None:
@@ -483,6 +487,9 @@ class ShardRecStrategy(RankFailureHandling):
     # --- teardown (failures: lightning_shardrec.lightning.rank_failures) ------------------------
     @override
     def teardown(self) -> None:
+        if self._deadline is not None:  # left fit: no SIGTERM deadline
+            self._deadline.remove()
+            self._deadline = None
         if self._sigterm is not None:  # after a failure too: give the loop its check back, wait for nobody
             self._sigterm.remove(wait=False)
             self._sigterm.close()
