@@ -83,10 +83,11 @@ class ShardRecStrategy(RankFailureHandling):
             ``"fbgemm"`` or ``"torch"``.
         comm_precision: ``"fp32"`` (exact), ``"bf16"`` or ``"fp16"``: the precision of the pooled
             embeddings' all-to-alls / reduce-scatters and their gradients (half the bytes).
-        comm_transport: ``"auto"`` (the embeddings' all-to-alls go through shared memory when every
-            rank is on this host under gloo, see :mod:`lightning_shardrec.distributed.transport.shm`;
-            else through the process group), ``"shm"`` (required) or ``"pg"`` (never shared memory).
-            Results are identical either way.
+        comm_transport: None (default: ``$LIGHTNING_SHARDREC_TRANSPORT``, else ``"pg"``: the process
+            group's collectives, as under NCCL), ``"auto"`` (the embeddings' all-to-alls go through
+            shared memory when every rank is on this host under gloo, see
+            :mod:`lightning_shardrec.distributed.transport.shm`; else through the process group),
+            ``"shm"`` (required) or ``"pg"``. Results are identical either way (2 ranks: bit for bit).
         pipeline: overlap the next batch's input distribution (id all-to-alls, host-to-device copy)
             with this batch's forward/backward (see :mod:`lightning_shardrec.lightning.pipeline`);
             results are identical to ``pipeline=False``.
@@ -134,7 +135,7 @@ class ShardRecStrategy(RankFailureHandling):
         plan: ShardingPlan | Mapping[str, ParameterSharding] | None = None,
         kernel: str = "auto",
         comm_precision: str = "fp32",
-        comm_transport: str = "auto",
+        comm_transport: str | None = None,
         pipeline: bool = False,
         process_group_backend: str | None = None,
         planner_batch_size: int = 512,

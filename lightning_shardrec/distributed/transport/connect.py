@@ -1,4 +1,4 @@
-"""Setting up the same-host transport: ``comm_transport="auto" | "shm" | "pg"``.
+"""Setting up the same-host transport: ``comm_transport=None (pg) | "pg" | "auto" | "shm"``.
 
 :func:`attach` gives a :class:`~lightning_shardrec.distributed.comm.ShardingEnv` a
 :class:`~lightning_shardrec.distributed.transport.shm.ShmTransport` when its mode allows and
@@ -26,25 +26,31 @@ from lightning_shardrec.errors import unknown_name
 
 TRANSPORT_ENV = "LIGHTNING_SHARDREC_TRANSPORT"
 TRANSPORTS = ("auto", "shm", "pg")
+DEFAULT_TRANSPORT = "pg"  # chosen by measurement: docs/operations.md#same-host-communication
 
 
-def parse_transport(value: str, owner: str = "comm_transport") -> str:
-    """``"auto"`` / ``"shm"`` / ``"pg"`` (any case), else a ``ValueError`` listing them."""
+def parse_transport(value: str | None, owner: str = "comm_transport") -> str | None:
+    """``"auto"`` / ``"shm"`` / ``"pg"`` (any case) or None (the default), else a ``ValueError`` listing them."""
+    if value is None:
+        return None
     mode = str(value).lower()
     if mode not in TRANSPORTS:
         raise unknown_name(owner, value, list(TRANSPORTS))
     return mode
 
 
-def attach(env: ShardingEnv, mode: str = "auto", timeout: float | None = None) -> ShardingEnv:
+def attach(env: ShardingEnv, mode: str | None = None, timeout: float | None = None) -> ShardingEnv:
     """Collective over ``env.pg``: ``env`` with a same-host :class:`ShmTransport` for its all-to-alls.
 
-    ``mode``: ``"auto"`` (shared memory when every rank of a gloo group can use it, else the group;
-    ``$LIGHTNING_SHARDREC_TRANSPORT`` may say ``shm`` or ``pg`` instead; ranks that disagree raise),
-    ``"shm"`` (required: raises where it cannot be used) or ``"pg"`` (the process group's own).
+    ``mode``: None (the default: ``$LIGHTNING_SHARDREC_TRANSPORT``, else ``"pg"``), ``"pg"`` (the
+    process group's own: what runs under NCCL and across hosts), ``"auto"`` (shared memory when every
+    rank of a gloo group can use it, else the group; ``$LIGHTNING_SHARDREC_TRANSPORT`` may say ``shm``
+    or ``pg`` instead) or ``"shm"`` (required: raises where it cannot be used). Ranks that disagree raise.
     ``timeout``: seconds a rank waits for a peer's data (None: the group's own collective timeout).
     """
     mode = parse_transport(mode)
+    if mode is None:
+        mode = parse_transport(os.environ.get(TRANSPORT_ENV, DEFAULT_TRANSPORT), TRANSPORT_ENV)
     if mode == "auto":
         mode = parse_transport(os.environ.get(TRANSPORT_ENV, "auto"), TRANSPORT_ENV)
     if env.world_size == 1 or env.transport is not None:
