@@ -141,3 +141,16 @@ def test_checkpoint_resume(tmp_path):
     on("shm", target, steps // 2, None, half, "row_wise")
     resumed = on("shm", target, steps, half, None, "row_wise")
     assert_same(resumed, straight)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_uneven_batch_counts_stop_every_rank_on_both_transports(pipeline):
+    """2 ranks with 5 and 4 batches: every rank stops with ``UnevenBatchesError`` naming them, on either
+    transport (the run's timeout, not the collectives' 10 minutes, bounds the test)."""
+    for transport in ("shm", "pg"):
+        results = run_ranks(_on, 2, transport, "test_strategy_habits:fit_uneven", [5, 4], -1, 1, pipeline, timeout=120)
+        for rank, ((message, _), _) in enumerate(results):
+            assert message.startswith(
+                f"rank {rank}: uneven batch counts: the training data of ranks [1] ends after 4 batches in epoch 0, "
+                "while ranks [0] have more (batch 4 is next)"
+            ), (transport, message)
