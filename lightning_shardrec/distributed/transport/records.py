@@ -41,6 +41,15 @@ _lock = threading.Lock()
 _reserved = 0  # bytes this process holds reserved in shared memory (open transports)
 
 
+def _fresh_lock_in_child() -> None:
+    """A forked child (a DataLoader worker) gets a lock no thread of its own holds (no deadlock at its exit)."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
+
+
 class Record(NamedTuple):
     """One op's chunk as its sender describes it."""
 
