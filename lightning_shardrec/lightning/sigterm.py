@@ -1,4 +1,6 @@
-"""Rank 0's SIGTERM reaches every rank without a blocking collective per step.
+"""SIGTERM while training: rank 0's flag reaches every rank without a blocking collective per step
+(:class:`LaggedSigterm`), and a rank blocked in a collective still exits within seconds
+(:class:`SigtermDeadline`).
 
 Lightning 2.6's training loop broadcasts rank 0's "received SIGTERM" flag before every
 batch (``_TrainingEpochLoop._broadcast_sigterm_tensor``). That broadcast blocks, so it
