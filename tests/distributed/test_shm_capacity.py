@@ -193,3 +193,17 @@ def _peer_dies_in_private_dir(rank, world):
 def test_files_are_unlinked_when_setup_fails_midway():
     for (message, left), _ in run_ranks(_peer_dies_in_private_dir, 2):
         assert message == "Connection closed by peer" and left == []
+
+
+def test_a_record_out_of_order_or_of_another_size_is_refused():
+    from lightning_shardrec.distributed.transport.records import BIG, SLOT, SPILL, Record, check, code_of
+
+    fp32 = code_of(torch.float32, SLOT)
+    check(Record(3, 16, fp32), 3, 1, 0, 16, torch.float32, big=False)  # as expected
+    check(Record(3, 16, code_of(torch.float32, SPILL)), 3, 1, 0, 16, torch.float32, big=False)  # spilled: fine
+    with pytest.raises(RuntimeError, match=r"ShmTransport: rank 0 expected op 3 from rank 1 and got op 4: ops must be"):
+        check(Record(4, 16, fp32), 3, 1, 0, 16, torch.float32, big=False)
+    with pytest.raises(RuntimeError, match=r"op 3: rank 1 sent rank 0 16 bytes of torch.bfloat16 through its slot, wh"):
+        check(Record(3, 16, code_of(torch.bfloat16, SLOT)), 3, 1, 0, 16, torch.float32, big=False)
+    with pytest.raises(RuntimeError, match=r"through point to point \(larger than a slot\), while rank 0 expects 16"):
+        check(Record(3, 16, code_of(torch.float32, BIG)), 3, 1, 0, 16, torch.float32, big=False)
