@@ -161,9 +161,10 @@ class DistributedModelParallel(nn.Module):
     result, see :mod:`lightning_shardrec.modules.plain_embeddings`): ``embedding_modules`` is
     ``True`` (all with at least ``embedding_min_rows`` rows), ``False``, or a list of module paths.
 
-    ``comm_transport``: ``"auto"`` moves the embeddings' all-to-alls through shared memory when every
-    rank is on this host under gloo (:mod:`~lightning_shardrec.distributed.transport.shm`), else
-    through the process group; ``"shm"`` requires shared memory, ``"pg"`` never uses it.
+    ``comm_transport``: None (default: ``$LIGHTNING_SHARDREC_TRANSPORT``, else ``"pg"``, the process
+    group); ``"auto"`` moves the embeddings' all-to-alls through shared memory when every rank is on
+    this host under gloo (:mod:`~lightning_shardrec.distributed.transport.shm`), else through the
+    process group; ``"shm"`` requires shared memory, ``"pg"`` never uses it.
     """
 
     def __init__(
@@ -185,7 +186,7 @@ class DistributedModelParallel(nn.Module):
         embedding_modules: bool | Sequence[str] = True,
         embedding_min_rows: int = 0,
         comm_precision: str | None = None,
-        comm_transport: str = "auto",
+        comm_transport: str | None = None,
     ) -> None:
         super().__init__()
         if data_parallel_wrapper is not None:

@@ -101,7 +101,7 @@ class TrainPipeline:
     """The strategy's pipeline state: collections, the pre-moved next batch, handles in flight."""
 
     def __init__(self, sharded: dict[str, ShardedCollection], env: ShardingEnv, device: torch.device) -> None:
-        self.sharded = sharded
+        self.sharded, self.env = sharded, env
         for c in sharded.values():
             c.enable_prefetch(env)
         self.stats = PipelineStats()
@@ -174,11 +174,14 @@ class TrainPipeline:
         return self._closed
 
     def close(self) -> None:
-        """After training (every rank): drain, turn prefetch off on the collections; the prefetch group
-        can then be destroyed. A closed pipeline still patches checkpoints (:meth:`patch_loader_states`)."""
+        """After training (every rank): drain, turn prefetch off on the collections and close the prefetch
+        group's shared-memory transport; the group can then be destroyed. A closed pipeline still patches
+        checkpoints (:meth:`patch_loader_states`)."""
         self.drain()
         for coll in self.sharded.values():
             coll.disable_prefetch()
+        if self.env.transport is not None:
+            self.env.transport.close()
         self._closed = True
 
     def _retire(self, started: list[tuple[ShardedCollection, PrefetchHandle]]) -> None:

@@ -1,4 +1,6 @@
-"""Rank 0's SIGTERM reaches every rank without a blocking collective per step.
+"""SIGTERM while training: rank 0's flag reaches every rank without a blocking collective per step
+(:class:`LaggedSigterm`), and a rank blocked in a collective still exits within seconds
+(:class:`SigtermDeadline`).
 
 Lightning 2.6's training loop broadcasts rank 0's "received SIGTERM" flag before every
 batch (``_TrainingEpochLoop._broadcast_sigterm_tensor``). That broadcast blocks, so it
@@ -20,6 +22,11 @@ still stops at the end of its batch (Lightning's own check, untouched).
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
 from typing import Any
 
 import torch
@@ -89,3 +96,123 @@ class LaggedSigterm:
         """Destroy the group (after :meth:`remove`): a gloo group left to interpreter exit can abort it."""
         with contextlib.suppress(Exception):
             dist.destroy_process_group(self._group)
+
+
+GRACE_ENV = "LIGHTNING_SHARDREC_SIGTERM_GRACE"
+DEFAULT_GRACE = 10.0  # seconds a rank that received SIGTERM may take to leave fit on its own
+
+
+class SigtermDeadline:
+    """SIGTERM ends a rank within ``grace`` seconds, also one blocked in a collective.
+
+    Lightning's SIGTERM handler runs in the main thread between bytecodes, so a rank blocked
+    in a gloo or NCCL wait runs it only when the wait returns: never, when its peers wait for
+    it. Lightning 2.6's handler also broadcasts on the default group, a collective inside a
+    signal handler that can pair with any other collective in flight. So, while training:
+
+    * the handler Lightning composed for SIGTERM loses that broadcast (the flag travels by
+      :class:`LaggedSigterm` on its own group, as every batch already does);
+    * a watcher thread learns of the signal at once through ``signal.set_wakeup_fd`` (written by
+      the interpreter's C-level handler even while the main thread is blocked): it forwards the
+      signal to the ranks this process launched, marks the trainer as Lightning's handler would,
+      and, if the rank has not left ``fit`` (:meth:`remove`) ``grace`` seconds later, prints
+      what happened, kills the launched ranks and exits with status 143 (128 + SIGTERM).
+
+    ``grace``: ``$LIGHTNING_SHARDREC_SIGTERM_GRACE`` seconds (default 10); a healthy rank stops
+    at the end of its batch, well within it. Main thread only (``install``/``remove``).
+    """
+
+    def __init__(self, rank: int, grace: float | None = None) -> None:
+        if grace is None:
+            text = os.environ.get(GRACE_ENV, str(DEFAULT_GRACE))
+            try:
+                grace = float(text)
+            except ValueError:
+                grace = -1.0
+            if not grace > 0:
+                raise ValueError(f"{GRACE_ENV} must be a number of seconds > 0, got {text!r}")
+        self.rank, self.grace = rank, grace
+        self._read, self._write = socket.socketpair()
+        self._read.setblocking(True)
+        self._write.setblocking(False)
+        self._old_fd: int | None = None
+        self._done = threading.Event()
+        self._trainer: Any = None
+        self._thread: threading.Thread | None = None
+
+    def install(self, trainer: Any) -> bool:
+        """From the main thread, after Lightning registered its handlers (``on_train_start``); False where
+        SIGTERM has no Python handler to wake this one (Windows, or a handler set outside Python)."""
+        handler = signal.getsignal(signal.SIGTERM)
+        if not callable(handler) or threading.current_thread() is not threading.main_thread():
+            return False
+        handlers = getattr(handler, "signal_handlers", None)
+        connector = getattr(trainer, "_signal_connector", None)
+        if isinstance(handlers, list) and connector is not None:  # Lightning's composition: drop the broadcast
+            own = getattr(connector, "_sigterm_notifier_fn", None)
+            handlers[:] = [_mark(connector) if h == own else h for h in handlers]
+        self._trainer = trainer
+        self._old_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name=f"shardrec-sigterm-{self.rank}", daemon=True)
+        self._thread.start()
+        return True
+
+    def remove(self) -> None:
+        """The rank left ``fit`` (normally or by an exception): no deadline; the wakeup fd restored."""
+        self._done.set()
+        if self._thread is None:
+            return
+        with contextlib.suppress(ValueError):  # not the main thread: leave the fd to the interpreter's exit
+            signal.set_wakeup_fd(self._old_fd if self._old_fd is not None else -1)
+        with contextlib.suppress(OSError):
+            self._write.send(b"\0")  # wake the watcher
+        self._thread.join(timeout=5)
+        self._thread = None
+        self._read.close()
+        self._write.close()
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            try:
+                data = self._read.recv(64)
+            except OSError:
+                return
+            if self._old_fd is not None and self._old_fd >= 0:  # someone else's wakeup fd: pass the bytes on
+                with contextlib.suppress(OSError):
+                    os.write(self._old_fd, data)
+            if signal.SIGTERM in data and not self._done.is_set():
+                self._on_sigterm()
+                return
+
+    def _on_sigterm(self) -> None:
+        trainer = self._trainer
+        launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
+        connector = getattr(trainer, "_signal_connector", None)
+        if launcher is not None and connector is not None and not connector.received_sigterm:
+            launcher.kill(signal.SIGTERM)  # as Lightning's handler would, without waiting for the main thread
+        if connector is not None:
+            connector.received_sigterm = True
+        if self._done.wait(self.grace):
+            return
+        print(
+            f"lightning_shardrec: rank {self.rank} received SIGTERM {self.grace:.0f} s ago and is still inside fit "
+            f"(blocked in a collective?); it exits now with status 143 ({GRACE_ENV} sets the grace)",
+            file=sys.stderr,
+            flush=True,
+        )
+        if launcher is not None:
+            with contextlib.suppress(Exception):
+                launcher.kill(signal.SIGKILL)
+        os._exit(128 + signal.SIGTERM)
+
+
+def _mark(connector: Any) -> Any:
+    """Lightning's SIGTERM notifier without its broadcast: mark the trainer, forward to launched ranks once."""
+
+    def notify(signum: int, frame: Any) -> None:
+        launcher = connector.trainer.strategy.launcher
+        if not connector.received_sigterm and launcher is not None:
+            launcher.kill(signum)
+        connector.received_sigterm = True
+
+    return notify

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -44,6 +45,7 @@ from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
 from lightning_shardrec.distributed.transport.connect import attach, parse_transport
 from lightning_shardrec.distributed.transport.per_host import transport_report
+from lightning_shardrec.distributed.transport.shm import ShmTransport
 from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
@@ -61,7 +63,7 @@ from lightning_shardrec.lightning.optimizers import (
 from lightning_shardrec.lightning.pipeline import TrainPipeline
 from lightning_shardrec.lightning.precision import ScalerGlue, convert_dense
 from lightning_shardrec.lightning.rank_failures import RankFailureHandling
-from lightning_shardrec.lightning.sigterm import LaggedSigterm
+from lightning_shardrec.lightning.sigterm import LaggedSigterm, SigtermDeadline
 from lightning_shardrec.lightning.table_memory import has_meta_tables, tables_hidden
 from lightning_shardrec.lightning.teardown import destroy_groups
 from lightning_shardrec.modules.plain_embeddings import check_embedding_options, swap_embedding_modules
@@ -91,12 +93,14 @@ class ShardRecStrategy(RankFailureHandling):
             ``"fbgemm"`` or ``"torch"``.
         comm_precision: ``"fp32"`` (exact), ``"bf16"`` or ``"fp16"``: the precision of the pooled
             embeddings' all-to-alls / reduce-scatters and their gradients (half the bytes).
-        comm_transport: ``"auto"`` (the embeddings' all-to-alls go through shared memory when every
-            rank is on this host under gloo, see :mod:`lightning_shardrec.distributed.transport.shm`;
-            on several hosts through shared memory inside each and the process group between them,
+        comm_transport: None (default: ``$LIGHTNING_SHARDREC_TRANSPORT``, else ``"pg"``: the process
+            group's collectives, as under NCCL), ``"auto"`` (the embeddings' all-to-alls go through
+            shared memory when every rank is on this host under gloo, see
+            :mod:`lightning_shardrec.distributed.transport.shm`; on several hosts through shared memory
+            inside each and the process group between them,
             :mod:`~lightning_shardrec.distributed.transport.per_host`; else through the process group;
-            printed at fit start per host), ``"shm"`` (required) or ``"pg"`` (never shared memory).
-            Results are identical either way.
+            printed at fit start per host), ``"shm"`` (required) or ``"pg"``. Results are identical
+            either way (2 ranks: bit for bit).
         pipeline: overlap the next batch's input distribution (id all-to-alls, host-to-device copy)
             with this batch's forward/backward (see :mod:`lightning_shardrec.lightning.pipeline`);
             results are identical to ``pipeline=False``.
@@ -148,7 +152,7 @@ class ShardRecStrategy(RankFailureHandling):
         plan: ShardingPlan | Mapping[str, ParameterSharding] | None = None,
         kernel: str = "auto",
         comm_precision: str = "fp32",
-        comm_transport: str = "auto",
+        comm_transport: str | None = None,
         pipeline: bool = False,
         process_group_backend: str | None = None,
         planner_batch_size: int = 512,
@@ -183,7 +187,9 @@ class ShardRecStrategy(RankFailureHandling):
         self._pipeline_on = pipeline
         self.pipeline: TrainPipeline | None = None
         self._sigterm: LaggedSigterm | None = None  # Lightning's per-batch SIGTERM broadcast, made async
+        self._deadline: SigtermDeadline | None = None  # SIGTERM ends a rank within seconds (lightning/sigterm.py)
         self._own_groups: list[dist.ProcessGroup] = []  # destroyed in teardown (lightning/teardown.py)
+        self._dense_transport: ShmTransport | None = None  # the DDP hook's (closed in teardown)
         if isinstance(embedding_optimizer, str):
             embedding_optimizer = FusedOptimConfig(optimizer=embedding_optimizer)  # validates the name
         if embedding_lr is not None and not (isinstance(embedding_lr, (int, float)) and embedding_lr >= 0):
@@ -239,52 +245,100 @@ class ShardRecStrategy(RankFailureHandling):
     # --- setup --------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
+        """Each phase in its own method: find the tables, (fit) pick the tables' param group, shard (or,
+        for a later fit, rebuild the fused state), (fit) hand the tables to the fused optimizer, place
+        the model, (fit) wrap the dense rest in DDP, precision, and (fit) the per-step helpers."""
         module = self.lightning_module
         assert module is not None and self.accelerator is not None
-        swap_embedding_modules(module, self._embedding_modules, self._embedding_min_rows)
-        collections = find_collections(module)
-        if not collections and not self.sharded:
-            self._adopt(module)  # sharded by an earlier Trainer's strategy
+        collections = self._find_tables(module)
         if not collections and not self.sharded:
             rank_zero_info("ShardRecStrategy: the LightningModule has no embedding collection; training as plain DDP")
             return super().setup(trainer)
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._deferral = deferral_reason(trainer, module) if fitting else None  # accumulation, norm clipping
-        if fitting:
-            fused = [g for s in self.sharded.values() for g in s.groups if g.fused]
-            with tables_hidden([*collections.values(), *fused], lambda: self.optimizers):  # no state for tables
-                self.setup_optimizers(trainer)
         table_params = [p for c in collections.values() for p in c.parameters()]
         table_params += [p for s in self.sharded.values() for p in _fused_params(s)]
-        holder = find_group(self.optimizers, table_params) if fitting else None
-        if fitting:
-            holder = holder or group_at(self.optimizers, self._holder_slot)  # a later fit: tables not in it
-            self._holder_slot = group_slot(self.optimizers, holder)
+        holder = self._table_holder(trainer, collections, table_params) if fitting else None
         if collections:
-            self._migrated = self._torchrec_config(module)
-            self._shard(module, self._fused_config(holder))
-            for coll in self.sharded.values():  # where a later configure_optimizers puts it = where the tables train
-                coll.register_parameter(_ANCHOR, torch.nn.Parameter(torch.empty(0, device=self.root_device)))
-            _save_plan(self.plan, getattr(trainer.checkpoint_callback, "dirpath", None))
+            self._shard_collections(trainer, module, holder)
         elif fitting:  # sharded by validate/test/predict or an earlier fit: fresh fused state, this fit's rule
-            self._config = self._fused_config(holder)
-            self.fused_optimizer = None
-            for coll in self.sharded.values():
-                coll.rebuild_kernels(self._config)
+            self._renew_fused_state(holder)
         if fitting:
-            # as configure_optimizers built them (tables as keys: no full weight kept): a plain run's state resumes
-            keys = {**dict.fromkeys(map(id, table_params), ""), **table_parameter_keys(collections, self.sharded)}
-            self._groups_before = param_layout(self.optimizers, keys)
-            remove_params(self.optimizers, table_params)
-            dense_tables = [p for s in self.sharded.values() for g in s.groups if not g.fused for p in g.parameters()]
-            held = {id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]}
-            dense_tables = [p for p in dense_tables if id(p) not in held]
-            if dense_tables and holder is not None:
-                holder[1]["params"].extend(dense_tables)  # data-parallel tables train like dense layers
-            self._fit_guards(trainer, holder)
-            if self._log_dynamic_stats:
-                add_dynamic_monitor(trainer, module)  # every rank: gathering the figures is collective
+            self._hand_tables_to_fused(trainer, module, collections, table_params, holder)
+        kernels = self._place_model(holder)
+        if fitting:
+            self.model = self._wrap_dense(self.model)
+            self._register_ddp_hooks()
+        self.setup_precision_plugin()
+        if fitting:
+            self._fit_helpers(kernels, holder)
+
+    def _find_tables(self, module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        """The collections still to shard (plain embedding modules swapped in place first); adopts the
+        collections an earlier Trainer's strategy sharded when there are none."""
+        swap_embedding_modules(module, self._embedding_modules, self._embedding_min_rows)
+        collections = find_collections(module)
+        if not collections and not self.sharded:
+            self._adopt(module)  # sharded by an earlier Trainer's strategy
+        return collections
+
+    def _table_holder(
+        self, trainer: Any, collections: Mapping[str, torch.nn.Module], table_params: list[torch.nn.Parameter]
+    ) -> tuple[torch.optim.Optimizer, dict[str, Any]] | None:
+        """Fit: the user's optimizers, built over shapes of the tables (no optimizer state allocated for
+        them), and the param group the tables train as (kept across fits)."""
+        fused = [g for s in self.sharded.values() for g in s.groups if g.fused]
+        with tables_hidden([*collections.values(), *fused], lambda: self.optimizers):
+            self.setup_optimizers(trainer)
+        holder = find_group(self.optimizers, table_params)
+        holder = holder or group_at(self.optimizers, self._holder_slot)  # a later fit: tables not in it
+        self._holder_slot = group_slot(self.optimizers, holder)
+        return holder
+
+    def _shard_collections(
+        self, trainer: Any, module: torch.nn.Module, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None
+    ) -> None:
+        """Plan and shard (collective); each collection gets the anchor its param group is found by."""
+        self._migrated = self._torchrec_config(module)
+        self._shard(module, self._fused_config(holder))
+        for coll in self.sharded.values():  # where a later configure_optimizers puts it = where the tables train
+            coll.register_parameter(_ANCHOR, torch.nn.Parameter(torch.empty(0, device=self.root_device)))
+        _save_plan(self.plan, getattr(trainer.checkpoint_callback, "dirpath", None))
+
+    def _renew_fused_state(self, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> None:
+        """A fit on collections sharded before: this fit's rule, a fresh fused state."""
+        self._config = self._fused_config(holder)
+        self.fused_optimizer = None
+        for coll in self.sharded.values():
+            coll.rebuild_kernels(self._config)
+
+    def _hand_tables_to_fused(
+        self,
+        trainer: Any,
+        module: LightningModule,
+        collections: Mapping[str, torch.nn.Module],
+        table_params: list[torch.nn.Parameter],
+        holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None,
+    ) -> None:
+        """Fit: the fused tables leave the user's optimizers (data-parallel tables join the holder's group);
+        the rule report, clipping guards and the dynamic tables' monitor."""
+        # as configure_optimizers built them (tables as keys: no full weight kept): a plain run's state resumes
+        keys = {**dict.fromkeys(map(id, table_params), ""), **table_parameter_keys(collections, self.sharded)}
+        self._groups_before = param_layout(self.optimizers, keys)
+        remove_params(self.optimizers, table_params)
+        dense_tables = [p for s in self.sharded.values() for g in s.groups if not g.fused for p in g.parameters()]
+        held = {id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]}
+        dense_tables = [p for p in dense_tables if id(p) not in held]
+        if dense_tables and holder is not None:
+            holder[1]["params"].extend(dense_tables)  # data-parallel tables train like dense layers
+        self._fit_guards(trainer, holder)
+        if self._log_dynamic_stats:
+            add_dynamic_monitor(trainer, module)  # every rank: gathering the figures is collective
+
+    def _place_model(self, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> list[Any]:
+        """Dense precision, the model on its device, the fused optimizer (lr linked to the holder's group),
+        the origin a later Trainer adopts, the collective-call guard; the kernels of every table group."""
         convert_dense(self.precision_plugin, self.model, self.sharded)  # tables keep their config's dtype
         self.model_to_device()
         kernels = [k for s in self.sharded.values() for k in s.kernels()]
@@ -296,27 +350,24 @@ class ShardRecStrategy(RankFailureHandling):
             coll.shardrec_origin = (self.plan, self._holder_slot, self._config)  # type: ignore[assignment]
         if self.guard is None and self.sharded:
             self.guard = guards.ShardedGuard(self.sharded, lambda: getattr(self.lightning_module, "_trainer", None))
-        if fitting:
-            self.model = self._wrap_dense(self.model)
-            self._register_ddp_hooks()
-        self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        return kernels
+
+    def _fit_helpers(self, kernels: list[Any], holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> None:
+        """Fit, after precision: optimizers on the device, the GradScaler glue, the finite guard, the pipeline."""
+        _optimizers_to_device(self.optimizers, self.root_device)
         scaler = ScalerGlue.wanted(self.precision_plugin)
-        if fitting:
-            group = next(iter(self.sharded.values())).env.pg
-            deferred = self._deferral is not None and any(g.fused for s in self.sharded.values() for g in s._groups())
-            # updates at the optimizer step (lightning/deferred.py), the scaler's decision included
-            self._deferred_glue = DeferredGlue.attach(self, kernels, holder, group, scaler) if deferred else None
-            glue = (
-                None
-                if scaler is None or deferred
-                else ScalerGlue(scaler, ScaledTableUpdates(kernels), group, self.root_device)
-            )
-            self._scaler_glue = glue
-        if fitting and self._check_finite and self._finite is None:
+        group = next(iter(self.sharded.values())).env.pg
+        deferred = self._deferral is not None and any(g.fused for s in self.sharded.values() for g in s._groups())
+        # updates at the optimizer step (lightning/deferred.py), the scaler's decision included
+        self._deferred_glue = DeferredGlue.attach(self, kernels, holder, group, scaler) if deferred else None
+        self._scaler_glue = (
+            None
+            if scaler is None or deferred
+            else ScalerGlue(scaler, ScaledTableUpdates(kernels), group, self.root_device)
+        )
+        if self._check_finite and self._finite is None:
             self._finite = FiniteGuard(kernels)
-        if fitting and self._pipeline_on and self.sharded and (self.pipeline is None or self.pipeline.closed):
+        if self._pipeline_on and self.sharded and (self.pipeline is None or self.pipeline.closed):
             env = new_group_like(next(iter(self.sharded.values())).env, self._timeout)  # collective
             self._own_groups.append(env.pg)  # type: ignore[arg-type]
             self.pipeline = TrainPipeline(self.sharded, env, self.root_device)
@@ -430,7 +481,7 @@ class ShardRecStrategy(RankFailureHandling):
         )
         transport = next(iter(self.sharded.values())).env.transport
         if transport is not None:  # every rank alike: the dense all-reduce through shared memory too
-            use_shm_allreduce(ddp, self._dense_pg)
+            self._dense_transport = use_shm_allreduce(ddp, self._dense_pg)  # closed in teardown
         return ddp
 
     def collective(self) -> AbstractContextManager[None]:
@@ -481,6 +532,9 @@ class ShardRecStrategy(RankFailureHandling):
                 group = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)  # collective
                 self._sigterm = LaggedSigterm(group, self.root_device)
             self._sigterm.install(self.lightning_module.trainer)  # type: ignore[union-attr]
+        if self.world_size > 1 and self._deadline is None:  # SIGTERM ends this rank, also inside a collective
+            self._deadline = SigtermDeadline(self.global_rank)
+            self._deadline.install(self.lightning_module.trainer)  # type: ignore[union-attr]
 
     @override
     def on_train_end(self) -> None:
@@ -493,6 +547,9 @@ class ShardRecStrategy(RankFailureHandling):
     # --- teardown (failures: lightning_shardrec.lightning.rank_failures) ------------------------
     @override
     def teardown(self) -> None:
+        if self._deadline is not None:  # left fit: no SIGTERM deadline
+            self._deadline.remove()
+            self._deadline = None
         if self._sigterm is not None:  # after a failure too: give the loop its check back, wait for nobody
             self._sigterm.remove(wait=False)
             self._sigterm.close()
@@ -510,8 +567,11 @@ class ShardRecStrategy(RankFailureHandling):
             return super().teardown()
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
+        if self._dense_transport is not None:  # with its DDP wrapper (the next fit connects another)
+            self._dense_transport.close()
+            self._dense_transport = None
         if self.pipeline is not None and not self._failing:
-            self.pipeline.close()  # prefetch off: its group goes next
+            self.pipeline.close()  # prefetch off, its transport closed: its group goes next
         if not self._failing:  # after a failure a group may hold work for a dead peer: leave it to exit
             destroy_groups(self._own_groups)
             self._own_groups = []

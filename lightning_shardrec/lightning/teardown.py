@@ -9,6 +9,9 @@ marks as failed. So:
 * the groups the strategy makes for itself (the dense layers' DDP group, the pipeline's
   prefetch group, the lagged SIGTERM group) are destroyed in ``teardown``
   (:func:`destroy_groups`), which every rank reaches after ``fit``/``validate``/...;
+* the shared-memory transports (:mod:`lightning_shardrec.distributed.transport`) are closed: the
+  dense all-reduce's with its DDP wrapper, the pipeline's with the pipeline; the sharded
+  collections keep theirs for a later fit, validate or predict (closed when they are freed);
 * the default group, when the strategy's ``setup_distributed`` created it, is destroyed
   by an ``atexit`` hook (:func:`destroy_default_group_at_exit`), after the user's script
   is done with it (``trainer.save_checkpoint`` after ``fit`` still needs it), while the

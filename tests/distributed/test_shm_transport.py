@@ -1,7 +1,8 @@
 """``ShmTransport``: same-host all-to-alls through shared memory, equal to gloo's bit for bit.
 
-Every case runs the same ops on gloo and on the transport and compares the received tensors;
-the sharded-module tests (``test_sharded_*``) run on the transport too (``comm_transport="auto"``).
+Every case runs the same ops on gloo and on the transport and compares the received tensors.
+The general suite runs on the process group (the default); ``test_transport_matrix.py`` runs
+its multi-rank cases on the transport too.
 """
 
 from __future__ import annotations

@@ -39,15 +39,14 @@ _allreduce_hook.__annotations__.update(bucket=dist.GradBucket, transport=ShmTran
 _allreduce_hook.__annotations__["return"] = torch.futures.Future[Tensor]
 
 
-def use_shm_allreduce(ddp: DistributedDataParallel, pg: dist.ProcessGroup) -> bool:
+def use_shm_allreduce(ddp: DistributedDataParallel, pg: dist.ProcessGroup) -> ShmTransport | HostTransport | None:
     """Collective over ``pg`` (DDP's group): register the shared-memory all-reduce when every rank can share
-    memory, or every host's ranks can (:mod:`.per_host`: the group between hosts); False (DDP keeps its own)
-    otherwise, on every rank alike."""
+    memory, or every host's ranks can (:mod:`.per_host`: the group between hosts), and return its transport
+    (the caller closes it with the DDP wrapper); None (DDP keeps its own) otherwise, on every rank alike."""
     transport: ShmTransport | HostTransport | None
     transport, _ = connect(pg)
     if transport is None:  # several hosts: shared memory inside each, the group between them
         transport, _ = connect_hosts(pg)
-    if transport is None:
-        return False
-    ddp.register_comm_hook(transport, _allreduce_hook)
-    return True
+    if transport is not None:
+        ddp.register_comm_hook(transport, _allreduce_hook)
+    return transport

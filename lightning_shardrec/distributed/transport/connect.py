@@ -1,4 +1,4 @@
-"""Setting up the same-host transport: ``comm_transport="auto" | "shm" | "pg"``.
+"""Setting up the same-host transport: ``comm_transport=None (pg) | "pg" | "auto" | "shm"``.
 
 :func:`attach` gives a :class:`~lightning_shardrec.distributed.comm.ShardingEnv` a
 :class:`~lightning_shardrec.distributed.transport.shm.ShmTransport` when its mode allows and
@@ -20,32 +20,38 @@ import torch
 import torch.distributed as dist
 
 from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.transport import shm
-from lightning_shardrec.distributed.transport.shm import SLOT_BYTES, SLOTS, ShmTransport
+from lightning_shardrec.distributed.transport import records, shm
+from lightning_shardrec.distributed.transport.shm import RESERVED_BYTES, SLOT_BYTES, SLOTS, ShmTransport
 from lightning_shardrec.errors import unknown_name
 
 TRANSPORT_ENV = "LIGHTNING_SHARDREC_TRANSPORT"
 TRANSPORTS = ("auto", "shm", "pg")
+DEFAULT_TRANSPORT = "pg"  # chosen by measurement: docs/operations.md#same-host-communication
 
 
-def parse_transport(value: str, owner: str = "comm_transport") -> str:
-    """``"auto"`` / ``"shm"`` / ``"pg"`` (any case), else a ``ValueError`` listing them."""
+def parse_transport(value: str | None, owner: str = "comm_transport") -> str | None:
+    """``"auto"`` / ``"shm"`` / ``"pg"`` (any case) or None (the default), else a ``ValueError`` listing them."""
+    if value is None:
+        return None
     mode = str(value).lower()
     if mode not in TRANSPORTS:
         raise unknown_name(owner, value, list(TRANSPORTS))
     return mode
 
 
-def attach(env: ShardingEnv, mode: str = "auto", timeout: float | None = None) -> ShardingEnv:
+def attach(env: ShardingEnv, mode: str | None = None, timeout: float | None = None) -> ShardingEnv:
     """Collective over ``env.pg``: ``env`` with a same-host :class:`ShmTransport` for its all-to-alls.
 
-    ``mode``: ``"auto"`` (shared memory when every rank of a gloo group can use it; on several hosts shared
-    memory inside each and the group between them (:mod:`.per_host`); else the group;
-    ``$LIGHTNING_SHARDREC_TRANSPORT`` may say ``shm`` or ``pg`` instead; ranks that disagree raise),
-    ``"shm"`` (required: raises where it cannot be used) or ``"pg"`` (the process group's own).
+    ``mode``: None (the default: ``$LIGHTNING_SHARDREC_TRANSPORT``, else ``"pg"``), ``"pg"`` (the
+    process group's own: what runs under NCCL and across hosts), ``"auto"`` (shared memory when every
+    rank of a gloo group can use it; on several hosts shared memory inside each and the group between
+    them (:mod:`.per_host`); else the group; ``$LIGHTNING_SHARDREC_TRANSPORT`` may say ``shm`` or ``pg``
+    instead) or ``"shm"`` (required: raises where it cannot be used). Ranks that disagree raise.
     ``timeout``: seconds a rank waits for a peer's data (None: the group's own collective timeout).
     """
     mode = parse_transport(mode)
+    if mode is None:
+        mode = parse_transport(os.environ.get(TRANSPORT_ENV, DEFAULT_TRANSPORT), TRANSPORT_ENV)
     if mode == "auto":
         mode = parse_transport(os.environ.get(TRANSPORT_ENV, "auto"), TRANSPORT_ENV)
     if env.world_size == 1 or env.transport is not None:
@@ -87,7 +93,9 @@ def connect(
     other, else ``(None, why)`` on every rank (the reason of the first rank that could not).
 
     Only gloo groups (CPU tensors): a NCCL group keeps its own transport. The files live under
-    ``/dev/shm`` until every rank has opened them, then are unlinked (nothing is left behind).
+    ``/dev/shm`` until every rank has opened them, then are unlinked (nothing is left behind, also when
+    a peer dies during setup). The first ``min(slot_bytes, RESERVED_BYTES)`` bytes of every slot are
+    reserved here: a ``/dev/shm`` without room for them makes every rank keep the process group.
     """
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     if world == 1:
@@ -103,55 +111,71 @@ def connect(
     if failed:
         return None, failed[0]
     base = os.path.join(shm.SHM_DIR, f"shardrec-{infos[0][1]}-")
-    part = SLOTS * slot_bytes
+    part, reserved = SLOTS * slot_bytes, min(slot_bytes, RESERVED_BYTES)
     made: list[str] = []
-    own_fd, own_map, inbound, outbound, peers = -1, None, {}, {}, {}
-    why = ""
-    try:  # phase 1: this rank's region (a sparse file: pages come on use) and the FIFOs it reads
-        path = f"{base}r{rank}"
-        own_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        made.append(path)
-        os.ftruncate(own_fd, shm.PROBE + world * part)
-        os.pwrite(own_fd, f"{token}:{rank}".encode(), 0)
-        own_map = mmap.mmap(own_fd, shm.PROBE + world * part, mmap.MAP_SHARED)  # may fail (address-space limit)
-        for s in range(world):
-            if s != rank:
-                fifo = f"{base}f{s}to{rank}"
-                os.mkfifo(fifo, 0o600)
-                made.append(fifo)
-                inbound[s] = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    except (OSError, ValueError) as e:  # ValueError: mmap refused the size
-        why = f"cannot create files in {shm.SHM_DIR}: {e}"
-    infos = _gather((why, token), pg, world)
-    if not any(w for w, _ in infos):
-        try:  # phase 2: every peer's region (its part for this rank) and the FIFOs to the peers
-            for s, (_, peer_token) in enumerate(infos):
-                if s == rank:
-                    continue
-                fd = os.open(f"{base}r{s}", os.O_RDWR)
-                try:
-                    if os.pread(fd, 64, 0).rstrip(b"\0") != f"{peer_token}:{s}".encode():
-                        raise OSError(f"rank {s}'s region holds other bytes (not the same shared memory)")
-                    peers[s] = mmap.mmap(fd, part, mmap.MAP_SHARED, offset=shm.PROBE + rank * part)
-                finally:
+    fds: list[int] = []  # every descriptor opened here (closed unless a transport takes them)
+    own_map, inbound, outbound, peers = None, {}, {}, {}
+    held = 0  # bytes reserved here (given back unless a transport takes them)
+    transport = None
+    try:
+        why = ""
+        try:  # phase 1: this rank's region (a sparse file), the first pages of every slot, the FIFOs it reads
+            path = f"{base}r{rank}"
+            own_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fds.append(own_fd)
+            made.append(path)
+            os.ftruncate(own_fd, shm.PROBE + world * part)
+            os.pwrite(own_fd, f"{token}:{rank}".encode(), 0)
+            for d in range(world):
+                for k in range(SLOTS if d != rank and reserved else 0):
+                    records.reserve(own_fd, shm.PROBE + d * part + k * slot_bytes, reserved)
+                    held += reserved
+            own_map = mmap.mmap(own_fd, shm.PROBE + world * part, mmap.MAP_SHARED)  # may fail (address-space limit)
+            for s in range(world):
+                if s != rank:
+                    fifo = f"{base}f{s}to{rank}"
+                    os.mkfifo(fifo, 0o600)
+                    made.append(fifo)
+                    inbound[s] = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+                    fds.append(inbound[s])
+        except (OSError, ValueError) as e:  # ValueError: mmap refused the size
+            why = f"cannot create files or reserve {SLOTS * (world - 1)} x {reserved} bytes in {shm.SHM_DIR}: {e}"
+        infos = _gather((why, token), pg, world)
+        if not any(w for w, _ in infos):
+            try:  # phase 2: every peer's region (its part for this rank) and the FIFOs to the peers
+                for s, (_, peer_token) in enumerate(infos):
+                    if s == rank:
+                        continue
+                    fd = os.open(f"{base}r{s}", os.O_RDWR)
+                    try:
+                        if os.pread(fd, 64, 0).rstrip(b"\0") != f"{peer_token}:{s}".encode():
+                            raise OSError(f"rank {s}'s region holds other bytes (not the same shared memory)")
+                        peers[s] = mmap.mmap(fd, part, mmap.MAP_SHARED, offset=shm.PROBE + rank * part)
+                    finally:
+                        os.close(fd)
+                    outbound[s] = os.open(f"{base}f{rank}to{s}", os.O_WRONLY | os.O_NONBLOCK)
+                    fds.append(outbound[s])
+                    os.set_blocking(outbound[s], True)
+            except (OSError, ValueError) as e:
+                why = f"cannot open the other ranks' files in {shm.SHM_DIR}: {e}"
+        infos = _gather((why, token), pg, world)  # every rank has opened everything (or failed)
+        failed = [f"rank {r}: {w}" for r, (w, _) in enumerate(infos) if w]
+        if failed:
+            return None, failed[0]
+        wait = group_timeout(pg) if timeout is None else timeout
+        assert own_map is not None  # every rank succeeded, this one included
+        fifos = (inbound, outbound)
+        transport = ShmTransport(pg, rank, world, (own_fd, own_map), peers, fifos, slot_bytes, wait, reserved)
+        return transport, ""
+    finally:  # also when a peer died mid-setup (a gather raised): nothing is left in /dev/shm
+        for path in made:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if transport is None:
+            for fd in fds:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                outbound[s] = os.open(f"{base}f{rank}to{s}", os.O_WRONLY | os.O_NONBLOCK)
-                os.set_blocking(outbound[s], True)
-        except (OSError, ValueError) as e:
-            why = f"cannot open the other ranks' files in {shm.SHM_DIR}: {e}"
-    infos = _gather((why, token), pg, world)  # every rank has opened everything (or failed): unlink
-    for path in made:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    failed = [f"rank {r}: {w}" for r, (w, _) in enumerate(infos) if w]
-    if failed:
-        for fd in (*inbound.values(), *outbound.values(), own_fd):
-            if fd >= 0:
-                os.close(fd)
-        return None, failed[0]
-    wait = group_timeout(pg) if timeout is None else timeout
-    assert own_map is not None  # every rank succeeded, this one included
-    return ShmTransport(pg, rank, world, (own_fd, own_map), peers, (inbound, outbound), slot_bytes, wait), ""
+            records.release(held)
 
 
 def group_timeout(pg: dist.ProcessGroup | None) -> float:

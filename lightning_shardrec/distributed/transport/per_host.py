@@ -33,7 +33,8 @@ from torch import Tensor
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.transport import shm
 from lightning_shardrec.distributed.transport.connect import connect, group_timeout
-from lightning_shardrec.distributed.transport.shm import ShmTransport, ShmWork, _RecvInto, _Sent
+from lightning_shardrec.distributed.transport.records import RecvInto, Sent
+from lightning_shardrec.distributed.transport.shm import ShmTransport, ShmWork
 
 
 def shm_hosts(pg: dist.ProcessGroup | None = None) -> tuple[list[list[int]], list[str], str]:
@@ -157,14 +158,14 @@ class HostTransport:
         wire = wire or inp.dtype
         src, dst = inp.contiguous(), out.view(-1)
         in_at, out_at = _starts(in_rows), _starts(out_rows)
-        p2p: list[_Sent | _RecvInto] = []
+        p2p: list[Sent | RecvInto] = []
         for d in (*range(lo), *range(hi, w)):  # other hosts: point to point, issued first
             if in_rows[d]:
-                p2p.append(_Sent(src[in_at[d] : in_at[d + 1]].to(wire).contiguous(), self.pg, d))
+                p2p.append(Sent(src[in_at[d] : in_at[d + 1]].to(wire).contiguous(), self.pg, d))
             if out_rows[d]:
                 start, count = out_at[d] * row, out_rows[d] * row
                 tmp = dst[start : start + count] if wire == dst.dtype else dst.new_empty(count, dtype=wire)
-                p2p.append(_RecvInto(tmp, self.pg, d, dst, start))
+                p2p.append(RecvInto(tmp, self.pg, d, dst, start))
         mine = out[out_at[lo] : out_at[hi]]
         if self.local is not None:
             work = self.local.all_to_all(mine, src[in_at[lo] : in_at[hi]], out_rows[lo:hi], in_rows[lo:hi], wire)
@@ -196,7 +197,7 @@ class HostTransport:
 class HostWork:
     """The handle of :meth:`HostTransport.all_to_all`: ``wait()`` as ``dist.Work``'s."""
 
-    def __init__(self, local: ShmWork | None, p2p: list[_Sent | _RecvInto]) -> None:
+    def __init__(self, local: ShmWork | None, p2p: list[Sent | RecvInto]) -> None:
         self._local, self._p2p, self._done = local, p2p, False
 
     def wait(self) -> bool:

@@ -16,11 +16,24 @@ slice. :class:`ShmTransport` moves the same bytes through ``/dev/shm``:
   Before issuing op ``n`` a rank completes its own ops up to ``n - SLOTS``; a rank that
   must wait for an ack first sends its own (an ack-only record), so two ranks waiting for
   each other's acks both move on;
+* each record also carries the chunk's byte count, wire dtype and route; the receiver checks
+  them against its own splits (:mod:`.records`), so ranks whose ops disagree fail naming both
+  sides instead of reading stale bytes;
 * a chunk larger than ``slot_bytes`` goes point to point over the process group instead
   (both sides know its size, so they agree without asking);
+* pages: :func:`~lightning_shardrec.distributed.transport.connect.connect` reserves the first
+  ``reserved`` bytes of every slot (``posix_fallocate``: a full ``/dev/shm`` fails there, and
+  every rank keeps the process group); a slot grows on demand, and when its pages cannot be
+  reserved (``/dev/shm`` full, ``$LIGHTNING_SHARDREC_SHM_BYTES``) that chunk goes point to point
+  and its record says so: a full ``/dev/shm`` slows a run, it never stops it (no ``SIGBUS``);
 * a peer that dies closes its FIFO ends: the waiting rank raises "connection closed by
   peer" at once; a peer that hangs is caught by the group's timeout (and, in the
   strategy, by the heartbeat watchdog).
+
+Ordering invariant: every rank issues the same ops on a transport in the same order, from one
+thread, and completes them in issue order (``wait()`` on an op completes every earlier one first);
+each record names its op, checked on arrival. A transport is never shared by two process groups'
+users (the strategy gives the dense all-reduce and the pipeline their own).
 
 :func:`~lightning_shardrec.distributed.transport.connect.connect` builds one (collective) only when
 every rank of a gloo group can open the others' files and sees the same bytes; otherwise every
@@ -32,11 +45,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import math
 import mmap
 import os
 import select
-import struct
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -45,11 +58,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_shardrec.distributed.transport import records
+from lightning_shardrec.distributed.transport.records import ACK_ONLY, BIG, REC, SLOT, SPILL, SPILL_TAG, Record
+
+log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 SLOTS = 4  # ops in flight per destination; op n reuses op n - SLOTS's slot
-SLOT_BYTES = 64 << 20  # virtual (sparse) bytes per slot and destination; pages are allocated on first use
-_REC = struct.Struct("<qq")  # (op, last op consumed of the receiver's)
-_ACK_ONLY = -1  # a record's op when it only carries the ack
+SLOT_BYTES = 64 << 20  # virtual (sparse) bytes per slot and destination; pages are reserved on first use
+RESERVED_BYTES = 1 << 20  # bytes of every slot reserved at connect (a /dev/shm without them: the process group)
 PROBE = 4096  # a page at the start of each region: the owner's token, read back by every peer
 _OPEN: weakref.WeakSet[ShmTransport] = weakref.WeakSet()
 
@@ -60,9 +76,9 @@ class _Op:
 
     seq: int
     out: Tensor  # flat
-    recv: list[tuple[int, int, int]]  # per source: (element offset in out, elements, wire bytes)
+    recv: list[tuple[int, int, int, bool]]  # per source: (element offset in out, elements, wire bytes, too big)
     wire: torch.dtype
-    p2p: list[_Sent | _RecvInto] = field(default_factory=list)
+    p2p: list[records.Sent | records.RecvInto] = field(default_factory=list)
     done: bool = False
 
 
@@ -99,9 +115,11 @@ class ShmTransport:
         fifos: tuple[dict[int, int], dict[int, int]],
         slot_bytes: int,
         timeout: float,
+        reserved: int = 0,
     ) -> None:
         self.pg, self.rank, self.world_size = pg, rank, world_size
         self.slot_bytes, self.timeout = slot_bytes, timeout
+        self.spilled = 0  # chunks that went point to point because their pages could not be reserved
         self._fd, self._own_map = own
         self._peer_maps = peers
         self._inbound, self._outbound = fifos  # source -> read fd, destination -> write fd
@@ -110,10 +128,11 @@ class ShmTransport:
         self._send = {d: torch.frombuffer(self._own_map, dtype=torch.uint8, offset=PROBE + d * part, count=part)
                       for d in peers}  # fmt: skip
         self._recv = {s: torch.frombuffer(m, dtype=torch.uint8, count=part) for s, m in peers.items()}
-        self._allocated = dict.fromkeys(((d, k) for d in peers for k in range(SLOTS)), 0)
+        self._allocated = dict.fromkeys(((d, k) for d in peers for k in range(SLOTS)), reserved)  # by connect
+        self._no_room = slot_bytes + 1  # the smallest size a reservation failed for (not tried again)
         self._next = 0
         self._pending: collections.deque[_Op] = collections.deque()
-        self._arrived = dict.fromkeys(peers, -1)  # last op each source has written for this rank
+        self._records: dict[int, collections.deque[Record]] = {s: collections.deque() for s in peers}
         self._acked = dict.fromkeys(peers, -1)  # last op of this rank's each destination has consumed
         self._sent_ack = dict.fromkeys(peers, -1)  # the last such ack this rank sent each peer
         self._consumed = -1  # last op this rank has completed
@@ -124,9 +143,8 @@ class ShmTransport:
             self._poll.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         self._by_fd = {fd: s for s, fd in self._inbound.items()}
         self.closed = False
-        self._finalizer = weakref.finalize(
-            self, _close_fds, [*self._inbound.values(), *self._outbound.values(), self._fd]
-        )
+        self._held = [sum(self._allocated.values())]  # bytes reserved (given back at close)
+        self._finalizer = weakref.finalize(self, _close, self._fds(), self._held)
         _OPEN.add(self)
 
     # --- ops ----------------------------------------------------------------------------------
@@ -149,8 +167,8 @@ class ShmTransport:
             raise ValueError(f"ShmTransport.all_to_all: out must be contiguous, got strides {out.stride()}")
         w = self.world_size
         row = math.prod(inp.shape[1:])  # elements per row
-        in_rows = in_splits if in_splits is not None else [inp.shape[0] // w] * w
-        out_rows = out_splits if out_splits is not None else [out.shape[0] // w] * w
+        in_rows = in_splits if in_splits is not None else _equal(inp, w, "inp", self.rank)
+        out_rows = out_splits if out_splits is not None else _equal(out, w, "out", self.rank)
         wire = wire or inp.dtype
         size = wire.itemsize
         src, dst = inp.contiguous().view(-1), out.view(-1)
@@ -162,6 +180,7 @@ class ShmTransport:
         k = n % SLOTS
         op = _Op(n, dst, [], wire)
         start = 0
+        sent: dict[int, tuple[int, int]] = {}  # destination -> (bytes, route)
         for d, rows in enumerate(in_rows):
             count = rows * row
             chunk = src[start : start + count]
@@ -169,24 +188,31 @@ class ShmTransport:
             if d == self.rank:
                 mine = sum(out_rows[: self.rank]) * row
                 dst[mine : mine + count].copy_(chunk if wire == chunk.dtype else chunk.to(wire))  # rounded alike
-            elif count * size > self.slot_bytes:  # too big for a slot: point to point (the receiver knows too)
-                op.p2p.append(_Sent(chunk.to(wire).contiguous(), self.pg, d))
-            else:
+                continue
+            route = BIG if count * size > self.slot_bytes else SLOT  # too big: point to point (the receiver knows)
+            if route == SLOT:
                 if self._acked[d] < n - SLOTS:  # its reader is not done with op n - SLOTS's slot yet
                     self._await_ack(d, n - SLOTS, deadline)
-                self._slot(d, k, count * size).view(wire).copy_(chunk)
+                slot = self._slot(d, k, count * size)
+                if slot is None:  # no pages: point to point, and the record tells the receiver
+                    route = SPILL
+                    self.spilled += 1
+                else:
+                    slot.view(wire).copy_(chunk)
+            if route != SLOT:
+                op.p2p.append(records.Sent(chunk.to(wire).contiguous(), self.pg, d, SPILL_TAG if route == SPILL else 0))
+            sent[d] = (count * size, route)
         for d in self._outbound:  # every destination gets a record, also for an empty or p2p chunk
-            self._write(d, n)
+            self._write(d, n, sent[d][0], records.code_of(wire, sent[d][1]))
         start = 0
         for s, rows in enumerate(out_rows):
             count = rows * row
             if s != self.rank:
-                if count * size > self.slot_bytes:
+                big = count * size > self.slot_bytes
+                if big:
                     tmp = dst[start : start + count] if wire == dst.dtype else dst.new_empty(count, dtype=wire)
-                    op.p2p.append(_RecvInto(tmp, self.pg, s, dst, start))
-                    op.recv.append((start, 0, -1))
-                else:
-                    op.recv.append((start, count, count * size))
+                    op.p2p.append(records.RecvInto(tmp, self.pg, s, dst, start))
+                op.recv.append((start, count, count * size, big))
             start += count
         self._pending.append(op)
         return ShmWork(self, op)
@@ -223,10 +249,15 @@ class ShmTransport:
     def _complete(self, op: _Op) -> None:
         deadline = time.monotonic() + self.timeout
         sources = [s for s in range(self.world_size) if s != self.rank]
-        for s, (start, count, nbytes) in zip(sources, op.recv, strict=True):
-            while self._arrived[s] < op.seq:
+        for s, (start, count, nbytes, big) in zip(sources, op.recv, strict=True):
+            while not self._records[s]:
                 self._read(deadline, waiting_for=s)
-            if nbytes > 0:
+            rec = self._records[s].popleft()
+            records.check(rec, op.seq, s, self.rank, nbytes, op.wire, big)
+            if rec.route == SPILL:  # the sender had no room for its pages: in op order on both sides
+                tmp = op.out.new_empty(count, dtype=op.wire)
+                records.RecvInto(tmp, self.pg, s, op.out, start, SPILL_TAG).wait()
+            elif rec.route == SLOT and nbytes > 0:
                 base = (op.seq % SLOTS) * self.slot_bytes
                 view = self._recv[s][base : base + nbytes].view(op.wire)
                 op.out[start : start + count].copy_(view)
@@ -236,19 +267,30 @@ class ShmTransport:
         op.done = True
 
     # --- slots and records --------------------------------------------------------------------
-    def _slot(self, d: int, k: int, nbytes: int) -> Tensor:
-        """Bytes ``[0, nbytes)`` of slot ``k`` for ``d``, its pages reserved first (no SIGBUS on a full tmpfs)."""
-        if nbytes > self._allocated[(d, k)]:
+    def _slot(self, d: int, k: int, nbytes: int) -> Tensor | None:
+        """Bytes ``[0, nbytes)`` of slot ``k`` for ``d``, its pages reserved first; None when they cannot be."""
+        have = self._allocated[(d, k)]
+        if nbytes > have:
+            if nbytes >= self._no_room:
+                return None
             offset = PROBE + (d * SLOTS + k) * self.slot_bytes
-            grow = min(self.slot_bytes, max(nbytes, 2 * self._allocated[(d, k)]))
-            try:
-                os.posix_fallocate(self._fd, offset, grow)
-            except OSError as e:
-                raise RuntimeError(
-                    f"ShmTransport: cannot reserve {grow} bytes in {SHM_DIR} ({e.strerror}); give {SHM_DIR} more "
-                    "room or set comm_transport='pg' (LIGHTNING_SHARDREC_TRANSPORT=pg)"
-                ) from e
-            self._allocated[(d, k)] = grow
+            for grow in dict.fromkeys((min(self.slot_bytes, max(nbytes, 2 * have)), nbytes)):  # doubling, else exact
+                try:
+                    records.reserve(self._fd, offset + have, grow - have)
+                except OSError as e:
+                    error = e
+                    continue
+                self._allocated[(d, k)] = grow
+                self._held[0] += grow - have
+                break
+            else:
+                if self._no_room > self.slot_bytes:  # the first time
+                    log.warning(
+                        "ShmTransport: cannot reserve %d more bytes in %s (%s): chunks that do not fit go through the "
+                        "process group (give %s more room for full speed)", nbytes - have, SHM_DIR, error, SHM_DIR
+                    )  # fmt: skip
+                self._no_room = nbytes
+                return None
         base = k * self.slot_bytes
         return self._send[d][base : base + nbytes]
 
@@ -257,14 +299,14 @@ class ShmTransport:
         consumed (an ack-only record), so two ranks waiting for each other's acks both move on."""
         for peer, sent in self._sent_ack.items():
             if sent < self._consumed:
-                self._write(peer, _ACK_ONLY)
+                self._write(peer, ACK_ONLY)
         while self._acked[d] < seq:
             self._read(deadline, waiting_for=d)
 
-    def _write(self, d: int, seq: int) -> None:
+    def _write(self, d: int, seq: int, nbytes: int = 0, code: int = 0) -> None:
         self._sent_ack[d] = self._consumed
         try:
-            os.write(self._outbound[d], _REC.pack(seq, self._consumed))
+            os.write(self._outbound[d], REC.pack(seq, self._consumed, nbytes, code))  # < PIPE_BUF: atomic
         except BrokenPipeError as e:  # the reader is gone
             raise _gone(d) from e
 
@@ -285,17 +327,21 @@ class ShmTransport:
                 self._poll.unregister(fd)
                 continue
             buf = self._buffers[s] + data
-            whole = len(buf) - len(buf) % _REC.size
-            for seq, ack in _REC.iter_unpack(buf[:whole]):
-                if seq != _ACK_ONLY:
-                    self._arrived[s] = seq
+            whole = len(buf) - len(buf) % REC.size
+            for seq, ack, nbytes, code in REC.iter_unpack(buf[:whole]):
+                if seq != ACK_ONLY:
+                    self._records[s].append(Record(seq, nbytes, code))
                 self._acked[s] = max(self._acked[s], ack)
             self._buffers[s] = buf[whole:]
 
     def close(self) -> None:
-        """Release the FIFOs (peers blocked on this rank then see it gone); mappings go with the last view."""
+        """Release the FIFOs (peers blocked on this rank then see it gone); mappings go with the last view.
+        Idempotent; the strategy closes its transports at teardown and the pipeline its own at close."""
         self.closed = True
         self._finalizer()
+
+    def _fds(self) -> list[int]:
+        return [*self._inbound.values(), *self._outbound.values(), self._fd]
 
 
 def _sum_in_rank_order(blocks: Tensor) -> Tensor:
@@ -311,38 +357,21 @@ def _gone(rank: int) -> RuntimeError:
     return RuntimeError(f"ShmTransport: connection closed by peer (rank {rank} of the group exited)")
 
 
-def _close_fds(fds: list[int]) -> None:
+def _close(fds: list[int], held: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
+    records.release(held[0])
 
 
-class _Sent:
-    """An ``isend`` that keeps its (possibly cast) buffer alive until waited on."""
-
-    def __init__(self, buf: Tensor, pg: dist.ProcessGroup | None, dst: int) -> None:
-        self.buf = buf
-        self.work = dist.isend(buf, group=pg, group_dst=dst)
-
-    def wait(self) -> bool:
-        if self.work is not None:
-            self.work.wait()
-        return True
-
-
-class _RecvInto:
-    """An ``irecv`` into a wire-dtype buffer, cast into ``out`` when waited on."""
-
-    def __init__(self, tmp: Tensor, pg: dist.ProcessGroup | None, src: int, out: Tensor, start: int) -> None:
-        self.tmp, self.out, self.start = tmp, out, start
-        self.work = dist.irecv(tmp, group=pg, group_src=src)
-
-    def wait(self) -> bool:
-        if self.work is not None:
-            self.work.wait()
-        if self.tmp.data_ptr() != self.out[self.start :].data_ptr():
-            self.out[self.start : self.start + self.tmp.numel()].copy_(self.tmp)
-        return True
+def _equal(t: Tensor, world: int, name: str, rank: int) -> list[int]:
+    """Equal splits of ``t``'s rows (no splits given), refused when they do not divide (no row dropped)."""
+    if t.shape[0] % world:
+        raise ValueError(
+            f"ShmTransport.all_to_all on rank {rank}: {name} has {t.shape[0]} rows, not a multiple of the "
+            f"{world} ranks; pass explicit splits"
+        )
+    return [t.shape[0] // world] * world
 
 
 def _close_in_child() -> None:
