@@ -133,6 +133,10 @@ class JaggedTensor:
     def device(self) -> torch.device:
         return self._values.device
 
+    def size_in_bytes(self) -> int:
+        """Bytes of the tensors it holds: values, weights, lengths and offsets (those present), as TorchRec."""
+        return ops.tensor_bytes(self._values, self._weights, self._lengths, self._offsets)
+
     # --- conversions --------------------------------------------------------------
     def to_dense(self) -> list[Tensor]:
         """One tensor per bag (the inverse of :meth:`from_dense`)."""
