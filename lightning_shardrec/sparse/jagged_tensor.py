@@ -323,4 +323,12 @@ def __getattr__(name: str) -> object:
         from lightning_shardrec.sparse.keyed_tensor import KeyedTensor
 
         return KeyedTensor
+    if name in ("ComputeJTDictToKJT", "ComputeKJTToJTDict"):
+        from lightning_shardrec.sparse import convert_modules
+
+        return getattr(convert_modules, name)
+    if name in ("jt_is_equal", "kjt_is_equal", "regroup_kts"):
+        from lightning_shardrec.sparse import equality
+
+        return getattr(equality, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
