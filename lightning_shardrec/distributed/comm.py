@@ -21,8 +21,10 @@ from torch import Tensor
 
 from lightning_shardrec.distributed.qcomm import (
     CommPrecision,
+    WirePrecision,
     decode,
     decode_rows,
+    directions,
     encode,
     encode_rows,
     wire_splits,
@@ -136,11 +138,12 @@ def all_to_all_grad(
     out_splits: list[int],
     in_splits: list[int],
     env: ShardingEnv,
-    precision: CommPrecision = CommPrecision.FP32,
+    precision: CommPrecision | WirePrecision = CommPrecision.FP32,
 ) -> Tensor:
     """Uneven all-to-all along dim 0 whose backward sends gradients back the same way.
 
-    ``precision`` below fp32 sends both ways in bf16/fp16 (:mod:`.qcomm`); fp32 tensors only.
+    ``precision`` below fp32 sends in bf16/fp16 (:mod:`.qcomm`; a :class:`WirePrecision`: the
+    output in its ``forward``, the gradient in its ``backward`` format); fp32 tensors only.
     """
     if env.world_size == 1:
         return tensor
@@ -191,7 +194,9 @@ def exchange_flat(
     return decode(recv, wire_out, precision)
 
 
-def reduce_scatter_grad(parts: list[Tensor], env: ShardingEnv, precision: CommPrecision = CommPrecision.FP32) -> Tensor:
+def reduce_scatter_grad(
+    parts: list[Tensor], env: ShardingEnv, precision: CommPrecision | WirePrecision = CommPrecision.FP32
+) -> Tensor:
     """Sum ``parts[r]`` over ranks onto rank ``r`` (uneven sizes allowed); backward all-gathers.
 
     ``precision`` below fp32: :func:`reduce_scatter_rows` of the parts side by side.
@@ -200,13 +205,13 @@ def reduce_scatter_grad(parts: list[Tensor], env: ShardingEnv, precision: CommPr
     """
     if env.world_size == 1:
         return parts[0]
-    if CommPrecision.parse(precision) is not CommPrecision.FP32:
+    if directions(precision) != (CommPrecision.FP32, CommPrecision.FP32):
         return reduce_scatter_rows(torch.cat(parts), [p.shape[0] for p in parts], env, precision)
     return _ReduceScatterV.apply(env, *parts)
 
 
 def reduce_scatter_rows(
-    x: Tensor, rows: list[int], env: ShardingEnv, precision: CommPrecision = CommPrecision.FP32
+    x: Tensor, rows: list[int], env: ShardingEnv, precision: CommPrecision | WirePrecision = CommPrecision.FP32
 ) -> Tensor:
     """Sum ``x``'s row block ``r`` (``x.split(rows)[r]``) over ranks onto rank ``r``; backward all-gathers.
 
@@ -218,13 +223,14 @@ def reduce_scatter_rows(
     ``precision`` below fp32: the blocks travel in bf16/fp16 by one equal all-to-all of a
     ``[W, block]`` wire buffer (the same bytes per rank as a ring reduce-scatter) and are
     summed in fp32 on arrival; the gradient is all-gathered in bf16/fp16 (:mod:`.qcomm`).
-    Uneven blocks are padded to the largest.
+    Uneven blocks are padded to the largest. A :class:`WirePrecision` sends the blocks in its
+    ``forward`` and gathers the gradient in its ``backward`` format (either may be fp32).
     """
     if env.world_size == 1:
         return x
-    precision = CommPrecision.parse(precision)
-    if precision is not CommPrecision.FP32:
-        return _ReduceScatterRowsQ.apply(x, rows, env, precision)
+    fwd, bwd = directions(precision)
+    if (fwd, bwd) != (CommPrecision.FP32, CommPrecision.FP32):
+        return _ReduceScatterRowsQ.apply(x, rows, env, fwd, bwd)
     return _ReduceScatterRows.apply(x, rows, env)
 
 
@@ -261,9 +267,9 @@ class _ReduceScatterRowsQ(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, x: Tensor, rows: list[int], env: ShardingEnv, precision: CommPrecision
+        ctx, x: Tensor, rows: list[int], env: ShardingEnv, precision: CommPrecision, backward: CommPrecision
     ) -> Tensor:
-        ctx.rows, ctx.env, ctx.precision = rows, env, precision
+        ctx.rows, ctx.env, ctx.precision = rows, env, backward
         width, most = math.prod(x.shape[1:]), max(rows)
         send = _pad_blocks(x.reshape(sum(rows), width), rows).view(env.world_size, most * width)
         wire = encode_rows(send, precision)
@@ -275,7 +281,7 @@ class _ReduceScatterRowsQ(torch.autograd.Function):
         return got.sum(0).view(mine, *x.shape[1:])
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
         rows, env, precision = ctx.rows, ctx.env, ctx.precision
         width, most = math.prod(grad.shape[1:]), max(rows)
         mine = grad.contiguous().reshape(-1)
@@ -286,7 +292,7 @@ class _ReduceScatterRowsQ(torch.autograd.Function):
         _all_gather_single(gathered, wire, env.pg)
         rows_of = decode_rows(gathered.view(env.world_size, wire_width(most * width, precision)), precision)
         back = _unpad_blocks(rows_of.reshape(env.world_size * most, width), rows)
-        return back.view(sum(rows), *grad.shape[1:]), None, None, None
+        return back.view(sum(rows), *grad.shape[1:]), None, None, None, None
 
 
 def _keep(rows: list[int], most: int, device: torch.device) -> Tensor:
@@ -328,10 +334,16 @@ def _gather_rows(grad: Tensor, rows: list[int], env: ShardingEnv) -> Tensor:
 class _AllToAllV(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, x: Tensor, out_splits: list[int], in_splits: list[int], env: ShardingEnv, precision: CommPrecision
+        ctx,
+        x: Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        env: ShardingEnv,
+        precision: CommPrecision | WirePrecision,
     ) -> Tensor:
-        ctx.splits, ctx.env, ctx.precision = (out_splits, in_splits), env, precision
-        return _all_to_all_rows(x, out_splits, in_splits, env, precision)
+        fwd, bwd = directions(precision)
+        ctx.splits, ctx.env, ctx.precision = (out_splits, in_splits), env, bwd
+        return _all_to_all_rows(x, out_splits, in_splits, env, fwd)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lightning_shardrec.configs import EmbOptimType, FusedOptimConfig
 from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.qcomm import CommPrecision
+from lightning_shardrec.distributed.qcomm import CommPrecision, WirePrecision, parse_wire
 from lightning_shardrec.distributed.sharders import ModuleSharder, sharder_comm_precision, sharder_optim
 from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
@@ -155,13 +155,15 @@ def _describe(c: FusedOptimConfig) -> str:
     return f"{c.optimizer.value}(lr={c.lr}, eps={c.eps}, weight_decay={c.weight_decay})"
 
 
-def resolve_comm_precision(explicit: str | None, sharders: Sequence[ModuleSharder[Any]]) -> CommPrecision:
-    """``comm_precision=`` else the sharders' qcomm config, else fp32; both given must agree."""
+def resolve_comm_precision(
+    explicit: str | WirePrecision | None, sharders: Sequence[ModuleSharder[Any]]
+) -> CommPrecision | WirePrecision:
+    """``comm_precision=`` (``"bf16"``, ``"fp16/bf16"``) else the sharders' qcomm config, else fp32; both must agree."""
     from_sharders = sharder_comm_precision(sharders, "DistributedModelParallel")
     if explicit is None:
         return from_sharders or CommPrecision.FP32
-    mine = CommPrecision.parse(explicit)
-    if from_sharders is not None and from_sharders is not mine:
+    mine = parse_wire(explicit)
+    if from_sharders is not None and from_sharders != mine:
         raise ValueError(
             f"DistributedModelParallel: comm_precision={mine.value} but the sharders' QCommsConfig asks for "
             f"{from_sharders.value}; pass one"

@@ -2,8 +2,9 @@
 
 ``get_qcomm_codecs_registry(QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16))``
 given to a sharder sets the pooled embeddings' wire precision (``comm_precision``, see
-:mod:`~lightning_shardrec.distributed.qcomm`). One precision covers both directions here: a
-config whose forward and backward differ, loss scales, or FP8/INT8 are refused by name.
+:mod:`~lightning_shardrec.distributed.qcomm`), one per direction: ``forward_precision`` for the
+pooled outputs, ``backward_precision`` for their gradients (the intro tutorial's FP16/BF16).
+Loss scales and FP8/INT8 are refused by name.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_shardrec.distributed.qcomm import CommPrecision
+from lightning_shardrec.distributed.qcomm import CommPrecision, WirePrecision, parse_wire
 from lightning_shardrec.errors import UnsupportedFeatureError
 
 _SECTION = "see docs/migrating.md, 'Sharders'"
@@ -53,8 +54,8 @@ class QCommsRegistry(dict):  # type: ignore[type-arg]
         super().__init__({str(getattr(op, "name", op)): config for op in comm_ops})
         self.config = config
 
-    def precision(self, where: str) -> CommPrecision:
-        """The wire precision of this config, or raise naming what is not supported."""
+    def precision(self, where: str) -> CommPrecision | WirePrecision:
+        """The wire precision of this config (a pair when the directions differ), or raise naming what is not."""
         c = self.config
         extra = {
             k: v
@@ -64,17 +65,13 @@ class QCommsRegistry(dict):  # type: ignore[type-arg]
         if extra:
             raise UnsupportedFeatureError(f"{where}: QCommsConfig fields {extra} are not supported ({_SECTION})")
         fwd, bwd = CommType(c.forward_precision), CommType(c.backward_precision)
-        if fwd is not bwd:
-            raise UnsupportedFeatureError(
-                f"{where}: QCommsConfig(forward_precision={fwd.name}, backward_precision={bwd.name}): one precision "
-                f"covers both directions here; pass the same for both ({_SECTION})"
-            )
-        if fwd.value not in {p.value for p in CommPrecision}:
-            raise UnsupportedFeatureError(
-                f"{where}: comm precision {fwd.name} is not supported; use one of "
-                f"{', '.join(p.name for p in CommPrecision)} ({_SECTION})"
-            )
-        return CommPrecision(fwd.value)
+        for t in (fwd, bwd):
+            if t.value not in {p.value for p in CommPrecision}:
+                raise UnsupportedFeatureError(
+                    f"{where}: comm precision {t.name} is not supported; use one of "
+                    f"{', '.join(p.name for p in CommPrecision)} ({_SECTION})"
+                )
+        return parse_wire(WirePrecision(CommPrecision(fwd.value), CommPrecision(bwd.value)))
 
 
 def get_qcomm_codecs_registry(

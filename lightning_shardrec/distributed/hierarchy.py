@@ -34,6 +34,7 @@ from torch import Tensor
 from lightning_shardrec.distributed.bounded_cache import BoundedCache
 from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, all_to_all_grad, uses_cuda
 from lightning_shardrec.distributed.groups import cached_group
+from lightning_shardrec.distributed.qcomm import WirePrecision
 
 
 def host_group(env: ShardingEnv) -> ShardingEnv:
@@ -102,7 +103,7 @@ class HolderExchange:
         env: ShardingEnv,
         host: ShardingEnv,
         device: torch.device,
-        precision: CommPrecision = CommPrecision.FP32,
+        precision: CommPrecision | WirePrecision = CommPrecision.FP32,
     ) -> None:
         rank, world, local = env.rank, env.world_size, env.local_world_size
         self.env, self.host, self.width, self.precision = env, host, width, precision

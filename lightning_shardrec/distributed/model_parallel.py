@@ -43,6 +43,7 @@ from lightning_shardrec.distributed.plain_embeddings import (
     ShardedPlainEmbeddingBag,
     ShardedPlainMaxEmbeddingBag,
 )
+from lightning_shardrec.distributed.qcomm import WirePrecision
 from lightning_shardrec.distributed.sharders import ModuleSharder, check_sharders
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
@@ -185,7 +186,7 @@ class DistributedModelParallel(nn.Module):
         batch_size: int = 512,
         embedding_modules: bool | Sequence[str] = True,
         embedding_min_rows: int = 0,
-        comm_precision: str | None = None,
+        comm_precision: str | WirePrecision | None = None,
         comm_transport: str | None = None,
     ) -> None:
         super().__init__()

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from lightning_shardrec.distributed.bounded_cache import BoundedCache
 from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_single, exchange_flat
-from lightning_shardrec.distributed.qcomm import CommPrecision
+from lightning_shardrec.distributed.qcomm import CommPrecision, WirePrecision, directions
 
 
 @dataclass(frozen=True)
@@ -100,14 +100,15 @@ def all_to_all_pooled(
     layout: ColumnBlocks,
     grad_scale: float,
     env: ShardingEnv,
-    precision: CommPrecision = CommPrecision.FP32,
+    precision: CommPrecision | WirePrecision = CommPrecision.FP32,
 ) -> Tensor:
     """Pooled rows home in one step: ``x [sum_s B_s, w]`` (rows for source ``s`` in order) -> ``[B_r, D]``.
 
     Source ``s`` sends this rank ``[B_r, layout.widths[s]]``; the columns land in
     ``layout`` order with one copy (no cat, no column gather). Backward gathers the
     gradient straight into the send buffer, times ``grad_scale``, and sends it back.
-    ``precision`` below fp32: both directions travel in bf16/fp16 (:mod:`.qcomm`).
+    ``precision`` below fp32: both directions travel in bf16/fp16 (:mod:`.qcomm`); a
+    :class:`~.qcomm.WirePrecision` sends the rows in its ``forward``, the gradient in its ``backward`` format.
     """
     return _PooledAllToAll.apply(x, batch_sizes, layout, grad_scale, env, precision)
 
@@ -126,12 +127,13 @@ class _PooledAllToAll(torch.autograd.Function):
         layout: ColumnBlocks,
         scale: float,
         env: ShardingEnv,
-        precision: CommPrecision,
+        precisions: CommPrecision | WirePrecision,
     ) -> Tensor:
+        precision, backward = directions(precisions)
         b, width, g = batch_sizes[env.rank], x.shape[1], layout.block
         recv_splits = [b * w for w in layout.widths]
         send_splits = [bs * width for bs in batch_sizes]
-        ctx.args = (b, layout, scale, env, recv_splits, send_splits, x.shape, precision)
+        ctx.args = (b, layout, scale, env, recv_splits, send_splits, x.shape, backward)
         if env.world_size == 1:
             recv = x.reshape(-1)
         elif precision is not CommPrecision.FP32:

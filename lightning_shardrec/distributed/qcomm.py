@@ -18,11 +18,17 @@ bytes, and gloo has no int16).
 
     splits [2, 1], x = [0.5, -2.0 | 0.25], fp16: amax 2.0 -> e = 13
     wire  = fp16 [4096, -16384, 13 | 2048, 13], wire splits [3, 2]
+
+The two directions may differ (TorchRec's ``QCommsConfig(forward_precision=FP16,
+backward_precision=BF16)``): a :class:`WirePrecision` (``"fp16/bf16"``, forward/backward) sends
+the pooled outputs in its ``forward`` format and their gradients in its ``backward`` format,
+each rounded exactly as above.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -49,6 +55,43 @@ class CommPrecision(str, enum.Enum):
             return CommPrecision(str(value).lower())
         except ValueError:
             raise unknown_name("comm_precision", value, [p.value for p in CommPrecision]) from None
+
+
+@dataclass(frozen=True)
+class WirePrecision:
+    """Different wire precisions per direction: ``forward`` (pooled outputs), ``backward`` (their gradients)."""
+
+    forward: CommPrecision
+    backward: CommPrecision
+
+    @property
+    def value(self) -> str:
+        """``"fp16/bf16"``: forward/backward, as :func:`parse_wire` reads it."""
+        return f"{self.forward.value}/{self.backward.value}"
+
+
+def parse_wire(value: CommPrecision | WirePrecision | str) -> CommPrecision | WirePrecision:
+    """From a member, a :class:`WirePrecision`, ``"bf16"`` or ``"fp16/bf16"`` (forward/backward).
+
+    One :class:`CommPrecision` when both directions agree (``"bf16/bf16"`` -> ``BF16``).
+    """
+    if isinstance(value, CommPrecision):
+        return value
+    if isinstance(value, WirePrecision):
+        fwd, bwd = value.forward, value.backward
+    else:
+        parts = str(value).lower().split("/")
+        names = [p.value for p in CommPrecision]
+        if len(parts) > 2 or any(p not in names for p in parts):
+            raise unknown_name("comm_precision", value, [*names, "<forward>/<backward> (e.g. fp16/bf16)"])
+        fwd, bwd = CommPrecision(parts[0]), CommPrecision(parts[-1])
+    return fwd if fwd is bwd else WirePrecision(fwd, bwd)
+
+
+def directions(precision: CommPrecision | WirePrecision | str) -> tuple[CommPrecision, CommPrecision]:
+    """``(forward, backward)`` precisions of a collective's output and of its gradient."""
+    p = parse_wire(precision)
+    return (p.forward, p.backward) if isinstance(p, WirePrecision) else (p, p)
 
 
 def encode(x: Tensor, splits: list[int], precision: CommPrecision) -> tuple[Tensor, list[int]]:

@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.fbgemm_qcomm_codec import QCommsRegistry
-from lightning_shardrec.distributed.qcomm import CommPrecision
+from lightning_shardrec.distributed.qcomm import CommPrecision, WirePrecision
 from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.optim.fused_settings import config_of_fused_params
@@ -125,9 +125,9 @@ def sharder_optim(
     return out
 
 
-def sharder_comm_precision(sharders: Sequence[ModuleSharder[Any]], where: str) -> CommPrecision | None:
+def sharder_comm_precision(sharders: Sequence[ModuleSharder[Any]], where: str) -> CommPrecision | WirePrecision | None:
     """The one wire precision the sharders' ``qcomm_codecs_registry`` ask for (None: none asked)."""
-    found: set[CommPrecision] = set()
+    found: set[CommPrecision | WirePrecision] = set()
     for s in sharders:
         registry = s.qcomm_codecs_registry
         if registry is None:

@@ -40,6 +40,7 @@ from lightning_shardrec.distributed.dmp_settings import (
 )
 from lightning_shardrec.distributed.groups import live_group, new_group_like
 from lightning_shardrec.distributed.model_parallel import find_collections, kernel_labels, pooling_of, shard_modules
+from lightning_shardrec.distributed.qcomm import parse_wire
 from lightning_shardrec.distributed.sharders import ModuleSharder, check_sharders, sharder_comm_precision
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
@@ -91,7 +92,8 @@ class ShardRecStrategy(RankFailureHandling):
         kernel: ``"auto"`` (each table group times the backends that can run it on this
             machine and keeps the faster; cached, see :mod:`lightning_shardrec.kernels.autotune`),
             ``"fbgemm"`` or ``"torch"``.
-        comm_precision: ``"fp32"`` (exact), ``"bf16"`` or ``"fp16"``: the precision of the pooled
+        comm_precision: ``"fp32"`` (exact), ``"bf16"``, ``"fp16"`` or forward/backward (``"fp16/bf16"``,
+            as TorchRec's ``QCommsConfig(forward_precision, backward_precision)``): the precision of the pooled
             embeddings' all-to-alls / reduce-scatters and their gradients (half the bytes).
         comm_transport: None (default: ``$LIGHTNING_SHARDREC_TRANSPORT``, else ``"pg"``: the process
             group's collectives, as under NCCL), ``"auto"`` (the embeddings' all-to-alls go through
@@ -199,9 +201,10 @@ class ShardRecStrategy(RankFailureHandling):
         self._embedding_optimizer = embedding_optimizer
         self._sharders = check_sharders(sharders, "ShardRecStrategy")
         asked = sharder_comm_precision(self._sharders, "ShardRecStrategy")  # a QCommsConfig in a sharder
-        if asked is not None and comm_precision == "fp32":
-            comm_precision = asked.value
-        elif asked is not None and CommPrecision.parse(comm_precision) is not asked:
+        wire = parse_wire(comm_precision)  # "fp16/bf16": forward / backward
+        if asked is not None and wire is CommPrecision.FP32:
+            wire = asked
+        elif asked is not None and wire != asked:
             raise ValueError(
                 f"ShardRecStrategy: comm_precision={comm_precision} but the sharders' QCommsConfig asks for "
                 f"{asked.value}; pass one"
@@ -215,7 +218,7 @@ class ShardRecStrategy(RankFailureHandling):
         self._constraints = dict(constraints or {})
         self._fixed_plan = plan
         self._kernel = parse_backend(kernel)
-        self._comm_precision = CommPrecision.parse(comm_precision)
+        self._comm_precision = wire
         self._comm_transport = parse_transport(comm_transport)
         self._planner_batch_size = planner_batch_size
         self._planner_reserve = check_reserve(planner_reserve, "ShardRecStrategy: planner_reserve")

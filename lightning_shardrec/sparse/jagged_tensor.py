@@ -133,6 +133,10 @@ class JaggedTensor:
     def device(self) -> torch.device:
         return self._values.device
 
+    def size_in_bytes(self) -> int:
+        """Bytes of the tensors it holds: values, weights, lengths and offsets (those present), as TorchRec."""
+        return ops.tensor_bytes(self._values, self._weights, self._lengths, self._offsets)
+
     # --- conversions --------------------------------------------------------------
     def to_dense(self) -> list[Tensor]:
         """One tensor per bag (the inverse of :meth:`from_dense`)."""
@@ -319,4 +323,12 @@ def __getattr__(name: str) -> object:
         from lightning_shardrec.sparse.keyed_tensor import KeyedTensor
 
         return KeyedTensor
+    if name in ("ComputeJTDictToKJT", "ComputeKJTToJTDict"):
+        from lightning_shardrec.sparse import convert_modules
+
+        return getattr(convert_modules, name)
+    if name in ("jt_is_equal", "kjt_is_equal", "regroup_kts"):
+        from lightning_shardrec.sparse import equality
+
+        return getattr(equality, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

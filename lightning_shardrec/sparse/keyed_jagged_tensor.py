@@ -228,6 +228,10 @@ class KeyedJaggedTensor:
     def offsets_or_none(self) -> Tensor | None:
         return self._offsets
 
+    def size_in_bytes(self) -> int:
+        """Bytes of the tensors it holds: values, weights, lengths and offsets (those present), as TorchRec."""
+        return ops.tensor_bytes(self._values, self._weights, self._lengths, self._offsets)
+
     def stride(self) -> int:
         """Batch size: bags per key (with VBE: the batch the outputs expand to)."""
         return self._stride

@@ -82,6 +82,10 @@ class KeyedTensor:
     def values(self) -> Tensor:
         return self._values
 
+    def size_in_bytes(self) -> int:
+        """Bytes of its values tensor (the keys' lengths are Python ints), as TorchRec."""
+        return self._values.numel() * self._values.element_size()
+
     def key_dim(self) -> int:
         return self._key_dim
 

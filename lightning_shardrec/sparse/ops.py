@@ -118,3 +118,8 @@ def jagged_to_padded_dense(
         out = vals2d.new_full((batch, max_length, vals2d.shape[1]), padding_value)
         out[bag[keep], pos[keep]] = vals2d[keep]
     return out.squeeze(-1) if squeeze else out
+
+
+def tensor_bytes(*tensors: Tensor | None) -> int:
+    """Bytes of the tensors' elements (``numel * element_size``), None skipped: ``size_in_bytes()``."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

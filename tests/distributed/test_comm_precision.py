@@ -12,7 +12,16 @@ from _plans import kjt_of, splits
 from test_sharded_ebc import LR, MIXED, TYPES, Rec, loss_fn, make_data, make_optimizers, plan_for
 
 from lightning_shardrec.configs import FusedOptimConfig, PoolingType
-from lightning_shardrec.distributed.qcomm import FP16_TARGET, CommPrecision, decode, encode, fp16_exponent
+from lightning_shardrec.distributed.qcomm import (
+    FP16_TARGET,
+    CommPrecision,
+    WirePrecision,
+    decode,
+    directions,
+    encode,
+    fp16_exponent,
+    parse_wire,
+)
 from lightning_shardrec.planner import ShardingPlan
 from lightning_shardrec.testing import run_ranks
 
@@ -22,6 +31,11 @@ TOLERANCE = {
     "fp16": {"rtol": 2e-3, "atol": 2e-4},  # 11-bit mantissa, scaled per sender: 2^-12
 }
 PRECISIONS = ["default", "fp32", "bf16", "fp16"]
+# TorchRec's intro tutorial (forward FP16, backward BF16), and fp32 one way only
+MIXED_WIRE = (
+    WirePrecision(CommPrecision.FP16, CommPrecision.BF16),
+    WirePrecision(CommPrecision.FP32, CommPrecision.FP16),
+)
 
 
 def test_fp16_scale_cannot_overflow_and_keeps_small_gradients():
@@ -50,6 +64,74 @@ def test_unknown_precision_lists_the_choices():
     assert CommPrecision.parse("BF16") is CommPrecision.BF16
     with pytest.raises(ValueError, match="unknown comm_precision 'int8'; available: fp32, bf16, fp16"):
         CommPrecision.parse("int8")
+
+
+def test_wire_precision_per_direction_parses_and_names_bad_values():
+    assert parse_wire("FP16/bf16") == WirePrecision(CommPrecision.FP16, CommPrecision.BF16)
+    assert parse_wire("fp16/bf16").value == "fp16/bf16"
+    assert parse_wire("bf16/bf16") is CommPrecision.BF16  # one precision when both directions agree
+    assert parse_wire(WirePrecision(CommPrecision.FP16, CommPrecision.FP16)) is CommPrecision.FP16
+    assert directions("fp16") == (CommPrecision.FP16, CommPrecision.FP16)
+    with pytest.raises(
+        ValueError, match=r"unknown comm_precision 'fp16/int8'; available: fp32, bf16, fp16, <forward>/"
+    ):
+        parse_wire("fp16/int8")
+    with pytest.raises(ValueError, match=r"unknown comm_precision 'fp16/bf16/fp32'"):
+        parse_wire("fp16/bf16/fp32")
+
+
+def _mixed_all_to_all(rank, world):
+    """all_to_all_grad and all_to_all_pooled with a WirePrecision vs the wire format of each direction."""
+    from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_grad
+    from lightning_shardrec.distributed.pooled_all_to_all import ColumnBlocks, all_to_all_pooled
+
+    env = ShardingEnv.from_process_group()
+    rows = [[2, 3], [1, 4]]  # rows[s][d]: rows source s sends destination d (uneven: one scale per sender)
+    xs = [torch.randn(sum(rows[s]), 3, generator=torch.Generator().manual_seed(s)) * 10.0 ** (2 * s) for s in range(2)]
+    ups = [
+        torch.randn(rows[0][d] + rows[1][d], 3, generator=torch.Generator().manual_seed(9 + d)) * 1e-3 for d in range(2)
+    ]
+    same = []
+    for precision in MIXED_WIRE:
+        fwd, bwd = directions(precision)
+        x = xs[rank].clone().requires_grad_()
+        out = all_to_all_grad(x, [rows[0][rank], rows[1][rank]], rows[rank], env, precision)
+        out.backward(ups[rank])
+        sent = [decode(*encode(xs[s].reshape(-1), [n * 3 for n in rows[s]], fwd), fwd) for s in range(2)]
+        want = torch.cat([sent[s].split([n * 3 for n in rows[s]])[rank] for s in range(2)]).view(-1, 3)
+        back = [
+            decode(*encode(ups[d].reshape(-1), [rows[0][d] * 3, rows[1][d] * 3], bwd), bwd).split(
+                [rows[0][d] * 3, rows[1][d] * 3]
+            )[rank]
+            for d in range(2)
+        ]
+        same.append(("a2a", precision.value, torch.equal(out, want), torch.equal(x.grad.reshape(-1), torch.cat(back))))
+        # pooled: every source sends each destination its [B_d, 2] columns; columns side by side
+        layout = ColumnBlocks.from_columns(list(range(4)), [2, 2])
+        batch = [2, 3]
+        p = (xs[rank][: sum(batch), :2] * 1.0).clone().requires_grad_()
+        pooled = all_to_all_pooled(p, batch, layout, 1.0, env, precision)
+        up = torch.randn(batch[rank], 4, generator=torch.Generator().manual_seed(20 + rank))
+        pooled.backward(up)
+        recv = [
+            decode(*encode(xs[s][: sum(batch), :2].reshape(-1), [b * 2 for b in batch], fwd), fwd) for s in range(2)
+        ]
+        want_p = torch.cat([recv[s].split([b * 2 for b in batch])[rank].view(-1, 2) for s in range(2)], dim=1)
+        ups_p = [torch.randn(batch[d], 4, generator=torch.Generator().manual_seed(20 + d)) for d in range(2)]
+        grads = [
+            decode(*encode(ups_p[d].view(-1, 2, 2).transpose(0, 1).reshape(-1), [batch[d] * 2] * 2, bwd), bwd)
+            for d in range(2)
+        ]
+        want_g = torch.cat([grads[d].split([batch[d] * 2] * 2)[rank] for d in range(2)]).view(-1, 2)
+        same.append(("pooled", precision.value, torch.equal(pooled, want_p), torch.equal(p.grad, want_g)))
+    return same
+
+
+def test_each_direction_travels_in_its_own_precision():
+    for rank, same in enumerate(run_ranks(_mixed_all_to_all, 2)):
+        for what, precision, same_out, same_grad in same:
+            assert same_out, f"rank {rank} {what} {precision}: forward differs from its wire format"
+            assert same_grad, f"rank {rank} {what} {precision}: gradient differs from its wire format"
 
 
 def _train(rank, world, kinds, precisions=PRECISIONS):
@@ -168,17 +250,15 @@ def _quantized_reduce_scatter(rank, world, layouts):
             torch.randn(rows[s], 2, 3, generator=torch.Generator().manual_seed(50 + s)) * 10.0 ** (2 - 2 * s)
             for s in range(world)
         ]
-        for precision in (CommPrecision.BF16, CommPrecision.FP16):
+        for precision in (CommPrecision.BF16, CommPrecision.FP16, *MIXED_WIRE):
+            fwd, bwd = directions(precision)
             x = xs[rank].clone().requires_grad_()
             out = reduce_scatter_rows(x, rows, env, precision)
             out.backward(ups[rank])
             blocks = [r * 6 for r in rows]
-            sent = [
-                decode(*encode(xs[s].reshape(-1), blocks, precision), precision).split(blocks)[rank]
-                for s in range(world)
-            ]
+            sent = [decode(*encode(xs[s].reshape(-1), blocks, fwd), fwd).split(blocks)[rank] for s in range(world)]
             want_out = torch.stack(sent).sum(0).view(rows[rank], 2, 3)  # summed in fp32 after the exchange
-            want_grad = torch.cat([decode(*encode(u.reshape(-1), [u.numel()], precision), precision) for u in ups])
+            want_grad = torch.cat([decode(*encode(u.reshape(-1), [u.numel()], bwd), bwd) for u in ups])
             same.append((rows, precision.value, torch.equal(out, want_out), torch.equal(x.grad.reshape(-1), want_grad)))
     return same
 

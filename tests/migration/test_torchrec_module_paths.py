@@ -121,6 +121,7 @@ def test_sharder_and_qcomm_settings():
     from lightning_shardrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
     from lightning_shardrec.distributed.sharders import (
         EmbeddingBagCollectionSharder,
+        EmbeddingCollectionSharder,
         check_sharders,
         sharder_comm_precision,
     )
@@ -133,8 +134,29 @@ def test_sharder_and_qcomm_settings():
     assert sharder_comm_precision([same], "x").value == "bf16"
     assert EmbeddingBagCollectionSharder().module_type is EmbeddingBagCollection
     mixed = get_qcomm_codecs_registry(QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.BF16))
-    with pytest.raises(UnsupportedFeatureError, match=r"forward_precision=FP16, backward_precision=BF16\): one"):
-        sharder_comm_precision([EmbeddingBagCollectionSharder(qcomm_codecs_registry=mixed)], "x")
+    got = sharder_comm_precision([EmbeddingBagCollectionSharder(qcomm_codecs_registry=mixed)], "x")
+    assert (got.forward.value, got.backward.value, got.value) == ("fp16", "bf16", "fp16/bf16")
+    from lightning_shardrec.lightning import ShardRecStrategy
+
+    strategy = ShardRecStrategy(sharders=[EmbeddingBagCollectionSharder(qcomm_codecs_registry=mixed)])
+    assert strategy._comm_precision == got  # forward fp16, backward bf16, as DistributedModelParallel takes it
+    with pytest.raises(ValueError, match=r"comm_precision=bf16 but the sharders' QCommsConfig asks for fp16/bf16"):
+        ShardRecStrategy(comm_precision="bf16", sharders=[EmbeddingBagCollectionSharder(qcomm_codecs_registry=mixed)])
+    fp8_bwd = get_qcomm_codecs_registry(QCommsConfig(CommType.FP16, CommType.FP8))
+    with pytest.raises(UnsupportedFeatureError, match="comm precision FP8 is not supported; use one of FP32, BF16"):
+        sharder_comm_precision([EmbeddingBagCollectionSharder(qcomm_codecs_registry=fp8_bwd)], "x")
+    with pytest.raises(
+        UnsupportedFeatureError, match=r"x: sharders ask for different comm precisions \['bf16', 'fp16/bf16'\]"
+    ):
+        sharder_comm_precision(
+            [
+                EmbeddingBagCollectionSharder(qcomm_codecs_registry=mixed),
+                EmbeddingCollectionSharder(
+                    qcomm_codecs_registry=get_qcomm_codecs_registry(QCommsConfig(CommType.BF16, CommType.BF16))
+                ),
+            ],
+            "x",
+        )
     fp8 = get_qcomm_codecs_registry(QCommsConfig(CommType.FP8, CommType.FP8))
     with pytest.raises(UnsupportedFeatureError, match="comm precision FP8 is not supported; use one of FP32, BF16"):
         sharder_comm_precision([EmbeddingBagCollectionSharder(qcomm_codecs_registry=fp8)], "x")

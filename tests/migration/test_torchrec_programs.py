@@ -127,3 +127,47 @@ def test_retrieval_two_tower_trains_and_gathers_its_sharded_state_to_cpu(world):
         "two_tower.ebc.embedding_bags.t_userId.weight" in keys and "two_tower.query_proj._mlp.0._linear.weight" in keys
     )
     assert same
+
+
+def _intro(rank, world):
+    model, mb, pooled, printed = load("intro_tutorial").main()
+    before = model.full_state_dict()  # collective: every rank gets the full tables
+    ebc = {k.split(".")[-2]: v for k, v in before.items()}
+    table = {"product": "product_table", "user": "user_table"}
+    want = {
+        f: torch.nn.functional.embedding_bag(
+            mb[f].values(), ebc[t], mb[f].offsets(), mode="sum", include_last_offset=True
+        )
+        for f, t in table.items()
+    }
+    err = max(float(((pooled[f] - want[f]).abs() / want[f].abs().clamp_min(1e-3)).max()) for f in table)
+    # backward: a gradient with more bits than bf16 keeps; each id is in one bag, SGD(lr=0.02) in backward
+    c = torch.randn(3, 128, generator=torch.Generator().manual_seed(rank))
+    out = model(mb).wait()
+    (out.values() * c).sum().backward()
+    after = model.full_state_dict()
+    cs = [torch.randn(3, 128, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    moved = {}
+    for f, t in table.items():
+        ids, bags = mb[f].values(), torch.repeat_interleave(torch.arange(3), mb[f].lengths())
+        cols = slice(0, 64) if f == "product" else slice(64, 128)
+        got = after[f"embedding_bags.{t}.weight"][ids] - before[f"embedding_bags.{t}.weight"][ids]
+        bf16 = sum(x[bags, cols].bfloat16().float() for x in cs) / world
+        exact = sum(x[bags, cols] for x in cs) / world
+        moved[f] = (got, -0.02 * bf16, -0.02 * exact)
+    return err, moved, [line.splitlines()[0] for line in printed], model.plan.plan[""]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_intro_tutorial_runs_with_fp16_forward_and_bf16_backward_comms(world):
+    for err, moved, printed, plan in run_ranks(_intro, world):
+        assert printed[-2].startswith("product embeddings tensor(") and printed[-1].startswith("user embeddings")
+        assert err <= 2**-11 and (err > 0) is (world > 1)  # fp16 (scaled) forward; bf16 would be 2^-9
+        kinds = {str(getattr(t.sharding_type, "value", t.sharding_type)) for t in plan.values()}
+        assert world == 1 or kinds - {"data_parallel"}, kinds  # on 2 ranks the pooled rows cross the wire
+        for f, (got, bf16, exact) in moved.items():
+            table = plan[f"{f}_table"]
+            wire = world > 1 and str(getattr(table.sharding_type, "value", table.sharding_type)) != "data_parallel"
+            want, other = (bf16, exact) if wire else (exact, bf16)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-8, msg=f"{f}: wire {wire}")
+            assert not torch.allclose(got, other, rtol=1e-5, atol=1e-8), f"{f}: wire {wire}, other rounding"

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from lightning_shardrec.configs import BaseEmbeddingConfig, FusedOptimConfig
 from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, sum_over_ranks
 from lightning_shardrec.distributed.input_dist import Routed
+from lightning_shardrec.distributed.qcomm import WirePrecision, parse_wire
 from lightning_shardrec.kernels import (
     BatchedEmbeddingKernel,
     KernelBackend,
@@ -67,7 +68,8 @@ class KernelSetup:
     ``batch_size`` (per rank) and ``pooling`` (table name -> mean ids per bag, default 1)
     shape the batch ``backend="auto"`` times the candidate kernels on. ``comm_precision``:
     ``"fp32"`` (exact), ``"bf16"`` or ``"fp16"`` for the pooled-output all-to-alls /
-    reduce-scatters and their gradients (see :mod:`lightning_shardrec.distributed.qcomm`).
+    reduce-scatters and their gradients (see :mod:`lightning_shardrec.distributed.qcomm`);
+    ``"fp16/bf16"`` or a ``WirePrecision``: one per direction (forward/backward).
     """
 
     optim: FusedOptimConfig
@@ -76,7 +78,7 @@ class KernelSetup:
     pooled: bool = True
     batch_size: int = 512
     pooling: Mapping[str, float] = field(default_factory=dict)
-    comm_precision: CommPrecision | str = CommPrecision.FP32
+    comm_precision: CommPrecision | WirePrecision | str = CommPrecision.FP32
 
 
 def shard_init(table: TableSharding, shard: ShardMetadata, device: torch.device, out: Tensor | None = None) -> Tensor:
@@ -131,7 +133,7 @@ class EmbeddingSharding(nn.Module):
         self.seq_width = 0 if setup.pooled else _one_width(tables)
         self.kernel: BatchedEmbeddingKernel | None = None
         self.kernel_choice: KernelChoice | None = None
-        self.comm_precision = CommPrecision.parse(setup.comm_precision)
+        self.comm_precision = parse_wire(setup.comm_precision)
         self._local: list[tuple[str, ShardMetadata]] = []  # (table, shard) in kernel table order
 
     def build_kernel(self, shards: list[tuple[TableSharding, ShardMetadata]], feature_table: list[int]) -> None:

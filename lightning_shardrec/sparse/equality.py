@@ -1,0 +1,66 @@
+"""TorchRec's helpers on the sparse types: ``jt_is_equal``, ``kjt_is_equal`` and ``regroup_kts``.
+
+Equality compares what the objects hold, not identity: tensors by shape and ``torch.allclose``
+(lengths and offsets computed where only one was given), a missing weight only equals a
+missing weight; a KJT also compares its keys in order, per-key lengths/offsets and stride.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_shardrec.sparse.jagged_tensor import JaggedTensor
+    from lightning_shardrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+    from lightning_shardrec.sparse.keyed_tensor import KeyedTensor
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.shape != b.shape:
+            return False
+        if a.dtype.is_floating_point != b.dtype.is_floating_point:
+            return False
+        return bool(torch.allclose(a, b.to(a.dtype)))
+    return bool(a == b)
+
+
+def jt_is_equal(jt_1: JaggedTensor, jt_2: JaggedTensor) -> bool:
+    """Whether two ``JaggedTensor`` hold the same values, weights, lengths and offsets."""
+    from lightning_shardrec.sparse.jagged_tensor import JaggedTensor
+
+    if not (isinstance(jt_1, JaggedTensor) and isinstance(jt_2, JaggedTensor)):
+        return False
+    pairs = [(j.values(), j.weights_or_none(), j.lengths(), j.offsets()) for j in (jt_1, jt_2)]
+    return all(_same(a, b) for a, b in zip(*pairs, strict=True))
+
+
+def kjt_is_equal(kjt_1: KeyedJaggedTensor, kjt_2: KeyedJaggedTensor) -> bool:
+    """Whether two ``KeyedJaggedTensor`` hold the same keys (in order), values, weights, lengths, offsets and stride."""
+    from lightning_shardrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+
+    if not (isinstance(kjt_1, KeyedJaggedTensor) and isinstance(kjt_2, KeyedJaggedTensor)):
+        return False
+    if list(kjt_1.keys()) != list(kjt_2.keys()):
+        return False
+    pairs = [
+        (k.values(), k.weights_or_none(), k.lengths(), k.offsets(), k.length_per_key(), k.offset_per_key(), k.stride())
+        for k in (kjt_1, kjt_2)
+    ]
+    return all(_same(a, b) for a, b in zip(*pairs, strict=True))
+
+
+def regroup_kts(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[Tensor]:
+    """TorchRec's function form of ``KeyedTensor.regroup``: one ``[B, sum of dims]`` tensor per group."""
+    from lightning_shardrec.sparse.keyed_tensor import KeyedTensor
+
+    return KeyedTensor.regroup(keyed_tensors, groups)
+
+
+__all__ = ["jt_is_equal", "kjt_is_equal", "regroup_kts"]
