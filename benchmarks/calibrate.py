@@ -355,9 +355,12 @@ def scatter(rows: list[tuple[str, float, float]], path: Path) -> None:
     ax.scatter(ms, es)
     for (k, _, _), x, y in zip(rows, ms, es, strict=True):
         ax.annotate(k, (x, y), fontsize=8)
-    hi = max(ms + es) * 1.1
-    ax.plot([0, hi], [0, hi], "k--", lw=0.8)
-    ax.fill_between([0, hi], [0, hi * 0.75], [0, hi * 1.25], alpha=0.1)
+    lo, hi = min(ms + es) * 0.7, max(ms + es) * 1.4
+    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+    ax.fill_between([lo, hi], [lo * 0.75, hi * 0.75], [lo * 1.25, hi * 1.25], alpha=0.15, label="within 25%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.legend(loc="upper left")
     ax.set_xlabel("measured ms / step")
     ax.set_ylabel("estimated ms / step")
     ax.set_title("Planner estimate vs measured (2 hosts x 2 ranks)")
