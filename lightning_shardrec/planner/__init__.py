@@ -7,6 +7,7 @@ only part that talks to a process group.
 from lightning_shardrec.planner.collective import collective_plan
 from lightning_shardrec.planner.perf import Workload, shard_perf
 from lightning_shardrec.planner.planner import EmbeddingShardingPlanner
+from lightning_shardrec.planner.rates import Rates, step_estimate
 from lightning_shardrec.planner.sharding_plan import PlanStats, ShardingPlan
 from lightning_shardrec.planner.storage import shard_storage
 from lightning_shardrec.planner.topology import DEVICE_DEFAULTS, ComputeDevice, Topology
@@ -27,6 +28,7 @@ __all__ = [
     "ParameterConstraints",
     "ParameterSharding",
     "PlanStats",
+    "Rates",
     "ShardMetadata",
     "ShardingPlan",
     "ShardingType",
@@ -36,4 +38,5 @@ __all__ = [
     "shard_perf",
     "shard_storage",
     "sharding_problems",
+    "step_estimate",
 ]

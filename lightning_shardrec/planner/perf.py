@@ -23,6 +23,10 @@ All-to-all bytes are split by destination: ``1/W`` stay on the rank, ``(L-1)/W``
 the other ranks of its host (intra-host link), the rest cross hosts (``L`` ranks per host).
 Sequence tables (``EmbeddingConfig``) output one row per id instead of one per bag,
 so for them every output term scales with ``f``.
+
+With calibrated rates (``Topology(rates=...)``, :mod:`lightning_shardrec.planner.rates`) each
+shard's lookup also pays the kernel's fixed ``lookup_seconds``; the per-collective latency and
+the fixed step are per plan (:func:`~lightning_shardrec.planner.rates.step_estimate`).
 """
 
 from __future__ import annotations
@@ -51,9 +55,7 @@ class Workload:
     def __post_init__(self) -> None:
         object.__setattr__(self, "optimizer", EmbOptimType.parse(self.optimizer))
         if not isinstance(self.batch_size, int) or self.batch_size <= 0:
-            raise ValueError(
-                f"Workload: batch_size must be a positive int, got {self.batch_size!r}"
-            )
+            raise ValueError(f"Workload: batch_size must be a positive int, got {self.batch_size!r}")
 
     @property
     def global_batch(self) -> int:
@@ -82,7 +84,9 @@ def a2a_seconds(nbytes: float, topo: Topology) -> float:
 
 
 def _compute(t: TableSpec, w: Workload, ids: float, cols: int) -> float:
-    return (ids * cols * t.elem_bytes + _update_bytes(t, w, ids, cols)) / w.topology.memory_bw
+    rates = w.topology.rates
+    fixed = 0.0 if rates is None else rates.lookup_seconds
+    return fixed + (ids * cols * t.elem_bytes + _update_bytes(t, w, ids, cols)) / w.topology.memory_bw
 
 
 def _table_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
@@ -128,9 +132,7 @@ def holder_output_seconds(t: TableSpec, w: Workload, cols: int, holders: int) ->
     return _over(inside, float(topo.intra_host_bw)) + a2a_seconds(2 * partial / holders, topo)  # type: ignore[arg-type]
 
 
-def host_charges(
-    t: TableSpec, w: Workload, kind: ShardingType, shards: list[tuple[int, int, int]]
-) -> dict[int, float]:
+def host_charges(t: TableSpec, w: Workload, kind: ShardingType, shards: list[tuple[int, int, int]]) -> dict[int, float]:
     """Per rank, the :func:`holder_output_seconds` of a table's shards ``(rank, col0, cols)``.
 
     A piece's holders on one host each pay once for it, ``k`` = how many ranks of that host
@@ -157,7 +159,10 @@ def _data_parallel(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
     world = topo.world_size
     allreduce = 2 * (world - 1) / world * rows * cols * OUT_BYTES
     dense_update = rows * (2 * cols * t.elem_bytes + 2 * w.state_per_row(cols) * STATE_BYTES)
-    return allreduce / topo.comm_bw + (lookup + dense_update) / topo.memory_bw
+    if topo.rates is None:
+        return allreduce / topo.comm_bw + (lookup + dense_update) / topo.memory_bw
+    rates = topo.rates
+    return rates.lookup_seconds + allreduce / rates.allreduce_bw + (lookup + dense_update) / topo.memory_bw
 
 
 PERF: dict[ShardingType, Callable[[TableSpec, Workload, int, int], float]] = {

@@ -9,6 +9,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol
 
 from lightning_shardrec.planner.memory import cuda_capacity, host_memory
+from lightning_shardrec.planner.rates import Rates, as_rates
 from lightning_shardrec.planner.types import parse_enum
 
 GiB = 1024**3
@@ -70,6 +71,9 @@ class Topology:
 
     Unset capacities and bandwidths take ``DEVICE_DEFAULTS[compute_device]``. On
     ``cuda`` tables live in HBM (``hbm_cap`` per rank), on ``cpu`` in DDR (``ddr_cap``).
+    ``rates`` (a :class:`~lightning_shardrec.planner.rates.Rates` or the path of a file
+    ``benchmarks/calibrate.py`` wrote) opts in to the calibrated cost model: its bandwidths
+    replace the unset ones and the per-call latencies are charged (``planner/perf.py``).
     """
 
     world_size: int
@@ -82,12 +86,11 @@ class Topology:
     ddr_bw: float | None = None
     intra_host_bw: float | None = None
     inter_host_bw: float | None = None
+    rates: Rates | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size <= 0:
-            raise ValueError(
-                f"Topology: world_size must be a positive int, got {self.world_size!r}"
-            )
+            raise ValueError(f"Topology: world_size must be a positive int, got {self.world_size!r}")
         device = parse_enum(ComputeDevice, self.compute_device, "compute device")
         object.__setattr__(self, "compute_device", device)
         local = self.world_size if self.local_world_size is None else self.local_world_size
@@ -98,6 +101,17 @@ class Topology:
             )
         object.__setattr__(self, "local_world_size", local)
         defaults = DEVICE_DEFAULTS[device]
+        rates = as_rates(self.rates)
+        object.__setattr__(self, "rates", rates)
+        if rates is not None:
+            mem = "hbm_bw" if device is ComputeDevice.CUDA else "ddr_bw"
+            for name, value in (
+                (mem, rates.memory_bw),
+                ("intra_host_bw", rates.intra_host_bw),
+                ("inter_host_bw", rates.inter_host_bw),
+            ):
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, value)
         for name in ("hbm_cap", "ddr_cap", "hbm_bw", "ddr_bw", "intra_host_bw", "inter_host_bw"):
             value = getattr(self, name)
             if value is None:
@@ -179,9 +193,7 @@ class Topology:
     ) -> Topology:
         """A Lightning ``ClusterEnvironment``: ``world_size()``, ranks per host from env vars."""
         world = int(env.world_size())
-        overrides.setdefault(
-            "local_world_size", _local_world_size(world, os.environ if environ is None else environ)
-        )
+        overrides.setdefault("local_world_size", _local_world_size(world, os.environ if environ is None else environ))
         return cls(world, **overrides)
 
 
