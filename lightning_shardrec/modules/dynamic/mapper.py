@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from lightning_shardrec.configs import DynamicConfig
 from lightning_shardrec.modules.dynamic.admission import lookup_slots_fixed
+from lightning_shardrec.modules.dynamic.hashing import bucket_of, mix64, shr
 from lightning_shardrec.modules.dynamic.layout import BUFFERS, DynamicLayout, layout_problems
 from lightning_shardrec.modules.dynamic.slots import (
     COUNTERS,
@@ -48,6 +49,13 @@ from lightning_shardrec.modules.dynamic.slots import (
     lookup_slots,
     uses_compiled_loops,
 )
+
+WINDOW_FIELDS = ("window_lookups", "window_misses", "window_ids")
+"""A mapper's window figures (:meth:`DynamicIdMapper.window_figures`), in this order."""
+WINDOW_BITS_PER_SLOT = 4
+"""Bits (one byte each, bool) of the window's id bitmap per slot: distinct-id estimates stay within a few
+percent up to several times the capacity; a bucket saturates (reads a lower bound) past about 16 ids per slot."""
+_WINDOW_SALT = 0x5BD1E995  # the bitmap hashes ids apart from their bucket
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,13 @@ class DynamicIdMapper(nn.Module):
     assigned), ``cand_ids / cand_step / cand_count [W*K]`` (admission candidates),
     ``step`` (training steps taken) and ``counters [W, 5]`` (:data:`COUNTERS` of each
     local bucket, so a reshard keeps them exact; :meth:`stats` sums them).
+
+    The current *window* (training lookups since the mapper was built or
+    :meth:`new_window`) lives in two buffers that checkpoints do not hold:
+    ``window [2]`` (ids looked up, ids missed) and ``window_ids [W * WINDOW_BITS_PER_SLOT * S]``,
+    a linear-counting bitmap per bucket of the ids looked up, from which :meth:`window_figures`
+    estimates how many distinct ids each bucket saw (summed: any split of the buckets over
+    ranks gives the whole table's figure).
     """
 
     slot_ids: Tensor
@@ -83,6 +98,8 @@ class DynamicIdMapper(nn.Module):
     cand_count: Tensor
     counters: Tensor
     step: Tensor
+    window: Tensor
+    window_ids: Tensor
 
     def __init__(
         self,
@@ -120,6 +137,9 @@ class DynamicIdMapper(nn.Module):
             buf(name, n, fill)
         self.register_buffer("counters", torch.zeros(hi - lo, len(COUNTERS), dtype=torch.int64, device=device))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
+        self.register_buffer("window", torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
+        bits = WINDOW_BITS_PER_SLOT * rows
+        self.register_buffer("window_ids", torch.zeros(bits, dtype=torch.bool, device=device), persistent=False)
         self._ranges: BucketRanges | None = None
 
     @property
@@ -127,7 +147,8 @@ class DynamicIdMapper(nn.Module):
         return self.slot_ids.numel()
 
     def stats(self) -> dict[str, int]:
-        """Occupancy, capacity, candidates held and the cumulative :data:`COUNTERS` (ints)."""
+        """Occupancy, capacity, candidates held and the cumulative :data:`COUNTERS` (ints); the window:
+        :meth:`window_figures`."""
         out = {
             "occupancy": int((self.slot_step >= 0).sum()),
             "capacity": self.capacity,
@@ -135,6 +156,33 @@ class DynamicIdMapper(nn.Module):
         }
         out.update(zip(COUNTERS, (int(c) for c in self.counters.sum(0).tolist()), strict=True))
         return out
+
+    def observe(self, ids: Tensor, missed: Tensor) -> None:
+        """Add a training lookup of raw ``ids [N]`` (``missed [N]``: bool, the ids that missed) to the window
+        (no host sync)."""
+        ids = ids.reshape(-1).to(device=self.window.device, dtype=torch.int64)
+        self.window[0] += ids.numel()
+        self.window[1] += missed.sum()
+        if ids.numel():
+            bits = WINDOW_BITS_PER_SLOT * self.slots_per_bucket
+            bucket = bucket_of(ids, self.num_buckets) - self.bucket_lo
+            self.window_ids[bucket * bits + shr(mix64(ids ^ _WINDOW_SALT), 1) % bits] = True
+
+    def window_figures(self) -> Tensor:
+        """``[3]`` int64: the window's lookups, misses and (estimated) distinct ids, on the mapper's device.
+
+        Distinct ids by linear counting, bucket by bucket: ``M ln(M / zeros)`` for a bucket's ``M`` bits,
+        rounded, summed over buckets (no host sync); a full bucket reads ``M ln M`` (a lower bound).
+        """
+        m = WINDOW_BITS_PER_SLOT * self.slots_per_bucket
+        zeros = (~self.window_ids).view(-1, m).sum(1).clamp(min=1).double()
+        distinct = (m * torch.log(m / zeros)).round().long().sum().reshape(1)
+        return torch.cat([self.window, distinct])
+
+    def new_window(self) -> None:
+        """Start a new window: its lookups, misses and ids from zero."""
+        self.window.zero_()
+        self.window_ids.zero_()
 
     def layout(self) -> DynamicLayout:
         """The whole table's layout (``dim`` unknown here: 0)."""
@@ -181,6 +229,7 @@ class DynamicIdMapper(nn.Module):
         result = self.lookup(ids, self.step, train)  # the step stays a tensor: no device sync
         if train:
             self.step += 1
+            self.observe(ids, result.slots < 0)
         return result
 
     @torch.no_grad()

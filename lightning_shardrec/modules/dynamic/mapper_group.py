@@ -112,6 +112,10 @@ class MapperGroup:
         result = self.lookup(ids, counts, self._flat["step"], train)
         if train:
             self._flat["step"] += 1
+            missed, start = result.rows < 0, 0
+            for mapper, n in zip(self.mappers, counts, strict=True):
+                mapper.observe(ids.reshape(-1)[start : start + n], missed[start : start + n])
+                start += n
         return result
 
     @torch.no_grad()
