@@ -8,7 +8,7 @@ import torch
 
 from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from lightning_shardrec.distributed.dynamic_stats import dynamic_stats, full_table_warnings
-from lightning_shardrec.modules.dynamic.stats import suggested_capacity
+from lightning_shardrec.modules.dynamic.stats import saved_figures, suggested_capacity
 
 
 def _ebc(rows: int, min_count: int = 2, num_buckets: int | None = None) -> EmbeddingBagCollection:
@@ -81,3 +81,14 @@ def test_suggested_capacity_rounds_to_the_bucket_count():
     _feed(ebc, distinct=600, steps=5, per_step=200)
     s = ebc.dynamic_stats()["user"]
     assert s["suggested_capacity"] % 6 == 0 and s["suggested_capacity"] >= s["window_ids"] > 60
+
+
+def test_the_window_is_not_saved_so_checkpoints_keep_their_layout():
+    ebc = _ebc(256)
+    _feed(ebc, distinct=2000, steps=5)
+    state = ebc.state_dict()
+    assert not any("window" in k for k in state)  # old checkpoints hold exactly these keys
+    resumed = _ebc(256)
+    resumed.load_state_dict(state)  # strict
+    assert saved_figures(resumed.dynamic_stats()) == saved_figures(ebc.dynamic_stats())
+    assert resumed.dynamic_stats()["user"]["window_lookups"] == 0 < ebc.dynamic_stats()["user"]["window_lookups"]

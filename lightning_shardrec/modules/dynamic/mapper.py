@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from lightning_shardrec.configs import DynamicConfig
 from lightning_shardrec.modules.dynamic.admission import lookup_slots_fixed
-from lightning_shardrec.modules.dynamic.hashing import bucket_of, mix64, shr
+from lightning_shardrec.modules.dynamic.hashing import mix64, shr
 from lightning_shardrec.modules.dynamic.layout import BUFFERS, DynamicLayout, layout_problems
 from lightning_shardrec.modules.dynamic.slots import (
     COUNTERS,
@@ -55,7 +55,6 @@ WINDOW_FIELDS = ("window_lookups", "window_misses", "window_ids")
 WINDOW_BITS_PER_SLOT = 4
 """Bits (one byte each, bool) of the window's id bitmap per slot: distinct-id estimates stay within a few
 percent up to several times the capacity; a bucket saturates (reads a lower bound) past about 16 ids per slot."""
-_WINDOW_SALT = 0x5BD1E995  # the bitmap hashes ids apart from their bucket
 
 
 @dataclass(frozen=True)
@@ -161,12 +160,11 @@ class DynamicIdMapper(nn.Module):
         """Add a training lookup of raw ``ids [N]`` (``missed [N]``: bool, the ids that missed) to the window
         (no host sync)."""
         ids = ids.reshape(-1).to(device=self.window.device, dtype=torch.int64)
-        self.window[0] += ids.numel()
-        self.window[1] += missed.sum()
+        self.window.add_(torch.stack([missed.new_full((), ids.numel(), dtype=torch.int64), missed.sum()]))
         if ids.numel():
             bits = WINDOW_BITS_PER_SLOT * self.slots_per_bucket
-            bucket = bucket_of(ids, self.num_buckets) - self.bucket_lo
-            self.window_ids[bucket * bits + shr(mix64(ids ^ _WINDOW_SALT), 1) % bits] = True
+            top = shr(mix64(ids), 1)  # bucket_of's hash: its bucket is top % B, its bit comes from top // B
+            self.window_ids[(top % self.num_buckets - self.bucket_lo) * bits + top // self.num_buckets % bits] = True
 
     def window_figures(self) -> Tensor:
         """``[3]`` int64: the window's lookups, misses and (estimated) distinct ids, on the mapper's device.
