@@ -57,6 +57,36 @@ WINDOW_BITS_PER_SLOT = 4
 percent up to several times the capacity; a bucket saturates (reads a lower bound) past about 16 ids per slot."""
 
 
+WINDOW_BUFFERS = ("window", "window_ids")
+"""A mapper's window buffers (not saved; a :class:`~.mapper_group.MapperGroup` makes them views too)."""
+
+
+def record_window(
+    window: Tensor,
+    window_ids: Tensor,
+    bits: int,
+    ids: Tensor,
+    bucket: Tensor,
+    num_buckets: int | Tensor,
+    table: Tensor | None,
+    missed: Tensor,
+) -> None:
+    """Add a training lookup to the windows of ``T`` tables laid end to end (no host sync).
+
+    ``window [2T]``: (lookups, misses) per table; ``window_ids``: ``bits`` bits per flat bucket;
+    ``ids, bucket, missed [N]``: each id, its flat bucket (:func:`~.slots.locate`) and whether it missed;
+    ``num_buckets``: its table's bucket count (an int, or per id); ``table [N]``: each id's table (None: 0).
+    An id sets bit ``(h // B) % bits`` of its bucket, ``h`` the hash whose ``h % B`` is its bucket.
+    """
+    top = shr(mix64(ids), 1)
+    window_ids[bucket * bits + torch.div(top, num_buckets, rounding_mode="floor") % bits] = True
+    counts = torch.stack([torch.ones_like(ids), missed.long()], 1)
+    if table is None:
+        window.add_(counts.sum(0))
+    else:
+        window.view(-1, 2).index_add_(0, table, counts)
+
+
 @dataclass(frozen=True)
 class LookupResult:
     """One lookup. ``slots [N]``: the global slot of each id, ``-1`` where it missed.
@@ -156,16 +186,6 @@ class DynamicIdMapper(nn.Module):
         out.update(zip(COUNTERS, (int(c) for c in self.counters.sum(0).tolist()), strict=True))
         return out
 
-    def observe(self, ids: Tensor, missed: Tensor) -> None:
-        """Add a training lookup of raw ``ids [N]`` (``missed [N]``: bool, the ids that missed) to the window
-        (no host sync)."""
-        ids = ids.reshape(-1).to(device=self.window.device, dtype=torch.int64)
-        self.window.add_(torch.stack([missed.new_full((), ids.numel(), dtype=torch.int64), missed.sum()]))
-        if ids.numel():
-            bits = WINDOW_BITS_PER_SLOT * self.slots_per_bucket
-            top = shr(mix64(ids), 1)  # bucket_of's hash: its bucket is top % B, its bit comes from top // B
-            self.window_ids[(top % self.num_buckets - self.bucket_lo) * bits + top // self.num_buckets % bits] = True
-
     def window_figures(self) -> Tensor:
         """``[3]`` int64: the window's lookups, misses and (estimated) distinct ids, on the mapper's device.
 
@@ -227,7 +247,6 @@ class DynamicIdMapper(nn.Module):
         result = self.lookup(ids, self.step, train)  # the step stays a tensor: no device sync
         if train:
             self.step += 1
-            self.observe(ids, result.slots < 0)
         return result
 
     @torch.no_grad()
@@ -241,5 +260,8 @@ class DynamicIdMapper(nn.Module):
         bucket, slot = locate(state, self.bucket_ranges(), ids, None, steps, train)
         finish = lookup_slots if uses_compiled_loops(ids) else lookup_slots_fixed
         found = finish(state, ids, bucket, slot, None, steps, train)
+        if train:
+            bits = WINDOW_BITS_PER_SLOT * self.slots_per_bucket
+            record_window(self.window, self.window_ids, bits, ids, bucket, self.num_buckets, None, found.slots < 0)
         slots = torch.where(found.slots >= 0, found.slots + self.row_offset, -1)
         return LookupResult(slots, found.new + self.row_offset, self.slot_gen[found.new])
