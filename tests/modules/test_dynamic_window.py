@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 
 import torch
@@ -92,3 +93,12 @@ def test_the_window_is_not_saved_so_checkpoints_keep_their_layout():
     resumed.load_state_dict(state)  # strict
     assert saved_figures(resumed.dynamic_stats()) == saved_figures(ebc.dynamic_stats())
     assert resumed.dynamic_stats()["user"]["window_lookups"] == 0 < ebc.dynamic_stats()["user"]["window_lookups"]
+
+
+def test_a_mapper_pickled_before_the_window_existed_gets_an_empty_one():
+    mapper = _ebc(64).dynamic_tables.mapper("user")
+    del mapper._buffers["window"], mapper._buffers["window_ids"]  # as pickled by an older version
+    loaded = pickle.loads(pickle.dumps(mapper))
+    loaded.map(torch.tensor([5, 7, 5]), True)
+    assert loaded.window.tolist() == [3, 1]  # 7 missed (min_count 2; 5 was seen twice)
+    assert int(loaded.window_figures()[2]) == 2  # 2 distinct ids

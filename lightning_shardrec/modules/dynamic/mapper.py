@@ -166,10 +166,20 @@ class DynamicIdMapper(nn.Module):
             buf(name, n, fill)
         self.register_buffer("counters", torch.zeros(hi - lo, len(COUNTERS), dtype=torch.int64, device=device))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
-        self.register_buffer("window", torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
-        bits = WINDOW_BITS_PER_SLOT * rows
-        self.register_buffer("window_ids", torch.zeros(bits, dtype=torch.bool, device=device), persistent=False)
+        self._add_window()
         self._ranges: BucketRanges | None = None
+
+    def _add_window(self) -> None:
+        """Register the window's buffers (empty), next to the slots."""
+        device, bits = self.slot_ids.device, WINDOW_BITS_PER_SLOT * self.slot_ids.numel()
+        self.register_buffer("window", torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("window_ids", torch.zeros(bits, dtype=torch.bool, device=device), persistent=False)
+
+    def __setstate__(self, state: dict) -> None:  # type: ignore[type-arg]
+        """A mapper pickled before the window existed gets an empty one."""
+        super().__setstate__(state)
+        if "window" not in self._buffers:
+            self._add_window()
 
     @property
     def capacity(self) -> int:
