@@ -56,6 +56,10 @@ class ShardedWeightError(ShardedStateError, AttributeError):
     """``.weight`` of a sharded plain ``nn.Embedding``/``nn.EmbeddingBag``: no rank holds the whole table."""
 
 
+class DynamicTableFullWarning(UserWarning):
+    """A dynamic table missed more of its lookups than the threshold over a window: it is too small."""
+
+
 class MissingTorchRecFeatureError(UnsupportedFeatureError, ImportError):
     """A TorchRec module path or name this library does not provide (also an ``ImportError``, so ``from x import
     y`` fails as Python's own would); the message names it and the ``docs/migrating.md`` section."""

@@ -209,10 +209,12 @@ class ShardedCollection(nn.Module):
                     out.setdefault(name, []).append((meta, state))
         return out
 
-    def dynamic_stats(self) -> dict[str, dict[str, int]]:
-        """Collective over ``env.pg``: per dynamic table, its figures (``modules.dynamic_stats.FIELDS``)
-        summed over the ranks' mappers, tables in config order (every rank the same tensor)."""
-        names = [t.name for t in self._configs if t.dynamic is not None]
+    def dynamic_stats(self, new_window: bool = False) -> dict[str, dict[str, float]]:
+        """Collective over ``env.pg``: per dynamic table, its figures (``modules.dynamic.stats.FIELDS``)
+        summed over the ranks' mappers, tables in config order (every rank the same tensor), then the
+        derived ones (``DERIVED``); ``new_window``: then every rank's mappers start a new window."""
+        configs = [t for t in self._configs if t.dynamic is not None]
+        names = [t.name for t in configs]
         if not names:
             return {}
         local = torch.zeros(len(names), len(FIELDS), dtype=torch.int64, device=self.input_device())
@@ -220,7 +222,10 @@ class ShardedCollection(nn.Module):
             local[names.index(name)] += mapper_stats(mapper).to(local.device)
         if self.env.world_size > 1:
             dist.all_reduce(local, group=self.env.pg)
-        return stats_dict(names, local)
+        if new_window:
+            for mapper in self.dynamic_mappers().values():
+                mapper.new_window()
+        return stats_dict(configs, local)
 
     def _groups(self) -> list[EmbeddingSharding]:
         return list(self.groups)  # type: ignore[arg-type]

@@ -303,10 +303,11 @@ class DistributedModelParallel(nn.Module):
         """Collective: the unsharded model's state dict (every table whole) on every rank; small models."""
         return dmp_state.full_state_dict(self)
 
-    def dynamic_stats(self) -> dict[str, dict[str, int]]:
-        """Collective: per dynamic table, occupancy, capacity, admissions, ... summed over ranks
-        (:func:`~lightning_shardrec.distributed.dynamic_stats.dynamic_stats`); call on every rank."""
-        return dynamic_stats(self.module)
+    def dynamic_stats(self, new_window: bool = False) -> dict[str, dict[str, float]]:
+        """Collective: per dynamic table, occupancy, capacity, admissions, ..., the window's miss rate and
+        suggested capacity, summed over ranks (:func:`~lightning_shardrec.distributed.dynamic_stats.dynamic_stats`);
+        call on every rank."""
+        return dynamic_stats(self.module, new_window)
 
     def local_shards(self) -> dict[str, list[tuple[ShardMetadata, Tensor]]]:
         """``'<module path>.<embedding_bags|embeddings>.<table>.weight' -> [(shard, tensor)]`` held here.

@@ -1,7 +1,7 @@
 """What a plan shows about its dynamic tables: capacity as buckets x slots, and memory with the id map.
 
 A dynamic table's rows are slots that raw ids are admitted into; besides its weights
-and optimizer state, its id map holds 4 int64 per slot and 3 per admission candidate
+and optimizer state, its id map holds 4 int64 per slot (and a 4-byte window bitmap) and 3 per admission candidate
 (plus 5 counters per bucket), and the planner counts those bytes like the weights
 (:func:`~lightning_shardrec.planner.storage.id_map_bytes`). The plan printout lists::
 

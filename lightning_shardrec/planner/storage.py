@@ -1,7 +1,7 @@
 """Storage half of the cost model: bytes a shard takes on its rank's table memory.
 
 weights (``rows*cols*elem``) + optimizer state (``rows*state_per_row(cols)*4``) + a dynamic
-table's id map (``rows * TableSpec.id_map_row_bytes``: 4 int64 per slot, 3 per candidate) +
+table's id map (``rows * TableSpec.id_map_row_bytes``: 4 int64 and 4 bitmap bytes per slot, 3 int64 per candidate) +
 buffers: the ids it receives (``*8``), and its output and output gradient (``*4`` each,
 full ``[B*Q, cols]`` partials for row_wise / table_row_wise / grid_shard). data_parallel also keeps
 a dense gradient of the whole table and only the local batch's buffers.

@@ -23,6 +23,7 @@ COLUMN_ALIGN = 4  # column shards are multiples of 4 wide (fbgemm's row alignmen
 TRAIN_WEIGHT_BYTES = 4
 
 ID_MAP_BYTES = 8  # a dynamic table's id map: int64 buffers
+WINDOW_BYTES_PER_SLOT = 4  # its window's id bitmap (bool): the mapper's WINDOW_BITS_PER_SLOT
 TablesInput = nn.Module | Mapping[str, Sequence[BaseEmbeddingConfig]]
 
 
@@ -51,10 +52,11 @@ class TableSpec:
     @property
     def id_map_row_bytes(self) -> float:
         """A dynamic table's id-map bytes per row: 4 int64 per slot (id, last step, count,
-        generation), 3 per candidate (id, last step, count) and 5 counters per bucket; 0 if static."""
+        generation), 3 per candidate (id, last step, count) and 5 counters per bucket, plus the window's
+        id bitmap (``WINDOW_BYTES_PER_SLOT``); 0 if static."""
         if not self.num_buckets:
             return 0.0
-        return ID_MAP_BYTES * (4 + (3 * self.cands_per_bucket + 5) / self.slots_per_bucket)
+        return ID_MAP_BYTES * (4 + (3 * self.cands_per_bucket + 5) / self.slots_per_bucket) + WINDOW_BYTES_PER_SLOT
 
     @property
     def key(self) -> tuple[str, str]:

@@ -78,3 +78,37 @@ def test_sums_over_ranks_equal_the_unsharded_module():
     (local0, stats0), (local1, stats1) = run_ranks(sharded_stats, 2)
     assert (local0, local1) == (["user"], ["item", "user"])  # rank 0 holds no bucket of 'item', still reduces
     assert stats0 == stats1 == want
+
+
+def sharded_windows(rank: int, world: int):
+    from lightning_shardrec.distributed import DistributedModelParallel
+    from lightning_shardrec.distributed.dynamic_stats import full_table_warnings
+
+    dmp = DistributedModelParallel(_module(), plan=_plan(world), embedding_optimizer="sgd")
+    lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
+    windows = []
+    for step, (lengths, values) in enumerate(_batches()):
+        dmp(_kjt(lengths, values, lo, hi)).values().sum().backward()
+        if step in (1, STEPS - 1):
+            stats = dmp.dynamic_stats(new_window=True)
+            windows.append((stats, full_table_warnings(stats, 0.1)))
+    return windows
+
+
+def test_windows_and_full_table_warnings_over_ranks_equal_one_process():
+    """Two windows (steps 0-1, 2-4): lookups, misses, distinct ids, miss rate, suggestion and warnings."""
+    from lightning_shardrec.distributed.dynamic_stats import dynamic_stats, full_table_warnings
+
+    plain, want = _module(), []
+    for step, (lengths, values) in enumerate(_batches()):
+        plain(_kjt(lengths, values, 0, BATCH)).values().sum().backward()
+        if step in (1, STEPS - 1):
+            stats = dynamic_stats(plain, new_window=True)
+            want.append((stats, full_table_warnings(stats, 0.1)))
+    first, last = want[0][0]["item"], want[1][0]["item"]
+    assert first["window_misses"] + last["window_misses"] == last["misses"] > 0  # the windows split the run
+    assert last["miss_rate"] == last["window_misses"] / last["window_lookups"] > 0.1
+    assert last["suggested_capacity"] > last["capacity"] == 12 and last["suggested_capacity"] % 3 == 0  # 3 buckets
+    assert any("dynamic table 'item' is full" in w for w in want[1][1])
+    rank0, rank1 = run_ranks(sharded_windows, 2)
+    assert rank0 == rank1 == want

@@ -26,9 +26,11 @@ def _plan(dynamic: DynamicConfig | None, kind: str = "table_wise", world: int = 
 
 
 def _mapper_bytes(config: DynamicConfig, rows: int) -> int:
-    """The buffers a real mapper allocates: slots, candidates and 5 counters per bucket (step excluded)."""
+    """The buffers a real mapper allocates: slots, candidates, the window's id bitmap and 5 counters per
+    bucket (step and the window's two counts excluded)."""
     mapper = DynamicIdMapper("u", config, rows)
-    slots_and_cands = sum(b.nbytes for n, b in mapper.named_buffers() if n.startswith(("slot_", "cand_")))
+    prefixes = ("slot_", "cand_", "window_ids")
+    slots_and_cands = sum(b.nbytes for n, b in mapper.named_buffers() if n.startswith(prefixes))
     return slots_and_cands + mapper.num_buckets * 5 * 8
 
 
@@ -77,7 +79,7 @@ def test_plan_cli_sizes_dynamic_tables(tmp_path, capsys):
     argv = ["--tables", str(tmp_path / "t.yaml"), "--world-size", "2", "--device", "cpu", "--batch-size", "8"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    u, v = 4096 * 32 + 256 * (16 * 24 + 40), 64 * 32 + 4 * 40  # slots, candidates and counters
+    u, v = 4096 * 36 + 256 * (16 * 24 + 40), 64 * 36 + 4 * 40  # slots (and window bitmap), candidates, counters
     assert f"+ dynamic tables' id maps {size_text(u + v)}" in text
     assert "<root>.u: capacity 4096 = 256 buckets x 16 slots, 16 candidates/bucket" in text
     assert "<root>.v: capacity 64 = 4 buckets x 16 slots, no candidates (min_count 1)" in text

@@ -61,8 +61,8 @@ def test_a_dynamic_table_is_planned_as_table_or_row_wise_and_costs_its_capacity(
     tw = ParameterConstraints(sharding_types=["table_wise"])
     plan = planner(2, d=tw).plan(EmbeddingBagCollection([dyn()], device="meta"))
     twin = planner(2, s=tw).plan(EmbeddingBagCollection([static], device="meta"))
-    id_map = plan.dynamic[""]["d"].id_map_bytes  # 4 int64 per slot + 5 counters per bucket (no candidates)
-    assert id_map == 60 * 4 * 8 + 5 * 5 * 8
+    id_map = plan.dynamic[""]["d"].id_map_bytes  # 4 int64 + 4 bitmap bytes per slot, 5 counters per bucket
+    assert id_map == 60 * (4 * 8 + 4) + 5 * 5 * 8
     assert sorted(plan.stats.rank_storage) == [0, max(twin.stats.rank_storage) + id_map]  # capacity x dim + id map
 
 

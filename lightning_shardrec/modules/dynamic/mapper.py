@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from lightning_shardrec.configs import DynamicConfig
 from lightning_shardrec.modules.dynamic.admission import lookup_slots_fixed
+from lightning_shardrec.modules.dynamic.hashing import mix64, shr
 from lightning_shardrec.modules.dynamic.layout import BUFFERS, DynamicLayout, layout_problems
 from lightning_shardrec.modules.dynamic.slots import (
     COUNTERS,
@@ -48,6 +49,42 @@ from lightning_shardrec.modules.dynamic.slots import (
     lookup_slots,
     uses_compiled_loops,
 )
+
+WINDOW_FIELDS = ("window_lookups", "window_misses", "window_ids")
+"""A mapper's window figures (:meth:`DynamicIdMapper.window_figures`), in this order."""
+WINDOW_BITS_PER_SLOT = 4
+"""Bits (one byte each, bool) of the window's id bitmap per slot: distinct-id estimates stay within a few
+percent up to several times the capacity; a bucket saturates (reads a lower bound) past about 16 ids per slot."""
+
+
+WINDOW_BUFFERS = ("window", "window_ids")
+"""A mapper's window buffers (not saved; a :class:`~.mapper_group.MapperGroup` makes them views too)."""
+
+
+def record_window(
+    window: Tensor,
+    window_ids: Tensor,
+    bits: int,
+    ids: Tensor,
+    bucket: Tensor,
+    num_buckets: int | Tensor,
+    table: Tensor | None,
+    missed: Tensor,
+) -> None:
+    """Add a training lookup to the windows of ``T`` tables laid end to end (no host sync).
+
+    ``window [2T]``: (lookups, misses) per table; ``window_ids``: ``bits`` bits per flat bucket;
+    ``ids, bucket, missed [N]``: each id, its flat bucket (:func:`~.slots.locate`) and whether it missed;
+    ``num_buckets``: its table's bucket count (an int, or per id); ``table [N]``: each id's table (None: 0).
+    An id sets bit ``(h // B) % bits`` of its bucket, ``h`` the hash whose ``h % B`` is its bucket.
+    """
+    top = shr(mix64(ids), 1)
+    window_ids[bucket * bits + torch.div(top, num_buckets, rounding_mode="floor") % bits] = True
+    counts = torch.stack([torch.ones_like(ids), missed.long()], 1)
+    if table is None:
+        window.add_(counts.sum(0))
+    else:
+        window.view(-1, 2).index_add_(0, table, counts)
 
 
 @dataclass(frozen=True)
@@ -72,6 +109,13 @@ class DynamicIdMapper(nn.Module):
     assigned), ``cand_ids / cand_step / cand_count [W*K]`` (admission candidates),
     ``step`` (training steps taken) and ``counters [W, 5]`` (:data:`COUNTERS` of each
     local bucket, so a reshard keeps them exact; :meth:`stats` sums them).
+
+    The current *window* (training lookups since the mapper was built or
+    :meth:`new_window`) lives in two buffers that checkpoints do not hold:
+    ``window [2]`` (ids looked up, ids missed) and ``window_ids [W * WINDOW_BITS_PER_SLOT * S]``,
+    a linear-counting bitmap per bucket of the ids looked up, from which :meth:`window_figures`
+    estimates how many distinct ids each bucket saw (summed: any split of the buckets over
+    ranks gives the whole table's figure).
     """
 
     slot_ids: Tensor
@@ -83,6 +127,8 @@ class DynamicIdMapper(nn.Module):
     cand_count: Tensor
     counters: Tensor
     step: Tensor
+    window: Tensor
+    window_ids: Tensor
 
     def __init__(
         self,
@@ -120,14 +166,28 @@ class DynamicIdMapper(nn.Module):
             buf(name, n, fill)
         self.register_buffer("counters", torch.zeros(hi - lo, len(COUNTERS), dtype=torch.int64, device=device))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
+        self._add_window()
         self._ranges: BucketRanges | None = None
+
+    def _add_window(self) -> None:
+        """Register the window's buffers (empty), next to the slots."""
+        device, bits = self.slot_ids.device, WINDOW_BITS_PER_SLOT * self.slot_ids.numel()
+        self.register_buffer("window", torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("window_ids", torch.zeros(bits, dtype=torch.bool, device=device), persistent=False)
+
+    def __setstate__(self, state: dict) -> None:  # type: ignore[type-arg]
+        """A mapper pickled before the window existed gets an empty one."""
+        super().__setstate__(state)
+        if "window" not in self._buffers:
+            self._add_window()
 
     @property
     def capacity(self) -> int:
         return self.slot_ids.numel()
 
     def stats(self) -> dict[str, int]:
-        """Occupancy, capacity, candidates held and the cumulative :data:`COUNTERS` (ints)."""
+        """Occupancy, capacity, candidates held and the cumulative :data:`COUNTERS` (ints); the window:
+        :meth:`window_figures`."""
         out = {
             "occupancy": int((self.slot_step >= 0).sum()),
             "capacity": self.capacity,
@@ -135,6 +195,22 @@ class DynamicIdMapper(nn.Module):
         }
         out.update(zip(COUNTERS, (int(c) for c in self.counters.sum(0).tolist()), strict=True))
         return out
+
+    def window_figures(self) -> Tensor:
+        """``[3]`` int64: the window's lookups, misses and (estimated) distinct ids, on the mapper's device.
+
+        Distinct ids by linear counting, bucket by bucket: ``M ln(M / zeros)`` for a bucket's ``M`` bits,
+        rounded, summed over buckets (no host sync); a full bucket reads ``M ln M`` (a lower bound).
+        """
+        m = WINDOW_BITS_PER_SLOT * self.slots_per_bucket
+        zeros = (~self.window_ids).view(-1, m).sum(1).clamp(min=1).double()
+        distinct = (m * torch.log(m / zeros)).round().long().sum().reshape(1)
+        return torch.cat([self.window, distinct])
+
+    def new_window(self) -> None:
+        """Start a new window: its lookups, misses and ids from zero."""
+        self.window.zero_()
+        self.window_ids.zero_()
 
     def layout(self) -> DynamicLayout:
         """The whole table's layout (``dim`` unknown here: 0)."""
@@ -194,5 +270,8 @@ class DynamicIdMapper(nn.Module):
         bucket, slot = locate(state, self.bucket_ranges(), ids, None, steps, train)
         finish = lookup_slots if uses_compiled_loops(ids) else lookup_slots_fixed
         found = finish(state, ids, bucket, slot, None, steps, train)
+        if train:
+            bits = WINDOW_BITS_PER_SLOT * self.slots_per_bucket
+            record_window(self.window, self.window_ids, bits, ids, bucket, self.num_buckets, None, found.slots < 0)
         slots = torch.where(found.slots >= 0, found.slots + self.row_offset, -1)
         return LookupResult(slots, found.new + self.row_offset, self.slot_gen[found.new])

@@ -26,7 +26,12 @@ from torch import Tensor
 
 from lightning_shardrec.modules.dynamic.admission import lookup_slots_fixed
 from lightning_shardrec.modules.dynamic.layout import BUFFERS
-from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
+from lightning_shardrec.modules.dynamic.mapper import (
+    WINDOW_BITS_PER_SLOT,
+    WINDOW_BUFFERS,
+    DynamicIdMapper,
+    record_window,
+)
 from lightning_shardrec.modules.dynamic.slots import (
     BucketRanges,
     SlotState,
@@ -77,12 +82,13 @@ class MapperGroup:
     # --- binding ------------------------------------------------------------------
     def _bound(self) -> bool:
         pairs = zip(self.mappers, self._views, strict=True)
-        return bool(self._views) and all(m._buffers[name] is view[name] for m, view in pairs for name in BUFFERS)
+        names = (*BUFFERS, *WINDOW_BUFFERS)
+        return bool(self._views) and all(m._buffers[name] is view[name] for m, view in pairs for name in names)
 
     def _bind(self) -> None:
         """Make every mapper's buffers views of one flat tensor per buffer (copying their values in)."""
         views: list[dict[str, Tensor]] = [{} for _ in self.mappers]
-        for name in BUFFERS:
+        for name in (*BUFFERS, *WINDOW_BUFFERS):
             parts = [m._buffers[name] for m in self.mappers]
             assert all(p is not None for p in parts)  # internal: every mapper registers every buffer
             flat = torch.stack(parts) if name == "step" else torch.cat(parts)  # type: ignore[arg-type]
@@ -133,6 +139,10 @@ class MapperGroup:
         bucket, slot = locate(state, ranges, ids, table, steps, train)
         finish = lookup_slots if uses_compiled_loops(ids) else lookup_slots_fixed
         found = finish(state, ids, bucket, slot, table, steps, train)
+        if train:
+            bits = WINDOW_BITS_PER_SLOT * self.width
+            nb = ranges.num_buckets.index_select(0, table)
+            record_window(self._flat["window"], self._flat["window_ids"], bits, ids, bucket, nb, table, found.slots < 0)
         row_start = ranges.start * self.width
         rows = torch.where(found.slots >= 0, found.slots - row_start.index_select(0, table), -1)
         new_tables = torch.searchsorted(row_start, found.new, right=True) - 1

@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_shardrec.configs import BaseEmbeddingConfig, UniformInit
 from lightning_shardrec.modules.dynamic.hashing import mix64
 from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper, LookupResult
+from lightning_shardrec.modules.dynamic.stats import mapper_stats, stats_dict
 from lightning_shardrec.modules.features import check_ids
 from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.modules.table_init import uniform_rows
@@ -139,8 +140,17 @@ class DynamicTables(TableDict):  # any table name (modules.table_dict)
         assert isinstance(mapper, DynamicIdMapper)  # internal invariant, not user input
         return mapper
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        return {name: self.mapper(name).stats() for name in self.keys()}
+    def stats(self, new_window: bool = False) -> dict[str, dict[str, float]]:
+        """Per table: :data:`~lightning_shardrec.modules.dynamic.stats.FIELDS` and ``DERIVED`` (then, given
+        ``new_window``, every mapper starts a new window)."""
+        names = list(self.keys())
+        if not names:
+            return {}
+        rows = torch.stack([mapper_stats(self.mapper(n)).cpu() for n in names])
+        if new_window:
+            for n in names:
+                self.mapper(n).new_window()
+        return stats_dict([self._configs[n] for n in names], rows)
 
     def slots(self, table: str, ids: Tensor, weight: Tensor, train: bool) -> Tensor:
         """Slots of raw ``ids`` (``-1``: not admitted); new slots are reset in ``weight`` first."""
@@ -193,6 +203,8 @@ class HasDynamicTables:
         if self.dynamic_tables is not None:
             self.dynamic_tables.register_reset_hook(hook)
 
-    def dynamic_stats(self) -> dict[str, dict[str, int]]:
-        """Per dynamic table: occupancy, capacity, admissions, evictions, misses, ... (ints)."""
-        return {} if self.dynamic_tables is None else self.dynamic_tables.stats()
+    def dynamic_stats(self, new_window: bool = False) -> dict[str, dict[str, float]]:
+        """Per dynamic table: occupancy, capacity, admissions, evictions, misses, ..., the window's figures
+        and ``miss_rate``, ``suggested_capacity`` (``modules.dynamic.stats``); ``new_window``: then start a
+        new window."""
+        return {} if self.dynamic_tables is None else self.dynamic_tables.stats(new_window)
