@@ -131,7 +131,8 @@ def train_sharded(
         planner=fused_planner(device, features),
     )
     outs = _run(dmp, data, device, lambda: None)
-    state = {k: v.detach().cpu().clone() for k, v in dmp.state_dict().items() if isinstance(v, Tensor)}
+    # the sharded module's own state (shards and id maps): DMP.state_dict() refuses dynamic tables
+    state = {k: v.detach().cpu().clone() for k, v in dmp.module.state_dict().items() if isinstance(v, Tensor)}
     return outs, state
 
 

@@ -12,7 +12,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.optim import _apply_optimizer_in_backward
 
 
 def apply_optimizer_in_backward(
@@ -25,6 +24,10 @@ def apply_optimizer_in_backward(
     Example (one bag of 3 ids of one row, loss = sum of the pooled output, ``SGD(lr=0.5)``):
     every element of that row moves by ``-0.5 * 3 = -1.5``.
     """
+    # imported here: torch.distributed.optim scripts its functional optimizers at import (slow, and a
+    # DeprecationWarning from torch.jit.script), which importing this library must not pay
+    from torch.distributed.optim.apply_optimizer_in_backward import _apply_optimizer_in_backward
+
     _apply_optimizer_in_backward(optimizer_class=optimizer_class, params=params, optimizer_kwargs=optimizer_kwargs)
 
 

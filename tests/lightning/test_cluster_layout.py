@@ -42,10 +42,10 @@ def two_nodes(rank, world, layout=None):
     # pinned: t_big's two row blocks on host 1 (ranks 2, 3), summed inside the host
     blocks = [ShardMetadata((0, 0), (60, 8), 2), ShardMetadata((60, 0), (60, 8), 3)]
     pinned = {"t_big": ParameterSharding("table_row_wise", "fused", [2, 3], blocks)}
-    strategy = ShardRecStrategy(constraints=constraints, plan=pinned)
+    strategy = ShardRecStrategy(constraints=constraints, plan=pinned, comm_transport="auto")  # the shm path
     t = trainer(strategy=strategy, devices=2, num_nodes=2, max_steps=STEPS)
     registered, hook = [], strategy_module.use_shm_allreduce  # the dense all-reduce's path, recorded
-    strategy_module.use_shm_allreduce = lambda ddp, pg: registered.append(hook(ddp, pg)) or registered[-1]
+    strategy_module.use_shm_allreduce = lambda ddp, pg: (t := hook(ddp, pg), registered.append(t is not None))[0]
     try:
         with pretend_hosts(rank, layout) if layout else nullcontext():  # each node its own /dev/shm
             t.fit(Rec("sgd"), data(BATCH, STEPS))

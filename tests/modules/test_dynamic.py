@@ -175,7 +175,8 @@ def test_defaults_layout_and_positional_order() -> None:
     assert config.layout(7, "t") == (1, 7) and DynamicConfig(num_buckets=10).layout(1000, "t") == (10, 100)
     assert config.candidate_slots(8) == 0 and DynamicConfig(min_count=2).candidate_slots(8) == 8
     bag = EmbeddingBagConfig(
-        8, 2, "t", "FP32", ["f"], None, None, None, None, False, None, None, False, None, False, "MEAN", dynamic=config
+        8, 2, "t", "FP32", ["f"], None, None, None, None, False, None, None, False, None, False, False, "MEAN",
+        dynamic=config,
     )
     assert bag.pooling.value == "MEAN" and bag.dynamic is config
 

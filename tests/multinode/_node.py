@@ -59,7 +59,11 @@ def main() -> None:
     args = parser.parse_args()
     world = args.devices * args.nodes
     constraints = {f"t_{f}": ParameterConstraints(sharding_types=[t], min_partition=4) for f, t in TYPES.items()}
-    strategy = ShardRecStrategy(constraints=constraints, heartbeat_timeout=args.heartbeat_timeout)
+    strategy = ShardRecStrategy(
+        constraints=constraints,
+        heartbeat_timeout=args.heartbeat_timeout,
+        comm_transport="auto",  # shm inside each
+    )
     progress = Progress(args.out, args.pace)
     checkpoints = ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=5, save_top_k=-1, save_last=True)
     t = trainer(
