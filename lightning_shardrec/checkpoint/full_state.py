@@ -91,7 +91,7 @@ def _target(full: Tensor, offsets: tuple[int, int], like: Tensor) -> Tensor:
 
 
 def _gather_tensors(
-    local: dict[str, Shards], dst: int, shapes: Callable[[list[dict[str, Shards]]], dict[str, tuple[int, ...]]]
+    local: dict[str, Any], dst: int, shapes: Callable[[list[dict[str, Shards]]], dict[str, tuple[int, ...]]]
 ) -> dict[str, Tensor]:
     """Collective: one table's pieces from every rank into full host tensors on rank ``dst`` (``{}`` elsewhere).
 

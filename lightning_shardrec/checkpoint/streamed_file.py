@@ -45,7 +45,7 @@ class Stored:
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         stride = torch.empty(self.shape, device="meta").stride()
-        args = (self.ref, 0, self.shape, stride, False, OrderedDict())
+        args: tuple[Any, ...] = (self.ref, 0, self.shape, stride, False, OrderedDict())
         return (torch._utils._rebuild_tensor_v2, args)
 
 
