@@ -5,7 +5,7 @@ before writing anything (:mod:`.validate`) and run no pickled code (:mod:`.safe_
 """
 
 from lightning_shardrec.checkpoint.atomic import agree_failures, discard, recover_interrupted, save_file
-from lightning_shardrec.checkpoint.full_state import dense_problems, gather_full_state, load_full_state
+from lightning_shardrec.checkpoint.full_state import dense_problems, gather_full_state, iter_full_state, load_full_state
 from lightning_shardrec.checkpoint.plain_optimizer import (
     param_layout,
     replicated_keys,
@@ -23,15 +23,18 @@ from lightning_shardrec.checkpoint.sharded_state import (
     saved_keys,
     sharded_state_dict,
 )
+from lightning_shardrec.checkpoint.streamed_file import StreamedFile, save_streamed
 
 __all__ = [
     "META_FILE",
+    "StreamedFile",
     "agree_failures",
     "convert_to_full",
     "dense_problems",
     "discard",
     "gather_full_state",
     "is_sharded_checkpoint",
+    "iter_full_state",
     "load_file",
     "load_full_state",
     "load_sharded",
@@ -43,6 +46,7 @@ __all__ = [
     "save_file",
     "save_sharded",
     "saved_keys",
+    "save_streamed",
     "sharded_state_dict",
     "split_plain_optimizer_states",
     "table_parameter_keys",

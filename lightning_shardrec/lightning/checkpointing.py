@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -22,18 +22,21 @@ from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_shardrec.checkpoint import (
+    StreamedFile,
     agree_failures,
     dense_problems,
     discard,
     gather_full_state,
+    iter_full_state,
     load_full_state,
     load_sharded,
     recover_interrupted,
     replicated_keys,
-    save_file,
     save_sharded,
+    save_streamed,
     split_plain_optimizer_states,
 )
+from lightning_shardrec.checkpoint.full_state import FullTable
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.lightning.pipeline import TrainPipeline
@@ -55,7 +58,6 @@ class ShardedCheckpointing(DDPStrategy):
     pipeline: TrainPipeline | None
     _checkpoint_format: str
     _loaded_in_place: bool
-    _fused_states: Any
     #: per optimizer, per param group: its parameters before the tables left it, tables as keys (set in setup)
     _groups_before: list[list[list[torch.nn.Parameter | str]]] | None = None
 
@@ -82,11 +84,8 @@ class ShardedCheckpointing(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self.sharded:
             return super().lightning_module_state_dict()
-        if self._checkpoint_format == "sharded":
-            return self._dense_state()  # tables go to DCP in save_checkpoint
-        # tables gathered on rank 0 only (the rank that writes the file), one at a time, on the host
-        weights, self._fused_states = gather_full_state(self.sharded, dst=0)
-        return {**self._dense_state(), **weights}
+        # tables go to DCP (sharded) or are gathered one at a time into the file (full) in save_checkpoint
+        return self._dense_state()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -98,7 +97,7 @@ class ShardedCheckpointing(DDPStrategy):
         group = {k: v for k, v in self.fused_optimizer.param_groups[0].items() if k != "params"}
         checkpoint["shardrec_plan"] = self.plan.to_json() if self.plan is not None else None
         if self._checkpoint_format == "full":
-            checkpoint[_FUSED_KEY] = {"states": self._fused_states, "param_group": group}
+            checkpoint[_FUSED_KEY] = {"states": {}, "param_group": group}
             return self._save_full(checkpoint, filepath, storage_options)
         checkpoint[_FUSED_KEY] = {"param_group": group}
         path = Path(self.broadcast(str(filepath)))
@@ -106,15 +105,27 @@ class ShardedCheckpointing(DDPStrategy):
         save_sharded(path, self.sharded, dense, checkpoint, self.global_rank)  # atomic; raises on every rank
 
     def _save_full(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
-        """Rank 0 writes one file beside ``filepath`` and renames it into place; a failure raises on every rank."""
+        """Collective: rank 0 writes one file beside ``filepath``, table by table, and renames it into place.
+
+        The tables are gathered on rank 0 one at a time and each is written as it arrives
+        (:func:`~lightning_shardrec.checkpoint.save_streamed`), so rank 0 holds its share and
+        one table. A failure raises on every rank. A custom or remote writer takes the whole
+        checkpoint at once: rank 0 then holds every table until it is written.
+        """
         if type(self.checkpoint_io) is not TorchCheckpointIO or storage_options is not None or _remote(filepath):
-            return super().save_checkpoint(checkpoint, filepath, storage_options)  # a custom or remote writer
+            weights, states = gather_full_state(self.sharded, dst=0)
+            checkpoint["state_dict"].update(weights)
+            checkpoint[_FUSED_KEY]["states"] = states
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        tables = iter_full_state(self.sharded, dst=0)
         error: BaseException | None = None
         if self.is_global_zero:
             try:
-                save_file(checkpoint, Path(filepath))
+                save_streamed(Path(filepath), lambda stream: _write_tables(stream, tables, checkpoint))
             except Exception as e:  # agreed on below, so no rank waits in a barrier for rank 0
                 error = e
+        for _ in tables:  # the other ranks send their shards (rank 0: what a failed write left)
+            pass
         failures = agree_failures(error)
         if failures:
             failed = "\n  ".join(failures)
@@ -199,6 +210,17 @@ class ShardedCheckpointing(DDPStrategy):
                 load_full_state(self.sharded, states=fused["states"])
             if self.fused_optimizer is not None:
                 self.fused_optimizer.param_groups[0].update(fused["param_group"])
+
+
+def _write_tables(stream: StreamedFile, tables: Iterator[FullTable], checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Write each gathered table into ``stream`` as it arrives, keeping stand-ins; the checkpoint to pickle last."""
+    states = checkpoint[_FUSED_KEY]["states"]
+    for weights, table_states in tables:
+        checkpoint["state_dict"].update({k: stream.put(v) for k, v in weights.items()})
+        for weight_key, named in table_states.items():
+            states.setdefault(weight_key, {}).update({n: stream.put(t) for n, t in named.items()})
+        del weights, table_states
+    return checkpoint
 
 
 def _remote(path: Any) -> bool:

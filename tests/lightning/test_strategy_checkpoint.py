@@ -205,16 +205,17 @@ def fail_one_save(t, rank, fmt, target):
 
         FileSystemWriter.write_data = failing
         return lambda: setattr(FileSystemWriter, "write_data", write)
-    save = torch.save
+    from lightning_shardrec.checkpoint.streamed_file import StreamedFile
 
-    def failing_save(obj, f, *args, **kwargs):  # rank 0 writes half a file, then fails
-        if t.global_step == FAULT_STEP and target in Path(getattr(f, "name", str(f))).name:
-            f.write(b"PK\x03\x04 half a zip")
+    put = StreamedFile.put
+
+    def failing_put(self, tensor):  # rank 0 writes its first table, then fails
+        if t.global_step == FAULT_STEP and target in Path(self.name).name and self._count > 0:
             raise OSError("injected: no space left on device")
-        return save(obj, f, *args, **kwargs)
+        return put(self, tensor)
 
-    torch.save = failing_save
-    return lambda: setattr(torch, "save", save)
+    StreamedFile.put = failing_put
+    return lambda: setattr(StreamedFile, "put", put)
 
 
 def crash_in_save_then_resume(rank, world, root, fmt, save_last, target):

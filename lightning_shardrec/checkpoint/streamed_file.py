@@ -1,0 +1,147 @@
+"""A ``torch.save`` file written one tensor at a time, so a big checkpoint never sits whole in memory.
+
+``torch.save(obj)`` needs every tensor of ``obj`` alive until the file is written. A
+:class:`StreamedFile` writes each big tensor's bytes the moment it is :meth:`~StreamedFile.put`
+(the caller frees it right after) and keeps a :class:`Stored` stand-in of a few bytes; the
+object itself (stand-ins, ordinary tensors, anything else ``torch.save`` takes) is pickled last,
+in :meth:`~StreamedFile.close`. The archive is torch's own (``torch.serialization``'s zip
+writer, the same records and pickle as ``torch.save``), so ``torch.load`` (``weights_only``,
+``mmap``) and ``LightningModule.load_from_checkpoint`` read it unchanged.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import sys
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_shardrec.checkpoint.atomic import clean_stale, commit, remove_path, staging_path
+
+_PROTOCOL = 2  # torch.save's default pickle protocol
+
+
+class _StorageRef:
+    """A storage already in the archive (record ``data/<key>``): pickled as torch's persistent id."""
+
+    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class Stored:
+    """Stand-in for a contiguous CPU tensor whose bytes are already written; loads as that tensor."""
+
+    def __init__(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.ref = _StorageRef(key, dtype, _numel(shape))
+        self.shape = shape
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        stride = torch.empty(self.shape, device="meta").stride()
+        args: tuple[Any, ...] = (self.ref, 0, self.shape, stride, False, OrderedDict())
+        return (torch._utils._rebuild_tensor_v2, args)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _storage_type(dtype: torch.dtype) -> Any:
+    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+
+
+class StreamedFile:
+    """Write tensors into a ``torch.save`` archive as they come (:meth:`put`), the object last (:meth:`close`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.name = str(path)  # the file being written (the zip writer owns it)
+        self._opener = torch.serialization._open_zipfile_writer(self.name)
+        self._open = True
+        self._zip = self._opener.file_like
+        self._count = 0  # records written
+        self._keys: dict[int, str] = {}  # while pickling: storage -> record key (a shared storage is written once)
+
+    def _write(self, storage: torch.UntypedStorage) -> str:
+        key = str(self._count)
+        self._count += 1
+        if storage.device.type != "cpu":
+            storage = storage.cpu()
+        self._zip.write_record(f"data/{key}", storage, storage.nbytes())
+        return key
+
+    def put(self, t: Tensor) -> Stored:
+        """Write ``t``'s values now; the returned stand-in takes its place in the object given to :meth:`close`."""
+        t = t.detach().cpu().contiguous()
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
+            t = t.clone()  # a view: write its elements only
+        key = self._write(t.untyped_storage())
+        return Stored(key, t.dtype, tuple(t.shape))
+
+    def _persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
+        if isinstance(obj, _StorageRef):
+            return ("storage", _storage_type(obj.dtype), obj.key, "cpu", obj.numel)
+        if not (isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)):
+            return None
+        if isinstance(obj, torch.storage.TypedStorage):  # what ordinary tensors reduce to, as in torch.save
+            storage, kind, numel = obj._untyped_storage, getattr(torch, obj._pickle_storage_type()), obj._size()
+        else:
+            storage, kind, numel = obj, torch.UntypedStorage, obj.nbytes()
+        location = torch.serialization.location_tag(storage)
+        key = self._keys.get(storage._cdata)
+        if key is None:
+            key = self._keys[storage._cdata] = self._write(storage)
+        return ("storage", kind, key, location, numel)
+
+    def close(self, obj: Any) -> None:
+        """Pickle ``obj`` (its ordinary tensors written as met) and finish the archive."""
+        buffer = io.BytesIO()
+        pickler = pickle.Pickler(buffer, protocol=_PROTOCOL)
+        pickler.persistent_id = self._persistent_id  # type: ignore[method-assign]
+        pickler.dump(obj)
+        data = buffer.getvalue()
+        self._zip.write_record("data.pkl", data, len(data))
+        self._zip.write_record(".format_version", "1", 1)
+        alignment = str(torch.serialization._get_storage_alignment())
+        self._zip.write_record(".storage_alignment", alignment, len(alignment))
+        self._zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        self.finish()
+
+    def finish(self) -> None:
+        """Close the archive (after :meth:`close`, or to give up on a failed write; idempotent)."""
+        if self._open:
+            self._open = False
+            self._opener.__exit__(None, None, None)
+
+
+def save_streamed(path: Path, write: Callable[[StreamedFile], Any]) -> None:
+    """``write(file)`` puts the big tensors and returns the object; the file is flushed, then swapped in.
+
+    The staging file beside ``path`` is removed on any failure, leaving ``path`` untouched.
+    """
+    staging = staging_path(path, uuid.uuid4().hex[:12])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(path, keep=staging)
+    try:
+        stream = StreamedFile(staging)
+        try:
+            stream.close(write(stream))
+        finally:
+            stream.finish()
+        fd = os.open(staging, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # on disk before the swap
+        finally:
+            os.close(fd)
+        commit(staging, path)
+    finally:
+        remove_path(staging)
