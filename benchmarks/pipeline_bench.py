@@ -31,6 +31,7 @@ from typing import Any
 
 SECTION = "## Pipeline"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_dlrm import BenchDLRM, StepClock  # noqa: E402
 from _report import replace_section  # noqa: E402
 
 
@@ -74,11 +75,9 @@ def _instrument() -> _Clock:
 def run_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[float]]:
     import lightning as L
     import torch
-    import torch.nn.functional as F
-    from torch import nn
     from torch.utils.data import DataLoader
 
-    from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, ParameterConstraints, ShardRecStrategy
+    from lightning_shardrec import ParameterConstraints, ShardRecStrategy
     from lightning_shardrec.data.synthetic import SyntheticRecDataset, SyntheticRecGenerator, SyntheticSpec, to_features
 
     torch.set_num_threads(1)
@@ -95,36 +94,6 @@ def run_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[float
         spec, batch_size=cfg["batch"], num_batches=steps, rank=rank, world_size=world, generator=gen
     )
     batches = [ds.batch(i) for i in range(steps)]
-
-    class DLRM(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.ebc = EmbeddingBagCollection(
-                [
-                    EmbeddingBagConfig(num_embeddings=r, embedding_dim=64, name=f"t_{n}", feature_names=[n])
-                    for n, r in tables
-                ]
-            )
-            self.bottom = nn.Sequential(nn.Linear(13, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU())
-            self.top = nn.Sequential(nn.Linear(576, 256), nn.ReLU(), nn.Linear(256, 1))
-
-        def training_step(self, batch: Any, i: int) -> torch.Tensor:
-            x = torch.cat([self.bottom(batch.dense), self.ebc(batch.sparse).values()], 1)
-            return F.binary_cross_entropy_with_logits(self.top(x).squeeze(1), batch.labels)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.Adagrad(self.parameters(), lr=0.05, eps=1e-8)
-
-    class StepClock(L.Callback):
-        def __init__(self) -> None:
-            self.marks: list[float] = []
-
-        def on_train_batch_start(self, *args: Any) -> None:
-            self.marks.append(time.perf_counter())
-
-        def on_train_end(self, *args: Any) -> None:
-            self.marks.append(time.perf_counter())
 
     clock = _instrument()
     out: dict[str, list[float]] = {}
@@ -144,7 +113,7 @@ def run_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[float
             )  # fmt: skip
             loader = DataLoader(batches, batch_size=None, collate_fn=_identity)
             comm0 = clock.total
-            trainer.fit(DLRM(), train_dataloaders=loader)
+            trainer.fit(BenchDLRM(tables), train_dataloaders=loader)
             t = marks.marks[cfg["warmup"] :]
             name = "pipeline" if pipeline else "plain"
             out.setdefault(f"{name}_sps", []).append(cfg["batch"] * world * (len(t) - 1) / (t[-1] - t[0]))
@@ -192,6 +161,8 @@ def report(results: list[dict[str, list[float]]], cfg: dict[str, Any], command: 
 def write_section(path: Path, text: str) -> None:
     """Replace (or append) this script's section of ``docs/benchmarks.md``; keep a ``Reading:``."""
     replace_section(path, SECTION, text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="200000,20000", help="rows of the 4 big and the 4 small tables")

@@ -200,7 +200,7 @@ def hosts(world_size: int, device: str, local_world_size: int | None) -> tuple[i
 
 def capacity(
     device: str, memory_gib: float | None, host_memory_gib: float | None = None, local: int = 1
-) -> tuple[dict[str, int], str]:
+) -> tuple[dict[str, Any], str]:
     """Topology overrides for the per-rank memory and where the figure comes from.
 
     On cpu the ranks of a host share its memory: ``host / local`` per rank (the stated

@@ -45,7 +45,7 @@ from lightning_shardrec.distributed.sharders import ModuleSharder, check_sharder
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
 from lightning_shardrec.distributed.transport.connect import attach, parse_transport
-from lightning_shardrec.distributed.transport.per_host import transport_report
+from lightning_shardrec.distributed.transport.per_host import HostTransport, transport_report
 from lightning_shardrec.distributed.transport.shm import ShmTransport
 from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
@@ -191,7 +191,7 @@ class ShardRecStrategy(RankFailureHandling):
         self._sigterm: LaggedSigterm | None = None  # Lightning's per-batch SIGTERM broadcast, made async
         self._deadline: SigtermDeadline | None = None  # SIGTERM ends a rank within seconds (lightning/sigterm.py)
         self._own_groups: list[dist.ProcessGroup] = []  # destroyed in teardown (lightning/teardown.py)
-        self._dense_transport: ShmTransport | None = None  # the DDP hook's (closed in teardown)
+        self._dense_transport: ShmTransport | HostTransport | None = None  # the DDP hook's (closed in teardown)
         if isinstance(embedding_optimizer, str):
             embedding_optimizer = FusedOptimConfig(optimizer=embedding_optimizer)  # validates the name
         if embedding_lr is not None and not (isinstance(embedding_lr, (int, float)) and embedding_lr >= 0):
