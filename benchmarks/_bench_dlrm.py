@@ -47,3 +47,23 @@ class StepClock(L.Callback):
 
     def on_train_end(self, *args: Any) -> None:
         self.marks.append(time.perf_counter())
+
+
+def join_as_rank(rank: int, world: int, rows: tuple[int, int]) -> tuple[list[tuple[str, int]], Any]:
+    """Set this process up as rank ``rank`` of ``world`` on this host (one thread, Lightning's environment
+    variables) and return the 8 ``(feature, rows)`` tables (4 of ``rows[0]``, 4 of ``rows[1]``) and their
+    synthetic spec (13 dense features)."""
+    import os
+
+    from lightning_shardrec.data.synthetic import SyntheticSpec, to_features
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
+        LOCAL_WORLD_SIZE=str(world),
+    )  # fmt: skip
+    big, small = rows
+    tables = [(f"f{i}", big if i < 4 else small) for i in range(8)]
+    return tables, SyntheticSpec(
+        features=to_features([{"name": n, "num_embeddings": r} for n, r in tables]), num_dense=13
+    )

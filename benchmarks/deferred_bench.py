@@ -31,7 +31,7 @@ from typing import Any
 
 SECTION = "## Deferred table updates (accumulation, norm clipping)"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_dlrm import BenchDLRM, StepClock  # noqa: E402
+from _bench_dlrm import BenchDLRM, StepClock, join_as_rank  # noqa: E402
 from _report import replace_section  # noqa: E402
 
 VARIANTS = {
@@ -56,21 +56,14 @@ def _identity(x: Any) -> Any:
 
 def run_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[float]]:
     import lightning as L
-    import torch
     from torch.utils.data import DataLoader
 
     from lightning_shardrec import ParameterConstraints, ShardRecStrategy
-    from lightning_shardrec.data.synthetic import SyntheticRecDataset, SyntheticRecGenerator, SyntheticSpec, to_features
+    from lightning_shardrec.data.synthetic import SyntheticRecDataset, SyntheticRecGenerator
     from lightning_shardrec.optim import DeferredTableUpdates
 
-    torch.set_num_threads(1)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
-        LOCAL_WORLD_SIZE=str(world),
-    )  # fmt: skip
-    big, small = cfg["rows"]
-    tables = [(f"f{i}", big if i < 4 else small) for i in range(8)]
-    spec = SyntheticSpec(features=to_features([{"name": n, "num_embeddings": r} for n, r in tables]), num_dense=13)
+    tables, spec = join_as_rank(rank, world, cfg["rows"])
+    big = cfg["rows"][0]
     steps = cfg["warmup"] + cfg["steps"]
     ds = SyntheticRecDataset(
         spec, batch_size=cfg["batch"], num_batches=steps, rank=rank, world_size=world,
