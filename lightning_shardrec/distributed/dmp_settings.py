@@ -156,16 +156,18 @@ def _describe(c: FusedOptimConfig) -> str:
 
 
 def resolve_comm_precision(
-    explicit: str | WirePrecision | None, sharders: Sequence[ModuleSharder[Any]]
+    explicit: str | WirePrecision | None,
+    sharders: Sequence[ModuleSharder[Any]],
+    where: str = "DistributedModelParallel",
 ) -> CommPrecision | WirePrecision:
     """``comm_precision=`` (``"bf16"``, ``"fp16/bf16"``) else the sharders' qcomm config, else fp32; both must agree."""
-    from_sharders = sharder_comm_precision(sharders, "DistributedModelParallel")
+    from_sharders = sharder_comm_precision(sharders, where)
     if explicit is None:
         return from_sharders or CommPrecision.FP32
     mine = parse_wire(explicit)
     if from_sharders is not None and from_sharders != mine:
         raise ValueError(
-            f"DistributedModelParallel: comm_precision={mine.value} but the sharders' QCommsConfig asks for "
+            f"{where}: comm_precision={mine.value} but the sharders' QCommsConfig asks for "
             f"{from_sharders.value}; pass one"
         )
     return mine

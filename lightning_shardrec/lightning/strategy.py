@@ -36,12 +36,13 @@ from lightning_shardrec.distributed.dmp_settings import (
     check_fused,
     fused_only,
     in_backward_tables,
+    resolve_comm_precision,
     resolve_fused_config,
 )
 from lightning_shardrec.distributed.groups import live_group, new_group_like
 from lightning_shardrec.distributed.model_parallel import find_collections, kernel_labels, pooling_of, shard_modules
 from lightning_shardrec.distributed.qcomm import parse_wire
-from lightning_shardrec.distributed.sharders import ModuleSharder, check_sharders, sharder_comm_precision
+from lightning_shardrec.distributed.sharders import ModuleSharder, check_sharders
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
 from lightning_shardrec.distributed.transport.connect import attach, parse_transport
@@ -200,15 +201,9 @@ class ShardRecStrategy(RankFailureHandling):
             raise ValueError(f"ShardRecStrategy: planner_batch_size must be an int > 0, got {planner_batch_size!r}")
         self._embedding_optimizer = embedding_optimizer
         self._sharders = check_sharders(sharders, "ShardRecStrategy")
-        asked = sharder_comm_precision(self._sharders, "ShardRecStrategy")  # a QCommsConfig in a sharder
-        wire = parse_wire(comm_precision)  # "fp16/bf16": forward / backward
-        if asked is not None and wire is CommPrecision.FP32:
-            wire = asked
-        elif asked is not None and wire != asked:
-            raise ValueError(
-                f"ShardRecStrategy: comm_precision={comm_precision} but the sharders' QCommsConfig asks for "
-                f"{asked.value}; pass one"
-            )
+        # "fp16/bf16": forward / backward; the default fp32 yields to a sharder's QCommsConfig
+        explicit = None if parse_wire(comm_precision) is CommPrecision.FP32 else comm_precision
+        wire = resolve_comm_precision(explicit, self._sharders, "ShardRecStrategy")
         self._strict_optimizer = strict_optimizer
         self._log_dynamic_stats = log_dynamic_stats
         self._holder_slot: tuple[int, int] | None = None  # the param group the tables train as, across fits
