@@ -46,7 +46,8 @@ from lightning_shardrec.lightning import guards
 from lightning_shardrec.lightning.cluster import ranks_per_host
 from lightning_shardrec.lightning.deferred import DeferredGlue, deferral_line, deferral_reason
 from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
-from lightning_shardrec.lightning.optimizers import find_group, group_at, group_slot, remove_params, rule_report
+from lightning_shardrec.lightning.fused_params import add_anchors, fused_names, fused_params
+from lightning_shardrec.lightning.optimizers import Holder, find_group, group_at, group_slot, remove_params, rule_report
 from lightning_shardrec.lightning.options import ShardRecOptions
 from lightning_shardrec.lightning.pipeline import TrainPipeline
 from lightning_shardrec.lightning.plan_report import print_plan, print_transport, save_plan
@@ -186,7 +187,7 @@ class ShardRecStrategy(RankFailureHandling):
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._deferral = deferral_reason(trainer, module) if fitting else None  # accumulation, norm clipping
         table_params = [p for c in collections.values() for p in c.parameters()]
-        table_params += [p for s in self.sharded.values() for p in _fused_params(s)]
+        table_params += [p for s in self.sharded.values() for p in fused_params(s)]
         holder = self._table_holder(trainer, collections, table_params) if fitting else None
         if collections:
             self._shard_collections(trainer, module, holder)
@@ -213,7 +214,7 @@ class ShardRecStrategy(RankFailureHandling):
 
     def _table_holder(
         self, trainer: Any, collections: Mapping[str, torch.nn.Module], table_params: list[torch.nn.Parameter]
-    ) -> tuple[torch.optim.Optimizer, dict[str, Any]] | None:
+    ) -> Holder | None:
         """Fit: the user's optimizers, built over shapes of the tables (no optimizer state allocated for
         them), and the param group the tables train as (kept across fits)."""
         fused = [g for s in self.sharded.values() for g in s.groups if g.fused]
@@ -224,17 +225,14 @@ class ShardRecStrategy(RankFailureHandling):
         self._holder_slot = group_slot(self.optimizers, holder)
         return holder
 
-    def _shard_collections(
-        self, trainer: Any, module: torch.nn.Module, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None
-    ) -> None:
+    def _shard_collections(self, trainer: Any, module: torch.nn.Module, holder: Holder | None) -> None:
         """Plan and shard (collective); each collection gets the anchor its param group is found by."""
         self._migrated = self.options.torchrec_config(module)
         self._shard(module, self.options.fused_config(holder, self._migrated))
-        for coll in self.sharded.values():  # where a later configure_optimizers puts it = where the tables train
-            coll.register_parameter(_ANCHOR, torch.nn.Parameter(torch.empty(0, device=self.root_device)))
+        add_anchors(self.sharded, self.root_device)  # the param group a later configure_optimizers puts it in
         save_plan(self.plan, getattr(trainer.checkpoint_callback, "dirpath", None))
 
-    def _renew_fused_state(self, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> None:
+    def _renew_fused_state(self, holder: Holder | None) -> None:
         """A fit on collections sharded before: this fit's rule, a fresh fused state."""
         self._config = self.options.fused_config(holder, self._migrated)
         self.fused_optimizer = None
@@ -247,7 +245,7 @@ class ShardRecStrategy(RankFailureHandling):
         module: LightningModule,
         collections: Mapping[str, torch.nn.Module],
         table_params: list[torch.nn.Parameter],
-        holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None,
+        holder: Holder | None,
     ) -> None:
         """Fit: the fused tables leave the user's optimizers (data-parallel tables join the holder's group);
         the rule report, clipping guards and the dynamic tables' monitor."""
@@ -264,7 +262,7 @@ class ShardRecStrategy(RankFailureHandling):
         if self.options.log_dynamic_stats:
             add_dynamic_monitor(trainer, module)  # every rank: gathering the figures is collective
 
-    def _place_model(self, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> list[Any]:
+    def _place_model(self, holder: Holder | None) -> list[Any]:
         """Dense precision, the model on its device, the fused optimizer (lr linked to the holder's group),
         the origin a later Trainer adopts, the collective-call guard; the kernels of every table group."""
         convert_dense(self.precision_plugin, self.model, self.sharded)  # tables keep their config's dtype
@@ -280,7 +278,7 @@ class ShardRecStrategy(RankFailureHandling):
             self.guard = guards.ShardedGuard(self.sharded, lambda: getattr(self.lightning_module, "_trainer", None))
         return kernels
 
-    def _fit_helpers(self, kernels: list[Any], holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> None:
+    def _fit_helpers(self, kernels: list[Any], holder: Holder | None) -> None:
         """Fit, after precision: optimizers on the device, the GradScaler glue, the finite guard, the pipeline."""
         _optimizers_to_device(self.optimizers, self.root_device)
         scaler = ScalerGlue.wanted(self.precision_plugin)
@@ -300,7 +298,7 @@ class ShardRecStrategy(RankFailureHandling):
             self._own_groups.append(env.pg)  # type: ignore[arg-type]
             self.pipeline = TrainPipeline(self.sharded, env, self.root_device)
 
-    def _fit_guards(self, trainer: Any, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> None:
+    def _fit_guards(self, trainer: Any, holder: Holder | None) -> None:
         """At every fit: report (or, strict, refuse) each table's rule; clip fused rows by value or refuse norm."""
         groups = [g for s in self.sharded.values() for g in s._groups()]
         fused = sorted({t.config.name for g in groups if g.fused for t in g.tables})
@@ -350,15 +348,7 @@ class ShardRecStrategy(RankFailureHandling):
         print_transport(env)  # collective
 
     def _wrap_dense(self, model: torch.nn.Module) -> torch.nn.Module:
-        fused: list[str] = []
-        for path, sharded in self.sharded.items():
-            for i, group in enumerate(sharded.groups):
-                if group.fused:
-                    prefix = f"{path}.groups.{i}"
-                    fused += [n for n, _ in group.named_parameters(prefix=prefix)]
-                    fused += [n for n, _ in group.named_buffers(prefix=prefix)]
-            if hasattr(sharded, _ANCHOR):
-                fused.append(f"{path}.{_ANCHOR}")
+        fused = fused_names(self.sharded)  # updated in backward: DDP leaves them alone
         skip = set(fused)
         if not any(p.requires_grad for n, p in model.named_parameters() if n not in skip):
             return model
@@ -480,14 +470,6 @@ class ShardRecStrategy(RankFailureHandling):
             strategy_registry.register(
                 cls.strategy_name, cls, description="Sharded embedding tables (TorchRec-style) + DDP for dense layers"
             )
-
-
-_ANCHOR = "shardrec_anchor"  # an empty parameter per sharded collection; its param group trains the fused tables
-
-
-def _fused_params(coll: ShardedCollection) -> list[torch.nn.Parameter]:
-    anchor = [getattr(coll, _ANCHOR)] if hasattr(coll, _ANCHOR) else []
-    return anchor + [p for g in coll.groups if g.fused for p in g.parameters()]
 
 
 ShardRecStrategy.register_strategies(StrategyRegistry)
