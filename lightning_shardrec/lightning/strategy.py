@@ -307,23 +307,22 @@ class ShardRecStrategy(RankFailureHandling):
         rank_zero_info(rule_report(holder, self._config, explicit, fused, dense, strict))
         if fused and self._deferral is not None:  # clipping done at the step (lightning/deferred.py)
             rank_zero_info(deferral_line(self._deferral))
-            self._to_torch_kernels()
-            for k in (k for s in self.sharded.values() for k in s.kernels()):
-                k.grad_clip_value = None
+            self._clip_rows(None)
             return
         clip = guards.fused_clip_value(trainer) if fused else None
         if clip is not None:
-            self._to_torch_kernels()  # clamps rows; fbgemm's TBE cannot
-            for k in (k for s in self.sharded.values() for k in s.kernels()):
-                k.grad_clip_value = clip
+            self._clip_rows(clip)
         if fused:
             guards.guard_clipping(self.precision_plugin, clip)
 
-    def _to_torch_kernels(self) -> None:
+    def _clip_rows(self, clip: float | None) -> None:
+        """Torch kernels for every table group (they clamp rows; fbgemm's TBE cannot), clamping at ``clip``."""
         for coll in self.sharded.values():
             if any(k.backend is not KernelBackend.TORCH for k in coll.kernels()):
                 coll.rebuild_kernels(self._config, KernelBackend.TORCH)
                 self.fused_optimizer = None
+        for k in (k for s in self.sharded.values() for k in s.kernels()):
+            k.grad_clip_value = clip
 
     def _adopt(self, module: torch.nn.Module) -> None:
         """Take over the collections another ShardRecStrategy sharded (a second Trainer on the same model)."""
