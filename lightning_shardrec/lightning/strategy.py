@@ -5,7 +5,8 @@ process-group setup, ``barrier``/``reduce``/``all_gather``). What it adds, in
 ``setup``: plan and shard the module's embedding collections, move the tables out
 of the user's optimizer into the fused in-backward optimizer (derived from the
 user's, lr linked so schedulers move both), and wrap only the dense rest in DDP.
-Checkpoints: :mod:`lightning_shardrec.lightning.checkpointing`; rank failures:
+Options: :mod:`lightning_shardrec.lightning.options`;
+checkpoints: :mod:`lightning_shardrec.lightning.checkpointing`; rank failures:
 :mod:`lightning_shardrec.lightning.rank_failures` (on :mod:`lightning_shardrec.distributed.health`);
 NaN checks: :mod:`lightning_shardrec.kernels.finite`.
 """
