@@ -1,6 +1,7 @@
 """The Lightning layer: ``ShardRecStrategy``, registered as ``strategy="shardrec"`` on import."""
 
 from lightning_shardrec.lightning.dynamic_monitor import DynamicTableMonitor
+from lightning_shardrec.lightning.options import ShardRecOptions
 from lightning_shardrec.lightning.strategy import ShardRecStrategy
 
-__all__ = ["DynamicTableMonitor", "ShardRecStrategy"]
+__all__ = ["DynamicTableMonitor", "ShardRecOptions", "ShardRecStrategy"]

@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_shardrec.distributed.health import RankMonitor, default_store, is_comm_failure
 from lightning_shardrec.lightning.checkpointing import ShardedCheckpointing
 from lightning_shardrec.lightning.cluster import ranks_per_host
+from lightning_shardrec.lightning.options import ShardRecOptions
 from lightning_shardrec.lightning.teardown import destroy_default_group_at_exit
 
 _GRACE_S = 10.0  # seconds the main thread's failure report may take before the watchdog exits anyway
@@ -26,9 +27,9 @@ _RESUME = "Restart the job and resume with trainer.fit(model, ckpt_path='last')"
 
 
 class RankFailureHandling(ShardedCheckpointing):
-    """Rank-failure detection and reporting for the strategy (``heartbeat_timeout``: see the strategy)."""
+    """Rank-failure detection and reporting for the strategy (``heartbeat_timeout``: see its options)."""
 
-    _heartbeat_timeout: float | None
+    options: ShardRecOptions
     monitor: RankMonitor | None = None
     _failing = False
 
@@ -44,7 +45,7 @@ class RankFailureHandling(ShardedCheckpointing):
                 store,
                 self.global_rank,
                 self.world_size,
-                dead_after=self._heartbeat_timeout,
+                dead_after=self.options.heartbeat_timeout,
                 on_dead=self._on_dead_rank,
                 local_world_size=ranks_per_host(self.world_size, self.num_nodes, self.num_processes),
             )

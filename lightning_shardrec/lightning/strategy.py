@@ -5,16 +5,17 @@ process-group setup, ``barrier``/``reduce``/``all_gather``). What it adds, in
 ``setup``: plan and shard the module's embedding collections, move the tables out
 of the user's optimizer into the fused in-backward optimizer (derived from the
 user's, lr linked so schedulers move both), and wrap only the dense rest in DDP.
-Checkpoints: :mod:`lightning_shardrec.lightning.checkpointing`; rank failures:
+Options: :mod:`lightning_shardrec.lightning.options`;
+checkpoints: :mod:`lightning_shardrec.lightning.checkpointing`; rank failures:
 :mod:`lightning_shardrec.lightning.rank_failures` (on :mod:`lightning_shardrec.distributed.health`);
 NaN checks: :mod:`lightning_shardrec.kernels.finite`.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import fields
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -24,123 +25,82 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_shardrec.checkpoint import param_layout, table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.collection import ShardedCollection
-from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv
-from lightning_shardrec.distributed.dmp_settings import (
-    check_fused,
-    fused_only,
-    in_backward_tables,
-    resolve_comm_precision,
-    resolve_fused_config,
-)
+from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.dmp_settings import check_fused, in_backward_tables
 from lightning_shardrec.distributed.groups import live_group, new_group_like
-from lightning_shardrec.distributed.model_parallel import find_collections, kernel_labels, pooling_of, shard_modules
-from lightning_shardrec.distributed.qcomm import parse_wire
-from lightning_shardrec.distributed.sharders import ModuleSharder, check_sharders
-from lightning_shardrec.distributed.sharding import KernelSetup
+from lightning_shardrec.distributed.model_parallel import find_collections, kernel_labels, shard_modules
+from lightning_shardrec.distributed.sharders import ModuleSharder
 from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
-from lightning_shardrec.distributed.transport.connect import attach, parse_transport
-from lightning_shardrec.distributed.transport.per_host import HostTransport, transport_report
+from lightning_shardrec.distributed.transport.connect import attach
+from lightning_shardrec.distributed.transport.per_host import HostTransport
 from lightning_shardrec.distributed.transport.shm import ShmTransport
-from lightning_shardrec.kernels import KernelBackend, parse_backend
+from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
 from lightning_shardrec.lightning.cluster import ranks_per_host
 from lightning_shardrec.lightning.deferred import DeferredGlue, deferral_line, deferral_reason
 from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
-from lightning_shardrec.lightning.optimizers import (
-    derive_fused_config,
-    find_group,
-    group_at,
-    group_slot,
-    remove_params,
-    rule_report,
-)
+from lightning_shardrec.lightning.fused_params import add_anchors, fused_names, fused_params
+from lightning_shardrec.lightning.optimizers import Holder, find_group, group_at, group_slot, remove_params, rule_report
+from lightning_shardrec.lightning.options import ShardRecOptions
 from lightning_shardrec.lightning.pipeline import TrainPipeline
+from lightning_shardrec.lightning.plan_report import print_plan, print_transport, save_plan
 from lightning_shardrec.lightning.precision import ScalerGlue, convert_dense
 from lightning_shardrec.lightning.rank_failures import RankFailureHandling
 from lightning_shardrec.lightning.sigterm import LaggedSigterm, SigtermDeadline
 from lightning_shardrec.lightning.table_memory import has_meta_tables, tables_hidden
 from lightning_shardrec.lightning.teardown import destroy_groups
-from lightning_shardrec.modules.plain_embeddings import check_embedding_options, swap_embedding_modules
+from lightning_shardrec.modules.plain_embeddings import swap_embedding_modules
 from lightning_shardrec.modules.table_init import tables_on_meta
 from lightning_shardrec.optim import FusedOptimizer, ScaledTableUpdates
-from lightning_shardrec.planner import (
-    EmbeddingShardingPlanner,
-    ParameterConstraints,
-    ParameterSharding,
-    ShardingPlan,
-    Topology,
-)
-from lightning_shardrec.planner.memory import DEFAULT_RESERVE, check_reserve, peak_line
+from lightning_shardrec.planner import ParameterConstraints, ParameterSharding, ShardingPlan, Topology
+from lightning_shardrec.planner.memory import DEFAULT_RESERVE
 
 
 class ShardRecStrategy(RankFailureHandling):
     """Embedding tables sharded and trained in backward; dense layers data-parallel.
 
     Args:
-        embedding_optimizer: fused optimizer name or config; default: derived from the
-            optimizer ``configure_optimizers`` puts the tables in.
+        embedding_optimizer: fused optimizer name or config; default: derived from the user's optimizer.
         embedding_lr: the tables' lr, when it should differ from the derived one.
         constraints: per table name, what the planner may do with it.
         plan: a whole or partial plan (table name -> ``ParameterSharding``) to pin.
-        kernel: ``"auto"`` (each table group times the backends that can run it on this
-            machine and keeps the faster; cached, see :mod:`lightning_shardrec.kernels.autotune`),
-            ``"fbgemm"`` or ``"torch"``.
-        comm_precision: ``"fp32"`` (exact), ``"bf16"``, ``"fp16"`` or forward/backward (``"fp16/bf16"``,
-            as TorchRec's ``QCommsConfig(forward_precision, backward_precision)``): the precision of the pooled
-            embeddings' all-to-alls / reduce-scatters and their gradients (half the bytes).
-        comm_transport: None (default: ``$LIGHTNING_SHARDREC_TRANSPORT``, else ``"pg"``: the process
-            group's collectives, as under NCCL), ``"auto"`` (the embeddings' all-to-alls go through
-            shared memory when every rank is on this host under gloo, see
-            :mod:`lightning_shardrec.distributed.transport.shm`; on several hosts through shared memory
-            inside each and the process group between them,
-            :mod:`~lightning_shardrec.distributed.transport.per_host`; else through the process group;
-            printed at fit start per host), ``"shm"`` (required) or ``"pg"``. Results are identical
-            either way (2 ranks: bit for bit).
-        pipeline: overlap the next batch's input distribution (id all-to-alls, host-to-device copy)
-            with this batch's forward/backward (see :mod:`lightning_shardrec.lightning.pipeline`);
-            results are identical to ``pipeline=False``.
+        kernel: ``"auto"`` (the faster backend on this machine, timed per table group), ``"fbgemm"`` or ``"torch"``.
+        comm_precision: the pooled embeddings' collectives and their gradients: ``"fp32"`` (exact), ``"bf16"``,
+            ``"fp16"`` or forward/backward (``"fp16/bf16"``, as TorchRec's ``QCommsConfig``).
+        comm_transport: None (``$LIGHTNING_SHARDREC_TRANSPORT``, else ``"pg"``), ``"auto"`` (shared memory
+            inside a host under gloo), ``"shm"`` (required) or ``"pg"`` (the process group); identical results.
+        pipeline: overlap the next batch's input distribution with this batch's step; identical results.
+        process_group_backend: ``DDPStrategy``'s (e.g. ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``).
         planner_batch_size: per-rank batch size the planner's cost model assumes.
-        planner_reserve: fraction of each device's memory the planner keeps free for the dense
-            model, activations, communication buffers, the CUDA context and allocator slack
-            (default 0.15); plans whose tables need more are refused with the arithmetic.
-        checkpoint_format: ``"sharded"`` (a DCP directory: each rank writes its shards;
-            loads on any world size) or ``"full"`` (one file with gathered tables, for
-            tables that fit in host memory; loads into the plain model).
-        check_finite: raise ``NonFiniteError`` naming the table when the loss, a gradient
-            reaching a fused table, or an updated row is NaN/inf (one device sync per check).
-        heartbeat_timeout: seconds without a heartbeat after which a rank counts as dead (or
-            hung) and every rank exits naming it; ``None`` turns the watchdog off. Failed
-            collectives are explained (which rank went away) either way.
+        planner_reserve: fraction of each device's memory the planner keeps free (default 0.15).
+        checkpoint_format: ``"sharded"`` (DCP, each rank its shards, any world size) or ``"full"`` (one file).
+        check_finite: raise ``NonFiniteError`` naming the table on a NaN/inf loss, table gradient or row.
+        heartbeat_timeout: seconds without a heartbeat before a rank counts as dead; ``None``: no watchdog.
         timeout: the process groups' collective timeout (default 10 minutes: long enough
             for a rank writing a large checkpoint while the others wait at the barrier).
-        embedding_modules: which plain ``nn.Embedding`` / ``nn.EmbeddingBag`` submodules to shard
-            in place (same call, same results, checkpoints under their own ``<path>.weight``):
+        embedding_modules: plain ``nn.Embedding`` / ``nn.EmbeddingBag`` submodules to shard in place:
             ``True`` all, ``False`` none (they stay data-parallel), or a list of module paths.
         embedding_min_rows: with ``embedding_modules=True``, modules with fewer rows stay data-parallel.
-        strict_optimizer: refuse to train fused tables with an update rule that differs from
-            what the user's optimizer does in one process (lazy Adam, row-sparse weight decay;
-            the rule each table gets is printed at every fit start).
+        strict_optimizer: refuse a fused update rule that differs from the user's optimizer in one process.
         find_unused_parameters: passed to the dense layers' ``DistributedDataParallel`` (default ``False``).
         static_graph: passed to the dense layers' ``DistributedDataParallel`` (default ``False``).
         gradient_as_bucket_view: passed to the dense layers' ``DistributedDataParallel`` (default ``False``).
-        log_dynamic_stats: add a :class:`~lightning_shardrec.lightning.dynamic_monitor.DynamicTableMonitor`
-            (each dynamic table's occupancy, admissions, evictions, misses, ... summed over ranks, logged
-            every ``log_every_n_steps``) when the model has dynamic tables and the Trainer has none.
+        log_dynamic_stats: log each dynamic table's figures when the Trainer has no ``DynamicTableMonitor``.
         start_method: how Lightning launches the ranks (``DDPStrategy``'s meaning): ``"popen"``
             (scripts, the CLI), ``"spawn"``, ``"fork"`` or ``"forkserver"`` (notebooks).
-        sharders: TorchRec's ``EmbeddingBagCollectionSharder`` / ``EmbeddingCollectionSharder``:
-            their ``fused_params`` set the tables' fused optimizer and their qcomm config the
-            ``comm_precision`` (as does ``apply_optimizer_in_backward`` on the tables); see
-            docs/migrating.md, 'Sharders'.
+        sharders: TorchRec's sharders: their ``fused_params`` set the fused optimizer, their qcomm config
+            the ``comm_precision`` (docs/migrating.md, 'Sharders').
 
+    Each of the strategy's own options is explained in full, and checked, by
+    :class:`~lightning_shardrec.lightning.options.ShardRecOptions` (``self.options``).
     Only these options exist (no ``**kwargs`` passed through to ``DistributedDataParallel``),
     so a config's ``class_path: lightning_shardrec.ShardRecStrategy`` lists exactly them.
     """
@@ -182,46 +142,18 @@ class ShardRecStrategy(RankFailureHandling):
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
-        if heartbeat_timeout is not None and heartbeat_timeout <= 1.0:
-            raise ValueError(f"heartbeat_timeout must be > 1 second (or None to disable), got {heartbeat_timeout}")
-        self._heartbeat_timeout = heartbeat_timeout
-        self._check_finite = check_finite
+        given = locals()  # the arguments; ShardRecOptions parses and checks those that are its fields
+        self.options = ShardRecOptions(**{f.name: given[f.name] for f in fields(ShardRecOptions)})
+        self._checkpoint_format = self.options.checkpoint_format  # read by ShardedCheckpointing
         self._finite: FiniteGuard | None = None
-        self._pipeline_on = pipeline
         self.pipeline: TrainPipeline | None = None
         self._sigterm: LaggedSigterm | None = None  # Lightning's per-batch SIGTERM broadcast, made async
         self._deadline: SigtermDeadline | None = None  # SIGTERM ends a rank within seconds (lightning/sigterm.py)
         self._own_groups: list[dist.ProcessGroup] = []  # destroyed in teardown (lightning/teardown.py)
         self._dense_transport: ShmTransport | HostTransport | None = None  # the DDP hook's (closed in teardown)
-        if isinstance(embedding_optimizer, str):
-            embedding_optimizer = FusedOptimConfig(optimizer=embedding_optimizer)  # validates the name
-        if embedding_lr is not None and not (isinstance(embedding_lr, (int, float)) and embedding_lr >= 0):
-            raise ValueError(f"ShardRecStrategy: embedding_lr must be a number >= 0, got {embedding_lr!r}")
-        if not (isinstance(planner_batch_size, int) and planner_batch_size > 0):
-            raise ValueError(f"ShardRecStrategy: planner_batch_size must be an int > 0, got {planner_batch_size!r}")
-        self._embedding_optimizer = embedding_optimizer
-        self._sharders = check_sharders(sharders, "ShardRecStrategy")
-        # "fp16/bf16": forward / backward; the default fp32 yields to a sharder's QCommsConfig
-        explicit = None if parse_wire(comm_precision) is CommPrecision.FP32 else comm_precision
-        wire = resolve_comm_precision(explicit, self._sharders, "ShardRecStrategy")
-        self._strict_optimizer = strict_optimizer
-        self._log_dynamic_stats = log_dynamic_stats
         self._holder_slot: tuple[int, int] | None = None  # the param group the tables train as, across fits
         self._migrated: FusedOptimConfig | None = None  # set by apply_optimizer_in_backward / sharders
         self.guard: guards.ShardedGuard | None = None
-        self._embedding_lr = embedding_lr
-        self._constraints = dict(constraints or {})
-        self._fixed_plan = plan
-        self._kernel = parse_backend(kernel)
-        self._comm_precision = wire
-        self._comm_transport = parse_transport(comm_transport)
-        self._planner_batch_size = planner_batch_size
-        self._planner_reserve = check_reserve(planner_reserve, "ShardRecStrategy: planner_reserve")
-        if checkpoint_format not in ("sharded", "full"):
-            raise ValueError(f"checkpoint_format must be 'sharded' or 'full', got {checkpoint_format!r}")
-        self._checkpoint_format = checkpoint_format
-        self._embedding_modules = check_embedding_options(embedding_modules, embedding_min_rows, "ShardRecStrategy")
-        self._embedding_min_rows = embedding_min_rows
         self._loaded_in_place = False
         self.sharded: dict[str, ShardedCollection] = {}
         self.plan: ShardingPlan | None = None
@@ -256,7 +188,7 @@ class ShardRecStrategy(RankFailureHandling):
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._deferral = deferral_reason(trainer, module) if fitting else None  # accumulation, norm clipping
         table_params = [p for c in collections.values() for p in c.parameters()]
-        table_params += [p for s in self.sharded.values() for p in _fused_params(s)]
+        table_params += [p for s in self.sharded.values() for p in fused_params(s)]
         holder = self._table_holder(trainer, collections, table_params) if fitting else None
         if collections:
             self._shard_collections(trainer, module, holder)
@@ -275,7 +207,7 @@ class ShardRecStrategy(RankFailureHandling):
     def _find_tables(self, module: torch.nn.Module) -> dict[str, torch.nn.Module]:
         """The collections still to shard (plain embedding modules swapped in place first); adopts the
         collections an earlier Trainer's strategy sharded when there are none."""
-        swap_embedding_modules(module, self._embedding_modules, self._embedding_min_rows)
+        swap_embedding_modules(module, self.options.embedding_modules, self.options.embedding_min_rows)
         collections = find_collections(module)
         if not collections and not self.sharded:
             self._adopt(module)  # sharded by an earlier Trainer's strategy
@@ -283,7 +215,7 @@ class ShardRecStrategy(RankFailureHandling):
 
     def _table_holder(
         self, trainer: Any, collections: Mapping[str, torch.nn.Module], table_params: list[torch.nn.Parameter]
-    ) -> tuple[torch.optim.Optimizer, dict[str, Any]] | None:
+    ) -> Holder | None:
         """Fit: the user's optimizers, built over shapes of the tables (no optimizer state allocated for
         them), and the param group the tables train as (kept across fits)."""
         fused = [g for s in self.sharded.values() for g in s.groups if g.fused]
@@ -294,19 +226,16 @@ class ShardRecStrategy(RankFailureHandling):
         self._holder_slot = group_slot(self.optimizers, holder)
         return holder
 
-    def _shard_collections(
-        self, trainer: Any, module: torch.nn.Module, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None
-    ) -> None:
+    def _shard_collections(self, trainer: Any, module: torch.nn.Module, holder: Holder | None) -> None:
         """Plan and shard (collective); each collection gets the anchor its param group is found by."""
-        self._migrated = self._torchrec_config(module)
-        self._shard(module, self._fused_config(holder))
-        for coll in self.sharded.values():  # where a later configure_optimizers puts it = where the tables train
-            coll.register_parameter(_ANCHOR, torch.nn.Parameter(torch.empty(0, device=self.root_device)))
-        _save_plan(self.plan, getattr(trainer.checkpoint_callback, "dirpath", None))
+        self._migrated = self.options.torchrec_config(module)
+        self._shard(module, self.options.fused_config(holder, self._migrated))
+        add_anchors(self.sharded, self.root_device)  # the param group a later configure_optimizers puts it in
+        save_plan(self.plan, getattr(trainer.checkpoint_callback, "dirpath", None))
 
-    def _renew_fused_state(self, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> None:
+    def _renew_fused_state(self, holder: Holder | None) -> None:
         """A fit on collections sharded before: this fit's rule, a fresh fused state."""
-        self._config = self._fused_config(holder)
+        self._config = self.options.fused_config(holder, self._migrated)
         self.fused_optimizer = None
         for coll in self.sharded.values():
             coll.rebuild_kernels(self._config)
@@ -317,7 +246,7 @@ class ShardRecStrategy(RankFailureHandling):
         module: LightningModule,
         collections: Mapping[str, torch.nn.Module],
         table_params: list[torch.nn.Parameter],
-        holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None,
+        holder: Holder | None,
     ) -> None:
         """Fit: the fused tables leave the user's optimizers (data-parallel tables join the holder's group);
         the rule report, clipping guards and the dynamic tables' monitor."""
@@ -331,10 +260,10 @@ class ShardRecStrategy(RankFailureHandling):
         if dense_tables and holder is not None:
             holder[1]["params"].extend(dense_tables)  # data-parallel tables train like dense layers
         self._fit_guards(trainer, holder)
-        if self._log_dynamic_stats:
+        if self.options.log_dynamic_stats:
             add_dynamic_monitor(trainer, module)  # every rank: gathering the figures is collective
 
-    def _place_model(self, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> list[Any]:
+    def _place_model(self, holder: Holder | None) -> list[Any]:
         """Dense precision, the model on its device, the fused optimizer (lr linked to the holder's group),
         the origin a later Trainer adopts, the collective-call guard; the kernels of every table group."""
         convert_dense(self.precision_plugin, self.model, self.sharded)  # tables keep their config's dtype
@@ -350,7 +279,7 @@ class ShardRecStrategy(RankFailureHandling):
             self.guard = guards.ShardedGuard(self.sharded, lambda: getattr(self.lightning_module, "_trainer", None))
         return kernels
 
-    def _fit_helpers(self, kernels: list[Any], holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> None:
+    def _fit_helpers(self, kernels: list[Any], holder: Holder | None) -> None:
         """Fit, after precision: optimizers on the device, the GradScaler glue, the finite guard, the pipeline."""
         _optimizers_to_device(self.optimizers, self.root_device)
         scaler = ScalerGlue.wanted(self.precision_plugin)
@@ -363,60 +292,38 @@ class ShardRecStrategy(RankFailureHandling):
             if scaler is None or deferred
             else ScalerGlue(scaler, ScaledTableUpdates(kernels), group, self.root_device)
         )
-        if self._check_finite and self._finite is None:
+        if self.options.check_finite and self._finite is None:
             self._finite = FiniteGuard(kernels)
-        if self._pipeline_on and self.sharded and (self.pipeline is None or self.pipeline.closed):
+        if self.options.pipeline and self.sharded and (self.pipeline is None or self.pipeline.closed):
             env = new_group_like(next(iter(self.sharded.values())).env, self._timeout)  # collective
             self._own_groups.append(env.pg)  # type: ignore[arg-type]
             self.pipeline = TrainPipeline(self.sharded, env, self.root_device)
 
-    def _torchrec_config(self, module: torch.nn.Module) -> FusedOptimConfig | None:
-        """The fused config TorchRec's ways set (``apply_optimizer_in_backward``, sharders' ``fused_params``);
-        None when neither is used. Conflicts with ``embedding_optimizer`` are refused by name."""
-        uses = bool(in_backward_tables(module, self._sharders))
-        if not uses:
-            return None
-        return resolve_fused_config(module, self._embedding_optimizer, self._sharders, "ShardRecStrategy")
-
-    def _fused_config(self, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> FusedOptimConfig:
-        if self._migrated is not None:
-            config = self._migrated
-        elif self._embedding_optimizer is not None:
-            config = self._embedding_optimizer
-        elif holder is not None:
-            config = derive_fused_config(*holder)
-        else:
-            config = FusedOptimConfig()
-        if self._embedding_lr is not None:
-            config = FusedOptimConfig(**{**config.__dict__, "lr": self._embedding_lr})
-        return config
-
-    def _fit_guards(self, trainer: Any, holder: tuple[torch.optim.Optimizer, dict[str, Any]] | None) -> None:
+    def _fit_guards(self, trainer: Any, holder: Holder | None) -> None:
         """At every fit: report (or, strict, refuse) each table's rule; clip fused rows by value or refuse norm."""
         groups = [g for s in self.sharded.values() for g in s._groups()]
         fused = sorted({t.config.name for g in groups if g.fused for t in g.tables})
         dense = sorted({t.config.name for g in groups if not g.fused for t in g.tables})
-        explicit = self._embedding_optimizer is not None or self._embedding_lr is not None
-        rank_zero_info(rule_report(holder, self._config, explicit, fused, dense, self._strict_optimizer))
+        explicit, strict = self.options.sets_fused_rule(), self.options.strict_optimizer
+        rank_zero_info(rule_report(holder, self._config, explicit, fused, dense, strict))
         if fused and self._deferral is not None:  # clipping done at the step (lightning/deferred.py)
             rank_zero_info(deferral_line(self._deferral))
-            self._to_torch_kernels()
-            for k in (k for s in self.sharded.values() for k in s.kernels()):
-                k.grad_clip_value = None
+            self._clip_rows(None)
             return
         clip = guards.fused_clip_value(trainer) if fused else None
         if clip is not None:
-            self._to_torch_kernels()  # clamps rows; fbgemm's TBE cannot
-            for k in (k for s in self.sharded.values() for k in s.kernels()):
-                k.grad_clip_value = clip
+            self._clip_rows(clip)
         if fused:
             guards.guard_clipping(self.precision_plugin, clip)
 
-    def _to_torch_kernels(self) -> None:
+    def _clip_rows(self, clip: float | None) -> None:
+        """Torch kernels for every table group (they clamp rows; fbgemm's TBE cannot), clamping at ``clip``."""
         for coll in self.sharded.values():
             if any(k.backend is not KernelBackend.TORCH for k in coll.kernels()):
                 coll.rebuild_kernels(self._config, KernelBackend.TORCH)
                 self.fused_optimizer = None
+        for k in (k for s in self.sharded.values() for k in s.kernels()):
+            k.grad_clip_value = clip
 
     def _adopt(self, module: torch.nn.Module) -> None:
         """Take over the collections another ShardRecStrategy sharded (a second Trainer on the same model)."""
@@ -427,44 +334,21 @@ class ShardRecStrategy(RankFailureHandling):
 
     def _shard(self, module: torch.nn.Module, config: FusedOptimConfig) -> None:
         self._config = config
-        fused_tables = in_backward_tables(module, self._sharders)  # TorchRec's optimizer settings: planned fused
+        fused_tables = in_backward_tables(module, self.options.sharders)  # TorchRec's optimizer settings: fused
         local = ranks_per_host(dist.get_world_size(), self.num_nodes, self.num_processes)  # Lightning's hosts
         env = ShardingEnv.from_process_group(local_world_size=local)
-        env = attach(env, self._comm_transport)  # collective; waits as long as the group's timeout
-        self.topology = topology = Topology.from_process_group(
-            compute_device=self.root_device.type, local_world_size=local
-        )
-        planner = EmbeddingShardingPlanner(
-            topology,
-            batch_size=self._planner_batch_size,
-            constraints=fused_only(fused_tables, self._constraints),
-            optimizer=config.optimizer,
-            reserve=self._planner_reserve,
-        )
-        self.plan = planner.collective_plan(module, fixed=self._fixed_plan)  # type: ignore[arg-type]
-        setup = KernelSetup(
-            optim=config,
-            backend=KernelBackend.TORCH if self._deferral else self._kernel,  # deferred: torch kernels
-            device=self.root_device,
-            batch_size=self._planner_batch_size,
-            pooling=pooling_of(self._constraints),
-            comm_precision=self._comm_precision,
-        )
+        env = attach(env, self.options.comm_transport)  # collective; waits as long as the group's timeout
+        self.topology = Topology.from_process_group(compute_device=self.root_device.type, local_world_size=local)
+        planner = self.options.planner(self.topology, fused_tables, config)
+        self.plan = planner.collective_plan(module, fixed=self.options.plan)  # type: ignore[arg-type]
+        setup = self.options.kernel_setup(config, self.root_device, deferred=bool(self._deferral))
         self.sharded = shard_modules(module, self.plan, env, setup)
         check_fused(fused_tables, self.sharded)
-        _print_plan(self.plan, kernel_labels(self.sharded), self._deferral)
-        _print_transport(env)  # collective
+        print_plan(self.plan, kernel_labels(self.sharded), self._deferral)
+        print_transport(env)  # collective
 
     def _wrap_dense(self, model: torch.nn.Module) -> torch.nn.Module:
-        fused: list[str] = []
-        for path, sharded in self.sharded.items():
-            for i, group in enumerate(sharded.groups):
-                if group.fused:
-                    prefix = f"{path}.groups.{i}"
-                    fused += [n for n, _ in group.named_parameters(prefix=prefix)]
-                    fused += [n for n, _ in group.named_buffers(prefix=prefix)]
-            if hasattr(sharded, _ANCHOR):
-                fused.append(f"{path}.{_ANCHOR}")
+        fused = fused_names(self.sharded)  # updated in backward: DDP leaves them alone
         skip = set(fused)
         if not any(p.requires_grad for n, p in model.named_parameters() if n not in skip):
             return model
@@ -586,38 +470,6 @@ class ShardRecStrategy(RankFailureHandling):
             strategy_registry.register(
                 cls.strategy_name, cls, description="Sharded embedding tables (TorchRec-style) + DDP for dense layers"
             )
-
-
-_ANCHOR = "shardrec_anchor"  # an empty parameter per sharded collection; its param group trains the fused tables
-
-
-def _fused_params(coll: ShardedCollection) -> list[torch.nn.Parameter]:
-    anchor = [getattr(coll, _ANCHOR)] if hasattr(coll, _ANCHOR) else []
-    return anchor + [p for g in coll.groups if g.fused for p in g.parameters()]
-
-
-@rank_zero_only
-def _print_plan(plan: ShardingPlan, kernels: dict[tuple[str, str], str], deferral: str | None) -> None:
-    peak = "" if plan.stats is None else "\n" + peak_line(plan.stats.max_storage, plan.stats.storage_cap)
-    note = "" if deferral is None else "\n" + deferral_line(deferral)
-    print(f"lightning_shardrec sharding plan:\n{plan.table(kernels)}{peak}{note}", flush=True)
-
-
-def _print_transport(env: ShardingEnv) -> None:
-    """Collective: rank 0 prints the hosts x ranks the plan assumed and each host's transport."""
-    report = transport_report(env)
-    if env.rank == 0:
-        print(report, flush=True)
-
-
-@rank_zero_only
-def _save_plan(plan: ShardingPlan | None, dirpath: str | None) -> None:
-    """``sharding_plan.json`` beside the checkpoints (edit it and pass it back as ``plan=`` to pin it)."""
-    if plan is None or not dirpath:
-        return
-    os.makedirs(dirpath, exist_ok=True)
-    with open(os.path.join(dirpath, "sharding_plan.json"), "w") as f:
-        f.write(plan.to_json())
 
 
 ShardRecStrategy.register_strategies(StrategyRegistry)

@@ -363,7 +363,7 @@ def test_the_plan_printout_and_the_fit_start_line_say_why_updates_wait(capsys):
     from types import SimpleNamespace
 
     from lightning_shardrec.lightning.deferred import deferral_line, deferral_reason
-    from lightning_shardrec.lightning.strategy import _print_plan
+    from lightning_shardrec.lightning.plan_report import print_plan
     from lightning_shardrec.planner import EmbeddingShardingPlanner, Topology
 
     def fit(k=1, clip=None, algorithm=None):
@@ -383,7 +383,7 @@ def test_the_plan_printout_and_the_fit_start_line_say_why_updates_wait(capsys):
         "manual optimization: the tables step in optimizer.step()"
     )
     plan = EmbeddingShardingPlanner(Topology(2, compute_device="cpu")).plan(Rec())
-    _print_plan(plan, {}, reason)
+    print_plan(plan, {}, reason)
     out = capsys.readouterr().out
     assert out.startswith("lightning_shardrec sharding plan:\n")
     assert out.rstrip("\n").endswith(deferral_line(reason))

@@ -139,7 +139,7 @@ def test_sharder_and_qcomm_settings():
     from lightning_shardrec.lightning import ShardRecStrategy
 
     strategy = ShardRecStrategy(sharders=[EmbeddingBagCollectionSharder(qcomm_codecs_registry=mixed)])
-    assert strategy._comm_precision == got  # forward fp16, backward bf16, as DistributedModelParallel takes it
+    assert strategy.options.comm_precision == got  # forward fp16, backward bf16, as DistributedModelParallel takes it
     with pytest.raises(ValueError, match=r"comm_precision=bf16 but the sharders' QCommsConfig asks for fp16/bf16"):
         ShardRecStrategy(comm_precision="bf16", sharders=[EmbeddingBagCollectionSharder(qcomm_codecs_registry=mixed)])
     fp8_bwd = get_qcomm_codecs_registry(QCommsConfig(CommType.FP16, CommType.FP8))
