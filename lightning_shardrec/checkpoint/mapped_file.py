@@ -11,9 +11,8 @@ share, not by the whole file.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
-import os
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -82,9 +81,10 @@ def release(t: Tensor) -> None:
 
 
 def _load_libc() -> Any:
-    if os.name != "posix" or not hasattr(os, "uname") or os.uname().sysname != "Linux":
+    """The C library's ``madvise`` (Linux only: ``MADV_PAGEOUT`` is Linux's)."""
+    if sys.platform != "linux":
         return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols: libc is loaded already
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc
 

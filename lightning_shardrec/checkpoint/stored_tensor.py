@@ -7,6 +7,9 @@ with DCP, one saved piece (at most ``PIECE_BYTES``) at a time: loading a whole m
 the model plus one piece, not the model twice. Any other operation reads the entry into a
 tensor of its own once (kept, so later operations and in-place edits see the same values)
 and runs on that: correct, only not streamed. Reads run no pickled code.
+
+A stand-in cannot become a parameter itself: ``load_state_dict(..., assign=True)`` raises
+(torch's ``Parameter`` refuses a tensor subclass whose ``detach`` gives a plain tensor).
 """
 
 from __future__ import annotations

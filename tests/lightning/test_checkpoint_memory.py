@@ -154,18 +154,22 @@ def load_into_the_plain_model(rank: int, world: int, path: str) -> dict[str, obj
     from lightning_shardrec.checkpoint import sharded_state
 
     out: dict[str, object] = {}
-    for how, lazy_bytes in (("streamed", sharded_state.LAZY_BYTES), ("read whole", 2**62)):
-        sharded_state.LAZY_BYTES = lazy_bytes
-        reset_peak()
-        base = rss()
-        model = Big.load_from_checkpoint(path, rows=ROWS, tables=TABLES)
-        out[f"peak {how}"], out["model"] = peak() - base, sum(p.nbytes for p in model.parameters())
-        if how == "streamed":
-            want = read_full(path)["state_dict"]
-            out["mismatched"] = sorted(k for k, v in model.state_dict().items() if not torch.equal(v, want[k]))
-            out["keys"] = sorted(want)
-            del want
-        del model
+    default = sharded_state.LAZY_BYTES
+    try:
+        for how, lazy_bytes in (("streamed", default), ("read whole", 2**62)):
+            sharded_state.LAZY_BYTES = lazy_bytes
+            reset_peak()
+            base = rss()
+            model = Big.load_from_checkpoint(path, rows=ROWS, tables=TABLES)
+            out[f"peak {how}"], out["model"] = peak() - base, sum(p.nbytes for p in model.parameters())
+            if how == "streamed":
+                want = read_full(path)["state_dict"]
+                out["mismatched"] = sorted(k for k, v in model.state_dict().items() if not torch.equal(v, want[k]))
+                out["keys"] = sorted(want)
+                del want
+            del model
+    finally:  # the rank process serves later cases
+        sharded_state.LAZY_BYTES = default
     return out
 
 
@@ -211,23 +215,27 @@ def resume_plain(rank: int, world: int, path: str) -> dict[str, object]:
     from lightning_shardrec.checkpoint import mapped_file
     from lightning_shardrec.lightning import checkpointing
 
-    mapped_file.PIECE_BYTES = PIECE
     external_launch(rank, world)
     out: dict[str, object] = {}
-    for how in ("mapped", "read whole"):
-        if how == "read whole":
-            checkpointing.mappable = lambda path: False
-        reset_peak()
-        base = rss()
-        rows = ParameterConstraints(sharding_types=["row_wise"])
-        strategy = ShardRecStrategy(constraints={f"t{i}": rows for i in range(TABLES)})
-        t = trainer(strategy=strategy, devices=world, max_steps=2, use_distributed_sampler=False)
-        with t.init_module():
-            model = Big(ROWS, TABLES)
-        t.fit(model, batches(ROWS, TABLES, 3, rank), ckpt_path=path)
-        out[f"peak {how}"], out["held"] = peak() - base, held_bytes(strategy)
-        out[f"state {how}"] = _digests(t, strategy)
-        del t, model, strategy
+    defaults = mapped_file.PIECE_BYTES, checkpointing.mappable
+    mapped_file.PIECE_BYTES = PIECE
+    try:
+        for how in ("mapped", "read whole"):
+            if how == "read whole":
+                checkpointing.mappable = lambda path: False
+            reset_peak()
+            base = rss()
+            rows = ParameterConstraints(sharding_types=["row_wise"])
+            strategy = ShardRecStrategy(constraints={f"t{i}": rows for i in range(TABLES)})
+            t = trainer(strategy=strategy, devices=world, max_steps=2, use_distributed_sampler=False)
+            with t.init_module():
+                model = Big(ROWS, TABLES)
+            t.fit(model, batches(ROWS, TABLES, 3, rank), ckpt_path=path)
+            out[f"peak {how}"], out["held"] = peak() - base, held_bytes(strategy)
+            out[f"state {how}"] = _digests(t, strategy)
+            del t, model, strategy
+    finally:  # the rank processes serve later cases
+        mapped_file.PIECE_BYTES, checkpointing.mappable = defaults
     return out
 
 
