@@ -11,7 +11,9 @@ share, not by the whole file.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
+import os
 import sys
 import zipfile
 from pathlib import Path
@@ -47,15 +49,18 @@ class MappedFile:
     def copy(self, dest: Tensor, source: Tensor) -> None:
         """``dest.copy_(source)`` in row pieces of at most :data:`PIECE_BYTES`, each piece's pages of
         ``source`` released once copied (when ``source`` lies in the mapped file)."""
-        if not self.mapped(source) or source.dim() == 0:
+        if not self.mapped(source) or source.dim() == 0 or dest.shape != source.shape:
             dest.copy_(source)
             return
-        row = max(1, source[0].numel() * source.element_size())
+        row = max(1, math.prod(source.shape[1:]) * source.element_size())
         step = max(1, PIECE_BYTES // row)
+        previous = 0
         for start in range(0, source.shape[0], step):
-            piece = source[start : start + step]
-            dest[start : start + step].copy_(piece)
-            release(piece)
+            dest[start : start + step].copy_(source[start : start + step])
+            # this piece and the one before: the page cache's large folios (up to 2 MiB) are handed back
+            # only whole, and one that straddles two pieces is whole once both are copied
+            release(source[previous : start + step])
+            previous = start
 
     def owned(self, value: Any) -> Any:
         """``value`` with every tensor that lies in the mapped file cloned (kept past the load)."""
@@ -63,7 +68,13 @@ class MappedFile:
 
 
 def load_mapped(path: str | Path, weights_only: bool) -> tuple[Any, MappedFile]:
-    """``torch.load`` of a zip-format file, memory-mapped onto the CPU; and what was mapped."""
+    """``torch.load`` of a zip-format file, memory-mapped onto the CPU; and what was mapped.
+
+    The file is flushed first: the pages of a file just written are dirty, and a dirty page is
+    not handed back until it has been written out.
+    """
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
     checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
     return checkpoint, MappedFile(checkpoint)
 
