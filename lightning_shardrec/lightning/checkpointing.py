@@ -148,6 +148,7 @@ class ShardedCheckpointing(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self._mapped = None  # set by _load_file when it maps the file
         path = Path(self.broadcast(str(checkpoint_path)))
         if not _remote(checkpoint_path):
             if self.is_global_zero:
@@ -171,7 +172,6 @@ class ShardedCheckpointing(DDPStrategy):
         the pages (:mod:`~lightning_shardrec.checkpoint.mapped_file`); everything else Lightning
         keeps (dense optimizer state, callbacks' state) is copied out of the file.
         """
-        self._mapped = None
         try:
             if self.sharded and type(self.checkpoint_io) is TorchCheckpointIO and mappable(checkpoint_path):
                 checkpoint, self._mapped = load_mapped(checkpoint_path, weights_only)
