@@ -29,7 +29,6 @@ from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadat
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_shardrec.checkpoint.atomic import (
@@ -60,7 +59,7 @@ from lightning_shardrec.checkpoint.safe_load import (
     load_file,
     read_metadata,
 )
-from lightning_shardrec.checkpoint.stored_tensor import StoredTensor
+from lightning_shardrec.checkpoint.stored_tensor import stored_weights
 from lightning_shardrec.checkpoint.validate import (
     expected_sizes,
     file_problems,
@@ -366,7 +365,7 @@ def read_full(checkpoint_dir: str | Path, lazy: bool = False) -> dict[str, Any]:
     metadata = read_metadata(checkpoint_dir)
     raise_if_any(checkpoint_dir, file_problems(checkpoint_dir, metadata))
     meta = load_file(checkpoint_dir / META_FILE, "checkpoint file")
-    stored = _stored_weights(checkpoint_dir, metadata) if lazy else {}
+    stored = stored_weights(checkpoint_dir, metadata, LAZY_BYTES) if lazy else {}
     eager = [k for k in metadata.state_dict_metadata if k.startswith("state_dict.") and k not in stored]
     full: dict[str, Any] = {}
     reader = SafeFileSystemReader(checkpoint_dir)
@@ -390,17 +389,6 @@ def read_full(checkpoint_dir: str | Path, lazy: bool = False) -> dict[str, Any]:
             state.setdefault(path[1], loaded[path[1]])
     meta["state_dict"] = state
     return meta
-
-
-def _stored_weights(checkpoint_dir: Path, metadata: Any) -> dict[str, StoredTensor]:
-    """Stand-ins for the weights of at least :data:`LAZY_BYTES`, by DCP key (``state_dict.<model key>``)."""
-    stored = {}
-    for key, md in metadata.state_dict_metadata.items():
-        path = tuple(str(p) for p in (metadata.planner_data or {}).get(key, ()))
-        weight = key.startswith("state_dict.") and isinstance(md, TensorStorageMetadata) and len(path) == 2
-        if weight and math.prod(md.size) * md.properties.dtype.itemsize >= LAZY_BYTES:
-            stored[key] = StoredTensor(checkpoint_dir, path, md.size, md.properties.dtype)
-    return stored
 
 
 #: entries at least this large are read when used under ``read_full(lazy=True)``; smaller ones at once

@@ -14,12 +14,14 @@ A stand-in cannot become a parameter itself: ``load_state_dict(..., assign=True)
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.utils import _pytree as pytree
 
@@ -107,3 +109,16 @@ def _streams_into(dest: Any, source: Any) -> bool:
         and dest.shape == source.shape
         and dest.device.type != "meta"
     )
+
+
+def stored_weights(directory: str | Path, metadata: Metadata, min_bytes: int) -> dict[str, StoredTensor]:
+    """Stand-ins for the weights of DCP checkpoint ``directory`` of at least ``min_bytes``, by DCP key
+    (``state_dict.<model key>``)."""
+    stored = {}
+    for key, md in metadata.state_dict_metadata.items():
+        path = tuple(str(p) for p in (metadata.planner_data or {}).get(key, ()))
+        if not (isinstance(md, TensorStorageMetadata) and key.startswith("state_dict.") and len(path) == 2):
+            continue  # not a weight of the model: the fused state, an object, a nested entry
+        if math.prod(md.size) * md.properties.dtype.itemsize >= min_bytes:
+            stored[key] = StoredTensor(directory, path, md.size, md.properties.dtype)
+    return stored
