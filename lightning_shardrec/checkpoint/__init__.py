@@ -23,10 +23,12 @@ from lightning_shardrec.checkpoint.sharded_state import (
     saved_keys,
     sharded_state_dict,
 )
+from lightning_shardrec.checkpoint.stored_tensor import StoredTensor
 from lightning_shardrec.checkpoint.streamed_file import StreamedFile, save_streamed
 
 __all__ = [
     "META_FILE",
+    "StoredTensor",
     "StreamedFile",
     "agree_failures",
     "convert_to_full",

@@ -229,8 +229,10 @@ def load_full_state(
     weights: Mapping[str, Tensor] | None = None,
     states: Mapping[str, Mapping[str, Tensor]] | None = None,
     also: Sequence[str] = (),
+    copy: Callable[[Tensor, Tensor], None] | None = None,
 ) -> None:
-    """Copy this rank's slices of full ``weights`` and/or fused ``states`` into its shards.
+    """Copy this rank's slices of full ``weights`` and/or fused ``states`` into its shards
+    (``copy(dest, source)``: how, ``dest.copy_(source)`` by default).
 
     Collective when a process group is up: every rank checks everything first (missing
     and unexpected tables, shapes, optimizer states; plus the problems ``also`` found
@@ -279,7 +281,10 @@ def load_full_state(
         raise CheckpointError("checkpoint does not match the model; nothing was loaded:\n  " + "\n  ".join(problems))
     with torch.no_grad():
         for dest, source in copies:
-            dest.copy_(source)
+            if copy is None:
+                dest.copy_(source)
+            else:
+                copy(dest, source)
 
 
 def dense_problems(model: Mapping[str, Any], saved: Mapping[str, Any], strict: bool = True) -> list[str]:

@@ -59,6 +59,7 @@ from lightning_shardrec.checkpoint.safe_load import (
     load_file,
     read_metadata,
 )
+from lightning_shardrec.checkpoint.stored_tensor import stored_weights
 from lightning_shardrec.checkpoint.validate import (
     expected_sizes,
     file_problems,
@@ -351,25 +352,46 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     return path.is_dir() and (path / META_FILE).is_file() and (path / ".metadata").is_file()
 
 
-def read_full(checkpoint_dir: str | Path) -> dict[str, Any]:
+def read_full(checkpoint_dir: str | Path, lazy: bool = False) -> dict[str, Any]:
     """A sharded checkpoint directory as one full checkpoint dict (one process, no group, no pickled code).
 
     Reads the weights only (tables and dense), not the fused optimizer state: peak about the model's size.
+    With ``lazy``, every weight of at least :data:`LAZY_BYTES` is a
+    :class:`~lightning_shardrec.checkpoint.stored_tensor.StoredTensor` instead, read when used:
+    ``Module.load_state_dict`` copies each one straight from the files into the model, one saved
+    piece at a time (peak: the model and one piece).
     """
     checkpoint_dir = Path(checkpoint_dir)
     metadata = read_metadata(checkpoint_dir)
     raise_if_any(checkpoint_dir, file_problems(checkpoint_dir, metadata))
     meta = load_file(checkpoint_dir / META_FILE, "checkpoint file")
+    stored = stored_weights(checkpoint_dir, metadata, LAZY_BYTES) if lazy else {}
+    eager = [k for k in metadata.state_dict_metadata if k.startswith("state_dict.") and k not in stored]
     full: dict[str, Any] = {}
     reader = SafeFileSystemReader(checkpoint_dir)
     try:
         # the weights only: the fused optimizer state (as large as the tables, or twice) is not read
-        _load_state_dict(full, storage_reader=reader, planner=SafeEmptyLoadPlanner(keys={"state_dict"}), no_dist=True)
+        if not lazy or eager:
+            keys = set(eager) if lazy else {"state_dict"}
+            planner = SafeEmptyLoadPlanner(keys=keys)
+            _load_state_dict(full, storage_reader=reader, planner=planner, no_dist=True)
     except CheckpointException as e:
         raise CheckpointError(f"reading checkpoint '{checkpoint_dir}' failed:\n  " + "\n  ".join(describe(e))) from None
-    meta["state_dict"] = full["state_dict"]
+    if not lazy:
+        meta["state_dict"] = full["state_dict"]
+        return meta
+    loaded, state = full.get("state_dict", {}), {}
+    for key in metadata.state_dict_metadata:  # the saved order
+        path = (metadata.planner_data or {}).get(key, ())
+        if key in stored:
+            state[stored[key]._path[1]] = stored[key]
+        elif len(path) > 1 and path[0] == "state_dict" and path[1] in loaded:
+            state.setdefault(path[1], loaded[path[1]])
+    meta["state_dict"] = state
     return meta
 
 
+#: entries at least this large are read when used under ``read_full(lazy=True)``; smaller ones at once
+LAZY_BYTES = 2**20
 META_FILE = "meta.pt"
 SHARED_MARK = ".shared"  # rank 0's marker in the staging directory: proves every rank sees it

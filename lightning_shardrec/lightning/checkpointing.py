@@ -37,6 +37,7 @@ from lightning_shardrec.checkpoint import (
     split_plain_optimizer_states,
 )
 from lightning_shardrec.checkpoint.full_state import FullTable
+from lightning_shardrec.checkpoint.mapped_file import MappedFile, load_mapped, mappable
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.lightning.pipeline import TrainPipeline
@@ -60,6 +61,8 @@ class ShardedCheckpointing(DDPStrategy):
     _loaded_in_place: bool
     #: per optimizer, per param group: its parameters before the tables left it, tables as keys (set in setup)
     _groups_before: list[list[list[torch.nn.Parameter | str]]] | None = None
+    #: the plain checkpoint file being restored, when it was memory-mapped (see ``_load_file``)
+    _mapped: MappedFile | None = None
 
     @property
     @override
@@ -145,6 +148,7 @@ class ShardedCheckpointing(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self._mapped = None  # set by _load_file when it maps the file
         path = Path(self.broadcast(str(checkpoint_path)))
         if not _remote(checkpoint_path):
             if self.is_global_zero:
@@ -161,8 +165,18 @@ class ShardedCheckpointing(DDPStrategy):
         return meta
 
     def _load_file(self, checkpoint_path: Any, weights_only: bool) -> dict[str, Any]:
-        """Lightning's loader (``weights_only=True`` unless the caller trusts the file), errors made clear."""
+        """Lightning's loader (``weights_only=True`` unless the caller trusts the file), errors made clear.
+
+        A local zip-format file under the default ``CheckpointIO`` is memory-mapped instead of read
+        whole on every rank: each rank copies its rows of each table into its shards and releases
+        the pages (:mod:`~lightning_shardrec.checkpoint.mapped_file`); everything else Lightning
+        keeps (dense optimizer state, callbacks' state) is copied out of the file.
+        """
         try:
+            if self.sharded and type(self.checkpoint_io) is TorchCheckpointIO and mappable(checkpoint_path):
+                checkpoint, self._mapped = load_mapped(checkpoint_path, weights_only)
+                streamed = ("state_dict", "optimizer_states", _FUSED_KEY)  # copied out, or sliced, when restored
+                return {k: v if k in streamed else self._mapped.owned(v) for k, v in checkpoint.items()}
             with own_load():
                 return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except pickle.UnpicklingError as e:
@@ -185,12 +199,15 @@ class ShardedCheckpointing(DDPStrategy):
         rest = {k: v for k, v in state.items() if not k.startswith(prefixes)}
         tables = {k: v for k, v in state.items() if k.startswith(prefixes)}
         # every table and dense tensor is checked (on every rank) before anything is copied
-        load_full_state(self.sharded, tables, also=dense_problems(self._dense_state(), rest, strict))
+        copy = None if self._mapped is None else self._mapped.copy
+        load_full_state(self.sharded, tables, also=dense_problems(self._dense_state(), rest, strict), copy=copy)
         self.lightning_module.load_state_dict(rest, strict=False)  # type: ignore[union-attr]
         return None
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        mapped, self._mapped = self._mapped, None
+        copy = None if mapped is None else mapped.copy
         fused = checkpoint.get(_FUSED_KEY)
         if fused is None and self.sharded and self._groups_before is not None and "optimizer_states" in checkpoint:
             # written without the strategy: the tables' state sits in the user's optimizer state
@@ -201,13 +218,16 @@ class ShardedCheckpointing(DDPStrategy):
                 now,
                 replicated_keys(self.sharded),
             )
+            dense = dense if mapped is None else mapped.owned(dense)  # kept by the optimizers: out of the file
             super().load_optimizer_state_dict({**checkpoint, "optimizer_states": dense})
-            load_full_state(self.sharded, states=states)
+            load_full_state(self.sharded, states=states, copy=copy)
             return
+        if mapped is not None and "optimizer_states" in checkpoint:
+            checkpoint = {**checkpoint, "optimizer_states": mapped.owned(checkpoint["optimizer_states"])}
         super().load_optimizer_state_dict(checkpoint)
         if fused is not None and self.sharded:
             if "states" in fused:
-                load_full_state(self.sharded, states=fused["states"])
+                load_full_state(self.sharded, states=fused["states"], copy=copy)
             if self.fused_optimizer is not None:
                 self.fused_optimizer.param_groups[0].update(fused["param_group"])
 

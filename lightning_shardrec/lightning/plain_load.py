@@ -5,7 +5,10 @@ Lightning reads checkpoints through one function (``pl_load``); :func:`install` 
 
 * ``Model.load_from_checkpoint(path)`` on a sharded checkpoint directory (the default
   format) reads it as a full checkpoint (tables gathered, unsharded keys), as
-  :func:`~lightning_shardrec.checkpoint.convert_to_full` would write it;
+  :func:`~lightning_shardrec.checkpoint.convert_to_full` would write it, except that each
+  large weight is a :class:`~lightning_shardrec.checkpoint.stored_tensor.StoredTensor` read
+  when used: ``load_state_dict`` copies it from the files into the model piece by piece
+  (peak: the model and one saved piece, not the model twice);
 * a Trainer without ``strategy="shardrec"`` given a shardrec checkpoint (directory or
   ``checkpoint_format="full"`` file) gets its weights (``validate``/``test``/``predict``
   with ``ckpt_path`` work), but resuming ``fit`` from it raises
@@ -64,7 +67,7 @@ def _wrap(load: Callable[..., Any], refuse_resume: bool) -> Callable[..., Any]:
     def shardrec_aware_load(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
         sharded = isinstance(path_or_url, (str, Path)) and "://" not in str(path_or_url)
         if sharded and is_sharded_checkpoint(path_or_url):
-            checkpoint = read_full(path_or_url)
+            checkpoint = read_full(path_or_url, lazy=True)  # tables stream into the model as it copies them
         else:
             checkpoint = load(path_or_url, *args, **kwargs)
         if _own or not isinstance(checkpoint, dict) or "shardrec_plan" not in checkpoint:

@@ -8,6 +8,11 @@ whole saved shard, two at once). Results are identical with pieces of any size.
 
 A full-format save gathers the tables on rank 0 one at a time, each written into the file as it
 arrives: rank 0 holds its share and about one table, the other ranks nothing more.
+
+Loads that stream: ``Model.load_from_checkpoint(sharded_dir)`` in one process copies each weight
+from the files into the model a piece at a time (peak: the model, not twice the model), and a
+resume on 2 ranks from a plain ``torch.save`` file memory-maps it, each rank copying only its rows
+(peak: the share, not the share and the whole file). Each test measures the old path beside the new.
 """
 
 from __future__ import annotations
@@ -139,3 +144,120 @@ def test_full_format_save_gathers_one_table_at_a_time(tmp_path):
     # gathered before the file was written (gather_object and torch.save): 2075 and 488 MiB
     assert f0["save_peak_over_fit"] < 1.5 * table + ALLOWANCE, msg
     assert f1["save_peak_over_fit"] < ALLOWANCE, msg
+
+
+def load_into_the_plain_model(rank: int, world: int, path: str) -> dict[str, object]:
+    """``Big.load_from_checkpoint(path)`` in a process of its own, streamed (today) then with every weight
+    read first (before): peaks over the process's baseline (imports paid), and whether the weights equal
+    the checkpoint's read whole (after measuring)."""
+    import lightning_shardrec.lightning  # noqa: F401  (installs the loader)
+    from lightning_shardrec.checkpoint import sharded_state
+
+    out: dict[str, object] = {}
+    default = sharded_state.LAZY_BYTES
+    try:
+        for how, lazy_bytes in (("streamed", default), ("read whole", 2**62)):
+            sharded_state.LAZY_BYTES = lazy_bytes
+            reset_peak()
+            base = rss()
+            model = Big.load_from_checkpoint(path, rows=ROWS, tables=TABLES)
+            out[f"peak {how}"], out["model"] = peak() - base, sum(p.nbytes for p in model.parameters())
+            if how == "streamed":
+                want = read_full(path)["state_dict"]
+                out["mismatched"] = sorted(k for k, v in model.state_dict().items() if not torch.equal(v, want[k]))
+                out["keys"] = sorted(want)
+                del want
+            del model
+    finally:  # the rank process serves later cases
+        sharded_state.LAZY_BYTES = default
+    return out
+
+
+@pytest.mark.slow
+def test_load_from_checkpoint_of_a_sharded_directory_streams_table_by_table(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(save_or_resume, 2, path, False, timeout=600)
+    (f,) = run_ranks(load_into_the_plain_model, 1, path, timeout=600)
+    model = f["model"]
+    msg = (
+        f"load_from_checkpoint: peak {f['peak streamed'] / MiB:.0f} MiB streamed, {f['peak read whole'] / MiB:.0f} "
+        f"MiB read whole, over baseline; model {model / MiB:.0f} MiB"
+    )
+    assert f["mismatched"] == [] and len(f["keys"]) == TABLES + 2, f
+    assert model > T and f["peak read whole"] > 1.8 * model, msg  # before: every weight read, then copied
+    assert f["peak streamed"] < model + ALLOWANCE, msg  # measured: +281 MiB for 244 (read whole: +502)
+
+
+def _digests(t, strategy) -> dict[str, str]:
+    """SHA-1 of every tensor this rank holds after a resume: table shards, their fused state, the dense
+    weights and the dense optimizer state (hashed in place: no copy of the share)."""
+    import hashlib
+
+    def sha(x: torch.Tensor) -> str:
+        return hashlib.sha1(memoryview(x.detach().reshape(-1).contiguous().view(torch.uint8).numpy())).hexdigest()
+
+    out = {}
+    for path, coll in strategy.sharded.items():
+        for table, shards in coll.local_shards().items():
+            out.update({f"{path}.{table}@{m.shard_offsets}": sha(w) for m, w in shards})
+        for table, states in coll.local_states().items():
+            out.update({f"{path}.{table}@{m.shard_offsets}/{n}": sha(s) for m, st in states for n, s in st.items()})
+    out.update({k: sha(v) for k, v in t.lightning_module.top.state_dict().items()})
+    for i, state in t.optimizers[0].state_dict()["state"].items():
+        out.update({f"optimizer {i}/{n}": sha(v) for n, v in state.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def resume_plain(rank: int, world: int, path: str) -> dict[str, object]:
+    """Resume ``Trainer(strategy="shardrec")`` from a plain checkpoint file and train a step, twice: the file
+    memory-mapped (today), then read whole by Lightning's loader (before); peaks and the state both reach."""
+    from lightning_shardrec import ParameterConstraints, ShardRecStrategy
+    from lightning_shardrec.checkpoint import mapped_file
+    from lightning_shardrec.lightning import checkpointing
+
+    external_launch(rank, world)
+    out: dict[str, object] = {}
+    defaults = mapped_file.PIECE_BYTES, checkpointing.mappable
+    mapped_file.PIECE_BYTES = PIECE
+    try:
+        for how in ("mapped", "read whole"):
+            if how == "read whole":
+                checkpointing.mappable = lambda path: False
+            reset_peak()
+            base = rss()
+            rows = ParameterConstraints(sharding_types=["row_wise"])
+            strategy = ShardRecStrategy(constraints={f"t{i}": rows for i in range(TABLES)})
+            t = trainer(strategy=strategy, devices=world, max_steps=2, use_distributed_sampler=False)
+            with t.init_module():
+                model = Big(ROWS, TABLES)
+            t.fit(model, batches(ROWS, TABLES, 3, rank), ckpt_path=path)
+            out[f"peak {how}"], out["held"] = peak() - base, held_bytes(strategy)
+            out[f"state {how}"] = _digests(t, strategy)
+            del t, model, strategy
+    finally:  # the rank processes serve later cases
+        mapped_file.PIECE_BYTES, checkpointing.mappable = defaults
+    return out
+
+
+def write_plain(rank: int, world: int, path: str) -> None:
+    """One step without the strategy (devices=1), saved: the tables' Adagrad state sits in the user's optimizer."""
+    t = trainer(devices=1, max_steps=1)
+    t.fit(Big(ROWS, TABLES), batches(ROWS, TABLES, 1, 0))
+    t.save_checkpoint(path)
+
+
+@pytest.mark.slow
+def test_resume_from_a_plain_file_reads_only_each_ranks_rows(tmp_path):
+    path = str(tmp_path / "plain.ckpt")
+    run_ranks(write_plain, 1, path, timeout=600)
+    whole = 2 * T  # the file: tables and their Adagrad state
+    for rank, f in enumerate(run_ranks(resume_plain, 2, path, timeout=600)):
+        share = f["held"]
+        msg = (
+            f"resume from a plain file, rank {rank}: peak {f['peak mapped'] / MiB:.0f} MiB memory-mapped, "
+            f"{f['peak read whole'] / MiB:.0f} MiB read whole; share {share / MiB:.0f}, file {whole / MiB:.0f} MiB"
+        )
+        assert f["state mapped"] == f["state read whole"], msg  # bit for bit: shards, fused and dense state
+        assert len(f["state mapped"]) == 2 + 2 + 2 + 4, f["state mapped"].keys()  # + step and sum of top.*
+        assert f["peak read whole"] > share + 0.9 * whole, msg  # the old path: the whole file on every rank
+        assert f["peak mapped"] < share + ALLOWANCE, msg  # measured: +258 MiB for a 244 MiB share
