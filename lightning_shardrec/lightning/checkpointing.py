@@ -36,7 +36,7 @@ from lightning_shardrec.checkpoint import (
     save_streamed,
     split_plain_optimizer_states,
 )
-from lightning_shardrec.checkpoint.full_state import FullTable
+from lightning_shardrec.checkpoint.full_gather import FullTensor
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.lightning.pipeline import TrainPipeline
@@ -105,26 +105,27 @@ class ShardedCheckpointing(DDPStrategy):
         save_sharded(path, self.sharded, dense, checkpoint, self.global_rank)  # atomic; raises on every rank
 
     def _save_full(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
-        """Collective: rank 0 writes one file beside ``filepath``, table by table, and renames it into place.
+        """Collective: rank 0 writes one file beside ``filepath``, tensor by tensor, and renames it into place.
 
-        The tables are gathered on rank 0 one at a time and each is written as it arrives
-        (:func:`~lightning_shardrec.checkpoint.save_streamed`), so rank 0 holds its share and
-        one table. A failure raises on every rank. A custom or remote writer takes the whole
-        checkpoint at once: rank 0 then holds every table until it is written.
+        Each table's weight, then each of its fused states, is gathered on rank 0 on its own
+        (:func:`~lightning_shardrec.checkpoint.iter_full_state`), written as it arrives
+        (:func:`~lightning_shardrec.checkpoint.save_streamed`) and freed before the next, so rank 0
+        holds its share and the largest single full tensor. A failure raises on every rank. A
+        custom or remote writer takes the whole checkpoint at once: rank 0 then holds every table.
         """
         if type(self.checkpoint_io) is not TorchCheckpointIO or storage_options is not None or _remote(filepath):
             weights, states = gather_full_state(self.sharded, dst=0)
             checkpoint["state_dict"].update(weights)
             checkpoint[_FUSED_KEY]["states"] = states
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        tables = iter_full_state(self.sharded, dst=0)
+        tensors = iter_full_state(self.sharded, dst=0)
         error: BaseException | None = None
         if self.is_global_zero:
             try:
-                save_streamed(Path(filepath), lambda stream: _write_tables(stream, tables, checkpoint))
+                save_streamed(Path(filepath), lambda stream: _write_tensors(stream, tensors, checkpoint))
             except Exception as e:  # agreed on below, so no rank waits in a barrier for rank 0
                 error = e
-        for _ in tables:  # the other ranks send their shards (rank 0: what a failed write left)
+        for _ in tensors:  # the other ranks send their shards (rank 0: what a failed write left)
             pass
         failures = agree_failures(error)
         if failures:
@@ -212,14 +213,15 @@ class ShardedCheckpointing(DDPStrategy):
                 self.fused_optimizer.param_groups[0].update(fused["param_group"])
 
 
-def _write_tables(stream: StreamedFile, tables: Iterator[FullTable], checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Write each gathered table into ``stream`` as it arrives, keeping stand-ins; the checkpoint to pickle last."""
+def _write_tensors(stream: StreamedFile, tensors: Iterator[FullTensor], checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Write each gathered tensor into ``stream`` as it arrives, keeping stand-ins; the checkpoint to pickle last."""
     states = checkpoint[_FUSED_KEY]["states"]
-    for weights, table_states in tables:
-        checkpoint["state_dict"].update({k: stream.put(v) for k, v in weights.items()})
-        for weight_key, named in table_states.items():
-            states.setdefault(weight_key, {}).update({n: stream.put(t) for n, t in named.items()})
-        del weights, table_states
+    for key, state, t in tensors:
+        if state is None:
+            checkpoint["state_dict"][key] = stream.put(t)
+        else:
+            states.setdefault(key, {})[state] = stream.put(t)
+        del t  # dropped before the next one is gathered (a loop variable would hold it meanwhile)
     return checkpoint
 
 
