@@ -172,7 +172,9 @@ def iter_full_state(sharded: Mapping[str, ShardedCollection], dst: int | None = 
         local_weights, local_states = module.local_shards(), module.local_states()
         for cfg in module.table_configs():  # every rank: every table, the same order
             key = state_key(module, path, cfg.name)
-            mine: Shards = [(m.shard_offsets, w.detach()) for m, w in local_weights.get(cfg.name, [])]
+            mine: Shards = [
+                ((m.shard_offsets[0], m.shard_offsets[1]), w.detach()) for m, w in local_weights.get(cfg.name, [])
+            ]
             local = {key: mine, **_table_states(key, local_states.get(cfg.name, []))}
             if streamed and dst is not None:
                 tensors = _streamed(local, dst, key, cfg)
