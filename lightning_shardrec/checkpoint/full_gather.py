@@ -76,31 +76,18 @@ def _target(full: Tensor, offsets: tuple[int, int], like: Tensor) -> Tensor:
     return full[r0 : r0 + like.shape[0], c0 : c0 + like.shape[1]]
 
 
-def _row_steps(like: Tensor) -> list[slice]:
-    """A shard's rows cut into pieces of at most ``PIECE_BYTES`` (one row at least); sender and receiver agree."""
-    rows = like.shape[0]
-    row_bytes = like[:1].numel() * like.element_size()
-    step = max(1, sharded_state.PIECE_BYTES // max(1, row_bytes))
-    return [slice(a, min(a + step, rows)) for a in range(0, rows, step)]
-
-
-def _send(shards: Shards, dst: int, device: torch.device) -> None:
-    for _, t in shards:
-        for rows in _row_steps(t):
-            dist.send(t[rows].to(device).contiguous(), dst)  # a piece: a copy only if not already in place
+def _send(piece: Tensor, dst: int, device: torch.device) -> None:
+    dist.send(piece.to(device).contiguous(), dst)  # a copy only if not already in place
 
 
 def _receive(target: Tensor, like: Tensor, source: int, device: torch.device) -> None:
-    """One shard from rank ``source`` into ``target``, piece by piece: in place when it can, else via a piece buffer."""
-    for rows in _row_steps(like):
-        part = target[rows]
-        if device.type == "cpu" and part.is_contiguous() and part.dtype == like.dtype:
-            dist.recv(part, source)
-            continue
-        buffer = torch.empty(like[rows].shape, dtype=like.dtype, device=device)
-        dist.recv(buffer, source)
-        part.copy_(buffer)
-        del buffer
+    """One piece from rank ``source`` into ``target``: in place when it can, else via a piece-sized buffer."""
+    if device.type == "cpu" and target.is_contiguous() and target.dtype == like.dtype:
+        dist.recv(target, source)
+        return
+    buffer = torch.empty(like.shape, dtype=like.dtype, device=device)
+    dist.recv(buffer, source)
+    target.copy_(buffer)
 
 
 def _shapes(pieces: list[dict[str, Shards]], key: str, cfg: Any) -> dict[str, tuple[int, ...]]:
@@ -117,45 +104,116 @@ def _shapes(pieces: list[dict[str, Shards]], key: str, cfg: Any) -> dict[str, tu
     return found
 
 
-def _streamed(local: dict[str, Shards], dst: int, key: str, cfg: Any) -> Iterator[tuple[str, Tensor]]:
-    """Collective: one table's full tensors on rank ``dst``, one at a time (nothing elsewhere).
+def _row_numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape[1:]:
+        n *= s
+    return n
 
-    Only shapes travel as objects; every rank sends its pieces in sorted key order, the order in
-    which rank ``dst`` fills the tensors. Full tensors are fp32, like the unsharded module's.
+
+def _bands(shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """A full fp32 tensor's rows ``[a, b)`` in bands of at most ``PIECE_BYTES`` (one row at least)."""
+    step = max(1, sharded_state.PIECE_BYTES // (4 * _row_numel(shape)))
+    return [(a, min(a + step, shape[0])) for a in range(0, shape[0], step)]
+
+
+def _overlap(band: tuple[int, int], offsets: tuple[int, int], like: Tensor) -> tuple[int, int] | None:
+    """The rows of a shard at ``offsets`` (shaped like ``like``) that fall in ``band``, from the shard's first row."""
+    lo, hi = max(band[0], offsets[0]), min(band[1], offsets[0] + like.shape[0])
+    return (lo - offsets[0], hi - offsets[0]) if lo < hi else None
+
+
+def _split(name: str, key: str) -> tuple[str, str | None]:
+    """``(weight key, state)`` of a gathered name (``<weight key>`` or ``<weight key>/<state>``)."""
+    if name == key:
+        return key, None
+    weight_key, state = name.rsplit("/", 1)
+    return weight_key, state
+
+
+class FullGather:
+    """Collective: every table's full tensors on rank ``dst``, shapes first, then their rows in bands.
+
+    Constructing it gathers every rank's pieces' shapes (objects of a few bytes per piece) and the
+    dynamic tables' id mappings (:attr:`mappings`, global tensors by key); rank ``dst`` then knows
+    :attr:`tensors`, every full tensor as ``(weight key, state, shape)`` (``state`` None for the
+    weight; a step counter has shape ``()``), in the order :meth:`bands` fills them. Nothing is
+    gathered on the other ranks (empty lists). Full tensors are fp32, like the unsharded module's.
     """
-    described = {k: [(o, torch.empty(t.shape, dtype=t.dtype, device="meta")) for o, t in v] for k, v in local.items()}
-    metas = _gather(described, dst)
-    device = _comm_device()
-    if dist.get_rank() != dst:
-        for name in sorted(local):
-            _send(local[name], dst, device)
-        return
-    shapes = _shapes(metas, key, cfg)
-    for name in sorted(shapes):
-        full = torch.empty(shapes[name])  # pages become resident as pieces land
-        for source, described_pieces in enumerate(metas):
-            for i, (offsets, like) in enumerate(described_pieces.get(name, [])):
-                target = _target(full, offsets, like)
-                if source == dst:
-                    target.copy_(local[name][i][1])
-                else:
-                    _receive(target, like, source, device)
-                del target
-        yield name, full
-        del full  # not held while the next one is gathered
 
+    def __init__(self, sharded: Mapping[str, ShardedCollection], dst: int) -> None:
+        self.dst = dst
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._local: list[tuple[str, Any, dict[str, Shards]]] = []
+        for path, module in sharded.items():
+            local_weights, local_states = module.local_shards(), module.local_states()
+            for cfg in module.table_configs():  # every rank: every table, the same order
+                key = state_key(module, path, cfg.name)
+                mine: Shards = [
+                    ((m.shard_offsets[0], m.shard_offsets[1]), w.detach()) for m, w in local_weights.get(cfg.name, [])
+                ]
+                self._local.append((key, cfg, {key: mine, **_table_states(key, local_states.get(cfg.name, []))}))
+        described = [
+            {k: [(o, torch.empty(t.shape, dtype=t.dtype, device="meta")) for o, t in v] for k, v in local.items()}
+            for _, _, local in self._local
+        ]
+        metas = _gather({"tables": described}, dst)
+        #: on rank ``dst``: per full tensor, its table's index, gathered name, shape and every rank's pieces of it
+        self._plan: list[tuple[int, str, tuple[int, ...], list[list[tuple[tuple[int, int], Tensor]]]]] = []
+        self.tensors: list[tuple[str, str | None, tuple[int, ...]]] = []
+        for i, (key, cfg, _) in enumerate(self._local if self.rank == dst else []):
+            per_rank = [m["tables"][i] for m in metas]
+            for name, shape in sorted(_shapes(per_rank, key, cfg).items()):
+                weight_key, state = _split(name, key)
+                self._plan.append((i, name, shape, [pieces.get(name, []) for pieces in per_rank]))
+                self.tensors.append((weight_key, state, () if state == "step" else shape))
+        self.mappings: dict[str, Tensor] = {}
+        for path, module in sharded.items():
+            mappers = local_mappers(module)
+            for cfg in dynamic_configs(module):  # the id mapping: global tensors, like the unsharded module's
+                layout, prefix = DynamicLayout.of(cfg), mapper_prefix(path, cfg.name)
+                chunks = _gather(mapper_chunks(layout, prefix, mappers.get(cfg.name)), dst)
+                if self.rank == dst:
+                    self.mappings.update(assemble(layout, prefix, chunks))
 
-def _collected(local: dict[str, Shards], dst: int | None, key: str, cfg: Any) -> Iterator[tuple[str, Tensor]]:
-    """One table's full tensors from every rank's pieces sent as objects (one process, or ``dst=None``)."""
-    pieces = _gather({k: [(o, t.cpu()) for o, t in v] for k, v in local.items()}, dst)
-    shapes = _shapes(pieces, key, cfg)
-    for name in sorted(shapes):
-        full = torch.empty(shapes[name])
-        for rank_pieces in pieces:
-            for offsets, t in rank_pieces.pop(name, []):
-                _target(full, offsets, t).copy_(t)
-        yield name, full
-        del full
+    def bands(self) -> Iterator[tuple[int, int, Tensor]]:
+        """Collective: ``(index into tensors, first element, rows)``, each band at most ``PIECE_BYTES``, in order.
+
+        Every rank sends the rows of its shards that fall in each band, band by band, and rank
+        ``dst`` receives them into their place in the band (other ranks yield nothing). The bands
+        share one buffer: use (write, copy) each before asking for the next. Every rank must
+        exhaust the iterator.
+        """
+        device = _comm_device() if dist.is_initialized() else torch.device("cpu")
+        if self.rank != self.dst:
+            for key, cfg, local in self._local:
+                for name, shape in sorted(_shapes([local], key, cfg).items()):
+                    for band in _bands(shape):
+                        for offsets, t in local[name]:
+                            overlap = _overlap(band, offsets, t)
+                            if overlap is not None:
+                                _send(t[overlap[0] : overlap[1]], self.dst, device)
+            return
+        sizes = [(b - a) * _row_numel(shape) for _, _, shape, _ in self._plan for a, b in _bands(shape)]
+        buffer = torch.empty(max(sizes, default=0))  # one band's room, reused: no allocator churn per band
+        for index, (table, name, shape, per_rank) in enumerate(self._plan):
+            for band in _bands(shape):
+                rows = buffer[: (band[1] - band[0]) * _row_numel(shape)].view(band[1] - band[0], *shape[1:])
+                for source, pieces in enumerate(per_rank):
+                    for i, (offsets, like) in enumerate(pieces):
+                        overlap = _overlap(band, offsets, like)
+                        if overlap is None:
+                            continue
+                        part = like[overlap[0] : overlap[1]]
+                        at = (overlap[0] + offsets[0] - band[0], offsets[1])
+                        target = _target(rows, at, part)
+                        if source == self.dst:
+                            target.copy_(self._local[table][2][name][i][1][overlap[0] : overlap[1]])
+                        else:
+                            _receive(target, part, source, device)
+                        del target
+                yield index, band[0] * _row_numel(shape), rows
+                del rows
 
 
 def iter_full_state(sharded: Mapping[str, ShardedCollection], dst: int | None = None) -> Iterator[FullTensor]:
@@ -166,36 +224,50 @@ def iter_full_state(sharded: Mapping[str, ShardedCollection], dst: int | None = 
     group and ``dst`` set, each tensor is gathered only when asked for, so a caller that drops
     each one before the next holds one full tensor at a time. Every rank must exhaust the iterator.
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    streamed = dst is not None and dist.is_initialized() and dist.get_world_size() > 1
+    if dst is not None:
+        yield from _assembled(FullGather(sharded, dst))
+        return
     for path, module in sharded.items():
         local_weights, local_states = module.local_shards(), module.local_states()
-        for cfg in module.table_configs():  # every rank: every table, the same order
+        for cfg in module.table_configs():  # the same order as FullGather's
             key = state_key(module, path, cfg.name)
             mine: Shards = [
                 ((m.shard_offsets[0], m.shard_offsets[1]), w.detach()) for m, w in local_weights.get(cfg.name, [])
             ]
-            local = {key: mine, **_table_states(key, local_states.get(cfg.name, []))}
-            if streamed and dst is not None:
-                tensors = _streamed(local, dst, key, cfg)
-            else:
-                tensors = _collected(local, dst, key, cfg)
-            for name, full in tensors:
-                if name == key:
-                    yield key, None, full
-                else:
-                    weight_key, state = name.rsplit("/", 1)
-                    yield weight_key, state, full.reshape(()) if state == "step" else full
-                del full  # not held while the next one is gathered
-            del mine, local
+            local: dict[str, Shards] = {key: mine, **_table_states(key, local_states.get(cfg.name, []))}
+            pieces = _gather({k: [(o, t.cpu()) for o, t in v] for k, v in local.items()}, dst)
+            for name, shape in sorted(_shapes(pieces, key, cfg).items()):
+                full = torch.empty(shape)
+                for rank_pieces in pieces:
+                    for offsets, t in rank_pieces.pop(name, []):
+                        _target(full, offsets, t).copy_(t)
+                weight_key, state = _split(name, key)
+                yield weight_key, state, full.reshape(()) if state == "step" else full
+                del full
+            del mine, local, pieces
         mappers = local_mappers(module)
-        for cfg in dynamic_configs(module):  # the id mapping: global tensors, like the unsharded module's
+        for cfg in dynamic_configs(module):
             layout, prefix = DynamicLayout.of(cfg), mapper_prefix(path, cfg.name)
             chunks = _gather(mapper_chunks(layout, prefix, mappers.get(cfg.name)), dst)
-            if dst is None or rank == dst:
-                for buffer_key, t in assemble(layout, prefix, chunks).items():
-                    yield buffer_key, None, t
+            for buffer_key, t in assemble(layout, prefix, chunks).items():
+                yield buffer_key, None, t
             del chunks
+
+
+def _assembled(gather: FullGather) -> Iterator[FullTensor]:
+    """:meth:`FullGather.bands` put together into whole tensors, one at a time (nothing off rank ``dst``)."""
+    full, current = torch.empty(0), -1
+    for index, first, rows in gather.bands():
+        if index != current:
+            if current >= 0:
+                yield gather.tensors[current][0], gather.tensors[current][1], full
+            full, current = torch.empty(gather.tensors[index][2]), index
+        full.view(-1)[first : first + rows.numel()] = rows.reshape(-1)
+        del rows
+    if current >= 0:
+        yield gather.tensors[current][0], gather.tensors[current][1], full
+    del full
+    yield from ((k, None, t) for k, t in gather.mappings.items())
 
 
 def gather_full_state(

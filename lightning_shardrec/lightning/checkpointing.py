@@ -27,7 +27,6 @@ from lightning_shardrec.checkpoint import (
     dense_problems,
     discard,
     gather_full_state,
-    iter_full_state,
     load_full_state,
     load_sharded,
     recover_interrupted,
@@ -36,7 +35,8 @@ from lightning_shardrec.checkpoint import (
     save_streamed,
     split_plain_optimizer_states,
 )
-from lightning_shardrec.checkpoint.full_gather import FullTensor
+from lightning_shardrec.checkpoint.full_gather import FullGather
+from lightning_shardrec.checkpoint.streamed_file import Stored
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.lightning.pipeline import TrainPipeline
@@ -105,27 +105,35 @@ class ShardedCheckpointing(DDPStrategy):
         save_sharded(path, self.sharded, dense, checkpoint, self.global_rank)  # atomic; raises on every rank
 
     def _save_full(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
-        """Collective: rank 0 writes one file beside ``filepath``, tensor by tensor, and renames it into place.
+        """Collective: rank 0 writes one file beside ``filepath``, in bands of rows, and renames it into place.
 
-        Each table's weight, then each of its fused states, is gathered on rank 0 on its own
-        (:func:`~lightning_shardrec.checkpoint.iter_full_state`), written as it arrives
-        (:func:`~lightning_shardrec.checkpoint.save_streamed`) and freed before the next, so rank 0
-        holds its share and the largest single full tensor. A failure raises on every rank. A
-        custom or remote writer takes the whole checkpoint at once: rank 0 then holds every table.
+        Every full tensor's shape is gathered first and its room reserved in the file with the
+        checkpoint pickled around stand-ins; then each tensor's rows are gathered on rank 0 in
+        bands of at most ``PIECE_BYTES`` and written into their place
+        (:class:`~lightning_shardrec.checkpoint.full_gather.FullGather`,
+        :func:`~lightning_shardrec.checkpoint.save_streamed`), so rank 0 holds its share and one
+        band. A failure raises on every rank. A custom or remote writer takes the whole
+        checkpoint at once: rank 0 then holds every table.
         """
         if type(self.checkpoint_io) is not TorchCheckpointIO or storage_options is not None or _remote(filepath):
             weights, states = gather_full_state(self.sharded, dst=0)
             checkpoint["state_dict"].update(weights)
             checkpoint[_FUSED_KEY]["states"] = states
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        tensors = iter_full_state(self.sharded, dst=0)
+        gather = FullGather(self.sharded, dst=0)
+        bands = gather.bands()
         error: BaseException | None = None
         if self.is_global_zero:
+            stored: list[Stored] = []
             try:
-                save_streamed(Path(filepath), lambda stream: _write_tensors(stream, tensors, checkpoint))
+                save_streamed(
+                    Path(filepath),
+                    lambda stream: _reserve(stream, gather, checkpoint, stored),
+                    lambda stream: _fill(stream, bands, stored),
+                )
             except Exception as e:  # agreed on below, so no rank waits in a barrier for rank 0
                 error = e
-        for _ in tensors:  # the other ranks send their shards (rank 0: what a failed write left)
+        for _ in bands:  # the other ranks send their rows (rank 0: what a failed write left)
             pass
         failures = agree_failures(error)
         if failures:
@@ -213,16 +221,26 @@ class ShardedCheckpointing(DDPStrategy):
                 self.fused_optimizer.param_groups[0].update(fused["param_group"])
 
 
-def _write_tensors(stream: StreamedFile, tensors: Iterator[FullTensor], checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Write each gathered tensor into ``stream`` as it arrives, keeping stand-ins; the checkpoint to pickle last."""
+def _reserve(
+    stream: StreamedFile, gather: FullGather, checkpoint: dict[str, Any], stored: list[Stored]
+) -> dict[str, Any]:
+    """Room in ``stream`` for every gathered tensor (stand-ins into ``stored``, in order); the checkpoint to pickle."""
     states = checkpoint[_FUSED_KEY]["states"]
-    for key, state, t in tensors:
+    for key, state, shape in gather.tensors:
+        stored.append(stream.reserve(shape))
         if state is None:
-            checkpoint["state_dict"][key] = stream.put(t)
+            checkpoint["state_dict"][key] = stored[-1]
         else:
-            states.setdefault(key, {})[state] = stream.put(t)
-        del t  # dropped before the next one is gathered (a loop variable would hold it meanwhile)
+            states.setdefault(key, {})[state] = stored[-1]
+    checkpoint["state_dict"].update({k: stream.put(t) for k, t in gather.mappings.items()})
     return checkpoint
+
+
+def _fill(stream: StreamedFile, bands: Iterator[tuple[int, int, torch.Tensor]], stored: list[Stored]) -> None:
+    """Write each band of rows into its reserved tensor as it arrives, dropping it before the next."""
+    for index, first, rows in bands:
+        stream.fill(stored[index], first, rows)
+        del rows
 
 
 def _remote(path: Any) -> bool:
