@@ -1,15 +1,16 @@
-"""Full tensors of sharded tables gathered on one rank, one tensor at a time (a full-format save).
+"""Full tensors of sharded tables gathered on one rank in bands of rows (a full-format save).
 
-A table's weight and each of its fused optimizer states travel on their own: every rank sends its
-shards of that one tensor to rank ``dst`` in row pieces of at most
-:data:`~lightning_shardrec.checkpoint.sharded_state.PIECE_BYTES`, and rank ``dst`` receives each
-piece into its place in the full host tensor. A caller that writes each tensor and drops it before
-asking for the next (:func:`iter_full_state`, as the strategy's full-format save does) makes rank
-``dst`` hold its share, the largest single full tensor (a weight ``[rows, dim]`` or one state) and
-at most one piece in flight; the other ranks hold their share and one piece.
+:class:`FullGather` first gathers the shapes of every rank's pieces (a few bytes each), so rank
+``dst`` knows every full tensor (each table's weight, each of its fused optimizer states) before
+any values travel; then :meth:`FullGather.bands` gathers each tensor's rows in bands of at most
+:data:`~lightning_shardrec.checkpoint.sharded_state.PIECE_BYTES`: every rank sends the rows of
+its shards that fall in the band and rank ``dst`` receives them into their place in one reused
+band buffer. A writer that puts each band into its reserved place in the file
+(:meth:`~lightning_shardrec.checkpoint.StreamedFile.fill`) makes rank ``dst`` hold its share and
+one band; the other ranks hold their share (pieces are sent from where they lie).
 
-``dst=None`` gathers everything on every rank as objects (``all_gather_object``): for tests and
-small models.
+:func:`iter_full_state` puts the bands together into whole tensors, one at a time (``dst=None``:
+everything on every rank as objects, ``all_gather_object``; for tests and small models).
 """
 
 from __future__ import annotations

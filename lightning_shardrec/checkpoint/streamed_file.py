@@ -4,7 +4,9 @@
 :class:`StreamedFile` writes each big tensor's bytes the moment it is :meth:`~StreamedFile.put`
 (the caller frees it right after) and keeps a :class:`Stored` stand-in of a few bytes; the
 object itself (stand-ins, ordinary tensors, anything else ``torch.save`` takes) is pickled last,
-in :meth:`~StreamedFile.close`. The archive is torch's own (``torch.serialization``'s zip
+in :meth:`~StreamedFile.close`. A tensor too big to hold whole gets its room in the archive
+instead (:meth:`~StreamedFile.reserve`, no bytes), filled piece by piece once the archive is
+closed (:meth:`~StreamedFile.fill`). The archive is torch's own (``torch.serialization``'s zip
 writer, the same records and pickle as ``torch.save``), so ``torch.load`` (``weights_only``,
 ``mmap``) and ``LightningModule.load_from_checkpoint`` read it unchanged.
 """
