@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_shardrec.checkpoint import (
+    FullGather,
     StreamedFile,
     agree_failures,
     dense_problems,
@@ -35,7 +36,6 @@ from lightning_shardrec.checkpoint import (
     save_streamed,
     split_plain_optimizer_states,
 )
-from lightning_shardrec.checkpoint.full_gather import FullGather
 from lightning_shardrec.checkpoint.streamed_file import Stored
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
