@@ -221,9 +221,10 @@ def iter_full_state(sharded: Mapping[str, ShardedCollection], dst: int | None = 
     """Collective: each table's full weight, then each of its fused optimizer states, one tensor at a time.
 
     Yields :data:`FullTensor` entries in host memory on rank ``dst`` (nothing on the other ranks;
-    ``dst=None``: on every rank), then each dynamic table's id-mapping buffers. With a process
-    group and ``dst`` set, each tensor is gathered only when asked for, so a caller that drops
-    each one before the next holds one full tensor at a time. Every rank must exhaust the iterator.
+    ``dst=None``: on every rank), then each dynamic table's id-mapping buffers. With ``dst`` set,
+    each tensor is put together from :meth:`FullGather.bands` only when asked for, so a caller
+    that drops each one before the next holds one full tensor and one band at a time. Every rank
+    must exhaust the iterator.
     """
     if dst is not None:
         yield from _assembled(FullGather(sharded, dst))
