@@ -5,7 +5,8 @@ before writing anything (:mod:`.validate`) and run no pickled code (:mod:`.safe_
 """
 
 from lightning_shardrec.checkpoint.atomic import agree_failures, discard, recover_interrupted, save_file
-from lightning_shardrec.checkpoint.full_state import dense_problems, gather_full_state, iter_full_state, load_full_state
+from lightning_shardrec.checkpoint.full_gather import FullGather, gather_full_state, iter_full_state
+from lightning_shardrec.checkpoint.full_state import dense_problems, load_full_state
 from lightning_shardrec.checkpoint.plain_optimizer import (
     param_layout,
     replicated_keys,
@@ -29,6 +30,7 @@ from lightning_shardrec.checkpoint.streamed_file import StreamedFile, save_strea
 __all__ = [
     "META_FILE",
     "StoredTensor",
+    "FullGather",
     "StreamedFile",
     "agree_failures",
     "convert_to_full",

@@ -42,6 +42,7 @@ from lightning_shardrec.checkpoint.atomic import (
     staging_path,
     sync,
 )
+from lightning_shardrec.checkpoint.dcp_writer import storage_writer
 from lightning_shardrec.checkpoint.dynamic_state import (
     DynamicLayout,
     bucket_ranges,
@@ -252,7 +253,8 @@ def save_sharded(
         failures = agree_failures(error)
     if not failures:
         try:
-            dcp.save(_non_empty({"state_dict": {**dense, **tables}, "fused": fused}), checkpoint_id=staging)
+            state = _non_empty({"state_dict": {**dense, **tables}, "fused": fused})
+            dcp.save(state, storage_writer=storage_writer(staging, state))  # host copies bounded on GPUs
             if rank == 0:
                 torch.save(meta, staging / META_FILE)
                 (staging / SHARED_MARK).unlink()

@@ -4,7 +4,9 @@
 :class:`StreamedFile` writes each big tensor's bytes the moment it is :meth:`~StreamedFile.put`
 (the caller frees it right after) and keeps a :class:`Stored` stand-in of a few bytes; the
 object itself (stand-ins, ordinary tensors, anything else ``torch.save`` takes) is pickled last,
-in :meth:`~StreamedFile.close`. The archive is torch's own (``torch.serialization``'s zip
+in :meth:`~StreamedFile.close`. A tensor too big to hold whole gets its room in the archive
+instead (:meth:`~StreamedFile.reserve`, no bytes), filled piece by piece once the archive is
+closed (:meth:`~StreamedFile.fill`). The archive is torch's own (``torch.serialization``'s zip
 writer, the same records and pickle as ``torch.save``), so ``torch.load`` (``weights_only``,
 ``mmap``) and ``LightningModule.load_from_checkpoint`` read it unchanged.
 """
@@ -56,6 +58,10 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def _storage_type(dtype: torch.dtype) -> Any:
     return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
 
@@ -70,6 +76,9 @@ class StreamedFile:
         self._zip = self._opener.file_like
         self._count = 0  # records written
         self._keys: dict[int, str] = {}  # while pickling: storage -> record key (a shared storage is written once)
+        self._reserved: dict[str, Stored] = {}  # record key -> stand-in, for reserve() / fill()
+        self._offsets: dict[str, int] = {}  # record key -> its data's offset in the file (once closed)
+        self._fd: int | None = None  # for fill()
 
     def _write(self, storage: torch.UntypedStorage) -> str:
         key = str(self._count)
@@ -86,6 +95,44 @@ class StreamedFile:
             t = t.clone()  # a view: write its elements only
         key = self._write(t.untyped_storage())
         return Stored(key, t.dtype, tuple(t.shape))
+
+    def reserve(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Stored:
+        """Room for a tensor of ``shape`` whose values :meth:`fill` writes after :meth:`close`, in pieces.
+
+        torch's writer writes a record from one buffer; a reserved record (``write_record_metadata``,
+        what ``torch.serialization.skip_data`` saves with) takes its bytes later, so the tensor
+        never needs to be whole in memory. Its zip CRC-32 is left 0, as in files saved with
+        ``torch.serialization.set_crc32_options(False)``: ``torch.load`` (``mmap`` too) reads it,
+        a zip tool's integrity check reports it.
+        """
+        key = str(self._count)
+        self._count += 1
+        stored = Stored(key, dtype, shape)
+        self._zip.write_record_metadata(f"data/{key}", stored.ref.numel * _itemsize(dtype))
+        self._reserved[key] = stored
+        return stored
+
+    def fill(self, stored: Stored, first: int, values: Tensor) -> None:
+        """Write ``values`` (flattened) as elements ``[first, first + values.numel())`` of a reserved tensor."""
+        if self._open:
+            raise RuntimeError("StreamedFile.fill: the archive is still open; fill after close()")
+        if self._reserved.get(stored.ref.key) is not stored:
+            raise ValueError(f"StreamedFile.fill: record data/{stored.ref.key} was not reserved in this file")
+        numel = stored.ref.numel
+        if values.dtype != stored.ref.dtype or not 0 <= first <= first + values.numel() <= numel:
+            raise ValueError(
+                f"StreamedFile.fill: elements [{first}, {first + values.numel()}) of {values.dtype} do not fit "
+                f"record data/{stored.ref.key} ({numel} elements of {stored.ref.dtype})"
+            )
+        if self._fd is None:
+            reader = torch._C.PyTorchFileReader(self.name)
+            self._offsets = {k: reader.get_record_offset(f"data/{k}") for k in self._reserved}  # type: ignore[attr-defined]
+            self._fd = os.open(self.name, os.O_WRONLY)
+        raw = values.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        view, at = raw.data, self._offsets[stored.ref.key] + first * _itemsize(values.dtype)
+        while view:
+            written = os.pwrite(self._fd, view, at)
+            view, at = view[written:], at + written
 
     def _persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
         if isinstance(obj, _StorageRef):
@@ -122,9 +169,18 @@ class StreamedFile:
             self._open = False
             self._opener.__exit__(None, None, None)
 
+    def release(self) -> None:
+        """Close what :meth:`fill` opened (idempotent)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
-def save_streamed(path: Path, write: Callable[[StreamedFile], Any]) -> None:
-    """``write(file)`` puts the big tensors and returns the object; the file is flushed, then swapped in.
+
+def save_streamed(
+    path: Path, write: Callable[[StreamedFile], Any], fill: Callable[[StreamedFile], None] | None = None
+) -> None:
+    """``write(file)`` puts (or reserves) the big tensors and returns the object; ``fill(file)`` then fills
+    the reserved ones; the file is flushed, then swapped in.
 
     The staging file beside ``path`` is removed on any failure, leaving ``path`` untouched.
     """
@@ -135,8 +191,11 @@ def save_streamed(path: Path, write: Callable[[StreamedFile], Any]) -> None:
         stream = StreamedFile(staging)
         try:
             stream.close(write(stream))
+            if fill is not None:
+                fill(stream)
         finally:
             stream.finish()
+            stream.release()
         fd = os.open(staging, os.O_RDONLY)
         try:
             os.fsync(fd)  # on disk before the swap

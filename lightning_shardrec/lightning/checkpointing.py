@@ -22,12 +22,12 @@ from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_shardrec.checkpoint import (
+    FullGather,
     StreamedFile,
     agree_failures,
     dense_problems,
     discard,
     gather_full_state,
-    iter_full_state,
     load_full_state,
     load_sharded,
     recover_interrupted,
@@ -36,8 +36,8 @@ from lightning_shardrec.checkpoint import (
     save_streamed,
     split_plain_optimizer_states,
 )
-from lightning_shardrec.checkpoint.full_state import FullTable
 from lightning_shardrec.checkpoint.mapped_file import MappedFile, load_mapped, mappable
+from lightning_shardrec.checkpoint.streamed_file import Stored
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.lightning.pipeline import TrainPipeline
@@ -108,26 +108,35 @@ class ShardedCheckpointing(DDPStrategy):
         save_sharded(path, self.sharded, dense, checkpoint, self.global_rank)  # atomic; raises on every rank
 
     def _save_full(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
-        """Collective: rank 0 writes one file beside ``filepath``, table by table, and renames it into place.
+        """Collective: rank 0 writes one file beside ``filepath``, in bands of rows, and renames it into place.
 
-        The tables are gathered on rank 0 one at a time and each is written as it arrives
-        (:func:`~lightning_shardrec.checkpoint.save_streamed`), so rank 0 holds its share and
-        one table. A failure raises on every rank. A custom or remote writer takes the whole
-        checkpoint at once: rank 0 then holds every table until it is written.
+        Every full tensor's shape is gathered first and its room reserved in the file with the
+        checkpoint pickled around stand-ins; then each tensor's rows are gathered on rank 0 in
+        bands of at most ``PIECE_BYTES`` and written into their place
+        (:class:`~lightning_shardrec.checkpoint.full_gather.FullGather`,
+        :func:`~lightning_shardrec.checkpoint.save_streamed`), so rank 0 holds its share and one
+        band. A failure raises on every rank. A custom or remote writer takes the whole
+        checkpoint at once: rank 0 then holds every table.
         """
         if type(self.checkpoint_io) is not TorchCheckpointIO or storage_options is not None or _remote(filepath):
             weights, states = gather_full_state(self.sharded, dst=0)
             checkpoint["state_dict"].update(weights)
             checkpoint[_FUSED_KEY]["states"] = states
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        tables = iter_full_state(self.sharded, dst=0)
+        gather = FullGather(self.sharded, dst=0)
+        bands = gather.bands()
         error: BaseException | None = None
         if self.is_global_zero:
+            stored: list[Stored] = []
             try:
-                save_streamed(Path(filepath), lambda stream: _write_tables(stream, tables, checkpoint))
+                save_streamed(
+                    Path(filepath),
+                    lambda stream: _reserve(stream, gather, checkpoint, stored),
+                    lambda stream: _fill(stream, bands, stored),
+                )
             except Exception as e:  # agreed on below, so no rank waits in a barrier for rank 0
                 error = e
-        for _ in tables:  # the other ranks send their shards (rank 0: what a failed write left)
+        for _ in bands:  # the other ranks send their rows (rank 0: what a failed write left)
             pass
         failures = agree_failures(error)
         if failures:
@@ -232,15 +241,26 @@ class ShardedCheckpointing(DDPStrategy):
                 self.fused_optimizer.param_groups[0].update(fused["param_group"])
 
 
-def _write_tables(stream: StreamedFile, tables: Iterator[FullTable], checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Write each gathered table into ``stream`` as it arrives, keeping stand-ins; the checkpoint to pickle last."""
+def _reserve(
+    stream: StreamedFile, gather: FullGather, checkpoint: dict[str, Any], stored: list[Stored]
+) -> dict[str, Any]:
+    """Room in ``stream`` for every gathered tensor (stand-ins into ``stored``, in order); the checkpoint to pickle."""
     states = checkpoint[_FUSED_KEY]["states"]
-    for weights, table_states in tables:
-        checkpoint["state_dict"].update({k: stream.put(v) for k, v in weights.items()})
-        for weight_key, named in table_states.items():
-            states.setdefault(weight_key, {}).update({n: stream.put(t) for n, t in named.items()})
-        del weights, table_states
+    for key, state, shape in gather.tensors:
+        stored.append(stream.reserve(shape))
+        if state is None:
+            checkpoint["state_dict"][key] = stored[-1]
+        else:
+            states.setdefault(key, {})[state] = stored[-1]
+    checkpoint["state_dict"].update({k: stream.put(t) for k, t in gather.mappings.items()})
     return checkpoint
+
+
+def _fill(stream: StreamedFile, bands: Iterator[tuple[int, int, torch.Tensor]], stored: list[Stored]) -> None:
+    """Write each band of rows into its reserved tensor as it arrives, dropping it before the next."""
+    for index, first, rows in bands:
+        stream.fill(stored[index], first, rows)
+        del rows
 
 
 def _remote(path: Any) -> bool:

@@ -206,18 +206,32 @@ def test_full_state_moves_into_and_out_of_grid(world: int, save_kind: str, load_
     check(run_ranks(full_run, world, save_kind, load_kind, "rowwise_adagrad", local), save_kind)
 
 
-def gather_run(rank, world, kind, optim):
-    """``gather_full_state`` onto rank 0 and onto every rank, from the same filled model."""
-    from lightning_shardrec.checkpoint import gather_full_state
+def gather_run(rank, world, kind, optim, piece_bytes=None):
+    """``gather_full_state`` onto rank 0 (sent in pieces of ``piece_bytes``) and onto every rank, from the
+    same filled model."""
+    from lightning_shardrec.checkpoint import gather_full_state, sharded_state
 
     source = make(world, kind, optim)
     fill(source)
-    return gather_full_state(source, dst=0), gather_full_state(source)
+    default = sharded_state.PIECE_BYTES
+    sharded_state.PIECE_BYTES = piece_bytes or default
+    try:
+        return gather_full_state(source, dst=0), gather_full_state(source)
+    finally:
+        sharded_state.PIECE_BYTES = default
 
 
-@pytest.mark.parametrize(("kind", "optim"), [("grid_shard", "adagrad"), ("row_wise", "rowwise_adagrad")])
-def test_full_state_gathers_on_rank_0_only(kind: str, optim: str) -> None:
-    results = run_ranks(gather_run, 3, kind, optim)
+@pytest.mark.parametrize(
+    ("kind", "optim", "piece_bytes"),
+    [
+        ("grid_shard", "adagrad", None),
+        ("row_wise", "rowwise_adagrad", None),
+        ("grid_shard", "adagrad", 40),  # column pieces (16 or 32 bytes a row): 1-2 rows a piece, strided places
+        ("row_wise", "rowwise_adagrad", 12),  # weights: a row a piece; the per-row state: 3 rows a piece
+    ],
+)
+def test_full_state_gathers_on_rank_0_only(kind: str, optim: str, piece_bytes: int | None) -> None:
+    results = run_ranks(gather_run, 3, kind, optim, piece_bytes)
     (weights, states), (every_w, every_s) = results[0]
     for table, (n, d) in TABLES.items():
         key = f"embedding_bags.{table}.weight"
@@ -228,6 +242,6 @@ def test_full_state_gathers_on_rank_0_only(kind: str, optim: str) -> None:
         assert sorted(states[key]) == sorted(every_s[key])
         for name, t in every_s[key].items():
             assert torch.equal(states[key][name], t), (key, name)
-    for (on_zero, every) in results[1:]:
+    for on_zero, every in results[1:]:
         assert on_zero == ({}, {})  # no full table, no full state on the other ranks
         assert sorted(every[0]) == sorted(every_w)

@@ -207,15 +207,16 @@ def fail_one_save(t, rank, fmt, target):
         return lambda: setattr(FileSystemWriter, "write_data", write)
     from lightning_shardrec.checkpoint.streamed_file import StreamedFile
 
-    put = StreamedFile.put
+    fill = StreamedFile.fill
 
-    def failing_put(self, tensor):  # rank 0 writes its first table, then fails
-        if t.global_step == FAULT_STEP and target in Path(self.name).name and self._count > 0:
+    def failing_fill(self, stored, first, values):  # rank 0 writes its first rows, then fails
+        self.fills = getattr(self, "fills", 0) + 1
+        if t.global_step == FAULT_STEP and target in Path(self.name).name and self.fills > 1:
             raise OSError("injected: no space left on device")
-        return put(self, tensor)
+        return fill(self, stored, first, values)
 
-    StreamedFile.put = failing_put
-    return lambda: setattr(StreamedFile, "put", put)
+    StreamedFile.fill = failing_fill
+    return lambda: setattr(StreamedFile, "fill", fill)
 
 
 def crash_in_save_then_resume(rank, world, root, fmt, save_last, target):

@@ -1,0 +1,86 @@
+"""Memory of a full-format save: each rank's peak over fit during ``save_checkpoint`` (issue 29).
+
+    python benchmarks/full_save_bench.py [--rows 6000000] [--tables 2] [--label after]
+
+The model of ``trainer_memory_bench.py`` (``--tables`` tables of ``rows x 16`` fp32, Adagrad, so the
+fused state is as large as the tables), built under ``trainer.init_module()``, row-wise on 2 ranks
+through ``Trainer(strategy=ShardRecStrategy(checkpoint_format="full"))``; after 2 steps,
+``trainer.save_checkpoint`` writes one file from rank 0. Per rank: the share (its shards and their
+state), the save's peak (``VmHWM`` restarted after fit) over the resident memory after fit, next
+to the largest single tensor the file holds (one table's weight, ``rows x 16 x 4`` bytes). Prints
+a markdown table row per rank (``--label`` names the code measured, e.g. ``before``/``after``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trainer_memory_bench import MIB, Meter, _cpu, _model  # noqa: E402
+
+
+def run_rank(rank: int, world: int, rows: int, tables: int, path: str) -> dict[str, Any]:
+    import lightning as L
+    import torch
+
+    from lightning_shardrec import ParameterConstraints, ShardRecStrategy
+
+    launched = {"WORLD_SIZE": world, "RANK": rank, "LOCAL_RANK": rank, "NODE_RANK": 0, "LOCAL_WORLD_SIZE": world}
+    os.environ.update({k: str(v) for k, v in launched.items()}, MASTER_ADDR="127.0.0.1")  # as torchrun would
+    os.environ.setdefault("MASTER_PORT", "29500")
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randint(0, rows, (8, tables, 2), generator=g), torch.rand(8, generator=g).round())] * 2
+    rowwise = ParameterConstraints(sharding_types=["row_wise"])
+    strategy = ShardRecStrategy(constraints={f"t{i}": rowwise for i in range(tables)}, checkpoint_format="full")
+    quiet = dict.fromkeys(("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False)
+    t = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=world, max_steps=2, use_distributed_sampler=False, **quiet
+    )
+    with t.init_module():
+        model = _model(rows, tables)()
+    t.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
+    meter = Meter()  # the baseline: resident after fit (the share, the process)
+    t.save_checkpoint(path)
+    meter.mark("save")
+    held = 0
+    for coll in strategy.sharded.values():
+        held += sum(w.numel() * w.element_size() for shards in coll.local_shards().values() for _, w in shards)
+        for states in coll.local_states().values():
+            held += sum(x.numel() * x.element_size() for _, s in states for x in s.values())
+    return {"held": held, "save_peak": meter.phases["save"][0], "size": os.path.getsize(path) if rank == 0 else 0}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=6_000_000)
+    p.add_argument("--tables", type=int, default=2)
+    p.add_argument("--label", default="this tree")
+    args = p.parse_args()
+    from lightning_shardrec.testing import run_ranks
+
+    root = Path(tempfile.mkdtemp(prefix="shardrec_full_save_"))
+    try:
+        ranks = run_ranks(run_rank, 2, args.rows, args.tables, str(root / "full.ckpt"), timeout=1800)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    tensor = args.rows * 16 * 4
+    print(f"{args.tables} tables of {args.rows:,} x 16 fp32 + Adagrad, 2 ranks, {_cpu()}, {os.cpu_count()} cores")
+    print("| code | rank | share | largest tensor | save peak over fit | file |")
+    print("|---|---|---|---|---|---|")
+    for r, res in enumerate(ranks):
+        print(
+            f"| {args.label} | {r} | {res['held'] / MIB:.0f} MiB | {tensor / MIB:.0f} MiB | "
+            f"{res['save_peak'] / MIB:.1f} MiB | {res['size'] / MIB:.0f} MiB |"
+            if r == 0
+            else f"| {args.label} | {r} | {res['held'] / MIB:.0f} MiB | | {res['save_peak'] / MIB:.1f} MiB | |"
+        )
+
+
+if __name__ == "__main__":
+    main()
