@@ -40,6 +40,7 @@ from lightning_shardrec.checkpoint.mapped_file import MappedFile, load_mapped, m
 from lightning_shardrec.checkpoint.streamed_file import Stored
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
+from lightning_shardrec.lightning.options import ShardRecOptions
 from lightning_shardrec.lightning.pipeline import TrainPipeline
 from lightning_shardrec.lightning.plain_load import install, own_load
 from lightning_shardrec.optim import FusedOptimizer
@@ -57,7 +58,7 @@ class ShardedCheckpointing(DDPStrategy):
     plan: ShardingPlan | None
     fused_optimizer: FusedOptimizer | None
     pipeline: TrainPipeline | None
-    _checkpoint_format: str
+    options: ShardRecOptions
     _loaded_in_place: bool
     #: per optimizer, per param group: its parameters before the tables left it, tables as keys (set in setup)
     _groups_before: list[list[list[torch.nn.Parameter | str]]] | None = None
@@ -99,7 +100,7 @@ class ShardedCheckpointing(DDPStrategy):
             self.pipeline.patch_loader_states(checkpoint)
         group = {k: v for k, v in self.fused_optimizer.param_groups[0].items() if k != "params"}
         checkpoint["shardrec_plan"] = self.plan.to_json() if self.plan is not None else None
-        if self._checkpoint_format == "full":
+        if self.options.checkpoint_format == "full":
             checkpoint[_FUSED_KEY] = {"states": {}, "param_group": group}
             return self._save_full(checkpoint, filepath, storage_options)
         checkpoint[_FUSED_KEY] = {"param_group": group}

@@ -144,7 +144,6 @@ class ShardRecStrategy(RankFailureHandling):
         )
         given = locals()  # the arguments; ShardRecOptions parses and checks those that are its fields
         self.options = ShardRecOptions(**{f.name: given[f.name] for f in fields(ShardRecOptions)})
-        self._checkpoint_format = self.options.checkpoint_format  # read by ShardedCheckpointing
         self._finite: FiniteGuard | None = None
         self.pipeline: TrainPipeline | None = None
         self._sigterm: LaggedSigterm | None = None  # Lightning's per-batch SIGTERM broadcast, made async
