@@ -135,7 +135,9 @@ def batch(seed: int, tables: dict[str, tuple[int, int]] = TABLES) -> KeyedJagged
     return KeyedJaggedTensor(keys=keys, values=values, lengths=torch.full((len(keys) * BATCH,), POOLING))
 
 
-def train_step(rank: int, tables: dict[str, tuple[int, int]], plan, counter: CommCounter | None = None) -> Callable[[], None]:  # type: ignore[no-untyped-def]
+def train_step(
+    rank: int, tables: dict[str, tuple[int, int]], plan, counter: CommCounter | None = None
+) -> Callable[[], None]:  # type: ignore[no-untyped-def]
     """One training step of ``model(tables)`` under ``plan``: fused adagrad tables, adagrad dense part."""
     import torch.nn.functional as F
 

@@ -13,6 +13,7 @@ gradient all-reduce; each call is tallied by kind and by the group it ran on (``
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ class Tally:
     calls: int = 0
     intra: int = 0
     inter: int = 0
+    seconds: float = 0.0  # inside the call (waiting for the slowest rank included)
 
 
 class CommCounter:
@@ -56,10 +58,8 @@ class CommCounter:
         self._tally: dict[str, Tally] = {}
         self._saved: dict[str, Callable[..., Any]] = {}
 
-    def _add(self, kind: str, group: Any, sizes: list[int]) -> None:
+    def _add(self, kind: str, group: Any, sizes: list[int]) -> Tally:
         """``sizes[i]``: bytes sent to the group's ``i``-th rank (the own rank's share is not sent)."""
-        if not self.on:
-            return
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         me = dist.get_rank()
         where = "world" if len(ranks) == dist.get_world_size() else f"group{len(ranks)}"
@@ -74,6 +74,7 @@ class CommCounter:
                 t.intra += n
             else:
                 t.inter += n
+        return t
 
     def _sent(self, name: str, args: tuple, kw: dict[str, Any], n: int) -> tuple[str, list[int]]:
         """The kind of collective ``name`` is and the bytes it sends to each of the group's ``n`` ranks."""
@@ -100,11 +101,16 @@ class CommCounter:
 
         def wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
             def counted(*args: Any, **kw: Any) -> Any:
-                if self.on:
-                    group = kw.get("group")
-                    kind, sizes = self._sent(name, args, kw, dist.get_world_size(group))
-                    self._add(kind, group, sizes)
-                return orig(*args, **kw)
+                if not self.on:
+                    return orig(*args, **kw)
+                group = kw.get("group")
+                kind, sizes = self._sent(name, args, kw, dist.get_world_size(group))
+                tally = self._add(kind, group, sizes)
+                t = time.perf_counter()
+                try:
+                    return orig(*args, **kw)
+                finally:
+                    tally.seconds += time.perf_counter() - t
 
             return counted
 

@@ -19,41 +19,39 @@ layouts and compares ``step_estimate`` with the measured step.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _calibrate_report import SECTION, Row, as_calls, calls_text, report, scatter
+from _calibrate_runs import (
+    BATCH,
+    LOCAL,
+    PLANS,
+    POOLING,
+    WORLD,
+    check_rank,
+    model,
+    plan_for,
+    summarize,
+    timed,
+    train_step,
+)
 from _report import replace_section  # noqa: E402
 
-from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimConfig, KeyedJaggedTensor
+from lightning_shardrec import FusedOptimConfig
 from lightning_shardrec.configs import EmbOptimType
-from lightning_shardrec.planner import (
-    EmbeddingShardingPlanner,
-    ParameterConstraints,
-    Rates,
-    Topology,
-    step_estimate,
-)
+from lightning_shardrec.planner import EmbeddingShardingPlanner, ParameterConstraints, Rates, Topology, step_estimate
+from lightning_shardrec.planner.rates import step_calls
 from lightning_shardrec.testing import local_world_size, run_ranks
 
-WORLD, LOCAL = 4, 2
-BATCH = 256  # per rank
-POOLING = 4
-# name: (rows, dim)
-TABLES = {
-    "t0": (100_000, 64),
-    "t1": (50_000, 64),
-    "t2": (20_000, 32),
-    "t3": (5_000, 32),
-    "t4": (1_000, 16),
-    "t5": (200, 16),
-}
-PLANS = ["table_wise", "column_wise", "row_wise", "table_row_wise", "grid_shard", "data_parallel", "planner"]
 SHAPES = [(20_000, 16, 256), (20_000, 64, 256), (100_000, 128, 256), (100_000, 64, 1024), (5_000, 32, 2048)]
 
 
@@ -114,74 +112,129 @@ def measure_kernel() -> tuple[float, float]:
     return max(0.0, my - slope * mx), 1.0 / slope
 
 
-def _time(fn, reps: int) -> float:
-    import torch.distributed as dist
-
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def collectives_rank(rank: int, world: int) -> tuple[float, float, float, float]:
-    """Per-collective latency, in-host and all-rank all-to-all bandwidth, all-reduce bandwidth."""
+def collectives_rank(rank: int, world: int) -> tuple[float, ...]:
+    """Median seconds: a tiny all-to-all, 1 MiB per destination in-host and over all ranks, a row-wise
+    reduce-scatter and all-gather of a 1 MiB partial, a 16 MiB all-reduce (a DDP bucket's order of size)."""
     import torch.distributed as dist
 
     with local_world_size(LOCAL):
         groups = [dist.new_group(list(range(h * LOCAL, (h + 1) * LOCAL))) for h in range(world // LOCAL)]
         mine = groups[rank // LOCAL]
 
-        def a2a(per_dest: int, group=None, n: int = world) -> None:
+        def a2a(per_dest: int, group=None, n: int = world) -> None:  # type: ignore[no-untyped-def]
             x = torch.ones(per_dest * n)
-            y = torch.empty_like(x)
-            dist.all_to_all_single(y, x, group=group)
+            dist.all_to_all_single(torch.empty_like(x), x, group=group)
 
-        latency = _time(lambda: a2a(2), 30)
+        partial, block = torch.ones(1 << 18), torch.empty((1 << 18) // world)
+
+        def reduce_scatter_and_gather() -> None:
+            dist.reduce_scatter_single(block, partial)
+            dist.all_gather_single(partial, block)
+
+        grad = torch.ones(1 << 22)
         big = 1 << 18  # floats per destination: 1 MiB
-        t_all = _time(lambda: a2a(big), 10)
-        t_host = _time(lambda: a2a(big, mine, LOCAL), 10)
-        grad = torch.ones(big * world)
-        t_reduce = _time(lambda: dist.all_reduce(grad), 10)
-        off_all = big * 4 * (world - 1)
-        off_host = big * 4 * (LOCAL - 1)
-        ring = 2 * (world - 1) / world * grad.numel() * 4  # bytes the cost model charges an all-reduce
-        return (
-            latency,
-            off_host / max(t_host - latency, 1e-9),
-            off_all / max(t_all - latency, 1e-9),
-            ring / max(t_reduce - latency, 1e-9),
+        return tuple(
+            statistics.median(timed(fn, reps))
+            for fn, reps in (
+                (lambda: a2a(2), 30),
+                (lambda: a2a(big, mine, LOCAL), 10),
+                (lambda: a2a(big), 10),
+                (reduce_scatter_and_gather, 10),
+                (lambda: dist.all_reduce(grad), 5),
+            )
         )
 
 
-def fixed_step() -> tuple[float, float]:
-    """A step of one one-row table-wise table, and the extra seconds per further table (6 such tables)."""
-    one = max(run_ranks(train_rank, WORLD, "fixed", None, (20, 1)))
-    six = max(run_ranks(train_rank, WORLD, "fixed", None, (20, 6)))
+def measure_collectives() -> dict[str, float]:
+    """``collective_seconds`` and the bandwidths, from the ranks' medians (bytes that leave a rank)."""
+    res = run_ranks(collectives_rank, WORLD)
+    latency, t_host, t_all, t_rs, t_reduce = (statistics.median(r[i] for r in res) for i in range(5))
+    mib, left = 1 << 20, (WORLD - 1) / WORLD
+
+    def rate(nbytes: float, seconds: float, calls: int = 1) -> float:
+        return nbytes / max(seconds - calls * latency, 1e-9)
+
+    return {
+        "collective_seconds": latency,
+        "intra_host_bw": rate(mib * (LOCAL - 1), t_host),
+        "inter_host_bw": rate(mib * (WORLD - 1), t_all),
+        "reduce_scatter_bw": rate(2 * mib * left, t_rs, 2),
+        "allreduce_bw": rate(2 * left * 16 * mib, t_reduce),  # the ring bytes the cost model charges
+    }
+
+
+def dense_rank(rank: int, world: int) -> list[tuple[float, float]]:
+    """(table bytes, median seconds) of a replicated table's step without its all-reduce, two sizes.
+
+    Forward and backward of a lookup into a 64-wide table (a dense gradient of the whole table), DDP
+    over a group of this rank alone (its bucket copies, no all-reduce), and adagrad over the table.
+    """
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+
+    def replicated(rows: int) -> Callable[[], None]:
+        table = torch.nn.EmbeddingBag(rows, 64, mode="sum")
+        ddp = torch.nn.parallel.DistributedDataParallel(table, process_group=alone)
+        opt = torch.optim.Adagrad(table.parameters(), lr=0.01)
+        ids = torch.randint(0, rows, (BATCH * POOLING,), generator=torch.Generator().manual_seed(rank))
+        offsets = torch.arange(0, ids.numel(), POOLING)
+
+        def step() -> None:
+            opt.zero_grad()
+            F.relu(ddp(ids, offsets)).sum().backward()
+            opt.step()
+
+        step()
+        return step
+
+    return [(rows * 64 * 4, statistics.median(timed(replicated(rows), 5))) for rows in (20_000, 200_000)]
+
+
+def measure_dense() -> float:
+    """``dense_bw``: table bytes per second of the slope between the two sizes (every rank at once)."""
+    res = run_ranks(dense_rank, WORLD)
+    (x0, _), (x1, _) = res[0]
+    y0, y1 = (statistics.median(r[i][1] for r in res) for i in (0, 1))
+    return (x1 - x0) / max(y1 - y0, 1e-9)
+
+
+def fixed_rank(rank: int, world: int, tables: int, steps: int) -> list[float]:
+    """Step seconds of ``tables`` one-row table-wise tables, all on rank 0 (the fixed step)."""
+    with local_world_size(LOCAL):
+        tiny = {f"t{i}": (1, 8) for i in range(tables)}
+        topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL)
+        pinned = {
+            t: ParameterConstraints(sharding_types=["table_wise"], ranks=[0], pooling_factors=[1.0]) for t in tiny
+        }
+        plan = EmbeddingShardingPlanner(topo, batch_size=BATCH, constraints=pinned).plan(model(tiny))
+        step = train_step(rank, tiny, plan)
+        step()
+        return timed(step, steps)
+
+
+def fixed_step(steps: int = 20) -> tuple[float, float]:
+    """The fixed step (one one-row table), and the extra seconds per further table (from six)."""
+    one = statistics.median(max(t) for t in zip(*run_ranks(fixed_rank, WORLD, 1, steps), strict=True))
+    six = statistics.median(max(t) for t in zip(*run_ranks(fixed_rank, WORLD, 6, steps), strict=True))
     return one, max(0.0, (six - one) / 5)
 
 
 def measure_rates(out: Path) -> Rates:
     lookup, memory_bw = measure_kernel()
-    res = run_ranks(collectives_rank, WORLD)
-    latency = statistics.median(r[0] for r in res)
-    intra = statistics.median(r[1] for r in res)
-    inter = statistics.median(r[2] for r in res)
-    allreduce = statistics.median(r[3] for r in res)
+    comm = measure_collectives()
+    dense_bw = measure_dense()
     step, per_table = fixed_step()
     rates = Rates(
         memory_bw=memory_bw,
         lookup_seconds=lookup,
-        intra_host_bw=intra,
-        inter_host_bw=inter,
-        allreduce_bw=allreduce,
-        collective_seconds=latency,
+        dense_bw=dense_bw,
         step_seconds=step,
         table_seconds=per_table,
-        source=f"benchmarks/calibrate.py on {cpu_model()}, {torch.get_num_threads()} threads, "
+        source=f"benchmarks/calibrate.py on {cpu_model()}, {torch.get_num_threads()} thread per rank, "
         f"{WORLD} gloo ranks as 2 hosts x {LOCAL}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        **comm,
     )
     rates.save(out)
     print(rates)
@@ -189,183 +242,39 @@ def measure_rates(out: Path) -> Rates:
 
 
 # --- check -------------------------------------------------------------------------------------
-def model(tables: dict[str, tuple[int, int]] = TABLES) -> torch.nn.Module:
-    class Rec(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ebc = EmbeddingBagCollection(
-                [
-                    EmbeddingBagConfig(num_embeddings=n, embedding_dim=d, name=t, feature_names=[f"f_{t}"])
-                    for t, (n, d) in tables.items()
-                ]
-            )
-            self.top = torch.nn.Linear(sum(d for _, d in tables.values()), 1)
-
-        def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
-            return self.top(self.ebc(kjt).values()).squeeze(1)
-
-    return Rec()
-
-
-def constraints(kind: str) -> dict[str, ParameterConstraints]:
-    out = {}
-    for t, (_, d) in TABLES.items():
-        types: list[str] | None = [kind]
-        kernels = None
-        if kind == "grid_shard" and d < 64:
-            types = ["table_row_wise"]
-        if kind == "data_parallel":
-            kernels = ["dense"]
-        if kind == "planner":
-            types = None
-        out[t] = ParameterConstraints(sharding_types=types, compute_kernels=kernels, pooling_factors=[float(POOLING)])
-    return out
-
-
-def plan_for(kind: str, rates: Rates | None):
+def check(rates: Rates, steps: int, rounds: int) -> list[Row]:
+    """Every plan of :data:`PLANS`: ``step_estimate`` against the measured step, and its calls counted."""
+    names = list(PLANS)
+    res = run_ranks(check_rank, WORLD, names, rates, steps, rounds, timeout=600)
     topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL, rates=rates)
-    return EmbeddingShardingPlanner(topo, batch_size=BATCH, constraints=constraints(kind)).plan(model())
-
-
-def batch(seed: int, tables: dict[str, tuple[int, int]] = TABLES) -> KeyedJaggedTensor:
-    g = torch.Generator().manual_seed(seed)
-    keys = [f"f_{t}" for t in tables]
-    values = torch.cat([torch.randint(0, n, (BATCH * POOLING,), generator=g) for n, _ in tables.values()])
-    return KeyedJaggedTensor(keys=keys, values=values, lengths=torch.full((len(keys) * BATCH,), POOLING))
-
-
-def train_rank(rank: int, world: int, kind: str, rates: Rates | None, steps_or_tables: tuple[int, int]) -> float:
-    """Median seconds of ``steps`` training steps of plan ``kind`` (``fixed``: ``tables`` one-row tables on rank 0)."""
-    steps = steps_or_tables[0]
-    import torch.nn.functional as F
-
-    from lightning_shardrec.distributed import DistributedModelParallel
-
-    with local_world_size(LOCAL):
-        if kind == "fixed":  # one 1-row table-wise table: one type's collectives, one lookup, the dense model
-            tiny = {f"t{i}": (1, 8) for i in range(steps_or_tables[1])}
-            topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL)
-            dense_only = {
-                t: ParameterConstraints(sharding_types=["table_wise"], ranks=[0], pooling_factors=[1.0]) for t in tiny
-            }
-            dmp = DistributedModelParallel(
-                model(tiny),
-                plan=EmbeddingShardingPlanner(topo, batch_size=BATCH, constraints=dense_only).plan(model(tiny)),
-            )
-            kjt = batch(rank, tiny)
-            dense = torch.optim.Adagrad(list(dmp.dense_parameters()), lr=0.01)
-            label = torch.rand(BATCH)
-
-            def step() -> None:
-                loss = F.binary_cross_entropy_with_logits(dmp(kjt), label)
-                dense.zero_grad()
-                loss.backward()
-                dense.step()
-        else:
-            dmp = DistributedModelParallel(
-                model(), plan=plan_for(kind, rates), embedding_optimizer=FusedOptimConfig(optimizer="adagrad", lr=0.01)
-            )
-            dense = torch.optim.Adagrad(list(dmp.dense_parameters()), lr=0.01)
-            kjt = batch(rank)
-            label = torch.rand(BATCH)
-
-            def step() -> None:
-                loss = F.binary_cross_entropy_with_logits(dmp(kjt), label)
-                dense.zero_grad()
-                loss.backward()
-                dense.step()
-
-        for _ in range(3):
-            step()
-        return _time(step, steps)
-
-
-def check(rates: Rates, steps: int) -> list[tuple[str, float, float]]:
-    rows = []
-    for kind in PLANS:
-        est = step_estimate(plan_for(kind, rates), rates)
-        measured = max(run_ranks(train_rank, WORLD, kind, rates, (steps, 0), timeout=600))
-        rows.append((kind, est, measured))
+    rows: list[Row] = []
+    layouts: list[object] = []
+    for n in names:
+        plan = plan_for(n, rates)
+        same = next((r.name for r, p in zip(rows, layouts, strict=True) if p == plan.plan), None)
+        layouts.append(plan.plan)
+        counted = as_calls(res[0][0][n])
+        others = [as_calls(r[0][n]) for r in res[1:]]
+        if any(c != counted for c in others):
+            raise RuntimeError(f"plan {n}: the ranks counted different calls: {[counted, *others]}")
+        row = Row(
+            n, step_estimate(plan, topo), summarize([r[1][n] for r in res]), counted, step_calls(plan, LOCAL), same
+        )
+        rows.append(row)
+        m = row.measured
         print(
-            f"{kind:15s} estimated {est * 1e3:8.2f} ms  measured {measured * 1e3:8.2f} ms  ({est / measured - 1:+.0%})",
+            f"{n:15s} estimated {row.estimate * 1e3:8.2f} ms  measured {m.seconds * 1e3:8.2f} ms "
+            f"[{m.lo * 1e3:.2f}-{m.hi * 1e3:.2f}]  ({row.error:+.0%})  calls {calls_text(counted)}"
+            + ("" if row.modeled == counted else f"  model: {calls_text(row.modeled)}"),
             flush=True,
         )
     return rows
 
 
-def ranks(values: list[float]) -> list[int]:
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0] * len(values)
-    for r, i in enumerate(order):
-        out[i] = r + 1
-    return out
-
-
-def report(rows: list[tuple[str, float, float]], rates: Rates, load: str, plot: Path | None) -> str:
-    er, mr = ranks([r[1] for r in rows]), ranks([r[2] for r in rows])
-    lines = [
-        "## Cost model against measured steps",
-        "",
-        "Calibrate, then check (a few minutes on 2 cores):",
-        "",
-        "```",
-        "python benchmarks/calibrate.py measure --out rates.json",
-        "python benchmarks/calibrate.py check --rates rates.json \\",
-        "    --write-docs docs/planner.md --plot docs/img/planner_calibration.png",
-        "```",
-        "",
-        "`Topology(..., rates='rates.json')` (or a `Rates`) opts in: the file's bandwidths replace the "
-        "defaults, each shard's lookup pays the kernel's fixed `lookup_seconds`, and "
-        "`step_estimate(plan, rates)` adds the fixed step and the per-collective latency. Without "
-        "`rates` the planner and its plans are unchanged.",
-        "",
-        f"Rates: {rates.source}; {load}. memory {rates.memory_bw / 1e9:.2f} GB/s "
-        f"+ {rates.lookup_seconds * 1e3:.3f} ms per lookup, "
-        f"in-host {rates.intra_host_bw / 1e9:.2f} GB/s, between hosts {rates.inter_host_bw / 1e9:.2f} GB/s, "
-        f"{rates.collective_seconds * 1e3:.3f} ms per collective, fixed step {rates.step_seconds * 1e3:.2f} ms "
-        f"+ {rates.table_seconds * 1e3:.2f} ms per further table, all-reduce {rates.allreduce_bw / 1e9:.2f} GB/s.",
-        "",
-        f"Model: {len(TABLES)} tables ({', '.join(f'{n}x{d}' for n, d in TABLES.values())}), pooling {POOLING}, "
-        f"batch {BATCH} per rank, adagrad, 2 hosts x 2 gloo ranks (pretend hosts, one machine). "
-        "`grid_shard` row-blocks the 64-wide tables as grids and the others table-row-wise.",
-        "",
-        "| plan | estimated ms | measured ms | error | rank est. | rank meas. |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    lines += [
-        f"| {k} | {e * 1e3:.2f} | {m * 1e3:.2f} | {e / m - 1:+.0%} | {a} | {b} |"
-        for (k, e, m), a, b in zip(rows, er, mr, strict=True)
-    ]
-    within = sum(abs(e / m - 1) <= 0.25 for _, e, m in rows)
-    lines += ["", f"{within} of {len(rows)} plans within 25%; ranking {'the same' if er == mr else 'differs'}."]
-    if plot is not None:
-        lines += ["", f"![estimated vs measured step time]({Path('img') / plot.name})"]
-    return "\n".join(lines) + "\n"
-
-
-def scatter(rows: list[tuple[str, float, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 5))
-    ms = [m * 1e3 for _, _, m in rows]
-    es = [e * 1e3 for _, e, _ in rows]
-    ax.scatter(ms, es)
-    for (k, _, _), x, y in zip(rows, ms, es, strict=True):
-        ax.annotate(k, (x, y), fontsize=8)
-    lo, hi = min(ms + es) * 0.7, max(ms + es) * 1.4
-    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
-    ax.fill_between([lo, hi], [lo * 0.75, hi * 0.75], [lo * 1.25, hi * 1.25], alpha=0.15, label="within 25%")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.legend(loc="upper left")
-    ax.set_xlabel("measured ms / step")
-    ax.set_ylabel("estimated ms / step")
-    ax.set_title("Planner estimate vs measured (2 hosts x 2 ranks)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+def load_text(before: float, after: float, note: str) -> str:
+    quiet = max(before, after) < 1.5
+    text = f"load average {before:.1f} before, {after:.1f} after ({'quiet' if quiet else 'loaded'} machine"
+    return text + (f", {note})" if note else ")")
 
 
 def main() -> None:
@@ -375,23 +284,30 @@ def main() -> None:
     m.add_argument("--out", type=Path, default=Path("rates.json"))
     c = sub.add_parser("check")
     c.add_argument("--rates", type=Path, required=True)
-    c.add_argument("--steps", type=int, default=20)
+    c.add_argument("--steps", type=int, default=10, help="timed steps per plan and round")
+    c.add_argument("--rounds", type=int, default=5, help="rounds, the plans interleaved in each")
     c.add_argument("--write-docs", type=Path)
     c.add_argument("--plot", type=Path)
-    c.add_argument("--load", default="loaded machine (8 engineers)")
+    c.add_argument("--load", default="", help="a note on the machine's load, e.g. 'loaded machine (4 engineers)'")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.cmd == "measure":
         measure_rates(args.out)
         return
     rates = Rates.load(args.rates)
-    rows = check(rates, args.steps)
+    before = os.getloadavg()[0]
+    rows = check(rates, args.steps, args.rounds)
+    load = load_text(before, os.getloadavg()[0], args.load)
     if args.plot:
-        scatter(rows, args.plot)
-    text = report(rows, rates, args.load, args.plot)
+        scatter(
+            rows,
+            args.plot,
+            f"Planner estimate vs measured, {WORLD // LOCAL} hosts x {LOCAL} ranks\n{cpu_model()}, {load}",
+        )
+    text = report(rows, rates, load, args.steps, args.rounds, args.plot)
     print(text)
     if args.write_docs:
-        replace_section(args.write_docs, "## Cost model against measured steps", text)
+        replace_section(args.write_docs, SECTION, text)
 
 
 if __name__ == "__main__":

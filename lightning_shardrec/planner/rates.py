@@ -8,29 +8,71 @@ it also charges what a measured step shows on a loaded CPU cluster:
   fitted over several table shapes;
 - ``intra_host_bw`` / ``inter_host_bw`` (bytes/s) of an all-to-all, and ``collective_seconds``
   (s per collective call, the latency a small all-to-all shows);
+- ``reduce_scatter_bw`` (bytes/s): row_wise's reduce-scatter of the pooled partial and the all-gather
+  of its gradient, by the ``(W-1)/W`` of it that leaves a rank (gloo's are slower than an all-to-all);
 - ``allreduce_bw`` (bytes/s): a data-parallel gradient all-reduce (ring bytes ``2 (W-1)/W`` of it);
+- ``dense_bw`` (table bytes/s): what a replicated table's step costs besides its all-reduce: its dense
+  gradient (the whole table) and the dense optimizer's update of the whole table, measured with adagrad;
 - ``step_seconds`` (s): a measured step of a one-row table-wise model: the dense model and its
   all-reduce, one lookup and the collectives of one sharding type; ``table_seconds`` (s) per
   further table (each table's features are split, sent and pooled on every rank: Python per table).
 
-:func:`step_estimate` adds the latency of the collectives of every further sharding type a plan
-uses (table_row_wise and grid_shard: also their holders' reduction).
+:func:`step_estimate` adds the latency of the collective calls a plan makes beyond the fixed step's,
+counted per mechanism from its sharding types (:func:`step_calls`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, astuple, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-#: collectives one sharding type issues per training step: ids (lengths, values), output, gradient
-COLLECTIVES_PER_TYPE = 4
-#: table_row_wise / grid_shard also reduce among the holders, forward and backward
-COLLECTIVES_HOLDERS = 2
-#: data_parallel tables: one gradient all-reduce per step
-COLLECTIVES_DATA_PARALLEL = 1
+if TYPE_CHECKING:
+    from lightning_shardrec.planner.topology import Topology
+
+#: DDP's gradient bucket (``bucket_cap_mb=25``): replicated tables' gradients join the dense all-reduce
+DDP_BUCKET_BYTES = 25 * 1024**2
+
+
+@dataclass(frozen=True)
+class Calls:
+    """Collective calls of one training step, by kind (``host_all_to_all``: on a host's group)."""
+
+    all_to_all: int = 0
+    host_all_to_all: int = 0
+    reduce_scatter: int = 0
+    all_gather: int = 0
+    all_reduce: int = 0
+
+    def __add__(self, other: Calls) -> Calls:
+        return Calls(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def __sub__(self, other: Calls) -> Calls:
+        return Calls(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    @property
+    def total(self) -> int:
+        return sum(astuple(self))
+
+
+#: Per mechanism (the sharding types one group runs together, ``distributed/sharding``), the calls it
+#: makes per step, counted in a step (``benchmarks/calibrate.py check``): ids in (lengths, values),
+#: the pooled output and its gradient; row_wise reduce-scatters the output and all-gathers its gradient;
+#: table_row_wise / grid_shard also reduce among a piece's holders inside the host, and back.
+#: data_parallel tables make none of their own: their gradient joins DDP's all-reduce.
+MECHANISM_CALLS: dict[frozenset[str], Calls] = {
+    frozenset({"table_wise", "column_wise"}): Calls(all_to_all=4),
+    frozenset({"row_wise"}): Calls(all_to_all=2, reduce_scatter=1, all_gather=1),
+    frozenset({"table_row_wise", "grid_shard"}): Calls(all_to_all=4, host_all_to_all=2),
+    frozenset({"data_parallel"}): Calls(),
+}
+#: per sharded collection and step: the header all-to-all (batch sizes, id counts)
+HEADER_CALLS = Calls(all_to_all=1)
+#: what the fixed step (``Rates.step_seconds``: one one-row table-wise table) makes: header, its type's
+#: four, and the dense model's all-reduce
+FIXED_CALLS = HEADER_CALLS + MECHANISM_CALLS[frozenset({"table_wise", "column_wise"})] + Calls(all_reduce=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,7 +84,9 @@ class Rates:
     intra_host_bw: float
     inter_host_bw: float
     collective_seconds: float
+    reduce_scatter_bw: float
     allreduce_bw: float
+    dense_bw: float
     step_seconds: float = 0.0
     table_seconds: float = 0.0
     source: str = ""
@@ -89,17 +133,45 @@ def as_rates(rates: Rates | str | Path | None) -> Rates | None:
     raise TypeError(f"Topology: rates must be a Rates or a path to a rates file, got {type(rates).__name__}")
 
 
-def collectives(plan: Any) -> int:
-    """Collective calls a ``ShardingPlan`` issues per step beyond those of the fixed step (one sharding type's)."""
-    kinds = {ps.sharding_type.value for tables in plan.plan.values() for ps in tables.values()}
-    calls = COLLECTIVES_DATA_PARALLEL if "data_parallel" in kinds else 0
-    calls += COLLECTIVES_PER_TYPE * max(0, len(kinds - {"data_parallel"}) - 1)
-    calls += COLLECTIVES_HOLDERS * len(kinds & {"table_row_wise", "grid_shard"})
-    return calls
+def step_calls(plan: Any, local_world_size: int) -> Calls:
+    """The collective calls one training step of ``plan`` makes, by kind, from its sharding types and tables.
+
+    Per collection: the header and each mechanism's :data:`MECHANISM_CALLS` (the host all-to-alls
+    only with several ranks per host); DDP's all-reduce: one per :data:`DDP_BUCKET_BYTES` of
+    replicated tables, at least one (the dense model's).
+    """
+    calls, replicated = Calls(), 0
+    for tables in plan.plan.values():
+        kinds = {ps.sharding_type.value for ps in tables.values()}
+        calls += HEADER_CALLS
+        for types, made in MECHANISM_CALLS.items():
+            if kinds & types:
+                calls += made if local_world_size > 1 else replace(made, host_all_to_all=0)
+        for ps in tables.values():
+            if ps.sharding_type.value == "data_parallel":
+                rows, cols = ps.shards[0].shard_sizes
+                replicated += rows * cols * 4
+    return calls + Calls(all_reduce=max(1, math.ceil(replicated / DDP_BUCKET_BYTES)))
 
 
-def step_estimate(plan: Any, rates: Rates) -> float:
-    """Seconds per training step: the slowest rank's cost, the fixed step and the further collectives' latency."""
+def collectives(plan: Any, local_world_size: int) -> int:
+    """Collective calls a ``ShardingPlan``'s step makes beyond the fixed step's (:data:`FIXED_CALLS`); may be < 0."""
+    return (step_calls(plan, local_world_size) - FIXED_CALLS).total
+
+
+def step_estimate(plan: Any, topology: Topology) -> float:
+    """Seconds per training step of ``plan`` on ``topology`` (calibrated: ``Topology(rates=...)``).
+
+    The slowest rank's cost (``plan.stats.max_cost``), the fixed step and its per-table share, and the
+    latency of the collective calls beyond the fixed step's (:func:`collectives`).
+    """
+    rates = topology.rates
+    if rates is None:
+        raise ValueError(
+            "step_estimate: the topology has no measured rates; build it with Topology(..., rates='rates.json') "
+            "(benchmarks/calibrate.py measure writes the file)"
+        )
     tables = sum(len(t) for t in plan.plan.values())
     fixed = rates.step_seconds + rates.table_seconds * max(0, tables - 1)
-    return float(plan.stats.max_cost) + fixed + rates.collective_seconds * collectives(plan)
+    calls = collectives(plan, int(topology.local_world_size))
+    return float(plan.stats.max_cost) + fixed + rates.collective_seconds * calls
