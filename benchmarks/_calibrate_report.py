@@ -81,7 +81,9 @@ def ranks(values: list[float]) -> list[int]:
     return out
 
 
-def report(rows: list[Row], rates: Rates, load: str, steps: int, rounds: int, plot: Path | None) -> str:
+def report(
+    rows: list[Row], fixed: Measured, rates: Rates, load: str, steps: int, rounds: int, plot: Path | None
+) -> str:
     er, mr = ranks([r.estimate for r in rows]), ranks([r.measured.seconds for r in rows])
     lines = [
         SECTION,
@@ -148,6 +150,10 @@ def report(rows: list[Row], rates: Rates, load: str, steps: int, rounds: int, pl
             else "no pair lies within the spread"
         )
         + f". Calls: the model's count equals the counted one for {counts_ok} of {len(rows)} plans.",
+        "",
+        f"The fixed step (one one-row table) took {rates.step_seconds * 1e3:.2f} ms in `measure` and "
+        f"{fixed.seconds * 1e3:.2f} ms ({fixed.lo * 1e3:.2f}-{fixed.hi * 1e3:.2f}) in these rounds: "
+        f"{fixed.seconds / rates.step_seconds - 1:+.0%}, the drift of the machine's load between the two commands.",
     ]
     if plot is not None:
         lines += ["", f"![estimated vs measured step time]({Path('img') / plot.name})"]

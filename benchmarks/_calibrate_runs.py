@@ -128,6 +128,32 @@ def plan_for(name: str, rates: Rates | None) -> ShardingPlan:
     return planner.plan(model(), fixed=_layout(name) if PLANS[name] == "layout" else None)
 
 
+#: the fixed step's model (``Rates.step_seconds``): one tiny replicated table, no sharded group
+FIXED = "fixed step"
+TINY = (4, 8)  # rows, dim of a tiny table: one row per rank row-wise, two per rank in a host
+
+
+def tiny_plan(kinds: list[str]) -> tuple[dict[str, tuple[int, int]], ShardingPlan]:
+    """One tiny table per entry of ``kinds`` (data_parallel, table_wise on rank 0, row_wise over every rank,
+    table_row_wise over host 0) and their plan: the steps that measure what a sharding group costs."""
+    rows, dim = TINY
+    tiny = {f"t{i}": TINY for i in range(len(kinds))}
+    fixed = {}
+    for t, kind in zip(tiny, kinds, strict=True):
+        if kind == "data_parallel":
+            fixed[t] = ParameterSharding(
+                kind, "dense", range(WORLD), [ShardMetadata((0, 0), TINY, r) for r in range(WORLD)]
+            )
+        elif kind == "table_wise":
+            fixed[t] = _shards(kind, [(0, 0, 0, rows, dim)])
+        elif kind == "row_wise":
+            fixed[t] = _shards(kind, _blocks(rows, list(range(WORLD)), 0, dim))
+        else:
+            fixed[t] = _shards(kind, _blocks(rows, HOSTS[0], 0, dim))
+    topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL)
+    return tiny, EmbeddingShardingPlanner(topo, batch_size=BATCH).plan(model(tiny), fixed=fixed)
+
+
 def batch(seed: int, tables: dict[str, tuple[int, int]] = TABLES) -> KeyedJaggedTensor:
     g = torch.Generator().manual_seed(seed)
     keys = [f"f_{t}" for t in tables]
@@ -176,18 +202,21 @@ def timed(fn: Callable[[], None], reps: int) -> list[float]:
 def check_rank(
     rank: int, world: int, names: list[str], rates: Rates | None, steps: int, rounds: int
 ) -> tuple[dict[str, dict[str, Tally]], dict[str, list[list[float]]]]:
-    """Per plan: this rank's counted collectives of one step, and its step seconds per round."""
+    """Per plan: this rank's counted collectives of one step, and its step seconds per round (and the
+    fixed step's, :data:`FIXED`, in the same rounds)."""
     with local_world_size(LOCAL):
         counters = {n: CommCounter(LOCAL) for n in names}
         steps_of = {n: train_step(rank, TABLES, plan_for(n, rates), counters[n]) for n in names}
+        steps_of[FIXED] = train_step(rank, *tiny_plan(["data_parallel"]))  # timed alike: the load the rounds ran under
+        steps_of[FIXED]()
         for n in names:
             steps_of[n]()
             steps_of[n]()
             with counters[n]:
                 steps_of[n]()
-        times: dict[str, list[list[float]]] = {n: [] for n in names}
+        times: dict[str, list[list[float]]] = {n: [] for n in steps_of}
         for _ in range(rounds):
-            for n in names:
+            for n in steps_of:
                 steps_of[n]()
                 times[n].append(timed(steps_of[n], steps))
         return {n: c.tally() for n, c in counters.items()}, times

@@ -33,22 +33,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _calibrate_report import SECTION, Row, as_calls, calls_text, report, scatter
 from _calibrate_runs import (
     BATCH,
+    FIXED,
     LOCAL,
     PLANS,
     POOLING,
     WORLD,
+    Measured,
     check_rank,
-    model,
     plan_for,
     summarize,
     timed,
+    tiny_plan,
     train_step,
 )
 from _report import replace_section  # noqa: E402
 
 from lightning_shardrec import FusedOptimConfig
 from lightning_shardrec.configs import EmbOptimType
-from lightning_shardrec.planner import EmbeddingShardingPlanner, ParameterConstraints, Rates, Topology, step_estimate
+from lightning_shardrec.planner import Rates, Topology, step_estimate
 from lightning_shardrec.planner.rates import step_calls
 from lightning_shardrec.testing import local_world_size, run_ranks
 
@@ -112,9 +114,13 @@ def measure_kernel() -> tuple[float, float]:
     return max(0.0, my - slope * mx), 1.0 / slope
 
 
-def collectives_rank(rank: int, world: int) -> tuple[float, ...]:
-    """Median seconds: a tiny all-to-all, 1 MiB per destination in-host and over all ranks, a row-wise
-    reduce-scatter and all-gather of a 1 MiB partial, a 16 MiB all-reduce (a DDP bucket's order of size)."""
+#: floats per destination (all-to-alls) or per rank (reduce-scatter, all-reduce) of the small and large calls
+SIZES = (1 << 15, 1 << 18)
+
+
+def collectives_rank(rank: int, world: int) -> list[tuple[float, ...]]:
+    """Per size of :data:`SIZES`, median seconds of an all-to-all in-host and over all ranks, a row-wise
+    reduce-scatter + all-gather (``W`` times the size), and an all-reduce (16 times the size)."""
     import torch.distributed as dist
 
     with local_world_size(LOCAL):
@@ -125,42 +131,39 @@ def collectives_rank(rank: int, world: int) -> tuple[float, ...]:
             x = torch.ones(per_dest * n)
             dist.all_to_all_single(torch.empty_like(x), x, group=group)
 
-        partial, block = torch.ones(1 << 18), torch.empty((1 << 18) // world)
-
-        def reduce_scatter_and_gather() -> None:
+        def reduce_scatter_and_gather(partial: torch.Tensor, block: torch.Tensor) -> None:
             dist.reduce_scatter_single(block, partial)
             dist.all_gather_single(partial, block)
 
-        grad = torch.ones(1 << 22)
-        big = 1 << 18  # floats per destination: 1 MiB
-        return tuple(
-            statistics.median(timed(fn, reps))
-            for fn, reps in (
-                (lambda: a2a(2), 30),
-                (lambda: a2a(big, mine, LOCAL), 10),
-                (lambda: a2a(big), 10),
-                (reduce_scatter_and_gather, 10),
-                (lambda: dist.all_reduce(grad), 5),
+        out = []
+        for size in SIZES:
+            partial, block, grad = torch.ones(size * world), torch.empty(size), torch.ones(16 * size)
+            fns = (
+                lambda size=size: a2a(size, mine, LOCAL),
+                lambda size=size: a2a(size),
+                lambda p=partial, b=block: reduce_scatter_and_gather(p, b),
+                lambda g=grad: dist.all_reduce(g),
             )
-        )
+            out.append(tuple(statistics.median(timed(fn, 7)) for fn in fns))
+        return out
 
 
 def measure_collectives() -> dict[str, float]:
-    """``collective_seconds`` and the bandwidths, from the ranks' medians (bytes that leave a rank)."""
+    """The bandwidths: bytes that leave a rank per second, between the small and the large calls (the
+    slope, so a call's fixed cost, charged per call in a step, is not counted again)."""
     res = run_ranks(collectives_rank, WORLD)
-    latency, t_host, t_all, t_rs, t_reduce = (statistics.median(r[i] for r in res) for i in range(5))
-    mib, left = 1 << 20, (WORLD - 1) / WORLD
-
-    def rate(nbytes: float, seconds: float, calls: int = 1) -> float:
-        return nbytes / max(seconds - calls * latency, 1e-9)
-
-    return {
-        "collective_seconds": latency,
-        "intra_host_bw": rate(mib * (LOCAL - 1), t_host),
-        "inter_host_bw": rate(mib * (WORLD - 1), t_all),
-        "reduce_scatter_bw": rate(2 * mib * left, t_rs, 2),
-        "allreduce_bw": rate(2 * left * 16 * mib, t_reduce),  # the ring bytes the cost model charges
-    }
+    small, large = ([statistics.median(r[i][k] for r in res) for k in range(4)] for i in (0, 1))
+    floats = SIZES[1] - SIZES[0]
+    left = (WORLD - 1) / WORLD
+    sent = [
+        4 * floats * (LOCAL - 1),
+        4 * floats * (WORLD - 1),
+        2 * 4 * floats * WORLD * left,
+        2 * left * 16 * 4 * floats,
+    ]
+    bw = [n / max(b - a, 1e-9) for n, a, b in zip(sent, small, large, strict=True)]
+    names = ("intra_host_bw", "inter_host_bw", "reduce_scatter_bw", "allreduce_bw")  # all-reduce: ring bytes
+    return dict(zip(names, bw, strict=True))
 
 
 def dense_rank(rank: int, world: int) -> list[tuple[float, float]]:
@@ -200,38 +203,63 @@ def measure_dense() -> float:
     return (x1 - x0) / max(y1 - y0, 1e-9)
 
 
-def fixed_rank(rank: int, world: int, tables: int, steps: int) -> list[float]:
-    """Step seconds of ``tables`` one-row table-wise tables, all on rank 0 (the fixed step)."""
+#: the tiny-table steps that measure the fixed step, what each kind of call costs inside a step, what a
+#: further sharding group and a further table cost (:func:`measure_step_parts`)
+PARTS = {
+    "base": ["data_parallel"],
+    "tw": ["table_wise"],
+    "rw": ["row_wise"],
+    "host": ["table_row_wise"],
+    "tw+rw": ["table_wise", "row_wise"],
+    "tw+host": ["table_wise", "table_row_wise"],
+    "tw x6": ["table_wise"] * 6,
+}
+
+
+def parts_rank(rank: int, world: int, steps: int, rounds: int) -> dict[str, list[list[float]]]:
+    """Step seconds of every :data:`PARTS` model, interleaved in rounds (as ``check`` times its plans)."""
     with local_world_size(LOCAL):
-        tiny = {f"t{i}": (1, 8) for i in range(tables)}
-        topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL)
-        pinned = {
-            t: ParameterConstraints(sharding_types=["table_wise"], ranks=[0], pooling_factors=[1.0]) for t in tiny
-        }
-        plan = EmbeddingShardingPlanner(topo, batch_size=BATCH, constraints=pinned).plan(model(tiny))
-        step = train_step(rank, tiny, plan)
-        step()
-        return timed(step, steps)
+        steps_of = {name: train_step(rank, *tiny_plan(kinds)) for name, kinds in PARTS.items()}
+        for step in steps_of.values():
+            step()
+        times: dict[str, list[list[float]]] = {name: [] for name in PARTS}
+        for _ in range(rounds):
+            for name, step in steps_of.items():
+                step()
+                times[name].append(timed(step, steps))
+        return times
 
 
-def fixed_step(steps: int = 20) -> tuple[float, float]:
-    """The fixed step (one one-row table), and the extra seconds per further table (from six)."""
-    one = statistics.median(max(t) for t in zip(*run_ranks(fixed_rank, WORLD, 1, steps), strict=True))
-    six = statistics.median(max(t) for t in zip(*run_ranks(fixed_rank, WORLD, 6, steps), strict=True))
-    return one, max(0.0, (six - one) / 5)
+def measure_step_parts(steps: int = 10, rounds: int = 5) -> dict[str, float]:
+    """The fixed step (a tiny replicated table: dense model, header, DDP's all-reduce) and, by the calls
+    :data:`~lightning_shardrec.planner.rates.MECHANISM_CALLS` counts, the in-step seconds per all-to-all
+    (table-wise's 4), per in-host all-to-all (table-row-wise's 2 more), per reduce-scatter or all-gather
+    (row-wise's, beside its 2 all-to-alls); a further group's and a further table's seconds."""
+    res = run_ranks(parts_rank, WORLD, steps, rounds, timeout=600)
+    t = {name: summarize([r[name] for r in res]).seconds for name in PARTS}
+    a2a = max(0.0, (t["tw"] - t["base"]) / 4)
+    pair = statistics.fmean(
+        [t["tw+rw"] - t["tw"] - t["rw"] + t["base"], t["tw+host"] - t["tw"] - t["host"] + t["base"]]
+    )
+    return {
+        "step_seconds": t["base"],
+        "collective_seconds": a2a,
+        "host_call_seconds": max(0.0, (t["host"] - t["base"] - 4 * a2a) / 2),
+        "reduce_scatter_seconds": max(0.0, (t["rw"] - t["base"] - 2 * a2a) / 2),
+        "group_seconds": max(0.0, pair),
+        "table_seconds": max(0.0, (t["tw x6"] - t["tw"]) / 5),
+    }
 
 
 def measure_rates(out: Path) -> Rates:
     lookup, memory_bw = measure_kernel()
     comm = measure_collectives()
     dense_bw = measure_dense()
-    step, per_table = fixed_step()
     rates = Rates(
         memory_bw=memory_bw,
         lookup_seconds=lookup,
         dense_bw=dense_bw,
-        step_seconds=step,
-        table_seconds=per_table,
+        **measure_step_parts(),
         source=f"benchmarks/calibrate.py on {cpu_model()}, {torch.get_num_threads()} thread per rank, "
         f"{WORLD} gloo ranks as 2 hosts x {LOCAL}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         **comm,
@@ -242,8 +270,9 @@ def measure_rates(out: Path) -> Rates:
 
 
 # --- check -------------------------------------------------------------------------------------
-def check(rates: Rates, steps: int, rounds: int) -> list[Row]:
-    """Every plan of :data:`PLANS`: ``step_estimate`` against the measured step, and its calls counted."""
+def check(rates: Rates, steps: int, rounds: int) -> tuple[list[Row], Measured]:
+    """Every plan of :data:`PLANS`: ``step_estimate`` against the measured step, and its calls counted;
+    and the fixed step measured in the same rounds."""
     names = list(PLANS)
     res = run_ranks(check_rank, WORLD, names, rates, steps, rounds, timeout=600)
     topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL, rates=rates)
@@ -268,7 +297,9 @@ def check(rates: Rates, steps: int, rounds: int) -> list[Row]:
             + ("" if row.modeled == counted else f"  model: {calls_text(row.modeled)}"),
             flush=True,
         )
-    return rows
+    fixed = summarize([r[1][FIXED] for r in res])
+    print(f"fixed step: {rates.step_seconds * 1e3:.2f} ms in measure, {fixed.seconds * 1e3:.2f} ms in these rounds")
+    return rows, fixed
 
 
 def load_text(before: float, after: float, note: str) -> str:
@@ -296,7 +327,7 @@ def main() -> None:
         return
     rates = Rates.load(args.rates)
     before = os.getloadavg()[0]
-    rows = check(rates, args.steps, args.rounds)
+    rows, fixed = check(rates, args.steps, args.rounds)
     load = load_text(before, os.getloadavg()[0], args.load)
     if args.plot:
         scatter(
@@ -304,7 +335,7 @@ def main() -> None:
             args.plot,
             f"Planner estimate vs measured, {WORLD // LOCAL} hosts x {LOCAL} ranks\n{cpu_model()}, {load}",
         )
-    text = report(rows, rates, load, args.steps, args.rounds, args.plot)
+    text = report(rows, fixed, rates, load, args.steps, args.rounds, args.plot)
     print(text)
     if args.write_docs:
         replace_section(args.write_docs, SECTION, text)

@@ -6,19 +6,25 @@ it also charges what a measured step shows on a loaded CPU cluster:
 - ``memory_bw`` (bytes/s) and ``lookup_seconds`` (s per shard lookup + fused update, the
   kernel's fixed cost): a kernel step of ``n`` bytes takes ``lookup_seconds + n / memory_bw``,
   fitted over several table shapes;
-- ``intra_host_bw`` / ``inter_host_bw`` (bytes/s) of an all-to-all, and ``collective_seconds``
-  (s per collective call, the latency a small all-to-all shows);
+- ``intra_host_bw`` / ``inter_host_bw`` (bytes/s) of an all-to-all;
 - ``reduce_scatter_bw`` (bytes/s): row_wise's reduce-scatter of the pooled partial and the all-gather
   of its gradient, by the ``(W-1)/W`` of it that leaves a rank (gloo's are slower than an all-to-all);
 - ``allreduce_bw`` (bytes/s): a data-parallel gradient all-reduce (ring bytes ``2 (W-1)/W`` of it);
 - ``dense_bw`` (table bytes/s): what a replicated table's step costs besides its all-reduce: its dense
   gradient (the whole table) and the dense optimizer's update of the whole table, measured with adagrad;
-- ``step_seconds`` (s): a measured step of a one-row table-wise model: the dense model and its
-  all-reduce, one lookup and the collectives of one sharding type; ``table_seconds`` (s) per
-  further table (each table's features are split, sent and pooled on every rank: Python per table).
+- ``step_seconds`` (s): a step of a tiny replicated table: the dense model, its all-reduce, the header
+  all-to-all and Python, no sharded group (:data:`BASE_CALLS`);
+- what a call costs inside a step (s), measured on tiny tables by the calls each group adds
+  (:data:`MECHANISM_CALLS`): ``collective_seconds`` per all-to-all (or further all-reduce),
+  ``host_call_seconds`` per in-host all-to-all, ``reduce_scatter_seconds`` per reduce-scatter or
+  all-gather. On a CPU a call waits for every rank to be scheduled, so these are far above an idle
+  all-to-all's latency;
+- ``group_seconds`` (s) per sharding group beyond the first (its output split and joined) and
+  ``table_seconds`` (s) per further table (each table's features are split, sent and pooled).
 
-:func:`step_estimate` adds the latency of the collective calls a plan makes beyond the fixed step's,
-counted per mechanism from its sharding types (:func:`step_calls`).
+:func:`step_estimate` adds to the slowest rank's bytes and lookups the fixed step, the calls a plan
+makes beyond the fixed step's, counted per mechanism from its sharding types (:func:`step_calls`),
+each at its kind's in-step seconds, and the further groups and tables.
 """
 
 from __future__ import annotations
@@ -70,9 +76,9 @@ MECHANISM_CALLS: dict[frozenset[str], Calls] = {
 }
 #: per sharded collection and step: the header all-to-all (batch sizes, id counts)
 HEADER_CALLS = Calls(all_to_all=1)
-#: what the fixed step (``Rates.step_seconds``: one one-row table-wise table) makes: header, its type's
-#: four, and the dense model's all-reduce
-FIXED_CALLS = HEADER_CALLS + MECHANISM_CALLS[frozenset({"table_wise", "column_wise"})] + Calls(all_reduce=1)
+#: what the fixed step (``Rates.step_seconds``: a tiny replicated table) makes: the header and the dense
+#: model's all-reduce
+BASE_CALLS = HEADER_CALLS + Calls(all_reduce=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,12 +89,15 @@ class Rates:
     lookup_seconds: float
     intra_host_bw: float
     inter_host_bw: float
-    collective_seconds: float
     reduce_scatter_bw: float
     allreduce_bw: float
     dense_bw: float
-    step_seconds: float = 0.0
-    table_seconds: float = 0.0
+    step_seconds: float
+    collective_seconds: float
+    host_call_seconds: float
+    reduce_scatter_seconds: float
+    group_seconds: float
+    table_seconds: float
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -114,11 +123,7 @@ class Rates:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"Rates file {path}: unknown keys {unknown}; valid: {sorted(names)}")
-        missing = sorted(
-            f.name
-            for f in fields(cls)
-            if f.name not in data and f.name not in ("step_seconds", "table_seconds", "source")
-        )
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name != "source")
         if missing:
             raise ValueError(f"Rates file {path}: missing keys {missing}")
         return cls(**data)
@@ -154,16 +159,33 @@ def step_calls(plan: Any, local_world_size: int) -> Calls:
     return calls + Calls(all_reduce=max(1, math.ceil(replicated / DDP_BUCKET_BYTES)))
 
 
-def collectives(plan: Any, local_world_size: int) -> int:
-    """Collective calls a ``ShardingPlan``'s step makes beyond the fixed step's (:data:`FIXED_CALLS`); may be < 0."""
-    return (step_calls(plan, local_world_size) - FIXED_CALLS).total
+def groups(plan: Any) -> int:
+    """Sharding groups a step runs: per collection, one per mechanism its tables use."""
+    return sum(
+        sum(1 for types in MECHANISM_CALLS if types & {ps.sharding_type.value for ps in tables.values()})
+        for tables in plan.plan.values()
+    )
+
+
+def collectives(plan: Any, local_world_size: int) -> Calls:
+    """The calls a ``ShardingPlan``'s step makes beyond the fixed step's (:data:`BASE_CALLS`); a kind may be < 0."""
+    return step_calls(plan, local_world_size) - BASE_CALLS
+
+
+def calls_seconds(calls: Calls, rates: Rates) -> float:
+    """``calls`` at their kinds' in-step seconds (a further all-reduce: an all-to-all's)."""
+    return (
+        (calls.all_to_all + calls.all_reduce) * rates.collective_seconds
+        + calls.host_all_to_all * rates.host_call_seconds
+        + (calls.reduce_scatter + calls.all_gather) * rates.reduce_scatter_seconds
+    )
 
 
 def step_estimate(plan: Any, topology: Topology) -> float:
     """Seconds per training step of ``plan`` on ``topology`` (calibrated: ``Topology(rates=...)``).
 
-    The slowest rank's cost (``plan.stats.max_cost``), the fixed step and its per-table share, and the
-    latency of the collective calls beyond the fixed step's (:func:`collectives`).
+    The slowest rank's cost (``plan.stats.max_cost``), the fixed step, the calls beyond the fixed
+    step's (:func:`collectives`, :func:`calls_seconds`), and the further groups and tables.
     """
     rates = topology.rates
     if rates is None:
@@ -172,6 +194,8 @@ def step_estimate(plan: Any, topology: Topology) -> float:
             "(benchmarks/calibrate.py measure writes the file)"
         )
     tables = sum(len(t) for t in plan.plan.values())
-    fixed = rates.step_seconds + rates.table_seconds * max(0, tables - 1)
-    calls = collectives(plan, int(topology.local_world_size))
-    return float(plan.stats.max_cost) + fixed + rates.collective_seconds * calls
+    fixed = (
+        rates.step_seconds + rates.table_seconds * max(0, tables - 1) + rates.group_seconds * max(0, groups(plan) - 1)
+    )
+    calls = calls_seconds(collectives(plan, int(topology.local_world_size)), rates)
+    return float(plan.stats.max_cost) + fixed + calls
