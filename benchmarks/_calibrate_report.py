@@ -96,19 +96,24 @@ def report(
         "    --write-docs docs/planner.md --plot docs/img/planner_calibration.png",
         "```",
         "",
-        "`Topology(..., rates='rates.json')` (or a `Rates`) opts in: the file's bandwidths replace the "
-        "defaults, each shard's lookup pays the kernel's fixed `lookup_seconds`, row-wise outputs run at the "
-        "measured reduce-scatter rate, replicated tables at the measured all-reduce and dense-update rates, "
-        "and `step_estimate(plan, topology)` adds the fixed step and the latency of the collective calls the "
-        "plan makes beyond the fixed step's (`step_calls`: counted per mechanism, derived from the plan's "
-        "sharding types). Without `rates` the planner and its plans are unchanged.",
+        "`Topology(..., rates='rates.json')` (or a `Rates`) opts in; without it the planner and its plans are "
+        "unchanged. The file's bandwidths replace the defaults; each shard's lookup also pays the kernel's "
+        "fixed `lookup_seconds`; row-wise outputs run at the measured reduce-scatter rate; a replicated table "
+        "pays its all-reduce and its dense gradient and update at measured rates. `step_estimate(plan, topology)` "
+        "adds to the slowest rank's cost the fixed step (a tiny replicated table: the dense model, its all-reduce, "
+        "the header), the calls the plan makes beyond the fixed step's, each at its kind's in-step seconds "
+        "(`step_calls`: counted per mechanism, derived from the plan's sharding types), and the further groups "
+        "and tables. The in-step seconds per call kind come from tiny-table steps, one per mechanism, divided by "
+        "the calls the mechanism adds.",
         "",
         f"Rates: {rates.source}; {load}. Kernel {rates.memory_bw / 1e9:.2f} GB/s "
         f"+ {rates.lookup_seconds * 1e3:.3f} ms per lookup; all-to-all in-host {rates.intra_host_bw / 1e9:.2f} GB/s, "
-        f"between hosts {rates.inter_host_bw / 1e9:.2f} GB/s, {rates.collective_seconds * 1e3:.3f} ms per call; "
-        f"reduce-scatter {rates.reduce_scatter_bw / 1e9:.2f} GB/s; all-reduce {rates.allreduce_bw / 1e9:.2f} GB/s; "
-        f"replicated table update {rates.dense_bw / 1e9:.2f} GB/s of table; fixed step "
-        f"{rates.step_seconds * 1e3:.2f} ms + {rates.table_seconds * 1e3:.2f} ms per further table.",
+        f"between hosts {rates.inter_host_bw / 1e9:.2f} GB/s; reduce-scatter {rates.reduce_scatter_bw / 1e9:.2f} GB/s; "
+        f"all-reduce {rates.allreduce_bw / 1e9:.2f} GB/s; replicated table gradient and update "
+        f"{rates.dense_bw / 1e9:.2f} GB/s of table. In a step: fixed step {rates.step_seconds * 1e3:.2f} ms, "
+        f"{rates.collective_seconds * 1e3:.2f} ms per all-to-all, {rates.host_call_seconds * 1e3:.2f} ms per "
+        f"in-host all-to-all, {rates.reduce_scatter_seconds * 1e3:.2f} ms per reduce-scatter or all-gather, "
+        f"{rates.group_seconds * 1e3:.2f} ms per further group, {rates.table_seconds * 1e3:.2f} ms per further table.",
         "",
         f"Model: {len(TABLES)} tables ({', '.join(f'{n}x{d}' for n, d in TABLES.values())}), pooling {POOLING}, "
         f"batch {BATCH} per rank, adagrad, {WORLD // LOCAL} hosts x {LOCAL} gloo ranks (pretend hosts, one "
@@ -151,7 +156,7 @@ def report(
         )
         + f". Calls: the model's count equals the counted one for {counts_ok} of {len(rows)} plans.",
         "",
-        f"The fixed step (one one-row table) took {rates.step_seconds * 1e3:.2f} ms in `measure` and "
+        f"The fixed step took {rates.step_seconds * 1e3:.2f} ms in `measure` and "
         f"{fixed.seconds * 1e3:.2f} ms ({fixed.lo * 1e3:.2f}-{fixed.hi * 1e3:.2f}) in these rounds: "
         f"{fixed.seconds / rates.step_seconds - 1:+.0%}, the drift of the machine's load between the two commands.",
     ]

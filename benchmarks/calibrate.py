@@ -115,7 +115,7 @@ def measure_kernel() -> tuple[float, float]:
 
 
 #: floats per destination (all-to-alls) or per rank (reduce-scatter, all-reduce) of the small and large calls
-SIZES = (1 << 15, 1 << 18)
+SIZES = (1 << 14, 1 << 19)
 
 
 def collectives_rank(rank: int, world: int) -> list[tuple[float, ...]]:

@@ -197,5 +197,5 @@ def step_estimate(plan: Any, topology: Topology) -> float:
     fixed = (
         rates.step_seconds + rates.table_seconds * max(0, tables - 1) + rates.group_seconds * max(0, groups(plan) - 1)
     )
-    calls = calls_seconds(collectives(plan, int(topology.local_world_size)), rates)
+    calls = calls_seconds(collectives(plan, topology.world_size // topology.num_hosts), rates)
     return float(plan.stats.max_cost) + fixed + calls

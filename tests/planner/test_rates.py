@@ -18,7 +18,15 @@ from lightning_shardrec.planner import (
     shard_perf,
     step_estimate,
 )
-from lightning_shardrec.planner.rates import DDP_BUCKET_BYTES, FIXED_CALLS, Calls, collectives, step_calls
+from lightning_shardrec.planner.rates import (
+    BASE_CALLS,
+    DDP_BUCKET_BYTES,
+    Calls,
+    calls_seconds,
+    collectives,
+    groups,
+    step_calls,
+)
 from lightning_shardrec.planner.tables import find_tables, table_specs
 
 RATES = Rates(
@@ -26,11 +34,14 @@ RATES = Rates(
     lookup_seconds=1e-4,
     intra_host_bw=6e8,
     inter_host_bw=2.5e8,
-    collective_seconds=5e-4,
     reduce_scatter_bw=2e8,
     allreduce_bw=4e8,
     dense_bw=3e8,
     step_seconds=5e-3,
+    collective_seconds=5e-4,
+    host_call_seconds=7e-4,
+    reduce_scatter_seconds=2e-3,
+    group_seconds=3e-3,
     table_seconds=2e-4,
     source="test",
 )
@@ -145,7 +156,7 @@ def test_data_parallel_cost_follows_the_table_size_and_the_measured_rates() -> N
 def test_step_calls_are_derived_per_mechanism_from_the_plan(kinds: dict[str, str], calls: Calls) -> None:
     p = plan(kinds)
     assert step_calls(p, 2) == calls
-    assert collectives(p, 2) == calls.total - FIXED_CALLS.total
+    assert collectives(p, 2) == calls - BASE_CALLS == calls - Calls(all_to_all=1, all_reduce=1)
 
 
 def test_host_all_to_alls_need_several_ranks_per_host_and_replicated_tables_fill_ddp_buckets() -> None:
@@ -161,14 +172,24 @@ def test_host_all_to_alls_need_several_ranks_per_host_and_replicated_tables_fill
     assert step_calls(p, 2) == Calls(all_to_all=1, all_reduce=3)
 
 
-def test_step_estimate_adds_the_fixed_step_tables_and_further_calls() -> None:
+def test_step_estimate_adds_the_fixed_step_calls_groups_and_tables() -> None:
     topo = Topology(4, compute_device="cpu", local_world_size=2, rates=RATES)
     one_type = plan({"t0": "table_wise", "t1": "table_wise", "t2": "table_wise"})
-    assert collectives(one_type, 2) == 0
-    assert step_estimate(one_type, topo) == pytest.approx(one_type.stats.max_cost + 5e-3 + 2 * 2e-4)
+    assert groups(one_type) == 1
+    # beyond the fixed step: table-wise's 4 all-to-alls; 2 further tables
+    assert step_estimate(one_type, topo) == pytest.approx(one_type.stats.max_cost + 5e-3 + 4 * 5e-4 + 2 * 2e-4)
     mixed = plan({"t0": "table_row_wise", "t1": "row_wise", "t2": "table_wise"})
-    assert collectives(mixed, 2) == 4 + 4 + 2  # row_wise's four, the host mechanism's four and its two in-host
-    assert step_estimate(mixed, topo) == pytest.approx(mixed.stats.max_cost + 5e-3 + 2 * 2e-4 + 10 * 5e-4)
+    assert groups(mixed) == 3
+    beyond = collectives(mixed, 2)
+    assert beyond == Calls(all_to_all=2 + 4 + 4, host_all_to_all=2, reduce_scatter=1, all_gather=1)
+    assert calls_seconds(beyond, RATES) == pytest.approx(10 * 5e-4 + 2 * 7e-4 + 2 * 2e-3)
+    assert step_estimate(mixed, topo) == pytest.approx(
+        mixed.stats.max_cost + 5e-3 + calls_seconds(beyond, RATES) + 2 * 3e-3 + 2 * 2e-4
+    )
+    # a replicated-only plan makes no call beyond the fixed step's (whose table is replicated)
+    replicated = plan(dict.fromkeys(("t0", "t1", "t2"), "data_parallel"))
+    assert collectives(replicated, 2) == Calls()
+    assert step_estimate(replicated, topo) == pytest.approx(replicated.stats.max_cost + 5e-3 + 2 * 2e-4)
     with pytest.raises(ValueError, match=r"step_estimate: the topology has no measured rates; build it with"):
         step_estimate(mixed, Topology(4, compute_device="cpu", local_world_size=2))
 
