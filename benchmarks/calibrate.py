@@ -1,19 +1,27 @@
 """Calibrate the planner's cost model on this machine, then check it against measured steps.
 
-    python benchmarks/calibrate.py measure --out rates.json      # this machine's rates (~1 min)
+    python benchmarks/calibrate.py measure --out rates.json      # this machine's rates (~40 s)
     python benchmarks/calibrate.py check --rates rates.json \\
-        [--write-docs docs/planner.md --plot docs/img/planner_calibration.png]   # 7 plans on 2x2 ranks
+        [--write-docs docs/planner.md --plot docs/img/planner_calibration.png]   # 8 plans on 2x2 ranks (~1 min)
 
-``measure`` times the embedding kernel (fastest backend, forward + fused adagrad update) on
-several table shapes, on all 4 ranks at once as they run in a step, and fits
-``lookup_seconds + bytes / memory_bw``; on 4 gloo ranks pretending 2 hosts x 2 ranks
-(``LOCAL_WORLD_SIZE=2``) it times all-to-alls: tiny ones give the per-collective latency,
-1 MiB per destination inside a host and over all ranks the intra- and between-host bandwidths,
-a 4 MiB all-reduce the all-reduce bandwidth; a one-row table-wise model gives the fixed step
-(one sharding type's collectives, one lookup, the dense model and its all-reduce), six of
-them the seconds per further table. It writes a JSON file ``Topology(rates=...)`` loads.
-``check`` plans one model for ``Topology(4, local_world_size=2, rates=...)`` with 7 forced
-layouts and compares ``step_estimate`` with the measured step.
+``measure`` (on 4 gloo ranks pretending 2 hosts x 2 ranks, ``LOCAL_WORLD_SIZE=2``; every part timed
+on all ranks at once, as they run in a step) writes a JSON file ``Topology(rates=...)`` loads:
+
+- the embedding kernel (fastest backend, forward + fused adagrad update) on several table shapes:
+  ``lookup_seconds + bytes / memory_bw`` by least squares;
+- all-to-alls in a host and over all ranks, row-wise's reduce-scatter + all-gather, an all-reduce:
+  bandwidths as the slope between a small and a large call;
+- a replicated 64-wide table's dense gradient and adagrad update (DDP over a group of one rank, so
+  its bucket copies but no all-reduce), at two sizes: ``dense_bw``;
+- tiny-table steps, interleaved in rounds (:data:`PARTS`): the fixed step (a tiny replicated table),
+  then one table per mechanism; the seconds each adds, divided by the calls it adds (counted,
+  ``planner/rates.py``), give the in-step seconds per all-to-all, in-host all-to-all and
+  reduce-scatter/all-gather; pairs of mechanisms the seconds per further group, six tables per table.
+
+``check`` plans one model with 8 layouts (``benchmarks/_calibrate_runs.py``) for
+``Topology(4, local_world_size=2, rates=...)``, times them interleaved in rounds, counts each step's
+collective calls (``benchmarks/_comm_count.py``) against the model's, and compares ``step_estimate``
+with the measured step (``benchmarks/_calibrate_report.py``: the docs section and the plot).
 """
 
 from __future__ import annotations
