@@ -9,10 +9,11 @@ on all ranks at once, as they run in a step) writes a JSON file ``Topology(rates
 
 - the embedding kernel (fastest backend, forward + fused adagrad update) on several table shapes:
   ``lookup_seconds + bytes / memory_bw`` by least squares;
-- all-to-alls in a host and over all ranks, row-wise's reduce-scatter + all-gather, an all-reduce:
-  bandwidths as the slope between a small and a large call;
-- a replicated 64-wide table's dense gradient and adagrad update (DDP over a group of one rank, so
-  its bucket copies but no all-reduce), at two sizes: ``dense_bw``;
+- all-to-alls in a host and over all ranks, row-wise's reduce-scatter + all-gather: bandwidths as
+  the slope between a small and a large call;
+- a replicated 64-wide table's step at two sizes: its dense gradient and adagrad update with DDP over
+  a group of one rank (bucket copies, no all-reduce) give ``dense_bw``; with DDP over all ranks, what
+  the bucketed all-reduce adds (overlapping the backward, as in a step) gives ``allreduce_bw``;
 - tiny-table steps, interleaved in rounds (:data:`PARTS`): the fixed step (a tiny replicated table),
   then one table per mechanism; the seconds each adds, divided by the calls it adds (counted,
   ``planner/rates.py``), give the in-step seconds per all-to-all, in-host all-to-all and
@@ -122,13 +123,13 @@ def measure_kernel() -> tuple[float, float]:
     return max(0.0, my - slope * mx), 1.0 / slope
 
 
-#: floats per destination (all-to-alls) or per rank (reduce-scatter, all-reduce) of the small and large calls
+#: floats per destination (all-to-alls) or per rank (reduce-scatter) of the small and the large calls
 SIZES = (1 << 14, 1 << 19)
 
 
 def collectives_rank(rank: int, world: int) -> list[tuple[float, ...]]:
-    """Per size of :data:`SIZES`, median seconds of an all-to-all in-host and over all ranks, a row-wise
-    reduce-scatter + all-gather (``W`` times the size), and an all-reduce (16 times the size)."""
+    """Per size of :data:`SIZES`, median seconds of an all-to-all in-host and over all ranks, and a row-wise
+    reduce-scatter + all-gather (``W`` times the size)."""
     import torch.distributed as dist
 
     with local_world_size(LOCAL):
@@ -145,12 +146,11 @@ def collectives_rank(rank: int, world: int) -> list[tuple[float, ...]]:
 
         out = []
         for size in SIZES:
-            partial, block, grad = torch.ones(size * world), torch.empty(size), torch.ones(16 * size)
+            partial, block = torch.ones(size * world), torch.empty(size)
             fns = (
                 lambda size=size: a2a(size, mine, LOCAL),
                 lambda size=size: a2a(size),
                 lambda p=partial, b=block: reduce_scatter_and_gather(p, b),
-                lambda g=grad: dist.all_reduce(g),
             )
             out.append(tuple(statistics.median(timed(fn, 7)) for fn in fns))
         return out
@@ -160,34 +160,33 @@ def measure_collectives() -> dict[str, float]:
     """The bandwidths: bytes that leave a rank per second, between the small and the large calls (the
     slope, so a call's fixed cost, charged per call in a step, is not counted again)."""
     res = run_ranks(collectives_rank, WORLD)
-    small, large = ([statistics.median(r[i][k] for r in res) for k in range(4)] for i in (0, 1))
+    small, large = ([statistics.median(r[i][k] for r in res) for k in range(3)] for i in (0, 1))
     floats = SIZES[1] - SIZES[0]
     left = (WORLD - 1) / WORLD
-    sent = [
-        4 * floats * (LOCAL - 1),
-        4 * floats * (WORLD - 1),
-        2 * 4 * floats * WORLD * left,
-        2 * left * 16 * 4 * floats,
-    ]
+    sent = [4 * floats * (LOCAL - 1), 4 * floats * (WORLD - 1), 2 * 4 * floats * WORLD * left]
     bw = [n / max(b - a, 1e-9) for n, a, b in zip(sent, small, large, strict=True)]
-    names = ("intra_host_bw", "inter_host_bw", "reduce_scatter_bw", "allreduce_bw")  # all-reduce: ring bytes
+    names = ("intra_host_bw", "inter_host_bw", "reduce_scatter_bw")
     return dict(zip(names, bw, strict=True))
 
 
-def dense_rank(rank: int, world: int) -> list[tuple[float, float]]:
-    """(table bytes, median seconds) of a replicated table's step without its all-reduce, two sizes.
+DENSE_ROWS = (20_000, 200_000)  # a replicated 64-wide table's two sizes (5 and 51 MB)
+
+
+def dense_rank(rank: int, world: int) -> list[list[float]]:
+    """Median seconds of a replicated table's step, per group (this rank alone, all ranks) and size.
 
     Forward and backward of a lookup into a 64-wide table (a dense gradient of the whole table), DDP
-    over a group of this rank alone (its bucket copies, no all-reduce), and adagrad over the table.
+    (alone: its bucket copies but no all-reduce; over all ranks: its bucketed all-reduce, overlapping
+    the backward as in a step), and adagrad over the table.
     """
     import torch.distributed as dist
     import torch.nn.functional as F
 
     alone = [dist.new_group([r]) for r in range(world)][rank]
 
-    def replicated(rows: int) -> Callable[[], None]:
+    def replicated(rows: int, group: dist.ProcessGroup) -> Callable[[], None]:
         table = torch.nn.EmbeddingBag(rows, 64, mode="sum")
-        ddp = torch.nn.parallel.DistributedDataParallel(table, process_group=alone)
+        ddp = torch.nn.parallel.DistributedDataParallel(table, process_group=group)
         opt = torch.optim.Adagrad(table.parameters(), lr=0.01)
         ids = torch.randint(0, rows, (BATCH * POOLING,), generator=torch.Generator().manual_seed(rank))
         offsets = torch.arange(0, ids.numel(), POOLING)
@@ -200,15 +199,19 @@ def dense_rank(rank: int, world: int) -> list[tuple[float, float]]:
         step()
         return step
 
-    return [(rows * 64 * 4, statistics.median(timed(replicated(rows), 5))) for rows in (20_000, 200_000)]
+    world_group = dist.new_group(list(range(world)))
+    return [[statistics.median(timed(replicated(rows, g), 5)) for rows in DENSE_ROWS] for g in (alone, world_group)]
 
 
-def measure_dense() -> float:
-    """``dense_bw``: table bytes per second of the slope between the two sizes (every rank at once)."""
+def measure_dense() -> dict[str, float]:
+    """``dense_bw`` (table bytes/s of the step alone) and ``allreduce_bw`` (ring bytes/s that the step over
+    all ranks adds): slopes between the two sizes, the slowest rank's median."""
     res = run_ranks(dense_rank, WORLD)
-    (x0, _), (x1, _) = res[0]
-    y0, y1 = (statistics.median(r[i][1] for r in res) for i in (0, 1))
-    return (x1 - x0) / max(y1 - y0, 1e-9)
+    alone, every = ([max(r[g][i] for r in res) for i in range(2)] for g in (0, 1))
+    table = (DENSE_ROWS[1] - DENSE_ROWS[0]) * 64 * 4
+    ring = 2 * (WORLD - 1) / WORLD * table
+    local = max(alone[1] - alone[0], 1e-9)
+    return {"dense_bw": table / local, "allreduce_bw": ring / max(every[1] - every[0] - local, 0.05 * local)}
 
 
 #: the tiny-table steps that measure the fixed step, what each kind of call costs inside a step, what a
@@ -262,11 +265,10 @@ def measure_step_parts(steps: int = 10, rounds: int = 5) -> dict[str, float]:
 def measure_rates(out: Path) -> Rates:
     lookup, memory_bw = measure_kernel()
     comm = measure_collectives()
-    dense_bw = measure_dense()
     rates = Rates(
         memory_bw=memory_bw,
         lookup_seconds=lookup,
-        dense_bw=dense_bw,
+        **measure_dense(),
         **measure_step_parts(),
         source=f"benchmarks/calibrate.py on {cpu_model()}, {torch.get_num_threads()} thread per rank, "
         f"{WORLD} gloo ranks as 2 hosts x {LOCAL}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",

@@ -9,7 +9,8 @@ it also charges what a measured step shows on a loaded CPU cluster:
 - ``intra_host_bw`` / ``inter_host_bw`` (bytes/s) of an all-to-all;
 - ``reduce_scatter_bw`` (bytes/s): row_wise's reduce-scatter of the pooled partial and the all-gather
   of its gradient, by the ``(W-1)/W`` of it that leaves a rank (gloo's are slower than an all-to-all);
-- ``allreduce_bw`` (bytes/s): a data-parallel gradient all-reduce (ring bytes ``2 (W-1)/W`` of it);
+- ``allreduce_bw`` (bytes/s): what DDP's all-reduce of a replicated table's gradient adds to its step,
+  by ring bytes ``2 (W-1)/W`` of the table (bucketed, overlapping the backward);
 - ``dense_bw`` (table bytes/s): what a replicated table's step costs besides its all-reduce: its dense
   gradient (the whole table) and the dense optimizer's update of the whole table, measured with adagrad;
 - ``step_seconds`` (s): a step of a tiny replicated table: the dense model, its all-reduce, the header
