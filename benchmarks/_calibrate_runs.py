@@ -133,7 +133,7 @@ FIXED = "fixed step"
 TINY = (4, 8)  # rows, dim of a tiny table: one row per rank row-wise, two per rank in a host
 
 
-def tiny_plan(kinds: list[str]) -> tuple[dict[str, tuple[int, int]], ShardingPlan]:
+def tiny_plan(kinds: list[str], topo: Topology | None = None) -> tuple[dict[str, tuple[int, int]], ShardingPlan]:
     """One tiny table per entry of ``kinds`` (data_parallel, table_wise on rank 0, row_wise over every rank,
     table_row_wise over host 0) and their plan: the steps that measure what a sharding group costs."""
     rows, dim = TINY
@@ -150,8 +150,9 @@ def tiny_plan(kinds: list[str]) -> tuple[dict[str, tuple[int, int]], ShardingPla
             fixed[t] = _shards(kind, _blocks(rows, list(range(WORLD)), 0, dim))
         else:
             fixed[t] = _shards(kind, _blocks(rows, HOSTS[0], 0, dim))
-    topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL)
-    return tiny, EmbeddingShardingPlanner(topo, batch_size=BATCH).plan(model(tiny), fixed=fixed)
+    topo = topo or Topology(WORLD, compute_device="cpu", local_world_size=LOCAL)
+    pooled = {t: ParameterConstraints(pooling_factors=[float(POOLING)]) for t in tiny}
+    return tiny, EmbeddingShardingPlanner(topo, batch_size=BATCH, constraints=pooled).plan(model(tiny), fixed=fixed)
 
 
 def batch(seed: int, tables: dict[str, tuple[int, int]] = TABLES) -> KeyedJaggedTensor:

@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -241,13 +242,18 @@ def parts_rank(rank: int, world: int, steps: int, rounds: int) -> dict[str, list
         return times
 
 
-def measure_step_parts(steps: int = 10, rounds: int = 5) -> dict[str, float]:
+def measure_step_parts(rates: Rates, steps: int = 10, rounds: int = 5) -> dict[str, float]:
     """The fixed step (a tiny replicated table: dense model, header, DDP's all-reduce) and, by the calls
     :data:`~lightning_shardrec.planner.rates.MECHANISM_CALLS` counts, the in-step seconds per all-to-all
     (table-wise's 4), per in-host all-to-all (table-row-wise's 2 more), per reduce-scatter or all-gather
-    (row-wise's, beside its 2 all-to-alls); a further group's and a further table's seconds."""
+    (row-wise's, beside its 2 all-to-alls); a further group's and a further table's seconds.
+
+    Each tiny step is taken net of what the model already charges it (``rates``' bandwidths and
+    kernel: the plan's slowest rank), so its bytes are not counted twice."""
     res = run_ranks(parts_rank, WORLD, steps, rounds, timeout=600)
-    t = {name: summarize([r[name] for r in res]).seconds for name in PARTS}
+    topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL, rates=rates)
+    charged = {name: tiny_plan(kinds, topo)[1].stats.max_cost for name, kinds in PARTS.items()}
+    t = {name: summarize([r[name] for r in res]).seconds - charged[name] for name in PARTS}
     a2a = max(0.0, (t["tw"] - t["base"]) / 4)
     pair = statistics.fmean(
         [t["tw+rw"] - t["tw"] - t["rw"] + t["base"], t["tw+host"] - t["tw"] - t["host"] + t["base"]]
@@ -264,16 +270,20 @@ def measure_step_parts(steps: int = 10, rounds: int = 5) -> dict[str, float]:
 
 def measure_rates(out: Path) -> Rates:
     lookup, memory_bw = measure_kernel()
-    comm = measure_collectives()
+    source = (
+        f"benchmarks/calibrate.py on {cpu_model()}, {torch.get_num_threads()} thread per rank, "
+        f"{WORLD} gloo ranks as 2 hosts x {LOCAL}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    parts = ("step_seconds", "collective_seconds", "host_call_seconds", "reduce_scatter_seconds")
     rates = Rates(
         memory_bw=memory_bw,
         lookup_seconds=lookup,
+        **measure_collectives(),
         **measure_dense(),
-        **measure_step_parts(),
-        source=f"benchmarks/calibrate.py on {cpu_model()}, {torch.get_num_threads()} thread per rank, "
-        f"{WORLD} gloo ranks as 2 hosts x {LOCAL}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        **comm,
+        **dict.fromkeys((*parts, "group_seconds", "table_seconds"), 0.0),
+        source=source,
     )
+    rates = replace(rates, **measure_step_parts(rates))
     rates.save(out)
     print(rates)
     return rates
