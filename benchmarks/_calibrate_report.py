@@ -171,20 +171,21 @@ def scatter(rows: list[Row], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 5.5))
+    fig, ax = plt.subplots(figsize=(7.5, 5.5))
     ms = [r.measured.seconds * 1e3 for r in rows]
     es = [r.estimate * 1e3 for r in rows]
-    lo = [(r.measured.seconds - r.measured.lo) * 1e3 for r in rows]
-    hi = [(r.measured.hi - r.measured.seconds) * 1e3 for r in rows]
-    ax.errorbar(ms, es, xerr=[lo, hi], fmt="o", capsize=3)
-    for r, x, y in zip(rows, ms, es, strict=True):
-        ax.annotate(r.name, (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    markers = "osD^v<>phX*"
+    for i, r in enumerate(rows):  # one marker per plan, named in the legend (the close ones overlap)
+        m = r.measured
+        err = [[(m.seconds - m.lo) * 1e3], [(m.hi - m.seconds) * 1e3]]
+        label = f"{r.name} ({r.error:+.0%})" if r.same_as is None else f"{r.name} (= {r.same_as})"
+        ax.errorbar(ms[i], es[i], xerr=err, fmt=markers[i % len(markers)], capsize=3, label=label)
     a, b = min(ms + es) * 0.7, max(ms + es) * 1.4
     ax.plot([a, b], [a, b], "k--", lw=0.8)
     ax.fill_between([a, b], [a * 0.75, b * 0.75], [a * 1.25, b * 1.25], alpha=0.15, label="within 25%")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.legend(loc="upper left")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
     ax.set_xlabel("measured ms / step (bars: rounds' range)")
     ax.set_ylabel("estimated ms / step")
     ax.set_title(title, fontsize=9)
