@@ -133,19 +133,21 @@ FIXED = "fixed step"
 TINY = (4, 8)  # rows, dim of a tiny table: one row per rank row-wise, two per rank in a host
 
 
-def tiny_plan(kinds: list[str], topo: Topology | None = None) -> tuple[dict[str, tuple[int, int]], ShardingPlan]:
-    """One tiny table per entry of ``kinds`` (data_parallel, table_wise on rank 0, row_wise over every rank,
-    table_row_wise over host 0) and their plan: the steps that measure what a sharding group costs."""
-    rows, dim = TINY
-    tiny = {f"t{i}": TINY for i in range(len(kinds))}
+def tiny_plan(
+    kinds: list[str], topo: Topology | None = None, dim: int = TINY[1]
+) -> tuple[dict[str, tuple[int, int]], ShardingPlan]:
+    """One tiny table (``dim`` wide) per entry of ``kinds`` (data_parallel, table_wise round robin, row_wise
+    over every rank, table_row_wise over host 0) and their plan: the steps that measure a group's costs."""
+    rows = TINY[0]
+    tiny = {f"t{i}": (rows, dim) for i in range(len(kinds))}
     fixed = {}
-    for t, kind in zip(tiny, kinds, strict=True):
+    for i, (t, kind) in enumerate(zip(tiny, kinds, strict=True)):
         if kind == "data_parallel":
             fixed[t] = ParameterSharding(
-                kind, "dense", range(WORLD), [ShardMetadata((0, 0), TINY, r) for r in range(WORLD)]
+                kind, "dense", range(WORLD), [ShardMetadata((0, 0), (rows, dim), r) for r in range(WORLD)]
             )
         elif kind == "table_wise":
-            fixed[t] = _shards(kind, [(0, 0, 0, rows, dim)])
+            fixed[t] = _shards(kind, [(i % WORLD, 0, 0, rows, dim)])  # round robin, as plans spread tables
         elif kind == "row_wise":
             fixed[t] = _shards(kind, _blocks(rows, list(range(WORLD)), 0, dim))
         else:

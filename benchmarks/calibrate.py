@@ -47,6 +47,7 @@ from _calibrate_runs import (
     LOCAL,
     PLANS,
     POOLING,
+    TINY,
     WORLD,
     Measured,
     check_rank,
@@ -60,7 +61,7 @@ from _report import replace_section  # noqa: E402
 
 from lightning_shardrec import FusedOptimConfig
 from lightning_shardrec.configs import EmbOptimType
-from lightning_shardrec.planner import Rates, Topology, step_estimate
+from lightning_shardrec.planner import Rates, ShardingPlan, Topology, step_estimate
 from lightning_shardrec.planner.rates import step_calls
 from lightning_shardrec.testing import local_world_size, run_ranks
 
@@ -217,21 +218,28 @@ def measure_dense() -> dict[str, float]:
 
 #: the tiny-table steps that measure the fixed step, what each kind of call costs inside a step, what a
 #: further sharding group and a further table cost (:func:`measure_step_parts`)
-PARTS = {
+PARTS: dict[str, list[str]] = {
     "base": ["data_parallel"],
     "tw": ["table_wise"],
     "rw": ["row_wise"],
     "host": ["table_row_wise"],
     "tw+rw": ["table_wise", "row_wise"],
     "tw+host": ["table_wise", "table_row_wise"],
-    "tw x6": ["table_wise"] * 6,
+    "tw x6": ["table_wise"] * 6,  # 64 wide, round robin over the ranks: what a further table costs in a plan
+    "tw wide": ["table_wise"],  # 128 wide: how much slower a step's all-to-alls move bytes than alone
 }
+#: the tiny tables' width where it is not ``TINY``'s
+WIDTH = {"tw x6": 64, "tw wide": 128}
+
+
+def _tiny(name: str, topo: Topology | None = None) -> tuple[dict[str, tuple[int, int]], ShardingPlan]:
+    return tiny_plan(PARTS[name], topo, WIDTH.get(name, TINY[1]))
 
 
 def parts_rank(rank: int, world: int, steps: int, rounds: int) -> dict[str, list[list[float]]]:
     """Step seconds of every :data:`PARTS` model, interleaved in rounds (as ``check`` times its plans)."""
     with local_world_size(LOCAL):
-        steps_of = {name: train_step(rank, *tiny_plan(kinds)) for name, kinds in PARTS.items()}
+        steps_of = {name: train_step(rank, *_tiny(name)) for name in PARTS}
         for step in steps_of.values():
             step()
         times: dict[str, list[list[float]]] = {name: [] for name in PARTS}
@@ -252,8 +260,11 @@ def measure_step_parts(rates: Rates, steps: int = 10, rounds: int = 5) -> dict[s
     kernel: the plan's slowest rank), so its bytes are not counted twice."""
     res = run_ranks(parts_rank, WORLD, steps, rounds, timeout=600)
     topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL, rates=rates)
-    charged = {name: tiny_plan(kinds, topo)[1].stats.max_cost for name, kinds in PARTS.items()}
+    charged = {name: _tiny(name, topo)[1].stats.max_cost for name in PARTS}
     t = {name: summarize([r[name] for r in res]).seconds - charged[name] for name in PARTS}
+    # a 128-wide table's all-to-alls against an 8-wide one's: how much slower bytes move in a step than alone
+    modeled = charged["tw wide"] - charged["tw"]
+    slower = max(1.0, (t["tw wide"] - t["tw"] + modeled) / modeled)
     a2a = max(0.0, (t["tw"] - t["base"]) / 4)
     pair = statistics.fmean(
         [t["tw+rw"] - t["tw"] - t["rw"] + t["base"], t["tw+host"] - t["tw"] - t["host"] + t["base"]]
@@ -265,6 +276,8 @@ def measure_step_parts(rates: Rates, steps: int = 10, rounds: int = 5) -> dict[s
         "reduce_scatter_seconds": max(0.0, (t["rw"] - t["base"] - 2 * a2a) / 2),
         "group_seconds": max(0.0, pair),
         "table_seconds": max(0.0, (t["tw x6"] - t["tw"]) / 5),
+        "intra_host_bw": rates.intra_host_bw / slower,
+        "inter_host_bw": rates.inter_host_bw / slower,
     }
 
 
@@ -283,6 +296,8 @@ def measure_rates(out: Path) -> Rates:
         **dict.fromkeys((*parts, "group_seconds", "table_seconds"), 0.0),
         source=source,
     )
+    alone = f"in-host {rates.intra_host_bw / 1e9:.2f} GB/s, between hosts {rates.inter_host_bw / 1e9:.2f} GB/s"
+    print(f"all-to-all alone: {alone}")
     rates = replace(rates, **measure_step_parts(rates))
     rates.save(out)
     print(rates)
