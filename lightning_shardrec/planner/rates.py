@@ -6,7 +6,8 @@ it also charges what a measured step shows on a loaded CPU cluster:
 - ``memory_bw`` (bytes/s) and ``lookup_seconds`` (s per shard lookup + fused update, the
   kernel's fixed cost): a kernel step of ``n`` bytes takes ``lookup_seconds + n / memory_bw``,
   fitted over several table shapes;
-- ``intra_host_bw`` / ``inter_host_bw`` (bytes/s) of an all-to-all;
+- ``intra_host_bw`` / ``inter_host_bw`` (bytes/s) of an all-to-all's bytes (the slope between two sizes,
+  slowed by as much as a wide tiny table's all-to-alls show inside a step);
 - ``reduce_scatter_bw`` (bytes/s): row_wise's reduce-scatter of the pooled partial and the all-gather
   of its gradient, by the ``(W-1)/W`` of it that leaves a rank (gloo's are slower than an all-to-all);
 - ``allreduce_bw`` (bytes/s): what DDP's all-reduce of a replicated table's gradient adds to its step,
