@@ -285,7 +285,8 @@ def measure_rates(out: Path) -> Rates:
     lookup, memory_bw = measure_kernel()
     source = (
         f"benchmarks/calibrate.py on {cpu_model()}, {torch.get_num_threads()} thread per rank, "
-        f"{WORLD} gloo ranks as 2 hosts x {LOCAL}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+        f"{WORLD} gloo ranks as 2 hosts x {LOCAL}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"load average {os.getloadavg()[0]:.1f} at its start"
     )
     parts = ("step_seconds", "collective_seconds", "host_call_seconds", "reduce_scatter_seconds")
     rates = Rates(
