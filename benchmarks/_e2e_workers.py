@@ -354,16 +354,8 @@ def worker_ddp_sparse(a: WorkerArgs) -> None:
     opt = torch.optim.Adagrad(model.parameters(), lr=LR)
     seconds, losses, cpu = train_timed(batches, model, opt, a.warmup)
     RankResult(
-        a.variant,
-        rank,
-        world,
-        int(batches[0][0].shape[0]),
-        seconds,
-        import_rss,
-        peak_rss_mib(),
-        losses,
-        "data_parallel: all (full tables on every rank)",
-        cpu_ms=cpu,
+        a.variant, rank, world, int(batches[0][0].shape[0]), seconds, import_rss, peak_rss_mib(), losses,
+        "data_parallel: all (full tables on every rank)", cpu_ms=cpu,
     ).write(a.out)
     dist.destroy_process_group()
 
@@ -404,16 +396,8 @@ def worker_kernel_floor(a: WorkerArgs) -> None:
     opt = torch.optim.Adagrad(arch.parameters(), lr=LR)
     seconds, losses, cpu = train_timed(batches, lambda dense, v, o: arch(dense, tbe(v, o)), opt, a.warmup)
     RankResult(
-        a.variant,
-        0,
-        1,
-        int(batches[0][0].shape[0]),
-        seconds,
-        import_rss,
-        peak_rss_mib(),
-        losses,
-        "one TBE, all 8 tables",
-        cpu_ms=cpu,
+        a.variant, 0, 1, int(batches[0][0].shape[0]), seconds, import_rss, peak_rss_mib(), losses,
+        "one TBE, all 8 tables", cpu_ms=cpu,
     ).write(a.out)
 
 
@@ -443,16 +427,8 @@ def worker_kernel_floor_torch(a: WorkerArgs) -> None:
     opt = torch.optim.Adagrad(arch.parameters(), lr=LR)
     seconds, losses, cpu = train_timed(batches, lambda dense, kjt: arch(dense, kernel(kjt)), opt, a.warmup)
     RankResult(
-        a.variant,
-        0,
-        1,
-        int(batches[0][0].shape[0]),
-        seconds,
-        import_rss,
-        peak_rss_mib(),
-        losses,
-        "torch kernel, all 8 tables",
-        cpu_ms=cpu,
+        a.variant, 0, 1, int(batches[0][0].shape[0]), seconds, import_rss, peak_rss_mib(), losses,
+        "torch kernel, all 8 tables", cpu_ms=cpu,
     ).write(a.out)
 
 

@@ -103,11 +103,17 @@ def run(rows: int, repeats: int, batch_size: int) -> list[tuple[str, tuple[float
     return out
 
 
-def table(results: list[tuple[str, tuple[float, float, float]]], cmd: str, rows: int, repeats: int) -> str:
+def table(
+    results: list[tuple[str, tuple[float, float, float]]], cmd: str, rows: int, repeats: int
+) -> str:
     cpu = platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        models = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
+        models = [
+            ln.split(":", 1)[1].strip()
+            for ln in cpuinfo.read_text().splitlines()
+            if ln.startswith("model name")
+        ]
         cpu = f"{models[0]} x {len(models)}" if models else cpu
     lines = [
         SECTION,
@@ -136,8 +142,6 @@ def table(results: list[tuple[str, tuple[float, float, float]]], cmd: str, rows:
 def write_section(path: Path, text: str) -> None:
     """Replace (or append) this script's section of ``docs/benchmarks.md``; keep a ``Reading:``."""
     replace_section(path, SECTION, text)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=200_000)

@@ -392,8 +392,6 @@ def write_section(path: Path, text: str) -> None:
     ``docs/benchmarks.md``; other machines' figures stay beside it; keep its ``Reading:``."""
     body = text.split("\n", 1)[1].lstrip("\n") if text.startswith(SECTION) else text
     replace_machine_section(path, SECTION, machine_heading(), body)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")

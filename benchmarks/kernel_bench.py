@@ -80,7 +80,9 @@ def workload_tables(shrink: int = 1) -> list[EmbeddingBagConfig]:
     return [replace(t, num_embeddings=t.num_embeddings // shrink) for t in benchmark_tables(DIM)]
 
 
-def make_batches(tables: list[EmbeddingBagConfig], batch_size: int, num_batches: int) -> list[KeyedJaggedTensor]:
+def make_batches(
+    tables: list[EmbeddingBagConfig], batch_size: int, num_batches: int
+) -> list[KeyedJaggedTensor]:
     gen = SyntheticRecGenerator(SyntheticSpec(features=to_features(tables), num_dense=0))
     return [gen.global_batch(i, batch_size).sparse for i in range(num_batches)]
 
@@ -88,7 +90,10 @@ def make_batches(tables: list[EmbeddingBagConfig], batch_size: int, num_batches:
 def build_kernel(
     backend: str, optimizer: str, tables: list[EmbeddingBagConfig], weights: list[torch.Tensor]
 ) -> torch.nn.Module:
-    specs = [TableSpec(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim) for t in tables]
+    specs = [
+        TableSpec(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim)
+        for t in tables
+    ]
     kernel = make_kernel(
         specs,
         list(range(len(specs))),
@@ -101,7 +106,9 @@ def build_kernel(
     return kernel
 
 
-def train_pass(kernel: torch.nn.Module, batches: list[KeyedJaggedTensor], grads: list[torch.Tensor]) -> None:
+def train_pass(
+    kernel: torch.nn.Module, batches: list[KeyedJaggedTensor], grads: list[torch.Tensor]
+) -> None:
     for kjt, g in zip(batches, grads, strict=True):
         kernel(kjt).backward(g)
 
@@ -118,7 +125,9 @@ def timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t
 
 
-def run(batch_size: int, num_batches: int, repeats: int, shrink: int = 1, copy_mib: int = 256) -> dict[str, object]:
+def run(
+    batch_size: int, num_batches: int, repeats: int, shrink: int = 1, copy_mib: int = 256
+) -> dict[str, object]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     tables = workload_tables(shrink)
@@ -128,7 +137,9 @@ def run(batch_size: int, num_batches: int, repeats: int, shrink: int = 1, copy_m
     fracs = []
     for b in batches:
         per_key = [k.values() for k in b.split([1] * len(b.keys()))]
-        fracs.append(sum(int(torch.unique(v).numel()) for v in per_key) / max(1, int(b.values().numel())))
+        fracs.append(
+            sum(int(torch.unique(v).numel()) for v in per_key) / max(1, int(b.values().numel()))
+        )
     unique = statistics.mean(fracs)
 
     weights = [torch.empty(t.num_embeddings, DIM).uniform_(-0.01, 0.01) for t in tables]
@@ -139,7 +150,10 @@ def run(batch_size: int, num_batches: int, repeats: int, shrink: int = 1, copy_m
     # Bandwidth references: the same ids as flat-table row indices, and a big copy.
     flat = torch.cat(weights, 0)
     row_base = torch.tensor([0] + [t.num_embeddings for t in tables]).cumsum(0)[:-1]
-    flat_ids = [b.values().long() + row_base.repeat_interleave(torch.tensor(b.length_per_key())) for b in batches]
+    flat_ids = [
+        b.values().long() + row_base.repeat_interleave(torch.tensor(b.length_per_key()))
+        for b in batches
+    ]
     src = torch.empty(copy_mib * 2**20 // BYTES).uniform_()
     dst = torch.empty_like(src)
     ebcs = {v: EmbeddingBagCollection(tables, validate_ids=v) for v in (True, False)}
@@ -203,7 +217,10 @@ def run(batch_size: int, num_batches: int, repeats: int, shrink: int = 1, copy_m
             seconds[name].append(timed(jobs[name]))
     seconds["ebc validate_ids=True"] = ebc_seconds[True]
     seconds["ebc validate_ids=False"] = ebc_seconds[False]
-    cost = [100.0 * (on - off) / off for on, off in zip(ebc_seconds[True], ebc_seconds[False], strict=True)]
+    cost = [
+        100.0 * (on - off) / off
+        for on, off in zip(ebc_seconds[True], ebc_seconds[False], strict=True)
+    ]
     return {
         "seconds": seconds,
         "n_ids": n_ids,
@@ -212,7 +229,8 @@ def run(batch_size: int, num_batches: int, repeats: int, shrink: int = 1, copy_m
         "copy_mib": copy_mib,
         "validate_cost": Stat(cost),
         "batch_size": batch_size,
-        "rows": " + ".join(f"4 x {n:,}" for n in dict.fromkeys(t.num_embeddings for t in tables)) + " rows",
+        "rows": " + ".join(f"4 x {n:,}" for n in dict.fromkeys(t.num_embeddings for t in tables))
+        + " rows",
         "num_batches": num_batches,
         "repeats": repeats,
     }
@@ -222,7 +240,11 @@ def machine() -> str:
     cpu = platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        models = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
+        models = [
+            ln.split(":", 1)[1].strip()
+            for ln in cpuinfo.read_text().splitlines()
+            if ln.startswith("model name")
+        ]
         cpu = f"{models[0]} x {len(models)} ({vector_isa()})" if models else cpu
     import fbgemm_gpu  # noqa: PLC0415 - only for its version string
 
@@ -263,7 +285,8 @@ def report(r: dict[str, Any], cmd: str) -> str:
         "references: `index_select` of the same rows from one flat table (2 x ids x 64 x 4 B) "
         f"and `copy_` of {mib} MiB (2 x {mib} MiB).",
         "",
-        "| case | M ids/s (median) | spread | GB/s rows touched | spread | % of copy GB/s (paired) | spread |",
+        "| case | M ids/s (median) | spread | GB/s rows touched | spread "
+        "| % of copy GB/s (paired) | spread |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name in sec:
@@ -274,7 +297,9 @@ def report(r: dict[str, Any], cmd: str) -> str:
         gbs = Stat([factor * n * DIM * BYTES / s / 1e9 for s in sec[name]])
         label = name.replace("train ", "fwd+bwd+update ")
         label = label.replace("forward ", "forward only (no grad) ")
-        lines.append(f"| {label} | {fmt(ids, ',.2f')} | {fmt(gbs, '.2f')} | {fmt(paired(gbs), '.0f')} |")
+        lines.append(
+            f"| {label} | {fmt(ids, ',.2f')} | {fmt(gbs, '.2f')} | {fmt(paired(gbs), '.0f')} |"
+        )
     gather_ids = Stat([n / s / 1e6 for s in sec["gather"]])
     cost: Stat = r["validate_cost"]
     on, off = ms_per_batch("ebc validate_ids=True"), ms_per_batch("ebc validate_ids=False")
@@ -286,8 +311,10 @@ def report(r: dict[str, Any], cmd: str) -> str:
         "",
         "Forward-only rows count 1 x ids x 64 x 4 B.",
         "",
-        '`kernel="auto"` on these tables (all 8 in one group, batch '
-        f"{bs}, 8 ids per bag), timed afresh: " + "; ".join(f"{o}: {c}" for o, c in r.get("auto", {}).items()) + ".",
+        "`kernel=\"auto\"` on these tables (all 8 in one group, batch "
+        f"{bs}, 8 ids per bag), timed afresh: "
+        + "; ".join(f"{o}: {c}" for o, c in r.get("auto", {}).items())
+        + ".",
         "",
         "`validate_ids` on an unsharded `EmbeddingBagCollection` forward (same batches, no "
         f"grad): on {on:.2f} ms/batch, off {off:.2f} ms/batch; cost {cost.median:+.1f}% "
@@ -307,8 +334,6 @@ def write_section(path: Path, text: str) -> None:
     ``docs/benchmarks.md``; other machines' figures stay beside it; keep its ``Reading:``."""
     body = text.split("\n", 1)[1].lstrip("\n") if text.startswith(SECTION) else text
     replace_machine_section(path, SECTION, machine_heading(), body)
-
-
 def auto_choices(tables: list[EmbeddingBagConfig], batch_size: int) -> dict[str, str]:
     """What ``kernel="auto"`` picks for these tables per optimizer, timed afresh (cache off)."""
     import os
@@ -333,7 +358,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--batches", type=int, default=16, help="pre-generated batches per timed pass")
     p.add_argument("--repeats", type=int, default=11)
-    p.add_argument("--copy-mib", type=int, default=256, help="size of the plain-copy bandwidth reference")
+    p.add_argument(
+        "--copy-mib", type=int, default=256, help="size of the plain-copy bandwidth reference"
+    )
     p.add_argument(
         "--quick",
         action="store_true",

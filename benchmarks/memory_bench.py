@@ -88,7 +88,9 @@ class Model(nn.Module):
 
 def tables_of(num_tables: int, rows: int, dim: int) -> list[EmbeddingBagConfig]:
     return [
-        EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim, name=f"t{i}", feature_names=[f"f{i}"])
+        EmbeddingBagConfig(
+            num_embeddings=rows, embedding_dim=dim, name=f"t{i}", feature_names=[f"f{i}"]
+        )
         for i in range(num_tables)
     ]
 
@@ -102,10 +104,13 @@ def make_plan(kind: str, tables: list[EmbeddingBagConfig], world: int) -> Shardi
         elif kind == "row_wise":
             bounds = [rows * r // world for r in range(world + 1)]
             shards = [
-                ShardMetadata((a, 0), (b - a, dim), r) for r, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
+                ShardMetadata((a, 0), (b - a, dim), r)
+                for r, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
             ]
         else:
-            raise ValueError(f"memory_bench: unknown plan kind {kind!r}; available: table_wise, row_wise")
+            raise ValueError(
+                f"memory_bench: unknown plan kind {kind!r}; available: table_wise, row_wise"
+            )
         out[t.name] = ParameterSharding(
             ShardingType(kind), EmbeddingComputeKernel.FUSED, [s.rank for s in shards], shards
         )
@@ -150,7 +155,9 @@ def measure(
 
     shards = dmp.local_shards()
     table_bytes = sum(nbytes(w) for v in shards.values() for _, w in v)
-    state_bytes = sum(nbytes(t) for s in dmp.fused_optimizer.state.values() for t in s.values() if t.dim() > 0)
+    state_bytes = sum(
+        nbytes(t) for s in dmp.fused_optimizer.state.values() for t in s.values() if t.dim() > 0
+    )
     held = {k.split(".")[-2]: [tuple(m.shard_sizes) for m, _ in v] for k, v in shards.items()}
     del dmp, model, shards
     gc.collect()
@@ -162,7 +169,9 @@ def measure(
         "rss_before": before["VmRSS"],
         "rss_built": after_build["VmRSS"],
         "rss_step": after_step["VmRSS"],
-        "peak": after_step["VmHWM"] if peak_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak": after_step["VmHWM"]
+        if peak_reset
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_reset": peak_reset,
         "build_s": build_s,
     }
@@ -184,7 +193,9 @@ def run(
     for optimizer, rows in configs:
         per_row = EmbOptimType.parse(optimizer).state_per_row(dim)
         results = {
-            kind: run_ranks(measure, world, kind, num_tables, rows, dim, optimizer, batch, timeout=900.0)
+            kind: run_ranks(
+                measure, world, kind, num_tables, rows, dim, optimizer, batch, timeout=900.0
+            )
             for kind in plans
         }
         runs.append(
@@ -275,8 +286,6 @@ def report(r: dict[str, Any], cmd: str) -> str:
 def write_section(path: Path, text: str) -> None:
     """Replace (or append) this script's section of ``docs/benchmarks.md``; keep a ``Reading:``."""
     replace_section(path, SECTION, text)
-
-
 def parse_configs(text: str) -> list[tuple[str, int]]:
     out = []
     for item in text.split(","):

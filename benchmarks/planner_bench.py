@@ -42,7 +42,9 @@ CRITEO_1TB = [
 def criteo_tables(dim: int = 128) -> dict[str, list[BaseEmbeddingConfig]]:
     return {
         "sparse_arch.embedding_bag_collection": [
-            EmbeddingBagConfig(num_embeddings=n, embedding_dim=dim, name=f"t_cat_{i}", feature_names=[f"cat_{i}"])
+            EmbeddingBagConfig(
+                num_embeddings=n, embedding_dim=dim, name=f"t_cat_{i}", feature_names=[f"cat_{i}"]
+            )
             for i, n in enumerate(CRITEO_1TB)
         ]
     }
@@ -63,7 +65,9 @@ def mixed_tables(
         kind = EmbeddingConfig if rng.random() < 0.1 else EmbeddingBagConfig
         cfg = kind(num_embeddings=rows, embedding_dim=dim, name=name, feature_names=[f"f_{i:04d}"])
         (seqs if kind is EmbeddingConfig else bags).append(cfg)
-        constraints[name] = ParameterConstraints(pooling_factors=[round(10 ** rng.uniform(0, 2), 2)])
+        constraints[name] = ParameterConstraints(
+            pooling_factors=[round(10 ** rng.uniform(0, 2), 2)]
+        )
     return {"sparse.ebc": bags, "sparse.ec": seqs}, constraints
 
 
@@ -76,7 +80,10 @@ def table_wise_baseline(planner: EmbeddingShardingPlanner, tables: dict) -> floa
     from lightning_shardrec.planner.tables import table_specs
 
     topo = planner.topology
-    opts = [table_options(s, planner.work) for s in table_specs(tables, planner.constraints, topo.world_size)]
+    opts = [
+        table_options(s, planner.work)
+        for s in table_specs(tables, planner.constraints, topo.world_size)
+    ]
     load = [0.0] * topo.world_size
     for o in sorted(opts, key=lambda o: (-o.tw_cost, o.table.key)):
         r = min(range(topo.world_size), key=lambda r: (load[r], r))
@@ -84,7 +91,9 @@ def table_wise_baseline(planner: EmbeddingShardingPlanner, tables: dict) -> floa
     return max(load)
 
 
-def run_case(label: str, world: int, tables: dict, constraints: dict, batch_size: int, lws: int) -> str:
+def run_case(
+    label: str, world: int, tables: dict, constraints: dict, batch_size: int, lws: int
+) -> str:
     topo = Topology(world, compute_device="cuda", local_world_size=min(lws, world))
     planner = EmbeddingShardingPlanner(topo, batch_size=batch_size, constraints=constraints)
     start = time.process_time()

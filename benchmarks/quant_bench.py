@@ -94,15 +94,8 @@ def evaluate(model: torch.nn.Module, batches: list[Any]) -> tuple[float, float, 
 
 
 def trainer(steps: int) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)
 
 
 def quantized_rows(model: BenchRec, tables: list[EmbeddingBagConfig], batches: list[Any]) -> list[dict[str, Any]]:
@@ -119,33 +112,24 @@ def quantized_rows(model: BenchRec, tables: list[EmbeddingBagConfig], batches: l
                 auroc, ne, logits = evaluate(q, batches)
                 qebc = q.get_submodule("ebc")
                 assert isinstance(qebc, QuantEmbeddingBagCollection)
-                rows.append(
-                    {
-                        "case": dtype + (" + dense int8" if dense else ""),
-                        "auroc": auroc,
-                        "ne": ne,
-                        "diff": float((logits - base_logits).abs().max()),
-                        "ratio": qebc.nbytes() / fp32_bytes,
-                        "file": out.stat().st_size,
-                    }
-                )
+                rows.append({
+                    "case": dtype + (" + dense int8" if dense else ""), "auroc": auroc, "ne": ne,
+                    "diff": float((logits - base_logits).abs().max()), "ratio": qebc.nbytes() / fp32_bytes,
+                    "file": out.stat().st_size,
+                })
     return rows
 
 
 def accuracy(steps: int, test_batches: int, batch_size: int, shrink: int) -> dict[str, Any]:
     torch.manual_seed(0)
     tables = [
-        EmbeddingBagConfig(
-            num_embeddings=t.num_embeddings // shrink, embedding_dim=16, name=t.name, feature_names=t.feature_names
-        )
+        EmbeddingBagConfig(num_embeddings=t.num_embeddings // shrink, embedding_dim=16, name=t.name,
+                           feature_names=t.feature_names)
         for t in benchmark_tables()
     ]
     dm = SyntheticRecDataModule(
         tables=[{"name": t.feature_names[0], "num_embeddings": t.num_embeddings} for t in tables],
-        batch_size=batch_size,
-        num_batches=steps,
-        val_batches=0,
-        test_batches=test_batches,
+        batch_size=batch_size, num_batches=steps, val_batches=0, test_batches=test_batches,
     )
     model = BenchRec(tables)
     t0 = time.perf_counter()
@@ -154,15 +138,9 @@ def accuracy(steps: int, test_batches: int, batch_size: int, shrink: int) -> dic
     dm.setup("test")
     batches = list(dm.test_dataloader())
     rows = quantized_rows(model, tables, batches)
-    return {
-        "rows": rows,
-        "fp32_bytes": sum(t.num_embeddings * t.embedding_dim * 4 for t in tables),
-        "train_s": train_s,
-        "n_test": len(batches) * batch_size,
-        "steps": steps,
-        "batch_size": batch_size,
-        "tables": tables,
-    }
+    return {"rows": rows, "fp32_bytes": sum(t.num_embeddings * t.embedding_dim * 4 for t in tables),
+            "train_s": train_s, "n_test": len(batches) * batch_size, "steps": steps, "batch_size": batch_size,
+            "tables": tables}
 
 
 # Hidden logistic model of the generated Criteo-format data.
@@ -207,14 +185,8 @@ def criteo_accuracy(rows: int, vocab: int, num_embeddings: int, steps: int, batc
         t0 = time.perf_counter()
         ctr = write_criteo_tsv(Path(tmp) / "train.txt", rows, vocab)
         gen_s = time.perf_counter() - t0
-        dm = CriteoDataModule(
-            tmp,
-            Path(tmp) / "processed",
-            num_embeddings=num_embeddings,
-            batch_size=batch_size,
-            val_fraction=0.0,
-            test_fraction=0.1,
-        )
+        dm = CriteoDataModule(tmp, Path(tmp) / "processed", num_embeddings=num_embeddings,
+                              batch_size=batch_size, val_fraction=0.0, test_fraction=0.1)
         tables = dm.embedding_tables(16)
         model = BenchRec(tables)
         t0 = time.perf_counter()
@@ -224,33 +196,20 @@ def criteo_accuracy(rows: int, vocab: int, num_embeddings: int, steps: int, batc
         batches = list(dm.test_dataloader())
         result = quantized_rows(model, tables, batches)
         n_test = sum(len(b.labels) for b in batches)
-    return {
-        "rows": result,
-        "fp32_bytes": sum(t.num_embeddings * t.embedding_dim * 4 for t in tables),
-        "train_s": train_s,
-        "gen_s": gen_s,
-        "n_test": n_test,
-        "n_rows": rows,
-        "vocab": vocab,
-        "ctr": ctr,
-        "num_embeddings": num_embeddings,
-        "steps": steps,
-        "batch_size": batch_size,
-    }
+    return {"rows": result, "fp32_bytes": sum(t.num_embeddings * t.embedding_dim * 4 for t in tables),
+            "train_s": train_s, "gen_s": gen_s, "n_test": n_test, "n_rows": rows, "vocab": vocab, "ctr": ctr,
+            "num_embeddings": num_embeddings, "steps": steps, "batch_size": batch_size}
 
 
 def throughput(batch_size: int, num_batches: int, repeats: int, shrink: int) -> dict[str, Any]:
     torch.manual_seed(0)
     tables = [
-        EmbeddingBagConfig(
-            num_embeddings=t.num_embeddings // shrink, embedding_dim=64, name=t.name, feature_names=t.feature_names
-        )
+        EmbeddingBagConfig(num_embeddings=t.num_embeddings // shrink, embedding_dim=64, name=t.name,
+                           feature_names=t.feature_names)
         for t in benchmark_tables()
     ]
-    spec = SyntheticSpec(
-        features=to_features([{"name": t.feature_names[0], "num_embeddings": t.num_embeddings} for t in tables]),
-        num_dense=13,
-    )
+    spec = SyntheticSpec(features=to_features([{"name": t.feature_names[0], "num_embeddings": t.num_embeddings}
+                                               for t in tables]), num_dense=13)
     gen = SyntheticRecGenerator(spec)
     kjts = [gen.global_batch(i, batch_size, stream=7).sparse for i in range(num_batches)]
     n_ids = sum(k.values().numel() for k in kjts)
@@ -272,14 +231,8 @@ def throughput(batch_size: int, num_batches: int, repeats: int, shrink: int) -> 
                 for k in kjts:
                     cases[name](k)
                 seconds[name].append(time.perf_counter() - t0)
-    return {
-        "seconds": seconds,
-        "n_ids": n_ids,
-        "batch_size": batch_size,
-        "num_batches": num_batches,
-        "repeats": repeats,
-        "rows": [t.num_embeddings for t in tables],
-    }
+    return {"seconds": seconds, "n_ids": n_ids, "batch_size": batch_size, "num_batches": num_batches,
+            "repeats": repeats, "rows": [t.num_embeddings for t in tables]}
 
 
 def machine() -> str:
@@ -289,10 +242,8 @@ def machine() -> str:
         models = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
         cpu = f"{models[0]} x {len(models)}" if models else cpu
     fbgemm = "fbgemm_gpu " + ("loaded" if _fbgemm.fbgemm_inference_available() else "absent")
-    return (
-        f"{cpu}, {platform.system()} {platform.release()}, Python {platform.python_version()}, "
-        f"torch {torch.__version__}, {fbgemm}, 1 thread"
-    )
+    return f"{cpu}, {platform.system()} {platform.release()}, Python {platform.python_version()}, " \
+           f"torch {torch.__version__}, {fbgemm}, 1 thread"
 
 
 def accuracy_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -313,8 +264,7 @@ def accuracy_table(rows: list[dict[str, Any]]) -> list[str]:
 def report(acc: dict[str, Any], crit: dict[str, Any] | None, thr: dict[str, Any], cmd: str) -> str:
     tables = acc["tables"]
     lines = [
-        SECTION,
-        "",
+        SECTION, "",
         f"Command: `{cmd}`  ",
         f"Machine: {machine()}. Date: {datetime.date.today().isoformat()}.  ",
         f"Accuracy: {len(tables)} tables ({', '.join(str(t.num_embeddings) for t in tables)} rows, dim 16, "
@@ -350,9 +300,8 @@ def report(acc: dict[str, Any], crit: dict[str, Any] | None, thr: dict[str, Any]
     ]
     for name, s in sec.items():
         med = statistics.median(s)
-        lines.append(
-            f"| {name} | {n / med / 1e6:.2f} | {n / max(s) / 1e6:.2f}..{n / min(s) / 1e6:.2f} | {base_s / med:.2f}x |"
-        )
+        lines.append(f"| {name} | {n / med / 1e6:.2f} | {n / max(s) / 1e6:.2f}..{n / min(s) / 1e6:.2f} "
+                     f"| {base_s / med:.2f}x |")
     lines.append("")
     return "\n".join(lines)
 
@@ -360,8 +309,6 @@ def report(acc: dict[str, Any], crit: dict[str, Any] | None, thr: dict[str, Any]
 def write_section(path: Path, text: str) -> None:
     """Replace (or append) this script's section of ``docs/benchmarks.md``; keep a ``Reading:``."""
     replace_section(path, SECTION, text)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
@@ -372,11 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--criteo-rows", type=int, default=300_000, help="generated Criteo-format rows (0: skip)")
     p.add_argument("--criteo-vocab", type=int, default=50_000, help="distinct values per categorical")
     p.add_argument("--criteo-embeddings", type=int, default=20_000, help="rows of each of the 26 tables")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: tables 1/100, 5 steps, 2 batches of 128; Criteo 3,000 rows, tables of 1,000",
-    )
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: tables 1/100, 5 steps, 2 batches of 128; Criteo 3,000 rows, tables of 1,000")
     p.add_argument("--write-docs", type=Path, default=None)
     a = p.parse_args(argv)
     shrink = 1

@@ -69,16 +69,11 @@ def checkpoint_at_size(rank: int, world: int, path: str, repeats: int) -> dict[s
     from lightning_shardrec.planner import ParameterSharding, ShardMetadata
 
     rows, dim, batch, bag = 200_000, 64, 2048, 10
-    tables = [
-        EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim, name=f"t{i}", feature_names=[f"f{i}"])
-        for i in range(2)
-    ]
+    tables = [EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim, name=f"t{i}", feature_names=[f"f{i}"]) for i in range(2)]
     half = rows // world
     blocks = [ShardMetadata((r * half, 0), (half if r < world - 1 else rows - r * half, dim), r) for r in range(world)]
     plan = {t.name: ParameterSharding("row_wise", "fused", list(range(world)), blocks) for t in tables}
-    dmp = DistributedModelParallel(
-        EmbeddingBagCollection(tables, device="meta"), plan=plan, embedding_optimizer="adagrad"
-    )
+    dmp = DistributedModelParallel(EmbeddingBagCollection(tables, device="meta"), plan=plan, embedding_optimizer="adagrad")
     gen = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, rows, (2 * batch * bag,), generator=gen)
     kjt = KeyedJaggedTensor(["f0", "f1"], ids, lengths=torch.full((2 * batch,), bag))
@@ -135,8 +130,8 @@ def main() -> None:
     ms = {k: Stat([1000 * x for x in v]) for k, v in {"load": load, "save": save, "step": step}.items()}
     text = f"""{SECTION}
 
-Command: `python benchmarks/reliability_bench.py --repeats {args.repeats}{" --write-docs " + str(args.write_docs) if args.write_docs else ""}`
-Machine: torch {torch.__version__}, Python {sys.version.split()[0]}, 2 CPU ranks (gloo) started by Lightning's subprocess launcher. Date: {time.strftime("%Y-%m-%d")}.
+Command: `python benchmarks/reliability_bench.py --repeats {args.repeats}{' --write-docs ' + str(args.write_docs) if args.write_docs else ''}`
+Machine: torch {torch.__version__}, Python {sys.version.split()[0]}, 2 CPU ranks (gloo) started by Lightning's subprocess launcher. Date: {time.strftime('%Y-%m-%d')}.
 
 | fault | injected | stopped every rank, naming rank 1 | time to detect and exit (median, min..max) |
 |---|---:|---:|---:|
