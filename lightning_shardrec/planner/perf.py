@@ -27,8 +27,8 @@ so for them every output term scales with ``f``.
 
 With calibrated rates (``Topology(rates=...)``, :mod:`lightning_shardrec.planner.rates`) each
 shard's lookup also pays the kernel's fixed ``lookup_seconds``, row_wise's reduce-scatter runs at
-the measured ``reduce_scatter_bw``; the per-collective latency and
-the fixed step are per plan (:func:`~lightning_shardrec.planner.rates.step_estimate`).
+the measured ``reduce_scatter_bw``; the fixed step, the calls counted from the plan and the further
+groups and tables are per plan (:func:`~lightning_shardrec.planner.rates.step_estimate`).
 """
 
 from __future__ import annotations
