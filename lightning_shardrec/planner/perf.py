@@ -17,7 +17,8 @@ a shard of ``rows x cols`` holding the share ``f = rows / table_rows``:
   summed ``1/k`` goes to the sources as an all-to-all. Ranks of the host that hold no
   block of the piece pay nothing for it.
 - data_parallel: local lookups only; backward all-reduces the whole table gradient
-  (``rows*dim*4`` bytes) and the dense optimizer updates the whole table.
+  (``rows*dim*4`` bytes) and the dense optimizer updates the whole table (calibrated: both at
+  measured rates, ``allreduce_bw`` and ``dense_bw`` per table byte).
 
 All-to-all bytes are split by destination: ``1/W`` stay on the rank, ``(L-1)/W`` go to
 the other ranks of its host (intra-host link), the rest cross hosts (``L`` ranks per host).
@@ -25,8 +26,9 @@ Sequence tables (``EmbeddingConfig``) output one row per id instead of one per b
 so for them every output term scales with ``f``.
 
 With calibrated rates (``Topology(rates=...)``, :mod:`lightning_shardrec.planner.rates`) each
-shard's lookup also pays the kernel's fixed ``lookup_seconds``; the per-collective latency and
-the fixed step are per plan (:func:`~lightning_shardrec.planner.rates.step_estimate`).
+shard's lookup also pays the kernel's fixed ``lookup_seconds``, row_wise's reduce-scatter runs at
+the measured ``reduce_scatter_bw``; the fixed step, the calls counted from the plan and the further
+groups and tables are per plan (:func:`~lightning_shardrec.planner.rates.step_estimate`).
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ def _row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
     ids = w.global_batch * t.ids_per_sample * frac
     partial = w.global_batch * t.bags_per_sample * cols * OUT_BYTES
     scatter = 2 * partial * (topo.world_size - 1) / topo.world_size
-    return a2a_seconds(ids * ID_BYTES, topo) + _over(scatter, topo.comm_bw) + _compute(t, w, ids, cols)
+    bw = topo.comm_bw if topo.rates is None else topo.rates.reduce_scatter_bw
+    return a2a_seconds(ids * ID_BYTES, topo) + _over(scatter, bw) + _compute(t, w, ids, cols)
 
 
 def _table_row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
@@ -161,8 +164,9 @@ def _data_parallel(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
     dense_update = rows * (2 * cols * t.elem_bytes + 2 * w.state_per_row(cols) * STATE_BYTES)
     if topo.rates is None:
         return allreduce / topo.comm_bw + (lookup + dense_update) / topo.memory_bw
-    rates = topo.rates
-    return rates.lookup_seconds + allreduce / rates.allreduce_bw + (lookup + dense_update) / topo.memory_bw
+    rates = topo.rates  # measured: the all-reduce, and the dense gradient + optimizer step per table byte
+    table = rows * cols * t.elem_bytes
+    return rates.lookup_seconds + lookup / topo.memory_bw + allreduce / rates.allreduce_bw + table / rates.dense_bw
 
 
 PERF: dict[ShardingType, Callable[[TableSpec, Workload, int, int], float]] = {

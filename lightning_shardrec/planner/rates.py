@@ -6,31 +6,81 @@ it also charges what a measured step shows on a loaded CPU cluster:
 - ``memory_bw`` (bytes/s) and ``lookup_seconds`` (s per shard lookup + fused update, the
   kernel's fixed cost): a kernel step of ``n`` bytes takes ``lookup_seconds + n / memory_bw``,
   fitted over several table shapes;
-- ``intra_host_bw`` / ``inter_host_bw`` (bytes/s) of an all-to-all, and ``collective_seconds``
-  (s per collective call, the latency a small all-to-all shows);
-- ``allreduce_bw`` (bytes/s): a data-parallel gradient all-reduce (ring bytes ``2 (W-1)/W`` of it);
-- ``step_seconds`` (s): a measured step of a one-row table-wise model: the dense model and its
-  all-reduce, one lookup and the collectives of one sharding type; ``table_seconds`` (s) per
-  further table (each table's features are split, sent and pooled on every rank: Python per table).
+- ``intra_host_bw`` / ``inter_host_bw`` (bytes/s) of an all-to-all's bytes (the slope between two sizes,
+  slowed by as much as a wide tiny table's all-to-alls show inside a step);
+- ``reduce_scatter_bw`` (bytes/s): row_wise's reduce-scatter of the pooled partial and the all-gather
+  of its gradient, by the ``(W-1)/W`` of it that leaves a rank (gloo's are slower than an all-to-all);
+- ``allreduce_bw`` (bytes/s): what DDP's all-reduce of a replicated table's gradient adds to its step,
+  by ring bytes ``2 (W-1)/W`` of the table (bucketed, overlapping the backward);
+- ``dense_bw`` (table bytes/s): what a replicated table's step costs besides its all-reduce: its dense
+  gradient (the whole table) and the dense optimizer's update of the whole table, measured with adagrad;
+- ``step_seconds`` (s): a step of a tiny replicated table: the dense model, its all-reduce, the header
+  all-to-all and Python, no sharded group (:data:`BASE_CALLS`);
+- what a call costs inside a step (s), measured on tiny tables by the calls each group adds
+  (:data:`MECHANISM_CALLS`): ``collective_seconds`` per all-to-all (or further all-reduce),
+  ``host_call_seconds`` per in-host all-to-all, ``reduce_scatter_seconds`` per reduce-scatter or
+  all-gather. On a CPU a call waits for every rank to be scheduled, so these are far above an idle
+  all-to-all's latency;
+- ``group_seconds`` (s) per sharding group beyond the first (its output split and joined) and
+  ``table_seconds`` (s) per further table (each table's features are split, sent and pooled).
 
-:func:`step_estimate` adds the latency of the collectives of every further sharding type a plan
-uses (table_row_wise and grid_shard: also their holders' reduction).
+:func:`step_estimate` adds to the slowest rank's bytes and lookups the fixed step, the calls a plan
+makes beyond the fixed step's, counted per mechanism from its sharding types (:func:`step_calls`),
+each at its kind's in-step seconds, and the further groups and tables.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, astuple, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-#: collectives one sharding type issues per training step: ids (lengths, values), output, gradient
-COLLECTIVES_PER_TYPE = 4
-#: table_row_wise / grid_shard also reduce among the holders, forward and backward
-COLLECTIVES_HOLDERS = 2
-#: data_parallel tables: one gradient all-reduce per step
-COLLECTIVES_DATA_PARALLEL = 1
+if TYPE_CHECKING:
+    from lightning_shardrec.planner.topology import Topology
+
+#: DDP's gradient bucket (``bucket_cap_mb=25``): replicated tables' gradients join the dense all-reduce
+DDP_BUCKET_BYTES = 25 * 1024**2
+
+
+@dataclass(frozen=True)
+class Calls:
+    """Collective calls of one training step, by kind (``host_all_to_all``: on a host's group)."""
+
+    all_to_all: int = 0
+    host_all_to_all: int = 0
+    reduce_scatter: int = 0
+    all_gather: int = 0
+    all_reduce: int = 0
+
+    def __add__(self, other: Calls) -> Calls:
+        return Calls(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def __sub__(self, other: Calls) -> Calls:
+        return Calls(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    @property
+    def total(self) -> int:
+        return sum(astuple(self))
+
+
+#: Per mechanism (the sharding types one group runs together, ``distributed/sharding``), the calls it
+#: makes per step, counted in a step (``benchmarks/calibrate.py check``): ids in (lengths, values),
+#: the pooled output and its gradient; row_wise reduce-scatters the output and all-gathers its gradient;
+#: table_row_wise / grid_shard also reduce among a piece's holders inside the host, and back.
+#: data_parallel tables make none of their own: their gradient joins DDP's all-reduce.
+MECHANISM_CALLS: dict[frozenset[str], Calls] = {
+    frozenset({"table_wise", "column_wise"}): Calls(all_to_all=4),
+    frozenset({"row_wise"}): Calls(all_to_all=2, reduce_scatter=1, all_gather=1),
+    frozenset({"table_row_wise", "grid_shard"}): Calls(all_to_all=4, host_all_to_all=2),
+    frozenset({"data_parallel"}): Calls(),
+}
+#: per sharded collection and step: the header all-to-all (batch sizes, id counts)
+HEADER_CALLS = Calls(all_to_all=1)
+#: what the fixed step (``Rates.step_seconds``: a tiny replicated table) makes: the header and the dense
+#: model's all-reduce
+BASE_CALLS = HEADER_CALLS + Calls(all_reduce=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,10 +91,15 @@ class Rates:
     lookup_seconds: float
     intra_host_bw: float
     inter_host_bw: float
-    collective_seconds: float
+    reduce_scatter_bw: float
     allreduce_bw: float
-    step_seconds: float = 0.0
-    table_seconds: float = 0.0
+    dense_bw: float
+    step_seconds: float
+    collective_seconds: float
+    host_call_seconds: float
+    reduce_scatter_seconds: float
+    group_seconds: float
+    table_seconds: float
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -70,11 +125,7 @@ class Rates:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"Rates file {path}: unknown keys {unknown}; valid: {sorted(names)}")
-        missing = sorted(
-            f.name
-            for f in fields(cls)
-            if f.name not in data and f.name not in ("step_seconds", "table_seconds", "source")
-        )
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name != "source")
         if missing:
             raise ValueError(f"Rates file {path}: missing keys {missing}")
         return cls(**data)
@@ -89,17 +140,64 @@ def as_rates(rates: Rates | str | Path | None) -> Rates | None:
     raise TypeError(f"Topology: rates must be a Rates or a path to a rates file, got {type(rates).__name__}")
 
 
-def collectives(plan: Any) -> int:
-    """Collective calls a ``ShardingPlan`` issues per step beyond those of the fixed step (one sharding type's)."""
-    kinds = {ps.sharding_type.value for tables in plan.plan.values() for ps in tables.values()}
-    calls = COLLECTIVES_DATA_PARALLEL if "data_parallel" in kinds else 0
-    calls += COLLECTIVES_PER_TYPE * max(0, len(kinds - {"data_parallel"}) - 1)
-    calls += COLLECTIVES_HOLDERS * len(kinds & {"table_row_wise", "grid_shard"})
-    return calls
+def step_calls(plan: Any, local_world_size: int) -> Calls:
+    """The collective calls one training step of ``plan`` makes, by kind, from its sharding types and tables.
+
+    Per collection: the header and each mechanism's :data:`MECHANISM_CALLS` (the host all-to-alls
+    only with several ranks per host); DDP's all-reduce: one per :data:`DDP_BUCKET_BYTES` of
+    replicated tables, at least one (the dense model's).
+    """
+    calls, replicated = Calls(), 0
+    for tables in plan.plan.values():
+        kinds = {ps.sharding_type.value for ps in tables.values()}
+        calls += HEADER_CALLS
+        for types, made in MECHANISM_CALLS.items():
+            if kinds & types:
+                calls += made if local_world_size > 1 else replace(made, host_all_to_all=0)
+        for ps in tables.values():
+            if ps.sharding_type.value == "data_parallel":
+                rows, cols = ps.shards[0].shard_sizes
+                replicated += rows * cols * 4
+    return calls + Calls(all_reduce=max(1, math.ceil(replicated / DDP_BUCKET_BYTES)))
 
 
-def step_estimate(plan: Any, rates: Rates) -> float:
-    """Seconds per training step: the slowest rank's cost, the fixed step and the further collectives' latency."""
+def groups(plan: Any) -> int:
+    """Sharding groups a step runs: per collection, one per mechanism its tables use."""
+    return sum(
+        sum(1 for types in MECHANISM_CALLS if types & {ps.sharding_type.value for ps in tables.values()})
+        for tables in plan.plan.values()
+    )
+
+
+def collectives(plan: Any, local_world_size: int) -> Calls:
+    """The calls a ``ShardingPlan``'s step makes beyond the fixed step's (:data:`BASE_CALLS`); a kind may be < 0."""
+    return step_calls(plan, local_world_size) - BASE_CALLS
+
+
+def calls_seconds(calls: Calls, rates: Rates) -> float:
+    """``calls`` at their kinds' in-step seconds (a further all-reduce: an all-to-all's)."""
+    return (
+        (calls.all_to_all + calls.all_reduce) * rates.collective_seconds
+        + calls.host_all_to_all * rates.host_call_seconds
+        + (calls.reduce_scatter + calls.all_gather) * rates.reduce_scatter_seconds
+    )
+
+
+def step_estimate(plan: Any, topology: Topology) -> float:
+    """Seconds per training step of ``plan`` on ``topology`` (calibrated: ``Topology(rates=...)``).
+
+    The slowest rank's cost (``plan.stats.max_cost``), the fixed step, the calls beyond the fixed
+    step's (:func:`collectives`, :func:`calls_seconds`), and the further groups and tables.
+    """
+    rates = topology.rates
+    if rates is None:
+        raise ValueError(
+            "step_estimate: the topology has no measured rates; build it with Topology(..., rates='rates.json') "
+            "(benchmarks/calibrate.py measure writes the file)"
+        )
     tables = sum(len(t) for t in plan.plan.values())
-    fixed = rates.step_seconds + rates.table_seconds * max(0, tables - 1)
-    return float(plan.stats.max_cost) + fixed + rates.collective_seconds * collectives(plan)
+    fixed = (
+        rates.step_seconds + rates.table_seconds * max(0, tables - 1) + rates.group_seconds * max(0, groups(plan) - 1)
+    )
+    calls = calls_seconds(collectives(plan, topology.world_size // topology.num_hosts), rates)
+    return float(plan.stats.max_cost) + fixed + calls

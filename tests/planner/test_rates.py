@@ -18,7 +18,15 @@ from lightning_shardrec.planner import (
     shard_perf,
     step_estimate,
 )
-from lightning_shardrec.planner.rates import COLLECTIVES_HOLDERS, COLLECTIVES_PER_TYPE, collectives
+from lightning_shardrec.planner.rates import (
+    BASE_CALLS,
+    DDP_BUCKET_BYTES,
+    Calls,
+    calls_seconds,
+    collectives,
+    groups,
+    step_calls,
+)
 from lightning_shardrec.planner.tables import find_tables, table_specs
 
 RATES = Rates(
@@ -26,9 +34,14 @@ RATES = Rates(
     lookup_seconds=1e-4,
     intra_host_bw=6e8,
     inter_host_bw=2.5e8,
-    collective_seconds=5e-4,
+    reduce_scatter_bw=2e8,
     allreduce_bw=4e8,
+    dense_bw=3e8,
     step_seconds=5e-3,
+    collective_seconds=5e-4,
+    host_call_seconds=7e-4,
+    reduce_scatter_seconds=2e-3,
+    group_seconds=3e-3,
     table_seconds=2e-4,
     source="test",
 )
@@ -44,9 +57,14 @@ def ebc() -> EmbeddingBagCollection:
     )
 
 
-def plan(kinds: dict[str, str], rates: Rates | None = RATES):
-    topo = Topology(4, compute_device="cpu", local_world_size=2, rates=rates)
-    cons = {t: ParameterConstraints(sharding_types=[k], pooling_factors=[4.0]) for t, k in kinds.items()}
+def plan(kinds: dict[str, str], rates: Rates | None = RATES, local: int = 2):
+    topo = Topology(4, compute_device="cpu", local_world_size=local, rates=rates)
+    cons = {
+        t: ParameterConstraints(
+            sharding_types=[k], compute_kernels=["dense"] if k == "data_parallel" else None, pooling_factors=[4.0]
+        )
+        for t, k in kinds.items()
+    }
     return EmbeddingShardingPlanner(topo, batch_size=64, constraints=cons).plan(ebc())
 
 
@@ -72,7 +90,8 @@ def test_without_rates_the_cost_model_is_unchanged() -> None:
 
 def test_calibrated_shard_cost_adds_the_kernel_fixed_cost() -> None:
     spec = table_specs(find_tables(ebc()), {}, 4)[0]
-    same_bw = replace(RATES, memory_bw=Topology(4, compute_device="cpu").ddr_bw)
+    # the default memory rate, and row_wise's output at the between-host rate the default model charges
+    same_bw = replace(RATES, memory_bw=Topology(4, compute_device="cpu").ddr_bw, reduce_scatter_bw=2.5e8)
     base = Workload(
         topology=Topology(4, compute_device="cpu", local_world_size=2, intra_host_bw=6e8, inter_host_bw=2.5e8),
         batch_size=64,
@@ -81,27 +100,98 @@ def test_calibrated_shard_cost_adds_the_kernel_fixed_cost() -> None:
     for kind in (ShardingType.TABLE_WISE, ShardingType.ROW_WISE):
         got = shard_perf(spec, calibrated, kind, spec.rows, spec.dim)
         assert got == pytest.approx(shard_perf(spec, base, kind, spec.rows, spec.dim) + RATES.lookup_seconds)
-    # data_parallel: the all-reduce runs at the measured all-reduce rate
-    dp = shard_perf(spec, calibrated, ShardingType.DATA_PARALLEL, spec.rows, spec.dim)
-    slower = Workload(
-        topology=Topology(4, compute_device="cpu", local_world_size=2, rates=replace(same_bw, allreduce_bw=2e8)),
+    # row_wise: the reduce-scatter of the pooled partial and its all-gather at the measured rate
+    slow_rs = Workload(
+        topology=Topology(4, compute_device="cpu", local_world_size=2, rates=replace(same_bw, reduce_scatter_bw=1e8)),
         batch_size=64,
     )
-    ring = 2 * 3 / 4 * spec.rows * spec.dim * 4
-    assert shard_perf(spec, slower, ShardingType.DATA_PARALLEL, spec.rows, spec.dim) - dp == pytest.approx(
-        ring / 2e8 - ring / 4e8
+    partial = 4 * 64 * 1 * spec.dim * 4  # [global batch, dim] fp32
+    rs = shard_perf(spec, calibrated, ShardingType.ROW_WISE, spec.rows // 4, spec.dim)
+    assert shard_perf(spec, slow_rs, ShardingType.ROW_WISE, spec.rows // 4, spec.dim) - rs == pytest.approx(
+        2 * partial * 3 / 4 * (1 / 1e8 - 1 / 2.5e8)
     )
 
 
-def test_step_estimate_counts_the_further_collectives_and_tables() -> None:
+def test_data_parallel_cost_follows_the_table_size_and_the_measured_rates() -> None:
+    """A replicated table: lookup, the ring all-reduce of its gradient, and its dense update, each at its rate."""
+    spec = table_specs(find_tables(ebc()), {}, 4)[0]  # 10_000 x 64
+    work = Workload(topology=Topology(4, compute_device="cpu", local_world_size=2, rates=RATES), batch_size=64)
+    table = spec.rows * spec.dim * 4
+    ids = 64 * spec.ids_per_sample  # this rank's batch only
+    expected = (
+        RATES.lookup_seconds
+        + 2 * ids * spec.dim * 4 / RATES.memory_bw
+        + 2 * 3 / 4 * table / RATES.allreduce_bw
+        + table / RATES.dense_bw
+    )
+    assert shard_perf(spec, work, ShardingType.DATA_PARALLEL, spec.rows, spec.dim) == pytest.approx(expected)
+    # twice the rows: the all-reduce and the dense update double, the lookup does not
+    twice = shard_perf(spec, work, ShardingType.DATA_PARALLEL, 2 * spec.rows, spec.dim)
+    assert twice - expected == pytest.approx(2 * 3 / 4 * table / RATES.allreduce_bw + table / RATES.dense_bw)
+
+
+@pytest.mark.parametrize(
+    ("kinds", "calls"),
+    [
+        # one mechanism: the header, its four all-to-alls (ids: lengths + values; output and gradient), DDP's
+        ({"t0": "table_wise", "t1": "column_wise", "t2": "table_wise"}, Calls(all_to_all=5, all_reduce=1)),
+        # row_wise: ids by all-to-all, the output reduce-scattered and its gradient all-gathered
+        (
+            {"t0": "row_wise", "t1": "row_wise", "t2": "row_wise"},
+            Calls(all_to_all=3, reduce_scatter=1, all_gather=1, all_reduce=1),
+        ),
+        # table_row_wise and grid_shard share one mechanism: + the holders' two in-host all-to-alls
+        (
+            {"t0": "grid_shard", "t1": "table_row_wise", "t2": "table_row_wise"},
+            Calls(all_to_all=5, host_all_to_all=2, all_reduce=1),
+        ),
+        # three mechanisms; data_parallel tables only join DDP's all-reduce
+        (
+            {"t0": "row_wise", "t1": "table_wise", "t2": "data_parallel"},
+            Calls(all_to_all=7, reduce_scatter=1, all_gather=1, all_reduce=1),
+        ),
+        (dict.fromkeys(("t0", "t1", "t2"), "data_parallel"), Calls(all_to_all=1, all_reduce=1)),
+    ],
+)
+def test_step_calls_are_derived_per_mechanism_from_the_plan(kinds: dict[str, str], calls: Calls) -> None:
+    p = plan(kinds)
+    assert step_calls(p, 2) == calls
+    assert collectives(p, 2) == calls - BASE_CALLS == calls - Calls(all_to_all=1, all_reduce=1)
+
+
+def test_host_all_to_alls_need_several_ranks_per_host_and_replicated_tables_fill_ddp_buckets() -> None:
+    one_per_host = plan(dict.fromkeys(("t0", "t1", "t2"), "table_row_wise"), local=1)
+    assert step_calls(one_per_host, 1) == Calls(all_to_all=5, all_reduce=1)
+    big = EmbeddingBagCollection(
+        [EmbeddingBagConfig(num_embeddings=300_000, embedding_dim=64, name="big", feature_names=["f"])], device="meta"
+    )
+    topo = Topology(4, compute_device="cpu", local_world_size=2, rates=RATES)
+    cons = {"big": ParameterConstraints(sharding_types=["data_parallel"], compute_kernels=["dense"])}
+    p = EmbeddingShardingPlanner(topo, batch_size=64, constraints=cons).plan(big)
+    assert -(-300_000 * 64 * 4 // DDP_BUCKET_BYTES) == 3
+    assert step_calls(p, 2) == Calls(all_to_all=1, all_reduce=3)
+
+
+def test_step_estimate_adds_the_fixed_step_calls_groups_and_tables() -> None:
+    topo = Topology(4, compute_device="cpu", local_world_size=2, rates=RATES)
     one_type = plan({"t0": "table_wise", "t1": "table_wise", "t2": "table_wise"})
-    assert collectives(one_type) == 0
-    assert step_estimate(one_type, RATES) == pytest.approx(one_type.stats.max_cost + 5e-3 + 2 * 2e-4)
+    assert groups(one_type) == 1
+    # beyond the fixed step: table-wise's 4 all-to-alls; 2 further tables
+    assert step_estimate(one_type, topo) == pytest.approx(one_type.stats.max_cost + 5e-3 + 4 * 5e-4 + 2 * 2e-4)
     mixed = plan({"t0": "table_row_wise", "t1": "row_wise", "t2": "table_wise"})
-    assert collectives(mixed) == 2 * COLLECTIVES_PER_TYPE + COLLECTIVES_HOLDERS
-    assert step_estimate(mixed, RATES) == pytest.approx(
-        mixed.stats.max_cost + 5e-3 + 2 * 2e-4 + RATES.collective_seconds * collectives(mixed)
+    assert groups(mixed) == 3
+    beyond = collectives(mixed, 2)
+    assert beyond == Calls(all_to_all=2 + 4 + 4, host_all_to_all=2, reduce_scatter=1, all_gather=1)
+    assert calls_seconds(beyond, RATES) == pytest.approx(10 * 5e-4 + 2 * 7e-4 + 2 * 2e-3)
+    assert step_estimate(mixed, topo) == pytest.approx(
+        mixed.stats.max_cost + 5e-3 + calls_seconds(beyond, RATES) + 2 * 3e-3 + 2 * 2e-4
     )
+    # a replicated-only plan makes no call beyond the fixed step's (whose table is replicated)
+    replicated = plan(dict.fromkeys(("t0", "t1", "t2"), "data_parallel"))
+    assert collectives(replicated, 2) == Calls()
+    assert step_estimate(replicated, topo) == pytest.approx(replicated.stats.max_cost + 5e-3 + 2 * 2e-4)
+    with pytest.raises(ValueError, match=r"step_estimate: the topology has no measured rates; build it with"):
+        step_estimate(mixed, Topology(4, compute_device="cpu", local_world_size=2))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,193 @@
+"""``calibrate.py check``'s results: per plan the estimate, the measured step and the counted calls; the
+docs section (table, ranking with ties, counts) and the scatter plot."""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, fields
+from pathlib import Path
+
+from _calibrate_runs import BATCH, LOCAL, POOLING, TABLES, WORLD, Measured
+from _comm_count import Tally
+
+from lightning_shardrec.planner import Rates
+from lightning_shardrec.planner.rates import Calls
+
+SECTION = "## Cost model against measured steps"
+#: the counter's ``kind@group`` -> the cost model's :class:`Calls` field
+CALL_KIND = {
+    "all_to_all@world": "all_to_all",
+    "all_to_all@host": "host_all_to_all",
+    "reduce_scatter@world": "reduce_scatter",
+    "all_gather@world": "all_gather",
+    "all_reduce@world": "all_reduce",
+    "ddp_all_reduce@world": "all_reduce",
+}
+
+
+def as_calls(tally: dict[str, Tally]) -> Calls:
+    """A counted step as :class:`Calls`; a kind the model has no field for is named."""
+    out = dict.fromkeys((f.name for f in fields(Calls)), 0)
+    for kind, t in tally.items():
+        if kind not in CALL_KIND:
+            raise ValueError(f"counted collective {kind!r} has no place in the cost model's Calls")
+        out[CALL_KIND[kind]] += t.calls
+    return Calls(**out)
+
+
+def calls_text(c: Calls) -> str:
+    """``5 a2a + 2 host + 1 RS + 1 AG + 1 AR`` (non-zero kinds)."""
+    short = ("a2a", "host a2a", "RS", "AG", "AR")
+    return " + ".join(f"{n} {s}" for n, s in zip(astuple(c), short, strict=True) if n) or "none"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One plan: its estimate (s), measured step, calls counted in a step and derived from the plan."""
+
+    name: str
+    estimate: float
+    measured: Measured
+    counted: Calls
+    modeled: Calls
+    same_as: str | None = None  # an earlier plan with the identical layout
+
+    @property
+    def error(self) -> float:
+        return self.estimate / self.measured.seconds - 1
+
+
+def order_agreement(rows: list[Row]) -> tuple[int, int, list[tuple[str, str]]]:
+    """Pairs whose measured round ranges do not overlap: how many the estimate orders the same, of how many;
+    and the pairs within the measured spread (no order claimed)."""
+    agree = clear = 0
+    ties = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1 :]:
+            if a.same_as == b.name or b.same_as == a.name:
+                continue
+            if a.measured.hi < b.measured.lo or b.measured.hi < a.measured.lo:
+                clear += 1
+                agree += (a.measured.seconds < b.measured.seconds) == (a.estimate < b.estimate)
+            else:
+                ties.append((a.name, b.name))
+    return agree, clear, ties
+
+
+def ranks(values: list[float]) -> list[int]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0] * len(values)
+    for r, i in enumerate(order):
+        out[i] = r + 1
+    return out
+
+
+def report(
+    rows: list[Row], fixed: Measured, rates: Rates, load: str, steps: int, rounds: int, plot: Path | None
+) -> str:
+    er, mr = ranks([r.estimate for r in rows]), ranks([r.measured.seconds for r in rows])
+    lines = [
+        SECTION,
+        "",
+        "Calibrate, then check (about 2 minutes on 2 cores; run on a quiet machine):",
+        "",
+        "```",
+        "python benchmarks/calibrate.py measure --out rates.json",
+        "python benchmarks/calibrate.py check --rates rates.json \\",
+        "    --write-docs docs/planner.md --plot docs/img/planner_calibration.png",
+        "```",
+        "",
+        "`Topology(..., rates='rates.json')` (or a `Rates`) opts in; without it the planner and its plans are "
+        "unchanged. The file's bandwidths replace the defaults; each shard's lookup also pays the kernel's "
+        "fixed `lookup_seconds`; row-wise outputs run at the measured reduce-scatter rate; a replicated table "
+        "pays its all-reduce and its dense gradient and update at measured rates. `step_estimate(plan, topology)` "
+        "adds to the slowest rank's cost the fixed step (a tiny replicated table: the dense model, its all-reduce, "
+        "the header), the calls the plan makes beyond the fixed step's, each at its kind's in-step seconds "
+        "(`step_calls`: counted per mechanism, derived from the plan's sharding types), and the further groups "
+        "and tables. The in-step seconds per call kind come from tiny-table steps, one per mechanism, divided by "
+        "the calls the mechanism adds.",
+        "",
+        f"Rates: {rates.source}; {load}. Kernel {rates.memory_bw / 1e9:.2f} GB/s "
+        f"+ {rates.lookup_seconds * 1e3:.3f} ms per lookup; all-to-all in-host {rates.intra_host_bw / 1e9:.2f} GB/s, "
+        f"between hosts {rates.inter_host_bw / 1e9:.2f} GB/s; reduce-scatter {rates.reduce_scatter_bw / 1e9:.2f} GB/s; "
+        f"all-reduce {rates.allreduce_bw / 1e9:.2f} GB/s; replicated table gradient and update "
+        f"{rates.dense_bw / 1e9:.2f} GB/s of table. In a step: fixed step {rates.step_seconds * 1e3:.2f} ms, "
+        f"{rates.collective_seconds * 1e3:.2f} ms per all-to-all, {rates.host_call_seconds * 1e3:.2f} ms per "
+        f"in-host all-to-all, {rates.reduce_scatter_seconds * 1e3:.2f} ms per reduce-scatter or all-gather, "
+        f"{rates.group_seconds * 1e3:.2f} ms per further group, {rates.table_seconds * 1e3:.2f} ms per further table.",
+        "",
+        f"Model: {len(TABLES)} tables ({', '.join(f'{n}x{d}' for n, d in TABLES.values())}), pooling {POOLING}, "
+        f"batch {BATCH} per rank, adagrad, {WORLD // LOCAL} hosts x {LOCAL} gloo ranks (pretend hosts, one "
+        "machine). Layouts (`benchmarks/_calibrate_runs.py`): column_wise cuts 16-wide pieces over the ranks; "
+        "table_row_wise row-blocks each table over the 2 ranks of one host; grid_shard cuts the 64-wide tables "
+        "in two column halves, each row-blocked over one host (the others as table_row_wise); mixed has the two "
+        "large tables row_wise, the middle two table_wise and the small two data_parallel; planner is the "
+        "planner's own choice.",
+        "",
+        f"Measured: the plans run interleaved in {rounds} rounds of {steps} steps; a step is the slowest rank's; "
+        "the figure is the median over rounds of each round's median step, the range is the rounds' "
+        "lowest and highest. Calls: counted in one step (`benchmarks/_comm_count.py`: a2a all-to-all, "
+        "host a2a on a host's group, RS reduce-scatter, AG all-gather, AR all-reduce incl. DDP's) "
+        "and derived from the plan by the model (`step_calls`).",
+        "",
+        "| plan | estimated ms | measured ms | rounds' range | error | rank est. | rank meas. "
+        "| calls counted | model |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r, a, b in zip(rows, er, mr, strict=True):
+        m = r.measured
+        name = r.name if r.same_as is None else f"{r.name} (= {r.same_as})"
+        model = "same" if r.modeled == r.counted else calls_text(r.modeled)
+        lines.append(
+            f"| {name} | {r.estimate * 1e3:.2f} | {m.seconds * 1e3:.2f} | {m.lo * 1e3:.2f}-{m.hi * 1e3:.2f} "
+            f"| {r.error:+.0%} | {a} | {b} | {calls_text(r.counted)} | {model} |"
+        )
+    within = sum(abs(r.error) <= 0.25 for r in rows)
+    agree, clear, ties = order_agreement(rows)
+    counts_ok = sum(r.modeled == r.counted for r in rows)
+    lines += [
+        "",
+        f"{within} of {len(rows)} plans within 25%. Order: of the {clear} pairs of distinct plans whose measured "
+        f"ranges do not overlap, the estimate orders {agree} the same way; "
+        + (
+            f"{len(ties)} pairs lie within the run-to-run spread (no order claimed): "
+            + ", ".join(f"{a}/{b}" for a, b in ties)
+            if ties
+            else "no pair lies within the spread"
+        )
+        + f". Calls: the model's count equals the counted one for {counts_ok} of {len(rows)} plans.",
+        "",
+        f"The fixed step took {rates.step_seconds * 1e3:.2f} ms in `measure` and "
+        f"{fixed.seconds * 1e3:.2f} ms ({fixed.lo * 1e3:.2f}-{fixed.hi * 1e3:.2f}) in these rounds: "
+        f"{fixed.seconds / rates.step_seconds - 1:+.0%}, the drift of the machine's load between the two commands.",
+    ]
+    if plot is not None:
+        lines += ["", f"![estimated vs measured step time]({Path('img') / plot.name})"]
+    return "\n".join(lines) + "\n"
+
+
+def scatter(rows: list[Row], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5.5))
+    ms = [r.measured.seconds * 1e3 for r in rows]
+    es = [r.estimate * 1e3 for r in rows]
+    markers = "osD^v<>phX*"
+    for i, r in enumerate(rows):  # one marker per plan, named in the legend (the close ones overlap)
+        m = r.measured
+        err = [[(m.seconds - m.lo) * 1e3], [(m.hi - m.seconds) * 1e3]]
+        label = f"{r.name} ({r.error:+.0%})" if r.same_as is None else f"{r.name} (= {r.same_as})"
+        ax.errorbar(ms[i], es[i], xerr=err, fmt=markers[i % len(markers)], capsize=3, label=label)
+    a, b = min(ms + es) * 0.7, max(ms + es) * 1.4
+    ax.plot([a, b], [a, b], "k--", lw=0.8)
+    ax.fill_between([a, b], [a * 0.75, b * 0.75], [a * 1.25, b * 1.25], alpha=0.15, label="within 25%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    ax.set_xlabel("measured ms / step (bars: rounds' range)")
+    ax.set_ylabel("estimated ms / step")
+    ax.set_title(title, fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
