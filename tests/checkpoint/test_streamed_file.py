@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 import zipfile
 import zlib
 
@@ -101,22 +99,6 @@ def test_fill_refuses_what_does_not_fit(tmp_path):
     assert torch.equal(torch.load(tmp_path / "f.ckpt", weights_only=True)["w"], torch.ones(4, 2))
 
 
-def _unzip_test(path):
-    """``unzip -t``'s verdict on ``path`` (its output), or None without the binary."""
-    if shutil.which("unzip") is None:
-        return None
-    done = subprocess.run(["unzip", "-t", str(path)], capture_output=True, text=True)
-    return done.returncode, done.stdout
-
-
-def _assert_valid_zip(path):
-    assert zipfile.ZipFile(path).testzip() is None
-    verdict = _unzip_test(path)
-    if verdict is None:
-        pytest.skip("no unzip binary: zipfile's testzip passed, unzip -t not run")
-    assert verdict[0] == 0 and "No errors detected" in verdict[1], verdict[1]
-
-
 def _no_read_back(monkeypatch):
     def refuse(*args):
         raise AssertionError("a record filled in order was read back for its CRC-32")
@@ -146,7 +128,7 @@ def _fill_in_bands(stream, fills, band, order=lambda bands: bands):
 
 
 @pytest.mark.parametrize("band", [1, 5, 100])
-def test_reserved_records_filled_in_bands_carry_their_zip_crc32(tmp_path, monkeypatch, band):
+def test_reserved_records_filled_in_bands_carry_their_zip_crc32(tmp_path, monkeypatch, valid_zip, band):
     """Each band's bytes feed the record's running CRC-32: no read back, and zip tools pass the file."""
     _no_read_back(monkeypatch)
     fills, want = {}, {}
@@ -162,7 +144,7 @@ def test_reserved_records_filled_in_bands_carry_their_zip_crc32(tmp_path, monkey
     archive = zipfile.ZipFile(tmp_path / "o.ckpt")
     f16 = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
     assert f16.CRC == zlib.crc32(want["f16"].numpy().tobytes()) != 0
-    _assert_valid_zip(tmp_path / "o.ckpt")
+    valid_zip(tmp_path / "o.ckpt")
 
 
 def test_reserved_file_is_byte_for_byte_torch_save_layout(tmp_path):
@@ -196,7 +178,7 @@ def test_reserved_file_is_byte_for_byte_torch_save_layout(tmp_path):
     assert all(i in allowed or i in allowed_crc for i in differ), differ
 
 
-def test_records_filled_out_of_order_are_read_back_for_their_crc32(tmp_path, monkeypatch):
+def test_records_filled_out_of_order_are_read_back_for_their_crc32(tmp_path, monkeypatch, valid_zip):
     """Bands in reverse, one band written twice, a record never filled: read back in (7-byte) chunks."""
     monkeypatch.setattr(zip_crc, "CHUNK_BYTES", 7)
     read_back = []
@@ -219,10 +201,10 @@ def test_records_filled_out_of_order_are_read_back_for_their_crc32(tmp_path, mon
     save_streamed(tmp_path / "r.ckpt", write, fill)
     assert sorted(read_back) == [11, 36, 21 * 2, 13 * 4]  # u8, unfilled (9 fp32 zeros), f16, f32
     torch.testing.assert_close(torch.load(tmp_path / "r.ckpt", weights_only=True)["t"], want, rtol=0, atol=0)
-    _assert_valid_zip(tmp_path / "r.ckpt")
+    valid_zip(tmp_path / "r.ckpt")
 
 
-def test_a_flipped_byte_is_named_by_the_zip_check(tmp_path):
+def test_a_flipped_byte_is_named_by_the_zip_check(tmp_path, unzip_t):
     fills = {}
     save_streamed(tmp_path / "m.ckpt", lambda stream: _odd(stream, fills)[0], lambda s: _fill_in_bands(s, fills, 4))
     with zipfile.ZipFile(tmp_path / "m.ckpt") as archive:
@@ -232,7 +214,7 @@ def test_a_flipped_byte_is_named_by_the_zip_check(tmp_path):
     raw[at + 17] ^= 0x01
     (tmp_path / "m.ckpt").write_bytes(raw)
     assert zipfile.ZipFile(tmp_path / "m.ckpt").testzip() == info.filename
-    verdict = _unzip_test(tmp_path / "m.ckpt")
+    verdict = unzip_t(tmp_path / "m.ckpt")
     if verdict is not None:
         assert verdict[0] != 0 and re.search(rf"{re.escape(info.filename)}\s+bad CRC", verdict[1]), verdict[1]
 
