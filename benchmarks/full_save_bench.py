@@ -1,6 +1,6 @@
 """Memory of a full-format save: each rank's peak over fit during ``save_checkpoint`` (issue 29).
 
-    python benchmarks/full_save_bench.py [--rows 6000000] [--tables 2] [--label after]
+    python benchmarks/full_save_bench.py [--rows 6000000] [--tables 2] [--label after] [--rounds 3]
 
 The model of ``trainer_memory_bench.py`` (``--tables`` tables of ``rows x 16`` fp32, Adagrad, so the
 fused state is as large as the tables), built under ``trainer.init_module()``, row-wise on 2 ranks
@@ -9,6 +9,10 @@ through ``Trainer(strategy=ShardRecStrategy(checkpoint_format="full"))``; after 
 state), the save's peak (``VmHWM`` restarted after fit) over the resident memory after fit, next
 to the largest single tensor the file holds (one table's weight, ``rows x 16 x 4`` bytes). Prints
 a markdown table row per rank (``--label`` names the code measured, e.g. ``before``/``after``).
+
+``--rounds N`` then times ``save_checkpoint`` (rank 0's wall clock, after a barrier) N times with the
+zip CRC-32s written and N times without (``torch.serialization.set_crc32_options(False)``), in turns
+(on/off, then off/on) in the same processes, and prints each one's median and the paired ratio.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +31,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_memory_bench import MIB, Meter, _cpu, _model  # noqa: E402
 
 
-def run_rank(rank: int, world: int, rows: int, tables: int, path: str) -> dict[str, Any]:
+def _timed_saves(trainer: Any, path: str, rounds: int) -> dict[str, list[float]]:
+    """Seconds of ``trainer.save_checkpoint(path)`` with and without zip CRC-32s, ``rounds`` each, in turns."""
+    import torch
+
+    times: dict[str, list[float]] = {"crc": [], "no_crc": []}
+    try:
+        for r in range(rounds):
+            for crc in (True, False) if r % 2 == 0 else (False, True):
+                torch.serialization.set_crc32_options(crc)
+                trainer.strategy.barrier()
+                start = time.perf_counter()
+                trainer.save_checkpoint(path)
+                times["crc" if crc else "no_crc"].append(time.perf_counter() - start)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    return times
+
+
+def run_rank(rank: int, world: int, rows: int, tables: int, path: str, rounds: int = 0) -> dict[str, Any]:
     import lightning as L
     import torch
 
@@ -53,7 +77,8 @@ def run_rank(rank: int, world: int, rows: int, tables: int, path: str) -> dict[s
         held += sum(w.numel() * w.element_size() for shards in coll.local_shards().values() for _, w in shards)
         for states in coll.local_states().values():
             held += sum(x.numel() * x.element_size() for _, s in states for x in s.values())
-    return {"held": held, "save_peak": meter.phases["save"][0], "size": os.path.getsize(path) if rank == 0 else 0}
+    size = os.path.getsize(path) if rank == 0 else 0
+    return {"held": held, "save_peak": meter.phases["save"][0], "size": size, "times": _timed_saves(t, path, rounds)}
 
 
 def main() -> None:
@@ -61,12 +86,13 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=6_000_000)
     p.add_argument("--tables", type=int, default=2)
     p.add_argument("--label", default="this tree")
+    p.add_argument("--rounds", type=int, default=0, help="then time N saves with and N without zip CRC-32s")
     args = p.parse_args()
     from lightning_shardrec.testing import run_ranks
 
     root = Path(tempfile.mkdtemp(prefix="shardrec_full_save_"))
     try:
-        ranks = run_ranks(run_rank, 2, args.rows, args.tables, str(root / "full.ckpt"), timeout=1800)
+        ranks = run_ranks(run_rank, 2, args.rows, args.tables, str(root / "full.ckpt"), args.rounds, timeout=1800)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     tensor = args.rows * 16 * 4
@@ -80,6 +106,15 @@ def main() -> None:
             if r == 0
             else f"| {args.label} | {r} | {res['held'] / MIB:.0f} MiB | | {res['save_peak'] / MIB:.1f} MiB | |"
         )
+
+    times = ranks[0]["times"]
+    if times["crc"]:
+        ratios = [a / b for a, b in zip(times["crc"], times["no_crc"], strict=True)]
+        print(f"\nsave_checkpoint on rank 0, {args.rounds} rounds each, in turns (seconds: median, min-max)")
+        print("| zip CRC-32s written | not written | paired ratio written/not |")
+        print("|---|---|---|")
+        on, off = (f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for v in (times["crc"], times["no_crc"]))
+        print(f"| {on} | {off} | {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |")
 
 
 if __name__ == "__main__":
