@@ -32,6 +32,7 @@ from lightning_shardrec.checkpoint.atomic import clean_stale, commit, remove_pat
 from lightning_shardrec.checkpoint.zip_crc import RunningCrc, crc_of_range, patch_crcs
 
 _PROTOCOL = 2  # torch.save's default pickle protocol
+_CHUNK = 1 << 20  # bytes :meth:`StreamedFile.fill` writes, then sums into the CRC-32, at a time
 
 
 class _StorageRef:
@@ -136,12 +137,14 @@ class StreamedFile:
             )
         fd = self._open_for_fill()
         raw = values.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        view, at = raw.data, self._offsets[stored.ref.key] + first * _itemsize(values.dtype)
-        if self._crcs is not None:
-            self._crcs[stored.ref.key].update(first * _itemsize(values.dtype), view)
-        while view:
-            written = os.pwrite(fd, view, at)
-            view, at = view[written:], at + written
+        view, start = raw.data, first * _itemsize(values.dtype)
+        running = None if self._crcs is None else self._crcs[stored.ref.key]
+        at = self._offsets[stored.ref.key] + start
+        while view:  # a chunk at a time: its CRC-32 read from the cache the write just filled
+            written = os.pwrite(fd, view[:_CHUNK], at)
+            if running is not None:
+                running.update(start, view[:written])
+            view, at, start = view[written:], at + written, start + written
 
     def write_crcs(self) -> None:
         """Write every reserved record's zip CRC-32 into the closed archive (after the last :meth:`fill`).
