@@ -1,6 +1,10 @@
-"""Shared pytest setup: deterministic seeds, one intra-op thread (2-core CI), a private kernel cache."""
+"""Shared pytest setup: deterministic seeds, one intra-op thread (2-core CI), a private kernel cache; zip checks."""
 
 import os
+import shutil
+import subprocess
+import zipfile
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,3 +23,31 @@ def _kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def unzip_t() -> Callable[[object], tuple[int, str] | None]:
+    """``unzip -t`` on a file: its exit code and output, or None where the binary is missing."""
+
+    def run(path: object) -> tuple[int, str] | None:
+        if shutil.which("unzip") is None:
+            return None
+        done = subprocess.run(["unzip", "-t", str(path)], capture_output=True, text=True, check=False)
+        return done.returncode, done.stdout
+
+    return run
+
+
+@pytest.fixture
+def valid_zip(unzip_t: Callable[[object], tuple[int, str] | None]) -> Callable[[object], None]:
+    """Check that a file is a sound zip archive: zipfile's ``testzip`` and (where it exists) ``unzip -t`` pass it."""
+
+    def check(path: object) -> None:
+        with zipfile.ZipFile(str(path)) as archive:
+            assert archive.testzip() is None, f"{path}: bad CRC-32 in {archive.testzip()}"
+        verdict = unzip_t(path)
+        if verdict is None:
+            pytest.skip(f"no unzip binary: zipfile's testzip passed {path}, unzip -t was not run")
+        assert verdict[0] == 0 and "No errors detected" in verdict[1], verdict[1]
+
+    return check

@@ -6,7 +6,9 @@
 object itself (stand-ins, ordinary tensors, anything else ``torch.save`` takes) is pickled last,
 in :meth:`~StreamedFile.close`. A tensor too big to hold whole gets its room in the archive
 instead (:meth:`~StreamedFile.reserve`, no bytes), filled piece by piece once the archive is
-closed (:meth:`~StreamedFile.fill`). The archive is torch's own (``torch.serialization``'s zip
+closed (:meth:`~StreamedFile.fill`); :meth:`~StreamedFile.write_crcs` then writes their zip CRC-32s
+(followed as the pieces are written, :mod:`~lightning_shardrec.checkpoint.zip_crc`), so the file
+is an ordinary zip archive that ``unzip -t`` passes. The archive is torch's own (``torch.serialization``'s zip
 writer, the same records and pickle as ``torch.save``), so ``torch.load`` (``weights_only``,
 ``mmap``) and ``LightningModule.load_from_checkpoint`` read it unchanged.
 """
@@ -27,8 +29,10 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.checkpoint.atomic import clean_stale, commit, remove_path, staging_path
+from lightning_shardrec.checkpoint.zip_crc import RunningCrc, crc_of_range, patch_crcs
 
 _PROTOCOL = 2  # torch.save's default pickle protocol
+_CHUNK = 1 << 20  # bytes :meth:`StreamedFile.fill` writes, then sums into the CRC-32, at a time
 
 
 class _StorageRef:
@@ -79,6 +83,7 @@ class StreamedFile:
         self._reserved: dict[str, Stored] = {}  # record key -> stand-in, for reserve() / fill()
         self._offsets: dict[str, int] = {}  # record key -> its data's offset in the file (once closed)
         self._fd: int | None = None  # for fill()
+        self._crcs: dict[str, RunningCrc] | None = {} if torch.serialization.get_crc32_options() else None
 
     def _write(self, storage: torch.UntypedStorage) -> str:
         key = str(self._count)
@@ -101,19 +106,25 @@ class StreamedFile:
 
         torch's writer writes a record from one buffer; a reserved record (``write_record_metadata``,
         what ``torch.serialization.skip_data`` saves with) takes its bytes later, so the tensor
-        never needs to be whole in memory. Its zip CRC-32 is left 0, as in files saved with
-        ``torch.serialization.set_crc32_options(False)``: ``torch.load`` (``mmap`` too) reads it,
-        a zip tool's integrity check reports it.
+        never needs to be whole in memory. Its zip CRC-32 is written by :meth:`write_crcs`
+        (left 0 under ``torch.serialization.set_crc32_options(False)``, like torch's own records).
         """
         key = str(self._count)
         self._count += 1
         stored = Stored(key, dtype, shape)
-        self._zip.write_record_metadata(f"data/{key}", stored.ref.numel * _itemsize(dtype))
+        nbytes = stored.ref.numel * _itemsize(dtype)
+        self._zip.write_record_metadata(f"data/{key}", nbytes)
         self._reserved[key] = stored
+        if self._crcs is not None:
+            self._crcs[key] = RunningCrc(nbytes)
         return stored
 
     def fill(self, stored: Stored, first: int, values: Tensor) -> None:
-        """Write ``values`` (flattened) as elements ``[first, first + values.numel())`` of a reserved tensor."""
+        """Write ``values`` (flattened) as elements ``[first, first + values.numel())`` of a reserved tensor.
+
+        Filled in order (each piece starting where the last ended), a record's CRC-32 is computed
+        on the way; otherwise :meth:`write_crcs` reads it back.
+        """
         if self._open:
             raise RuntimeError("StreamedFile.fill: the archive is still open; fill after close()")
         if self._reserved.get(stored.ref.key) is not stored:
@@ -124,15 +135,41 @@ class StreamedFile:
                 f"StreamedFile.fill: elements [{first}, {first + values.numel()}) of {values.dtype} do not fit "
                 f"record data/{stored.ref.key} ({numel} elements of {stored.ref.dtype})"
             )
+        fd = self._open_for_fill()
+        raw = values.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        view, start = raw.data, first * _itemsize(values.dtype)
+        running = None if self._crcs is None else self._crcs[stored.ref.key]
+        at = self._offsets[stored.ref.key] + start
+        while view:  # a chunk at a time: its CRC-32 read from the cache the write just filled
+            written = os.pwrite(fd, view[:_CHUNK], at)
+            if running is not None:
+                running.update(start, view[:written])
+            view, at, start = view[written:], at + written, start + written
+
+    def write_crcs(self) -> None:
+        """Write every reserved record's zip CRC-32 into the closed archive (after the last :meth:`fill`).
+
+        A record filled in order has its CRC already; one filled out of order, or not wholly, is
+        read back from the file in chunks of :data:`~lightning_shardrec.checkpoint.zip_crc.CHUNK_BYTES`.
+        """
+        if self._open:
+            raise RuntimeError("StreamedFile.write_crcs: the archive is still open; write the CRCs after close()")
+        if not self._crcs:
+            return
+        fd = self._open_for_fill()
+        crcs = {}
+        for key, running in self._crcs.items():
+            crc = running.value
+            crcs[f"data/{key}"] = crc_of_range(fd, self._offsets[key], running.nbytes) if crc is None else crc
+        patch_crcs(Path(self.name), crcs)
+
+    def _open_for_fill(self) -> int:
+        """The closed archive, opened for :meth:`fill` and :meth:`write_crcs`, each reserved record's offset read."""
         if self._fd is None:
             reader = torch._C.PyTorchFileReader(self.name)
             self._offsets = {k: reader.get_record_offset(f"data/{k}") for k in self._reserved}  # type: ignore[attr-defined]
-            self._fd = os.open(self.name, os.O_WRONLY)
-        raw = values.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        view, at = raw.data, self._offsets[stored.ref.key] + first * _itemsize(values.dtype)
-        while view:
-            written = os.pwrite(self._fd, view, at)
-            view, at = view[written:], at + written
+            self._fd = os.open(self.name, os.O_RDWR)
+        return self._fd
 
     def _persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
         if isinstance(obj, _StorageRef):
@@ -180,7 +217,7 @@ def save_streamed(
     path: Path, write: Callable[[StreamedFile], Any], fill: Callable[[StreamedFile], None] | None = None
 ) -> None:
     """``write(file)`` puts (or reserves) the big tensors and returns the object; ``fill(file)`` then fills
-    the reserved ones; the file is flushed, then swapped in.
+    the reserved ones; their zip CRC-32s are written; the file is flushed, then swapped in.
 
     The staging file beside ``path`` is removed on any failure, leaving ``path`` untouched.
     """
@@ -193,6 +230,7 @@ def save_streamed(
             stream.close(write(stream))
             if fill is not None:
                 fill(stream)
+            stream.write_crcs()
         finally:
             stream.finish()
             stream.release()

@@ -54,18 +54,35 @@ def test_pieces_of_any_size_resume_the_identical_run(tmp_path):
     assert GLOBAL_BATCH % 3 == 0
 
 
+def fit_in_bands_never_reading_back(rank, world, *args):
+    """:func:`fit_in_pieces`, failing the save if a table's zip CRC-32 is read back from the file instead of
+    followed as its bands are written (restored afterwards: the ranks are reused)."""
+    from lightning_shardrec.checkpoint import streamed_file
+
+    def refuse(fd, offset, nbytes):
+        raise AssertionError(f"a record of {nbytes} bytes was read back for its CRC-32")
+
+    chosen, streamed_file.crc_of_range = streamed_file.crc_of_range, refuse
+    try:
+        return fit_in_pieces(rank, world, *args)
+    finally:
+        streamed_file.crc_of_range = chosen
+
+
 @pytest.mark.parametrize(("world", "kind", "optim"), [(1, "table_wise", None), (3, "column_wise", "rowwise_adagrad")])
-def test_full_file_written_in_small_bands_holds_the_gathered_state(tmp_path, world, kind, optim):
+def test_full_file_written_in_small_bands_holds_the_gathered_state(tmp_path, valid_zip, world, kind, optim):
     """Bands of 64 bytes (2 rows of t_big; on 3 ranks pinned column pieces land in strided places) on 1 and 3
-    ranks: the file holds exactly what every rank gathers as objects (``full_state_dict``)."""
+    ranks: the file holds exactly what every rank gathers as objects (``full_state_dict``), and is a sound zip
+    whose tables' CRC-32s were computed band by band."""
     path = str(tmp_path / "full.ckpt")
-    out = run_ranks(fit_in_pieces, world, 64, STEPS // 2, None, path, kind, optim, "full")[0]
+    out = run_ranks(fit_in_bands_never_reading_back, world, 64, STEPS // 2, None, path, kind, optim, "full")[0]
     state, pieces = out if optim else (out, None)
     assert pieces is None or (pieces["t_big"], pieces["t_mid"]) == (2, 2), pieces  # column pieces
     saved = torch.load(path, weights_only=True, mmap=True)["state_dict"]
     assert sorted(saved) == sorted(state)
     for k, v in state.items():
         assert torch.equal(saved[k], v), k
+    valid_zip(path)
 
 
 def fit_one_file_per_item(rank, world, *args):
@@ -197,7 +214,7 @@ def resume_full(rank: int, world: int, path: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_full_format_save_peaks_at_one_band_and_resumes_exactly(tmp_path):
+def test_full_format_save_peaks_at_one_band_and_resumes_exactly(tmp_path, valid_zip):
     path = str(tmp_path / "full.ckpt")
     f0, f1 = run_ranks(save_full, 2, path, timeout=600)
     msg = (
@@ -211,6 +228,7 @@ def test_full_format_save_peaks_at_one_band_and_resumes_exactly(tmp_path):
     assert f0["held"] > 0.45 * T, msg
     assert f0["save_peak_over_fit"] < BAND + FULL_ALLOWANCE, msg
     assert f1["save_peak_over_fit"] < FULL_ALLOWANCE, msg
+    valid_zip(path)  # the zip CRC-32s, followed band by band, cost no memory
     for world in (1, 3):  # the file loads exactly into another world size and plan
         differ = run_ranks(resume_full, world, path, timeout=600)[0]
         assert differ == [], f"resume on {world} rank(s) from the full file: {differ}"

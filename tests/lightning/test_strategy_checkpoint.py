@@ -55,7 +55,7 @@ def fit(rank, world, steps, ckpt_in, ckpt_out, sharding_type, embedding_optimize
 
 
 @pytest.mark.parametrize("fmt", ["sharded", "full"])
-def test_resume_and_reshard(tmp_path, fmt):
+def test_resume_and_reshard(tmp_path, valid_zip, fmt):
     straight = run_ranks(fit, 2, STEPS, None, None, "row_wise")[0]
     half = str(tmp_path / "half.ckpt")
     run_ranks(fit, 2, STEPS // 2, None, half, "row_wise", None, fmt)
@@ -67,6 +67,7 @@ def test_resume_and_reshard(tmp_path, fmt):
             torch.testing.assert_close(resumed[k], straight[k], **TOL, msg=f"{fmt}: resume at W={world} ({kind}): {k}")
     if fmt == "full":
         check_full_file(half)
+        valid_zip(half)  # an ordinary zip archive: every record's CRC-32 checks, the tables' too
     else:
         full = str(tmp_path / "full.ckpt")
         convert_to_full(half, full)  # one process, no group: for inference and load_from_checkpoint
