@@ -24,9 +24,14 @@ it also charges what a measured step shows on a loaded CPU cluster:
 - ``group_seconds`` (s) per sharding group beyond the first (its output split and joined) and
   ``table_seconds`` (s) per further table (each table's features are split, sent and pooled).
 
-:func:`step_estimate` adds to the slowest rank's bytes and lookups the fixed step, the calls a plan
-makes beyond the fixed step's, counted per mechanism from its sharding types (:func:`step_calls`),
-each at its kind's in-step seconds, and the further groups and tables.
+- ``ranks_per_core``: ranks per CPU core where ``measure`` ran (its ranks / ``os.cpu_count()``, at least
+  1). Its kernel rates were timed with every rank computing at once; a rank that computes while
+  others wait runs that many times faster, but the ranks together never beat the shared rate.
+
+:func:`step_estimate` is the plan's critical path (:func:`critical_path`: a step is phases between
+collectives, each as long as its slowest rank) plus the fixed step, the calls a plan makes beyond the
+fixed step's, counted per mechanism from its sharding types (:func:`step_calls`), each at its kind's
+in-step seconds, and the further groups and tables.
 """
 
 from __future__ import annotations
@@ -100,11 +105,14 @@ class Rates:
     reduce_scatter_seconds: float
     group_seconds: float
     table_seconds: float
+    ranks_per_core: float = 1.0
     source: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.ranks_per_core, int | float) or not self.ranks_per_core >= 1:
+            raise ValueError(f"Rates: ranks_per_core must be a number >= 1, got {self.ranks_per_core!r}")
         for f in fields(self):
-            if f.name == "source":
+            if f.name in ("source", "ranks_per_core"):
                 continue
             value = getattr(self, f.name)
             positive = f.name.endswith("_bw")
@@ -125,7 +133,8 @@ class Rates:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"Rates file {path}: unknown keys {unknown}; valid: {sorted(names)}")
-        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name != "source")
+        optional = {"source", "ranks_per_core"}
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name not in optional)
         if missing:
             raise ValueError(f"Rates file {path}: missing keys {missing}")
         return cls(**data)
@@ -183,11 +192,36 @@ def calls_seconds(calls: Calls, rates: Rates) -> float:
     )
 
 
+#: phases where ranks compute (``perf.COMPUTE_PHASES``), named as in ``PlanStats.phase_cost``'s keys
+COMPUTE_PHASES = ("lookup", "update")
+
+
+def phase_seconds(phase: str, per_rank: tuple[float, ...] | list[float], ranks_per_core: float) -> float:
+    """How long a phase takes, from each rank's seconds in it (``ranks_per_core`` = 1: the slowest rank's).
+
+    A compute phase at rates timed with ``s`` ranks per core: no shorter than the slowest rank's
+    seconds alone (``max / s``), nor than the ranks' work spread over all cores (their mean).
+    """
+    slowest = max(per_rank)
+    if phase.split("/")[0] not in COMPUTE_PHASES or ranks_per_core == 1:
+        return slowest
+    return max(slowest / ranks_per_core, sum(per_rank) / len(per_rank))
+
+
+def critical_path(plan: Any, rates: Rates) -> float:
+    """Seconds of a plan's shard work when every phase lasts as long as its slowest rank
+    (:func:`phase_seconds` over ``plan.stats.phase_cost``; a plan without phases: its slowest rank's total)."""
+    phases = plan.stats.phase_cost
+    if not phases:
+        return float(plan.stats.max_cost)
+    return sum(phase_seconds(name, per_rank, rates.ranks_per_core) for name, per_rank in phases.items())
+
+
 def step_estimate(plan: Any, topology: Topology) -> float:
     """Seconds per training step of ``plan`` on ``topology`` (calibrated: ``Topology(rates=...)``).
 
-    The slowest rank's cost (``plan.stats.max_cost``), the fixed step, the calls beyond the fixed
-    step's (:func:`collectives`, :func:`calls_seconds`), and the further groups and tables.
+    The plan's :func:`critical_path`, the fixed step, the calls beyond the fixed step's
+    (:func:`collectives`, :func:`calls_seconds`), and the further groups and tables.
     """
     rates = topology.rates
     if rates is None:
@@ -200,4 +234,4 @@ def step_estimate(plan: Any, topology: Topology) -> float:
         rates.step_seconds + rates.table_seconds * max(0, tables - 1) + rates.group_seconds * max(0, groups(plan) - 1)
     )
     calls = calls_seconds(collectives(plan, topology.world_size // topology.num_hosts), rates)
-    return float(plan.stats.max_cost) + fixed + calls
+    return critical_path(plan, rates) + fixed + calls

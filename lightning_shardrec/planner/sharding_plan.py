@@ -26,10 +26,13 @@ class PlanStats:
     storage_cap: int
     lower_bound: float
     reserve: float = 0.0
+    #: calibrated plans only (``Topology(rates=...)``): per phase of each group, every rank's seconds in it
+    phase_cost: Mapping[str, Sequence[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rank_storage", tuple(int(x) for x in self.rank_storage))
         object.__setattr__(self, "rank_cost", tuple(float(x) for x in self.rank_cost))
+        object.__setattr__(self, "phase_cost", {k: tuple(float(x) for x in v) for k, v in self.phase_cost.items()})
 
     @property
     def max_cost(self) -> float:
@@ -84,6 +87,7 @@ class PlanStats:
             "storage_cap": self.storage_cap,
             "lower_bound": self.lower_bound,
             "reserve": self.reserve,
+            **({"phase_cost": {k: list(v) for k, v in self.phase_cost.items()}} if self.phase_cost else {}),
         }
 
 
@@ -104,10 +108,7 @@ class ShardingPlan:
 
     def to_json(self, indent: int | None = 2) -> str:
         data: dict[str, object] = {
-            "plan": {
-                path: {name: ps.to_dict() for name, ps in tables.items()}
-                for path, tables in self.plan.items()
-            },
+            "plan": {path: {name: ps.to_dict() for name, ps in tables.items()} for path, tables in self.plan.items()},
             "stats": None if self.stats is None else self.stats.to_dict(),
         }
         if any(self.dynamic.values()):
@@ -163,10 +164,7 @@ class ShardingPlan:
                     )
                 )
         widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
-        lines = [
-            " | ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + " | " + r[-1]
-            for r in rows
-        ]
+        lines = [" | ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + " | " + r[-1] for r in rows]
         lines.insert(1, "-+-".join("-" * w for w in widths) + "-+-" + "-" * len(header[-1]))
         lines.extend(dynamic_lines(self.dynamic))
         if self.stats is not None:
