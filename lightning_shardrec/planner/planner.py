@@ -128,7 +128,9 @@ class EmbeddingShardingPlanner:
         if batch_size is None:
             batch_size = DEFAULT_BATCH_SIZE
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
-            raise ValueError(f"EmbeddingShardingPlanner: batch_size must be a positive int, got {batch_size!r}")
+            raise ValueError(
+                f"EmbeddingShardingPlanner: batch_size must be a positive int, got {batch_size!r}"
+            )
         if topology is None:
             topology = default_topology()
         if not isinstance(topology, Topology):
@@ -142,7 +144,9 @@ class EmbeddingShardingPlanner:
         self.reserve = check_reserve(reserve, "EmbeddingShardingPlanner: reserve")
         self.budget = MemoryBudget(topology.memory_cap, self.reserve)
         self.debug = bool(debug)
-        self.work = Workload(topology=topology, batch_size=batch_size, optimizer=EmbOptimType.parse(optimizer))
+        self.work = Workload(
+            topology=topology, batch_size=batch_size, optimizer=EmbOptimType.parse(optimizer)
+        )
 
     def collective_plan(
         self,
@@ -257,11 +261,13 @@ class EmbeddingShardingPlanner:
             storage_cap=topo.memory_cap,
             lower_bound=lower / topo.world_size,
             reserve=self.reserve,
-            phase_cost={} if topo.rates is None else phase_loads(self._placed(specs, result), work),
+            phase_cost={} if topo.rates is None else phase_loads(_placed(specs, result), work),
         )
         return ShardingPlan(plan, stats=stats, dynamic=dynamic_layouts(specs, work))
 
-    def _fixed(self, fixed: FixedPlan | None, specs: list[TableSpec]) -> dict[Key, ParameterSharding]:
+    def _fixed(
+        self, fixed: FixedPlan | None, specs: list[TableSpec]
+    ) -> dict[Key, ParameterSharding]:
         if fixed is None:
             return {}
         by_key = {s.key: s for s in specs}
@@ -273,34 +279,27 @@ class EmbeddingShardingPlanner:
             wanted = {(s.path, s.name): fixed[s.name] for s in specs if s.name in fixed}
             known = {s.name for s in specs}
             problems.extend(
-                f"table '{n}' is not in the model; available: {available}" for n in sorted(set(fixed) - known)
+                f"table '{n}' is not in the model; available: {available}"
+                for n in sorted(set(fixed) - known)
             )
         for key, ps in sorted(wanted.items()):
             spec = by_key.get(key)
             if spec is None:
-                problems.append(f"table '{key[1]}' (module '{key[0]}') is not in the model; available: {available}")
+                problems.append(
+                    f"table '{key[1]}' (module '{key[0]}') is not in the model; available: {available}"
+                )
                 continue
             if not isinstance(ps, ParameterSharding):
-                problems.append(f"table {spec.label}: expected a ParameterSharding, got {type(ps).__name__}")
+                problems.append(
+                    f"table {spec.label}: expected a ParameterSharding, got {type(ps).__name__}"
+                )
                 continue
-            problems.extend(f"table {spec.label}: {p}" for p in sharding_problems(spec, ps, self.topology))
+            problems.extend(
+                f"table {spec.label}: {p}" for p in sharding_problems(spec, ps, self.topology)
+            )
         if problems:
             raise PlannerError("invalid given sharding plan:\n  " + "\n  ".join(problems))
         return wanted
-
-    @staticmethod
-    def _placed(
-        specs: list[TableSpec], result: dict[Key, ParameterSharding]
-    ) -> list[tuple[TableSpec, ShardingType, list[tuple[int, int, int, int]]]]:
-        """Per table: its spec, sharding type and shards ``(rank, col0, rows, cols)``."""
-        return [
-            (
-                spec,
-                result[spec.key].sharding_type,
-                [(s.rank, s.shard_offsets[1], *s.shard_sizes) for s in result[spec.key].shards],
-            )
-            for spec in specs
-        ]
 
     def _charge(
         self,
@@ -350,11 +349,26 @@ class EmbeddingShardingPlanner:
 
 def _data_parallel(spec: TableSpec, world_size: int) -> ParameterSharding:
     shards = [ShardMetadata((0, 0), (spec.rows, spec.dim), r) for r in range(world_size)]
-    return ParameterSharding(ShardingType.DATA_PARALLEL, EmbeddingComputeKernel.DENSE, list(range(world_size)), shards)
+    return ParameterSharding(
+        ShardingType.DATA_PARALLEL, EmbeddingComputeKernel.DENSE, list(range(world_size)), shards
+    )
+
+
+def _placed(
+    specs: list[TableSpec], result: dict[Key, ParameterSharding]
+) -> list[tuple[TableSpec, ShardingType, list[tuple[int, int, int, int]]]]:
+    """Per table: its spec, sharding type and shards ``(rank, col0, rows, cols)``."""
+    out = []
+    for spec in specs:
+        ps = result[spec.key]
+        out.append((spec, ps.sharding_type, [(s.rank, s.shard_offsets[1], *s.shard_sizes) for s in ps.shards]))
+    return out
 
 
 def _sharding(p: Placement) -> ParameterSharding:
-    shards = [ShardMetadata((x.row_offset, x.col_offset), (x.rows, x.cols), x.rank) for x in p.pieces]
+    shards = [
+        ShardMetadata((x.row_offset, x.col_offset), (x.rows, x.cols), x.rank) for x in p.pieces
+    ]
     return ParameterSharding(p.kind, EmbeddingComputeKernel.FUSED, [s.rank for s in shards], shards)
 
 

@@ -32,7 +32,8 @@ class PlanStats:
     def __post_init__(self) -> None:
         object.__setattr__(self, "rank_storage", tuple(int(x) for x in self.rank_storage))
         object.__setattr__(self, "rank_cost", tuple(float(x) for x in self.rank_cost))
-        object.__setattr__(self, "phase_cost", {k: tuple(float(x) for x in v) for k, v in self.phase_cost.items()})
+        phases = {k: tuple(float(x) for x in v) for k, v in self.phase_cost.items()}
+        object.__setattr__(self, "phase_cost", phases)
 
     @property
     def max_cost(self) -> float:
@@ -108,7 +109,10 @@ class ShardingPlan:
 
     def to_json(self, indent: int | None = 2) -> str:
         data: dict[str, object] = {
-            "plan": {path: {name: ps.to_dict() for name, ps in tables.items()} for path, tables in self.plan.items()},
+            "plan": {
+                path: {name: ps.to_dict() for name, ps in tables.items()}
+                for path, tables in self.plan.items()
+            },
             "stats": None if self.stats is None else self.stats.to_dict(),
         }
         if any(self.dynamic.values()):
@@ -164,7 +168,10 @@ class ShardingPlan:
                     )
                 )
         widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
-        lines = [" | ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + " | " + r[-1] for r in rows]
+        lines = [
+            " | ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + " | " + r[-1]
+            for r in rows
+        ]
         lines.insert(1, "-+-".join("-" * w for w in widths) + "-+-" + "-" * len(header[-1]))
         lines.extend(dynamic_lines(self.dynamic))
         if self.stats is not None:

@@ -20,14 +20,14 @@ from lightning_shardrec.planner import (
     step_estimate,
 )
 from lightning_shardrec.planner.rates import (
-    critical_path,
-    phase_seconds,
     BASE_CALLS,
     DDP_BUCKET_BYTES,
     Calls,
     calls_seconds,
     collectives,
+    critical_path,
     groups,
+    phase_seconds,
     step_calls,
 )
 from lightning_shardrec.planner.tables import find_tables, table_specs
