@@ -262,8 +262,8 @@ def check(rates: Rates, steps: int, rounds: int) -> tuple[list[Row], Measured, R
     names = list(PLANS)
     res = run_ranks(check_rank, WORLD, names, rates, steps, rounds, timeout=600)
     parts = step_parts(rates, [r[1] for r in res])
-    same = replace(rates, **{k: v for k, v in parts.items() if not k.endswith("_bw")})
-    topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL, rates=same)
+    in_step = replace(rates, **{k: v for k, v in parts.items() if not k.endswith("_bw")})
+    topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL, rates=in_step)
     rows: list[Row] = []
     layouts: list[object] = []
     for n in names:
@@ -287,7 +287,7 @@ def check(rates: Rates, steps: int, rounds: int) -> tuple[list[Row], Measured, R
         )
     fixed = summarize([r[1]["base"] for r in res])
     print(f"fixed step: {rates.step_seconds * 1e3:.2f} ms in measure, {fixed.seconds * 1e3:.2f} ms in these rounds")
-    return rows, fixed, same
+    return rows, fixed, in_step
 
 
 def load_text(before: float, after: float, note: str) -> str:
@@ -315,7 +315,7 @@ def main() -> None:
         return
     rates = Rates.load(args.rates)
     before = os.getloadavg()[0]
-    rows, fixed, same = check(rates, args.steps, args.rounds)
+    rows, fixed, in_step = check(rates, args.steps, args.rounds)
     load = load_text(before, os.getloadavg()[0], args.load)
     if args.plot:
         scatter(
@@ -323,7 +323,7 @@ def main() -> None:
             args.plot,
             f"Planner estimate vs measured, {WORLD // LOCAL} hosts x {LOCAL} ranks\n{cpu_model()}, {load}",
         )
-    text = report(rows, fixed, same, rates, load, args.steps, args.rounds, args.plot)
+    text = report(rows, fixed, in_step, rates, load, args.steps, args.rounds, args.plot)
     print(text)
     if args.write_docs:
         replace_section(args.write_docs, SECTION, text)
