@@ -117,7 +117,9 @@ def report(
         "never all together faster than the shared rate. To that it adds the fixed step (a tiny replicated "
         "table: the dense model, its all-reduce, the header), the calls the plan makes beyond the fixed "
         "step's, each at its kind's in-step seconds (`step_calls`: counted per mechanism, derived from the "
-        "plan's sharding types), and the further groups and tables. The in-step seconds per call kind come "
+        "plan's sharding types), the further groups, and the further pieces (a table, or each column piece "
+        "of a column-wise or grid table; a table_row_wise or grid piece adds its own). The in-step seconds "
+        "per call kind come "
         "from tiny-table steps, one per mechanism, divided by the calls the mechanism adds. `check` times "
         "these tiny-table steps again inside its own interleaved rounds and estimates with those in-step "
         "figures, so the estimate and the measured plans see the same load; the bandwidths and the kernel "
@@ -131,7 +133,8 @@ def report(
         f"In a step (`check`'s rounds): fixed step {rates.step_seconds * 1e3:.2f} ms, "
         f"{rates.collective_seconds * 1e3:.2f} ms per all-to-all, {rates.host_call_seconds * 1e3:.2f} ms per "
         f"in-host all-to-all, {rates.reduce_scatter_seconds * 1e3:.2f} ms per reduce-scatter or all-gather, "
-        f"{rates.group_seconds * 1e3:.2f} ms per further group, {rates.table_seconds * 1e3:.2f} ms per further table.",
+        f"{rates.group_seconds * 1e3:.2f} ms per further group, {rates.table_seconds * 1e3:.2f} ms per further piece "
+        f"(+{rates.host_table_seconds * 1e3:.2f} ms for a table_row_wise or grid piece).",
         "",
         f"Model: {len(TABLES)} tables ({', '.join(f'{n}x{d}' for n, d in TABLES.values())}), pooling {POOLING}, "
         f"batch {BATCH} per rank, adagrad, {WORLD // LOCAL} hosts x {LOCAL} gloo ranks (pretend hosts, one "

@@ -167,10 +167,11 @@ PARTS: dict[str, list[str]] = {
     "tw+rw": ["table_wise", "row_wise"],
     "tw+host": ["table_wise", "table_row_wise"],
     "tw x6": ["table_wise"] * 6,  # 64 wide, round robin over the ranks: what a further table costs in a plan
+    "host x6": ["table_row_wise"] * 6,  # 64 wide, row-blocked in host 0: what a further host piece adds
     "tw wide": ["table_wise"],  # 128 wide: how much slower a step's all-to-alls move bytes than alone
 }
 #: the tiny tables' width where it is not ``TINY``'s
-WIDTH = {"tw x6": 64, "tw wide": 128}
+WIDTH = {"tw x6": 64, "host x6": 64, "tw wide": 128}
 
 
 def part_plan(name: str, topo: Topology | None = None) -> tuple[dict[str, tuple[int, int]], ShardingPlan]:
@@ -204,6 +205,7 @@ def step_parts(rates: Rates, per_rank: list[dict[str, list[list[float]]]]) -> di
         "reduce_scatter_seconds": max(0.0, (t["rw"] - t["base"] - 2 * a2a) / 2),
         "group_seconds": max(0.0, pair),
         "table_seconds": max(0.0, (t["tw x6"] - t["tw"]) / 5),
+        "host_table_seconds": max(0.0, (t["host x6"] - t["host"] - t["tw x6"] + t["tw"]) / 5),
         "intra_host_bw": rates.intra_host_bw / slower,
         "inter_host_bw": rates.inter_host_bw / slower,
     }

@@ -22,7 +22,10 @@ it also charges what a measured step shows on a loaded CPU cluster:
   all-gather. On a CPU a call waits for every rank to be scheduled, so these are far above an idle
   all-to-all's latency;
 - ``group_seconds`` (s) per sharding group beyond the first (its output split and joined) and
-  ``table_seconds`` (s) per further table (each table's features are split, sent and pooled).
+  ``table_seconds`` (s) per further piece (a table, or each column piece of a column-wise or grid
+  table: each gets its own copy of the ids, its own lookup and its own block of the output), and
+  ``host_table_seconds`` (s) what a table_row_wise / grid_shard piece adds to that (its partial is
+  also reduced among its holders), both measured on six tiny tables against one;
 
 - ``ranks_per_core``: ranks per CPU core where ``measure`` ran (its ranks / ``os.cpu_count()``, at least
   1). Its kernel rates were timed with every rank computing at once; a rank that computes while
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, astuple, dataclass, fields, replace
+from dataclasses import MISSING, asdict, astuple, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +108,7 @@ class Rates:
     reduce_scatter_seconds: float
     group_seconds: float
     table_seconds: float
+    host_table_seconds: float = 0.0
     ranks_per_core: float = 1.0
     source: str = ""
 
@@ -133,7 +137,7 @@ class Rates:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"Rates file {path}: unknown keys {unknown}; valid: {sorted(names)}")
-        optional = {"source", "ranks_per_core"}
+        optional = {f.name for f in fields(cls) if f.default is not MISSING}
         missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name not in optional)
         if missing:
             raise ValueError(f"Rates file {path}: missing keys {missing}")
@@ -168,6 +172,22 @@ def step_calls(plan: Any, local_world_size: int) -> Calls:
                 rows, cols = ps.shards[0].shard_sizes
                 replicated += rows * cols * 4
     return calls + Calls(all_reduce=max(1, math.ceil(replicated / DDP_BUCKET_BYTES)))
+
+
+#: sharding types whose pieces are also reduced among their holders in a host
+HOST_TYPES = frozenset({"table_row_wise", "grid_shard"})
+
+
+def pieces(plan: Any) -> tuple[int, int]:
+    """Pieces a step handles (a table, or each column range of a column-wise or grid table), and how many
+    of them are table_row_wise / grid_shard pieces."""
+    total = host = 0
+    for tables in plan.plan.values():
+        for ps in tables.values():
+            n = len({s.shard_offsets[1] for s in ps.shards}) if ps.sharding_type.value != "data_parallel" else 1
+            total += n
+            host += n if ps.sharding_type.value in HOST_TYPES else 0
+    return total, host
 
 
 def groups(plan: Any) -> int:
@@ -221,7 +241,7 @@ def step_estimate(plan: Any, topology: Topology) -> float:
     """Seconds per training step of ``plan`` on ``topology`` (calibrated: ``Topology(rates=...)``).
 
     The plan's :func:`critical_path`, the fixed step, the calls beyond the fixed step's
-    (:func:`collectives`, :func:`calls_seconds`), and the further groups and tables.
+    (:func:`collectives`, :func:`calls_seconds`), and the further groups and pieces (:func:`pieces`).
     """
     rates = topology.rates
     if rates is None:
@@ -229,9 +249,12 @@ def step_estimate(plan: Any, topology: Topology) -> float:
             "step_estimate: the topology has no measured rates; build it with Topology(..., rates='rates.json') "
             "(benchmarks/calibrate.py measure writes the file)"
         )
-    tables = sum(len(t) for t in plan.plan.values())
+    total, host = pieces(plan)
     fixed = (
-        rates.step_seconds + rates.table_seconds * max(0, tables - 1) + rates.group_seconds * max(0, groups(plan) - 1)
+        rates.step_seconds
+        + rates.table_seconds * max(0, total - 1)
+        + rates.host_table_seconds * max(0, host - 1)
+        + rates.group_seconds * max(0, groups(plan) - 1)
     )
     calls = calls_seconds(collectives(plan, topology.world_size // topology.num_hosts), rates)
     return critical_path(plan, rates) + fixed + calls

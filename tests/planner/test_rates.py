@@ -28,6 +28,7 @@ from lightning_shardrec.planner.rates import (
     critical_path,
     groups,
     phase_seconds,
+    pieces,
     step_calls,
 )
 from lightning_shardrec.planner.tables import find_tables, table_specs
@@ -221,8 +222,8 @@ def test_bad_rates_files_are_named(tmp_path) -> None:
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"r.json: missing keys \['memory_bw'\]"):
         Rates.load(path)
-    data = {k: v for k, v in asdict(RATES).items() if k not in ("ranks_per_core", "source")}
-    path.write_text(json.dumps(data))  # a file from before ranks_per_core: one rank per core
+    data = {k: v for k, v in asdict(RATES).items() if k not in ("ranks_per_core", "host_table_seconds", "source")}
+    path.write_text(json.dumps(data))  # an older file: one rank per core, no host piece term
     assert Rates.load(path) == replace(RATES, source="")
     path.write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"r.json: expected a JSON object, got list"):
@@ -267,3 +268,22 @@ def test_plans_without_rates_record_no_phases() -> None:
     assert plain.stats.phase_cost == {}
     assert "phase_cost" not in plain.to_json()
     assert critical_path(plain, RATES) == plain.stats.max_cost
+
+
+def test_further_pieces_count_column_pieces_and_host_pieces_add_their_own() -> None:
+    topo = Topology(4, compute_device="cpu", local_world_size=2, rates=replace(RATES, host_table_seconds=1e-3))
+    tw = plan({"t0": "table_wise", "t1": "table_wise", "t2": "table_wise"})
+    assert pieces(tw) == (3, 0)
+    cw = plan({"t0": "column_wise", "t1": "table_wise", "t2": "table_wise"})
+    cuts = len({s.shard_offsets[1] for s in cw.plan[""]["t0"].shards})
+    assert cuts > 1
+    assert pieces(cw) == (cuts + 2, 0)
+    assert step_estimate(cw, topo) - step_estimate(tw, topo) == pytest.approx(
+        critical_path(cw, RATES) - critical_path(tw, RATES) + (cuts - 1) * 2e-4
+    )
+    host = plan(dict.fromkeys(("t0", "t1", "t2"), "table_row_wise"))
+    assert pieces(host) == (3, 3)
+    no_host = step_estimate(host, Topology(4, compute_device="cpu", local_world_size=2, rates=RATES))
+    assert step_estimate(host, topo) == pytest.approx(no_host + 2 * 1e-3)
+    replicated = plan(dict.fromkeys(("t0", "t1", "t2"), "data_parallel"))
+    assert pieces(replicated) == (3, 0)
