@@ -25,10 +25,13 @@ the other ranks of its host (intra-host link), the rest cross hosts (``L`` ranks
 Sequence tables (``EmbeddingConfig``) output one row per id instead of one per bag,
 so for them every output term scales with ``f``.
 
-With calibrated rates (``Topology(rates=...)``, :mod:`lightning_shardrec.planner.rates`) each
-shard's lookup also pays the kernel's fixed ``lookup_seconds``, row_wise's reduce-scatter runs at
-the measured ``reduce_scatter_bw``; the fixed step, the calls counted from the plan and the further
-groups and tables are per plan (:func:`~lightning_shardrec.planner.rates.step_estimate`).
+Each shard's cost is kept per :class:`Phase` (:func:`shard_phases`; :func:`shard_perf` is their sum,
+what the planner balances). With calibrated rates (``Topology(rates=...)``,
+:mod:`lightning_shardrec.planner.rates`) each shard's lookup also pays the kernel's fixed
+``lookup_seconds``, row_wise's reduce-scatter runs at the measured ``reduce_scatter_bw``, and the plan
+records every rank's seconds per phase of each group (:func:`phase_loads`, ``PlanStats.phase_cost``):
+the step estimate charges each phase its slowest rank; the fixed step, the calls counted from the plan
+and the further groups and pieces are per plan (:func:`~lightning_shardrec.planner.rates.step_estimate`).
 """
 
 from __future__ import annotations

@@ -361,7 +361,8 @@ def _placed(
     out = []
     for spec in specs:
         ps = result[spec.key]
-        out.append((spec, ps.sharding_type, [(s.rank, s.shard_offsets[1], *s.shard_sizes) for s in ps.shards]))
+        shards = [(s.rank, s.shard_offsets[1], s.shard_sizes[0], s.shard_sizes[1]) for s in ps.shards]
+        out.append((spec, ps.sharding_type, shards))
     return out
 
 
