@@ -121,9 +121,10 @@ def report(
         "of a column-wise or grid table; a table_row_wise or grid piece adds its own). The in-step seconds "
         "per call kind come "
         "from tiny-table steps, one per mechanism, divided by the calls the mechanism adds. `check` times "
-        "these tiny-table steps again inside its own interleaved rounds and estimates with those in-step "
-        "figures, so the estimate and the measured plans see the same load; the bandwidths and the kernel "
-        "rate are `measure`'s.",
+        "these tiny-table steps again inside its own interleaved rounds and prices every layout with those "
+        "in-step figures (and the all-to-all bandwidths as slowed in those rounds), so the estimate and the "
+        "measured plans see the same load; the kernel, reduce-scatter, all-reduce and replicated-table rates "
+        "are `measure`'s.",
         "",
         f"Rates: {rates.source}; {load}. Kernel {rates.memory_bw / 1e9:.2f} GB/s "
         f"+ {rates.lookup_seconds * 1e3:.3f} ms per lookup; all-to-all in-host {rates.intra_host_bw / 1e9:.2f} GB/s, "

@@ -123,9 +123,12 @@ def constraints(name: str) -> dict[str, ParameterConstraints]:
     }
 
 
-def plan_for(name: str, rates: Rates | None) -> ShardingPlan:
+def plan_for(name: str, rates: Rates | None, layout: ShardingPlan | None = None) -> ShardingPlan:
+    """Plan ``name`` for ``rates``; with ``layout``: that plan's layout, priced at ``rates``."""
     topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL, rates=rates)
     planner = EmbeddingShardingPlanner(topo, batch_size=BATCH, constraints=constraints(name))
+    if layout is not None:
+        return planner.plan(model(), fixed=layout)
     return planner.plan(model(), fixed=_layout(name) if PLANS[name] == "layout" else None)
 
 

@@ -257,17 +257,18 @@ def check(rates: Rates, steps: int, rounds: int) -> tuple[list[Row], Measured, R
     """Every plan of :data:`PLANS`: ``step_estimate`` against the measured step, and its calls counted.
 
     The tiny-table steps run in the same rounds; the estimate takes its in-step rates (the fixed step,
-    seconds per call, group and table: :func:`~_calibrate_runs.step_parts`) from them, so estimate and
-    measurement see the same load. Returns the rows, the fixed step as measured, and the rates used."""
+    seconds per call, group and piece, the all-to-alls' in-step bandwidths:
+    :func:`~_calibrate_runs.step_parts`) from them and prices each timed layout at those, so estimate
+    and measurement see the same load. Returns the rows, the fixed step as measured, and the rates used."""
     names = list(PLANS)
     res = run_ranks(check_rank, WORLD, names, rates, steps, rounds, timeout=600)
     parts = step_parts(rates, [r[1] for r in res])
-    in_step = replace(rates, **{k: v for k, v in parts.items() if not k.endswith("_bw")})
+    in_step = replace(rates, **parts)
     topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL, rates=in_step)
     rows: list[Row] = []
     layouts: list[object] = []
     for n in names:
-        plan = plan_for(n, rates)
+        plan = plan_for(n, rates)  # the layout timed; priced at the same-round rates below
         same = next((r.name for r, p in zip(rows, layouts, strict=True) if p == plan.plan), None)
         layouts.append(plan.plan)
         counted = as_calls(res[0][0][n])
@@ -275,7 +276,12 @@ def check(rates: Rates, steps: int, rounds: int) -> tuple[list[Row], Measured, R
         if any(c != counted for c in others):
             raise RuntimeError(f"plan {n}: the ranks counted different calls: {[counted, *others]}")
         row = Row(
-            n, step_estimate(plan, topo), summarize([r[1][n] for r in res]), counted, step_calls(plan, LOCAL), same
+            n,
+            step_estimate(plan_for(n, in_step, plan), topo),
+            summarize([r[1][n] for r in res]),
+            counted,
+            step_calls(plan, LOCAL),
+            same,
         )
         rows.append(row)
         m = row.measured
