@@ -64,6 +64,8 @@ class Phase(str, Enum):
 #: phases where a rank computes (ranks of one machine share its cores there)
 COMPUTE_PHASES = frozenset({Phase.LOOKUP, Phase.UPDATE})
 Parts = dict[Phase, float]
+#: a shard's seconds per step, and the same by phase (they add up to it, up to rounding)
+Cost = tuple[float, Parts]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,29 +107,27 @@ def a2a_seconds(nbytes: float, topo: Topology) -> float:
     return _over(inter, float(topo.inter_host_bw)) + _over(intra, float(topo.intra_host_bw))  # type: ignore[arg-type]
 
 
-def _compute(t: TableSpec, w: Workload, ids: float, cols: int, comm: Parts) -> Parts:
-    """``comm`` and the kernel's parts: its forward (with the fixed ``lookup_seconds``) and update."""
+def _compute(t: TableSpec, w: Workload, ids: float, cols: int, comm: float, parts: Parts) -> Cost:
+    """``comm`` seconds (``parts`` by phase) and the kernel's: its forward (with the fixed
+    ``lookup_seconds``) and update. The total adds up as the planner always has (its ties stay)."""
     rates = w.topology.rates
     fixed = 0.0 if rates is None else rates.lookup_seconds
     bw = w.topology.memory_bw
-    return comm | {
-        Phase.LOOKUP: fixed + ids * cols * t.elem_bytes / bw,
-        Phase.UPDATE: _update_bytes(t, w, ids, cols) / bw,
-    }
+    lookup, update = ids * cols * t.elem_bytes, _update_bytes(t, w, ids, cols)
+    total = comm + (fixed + (lookup + update) / bw)
+    return total, parts | {Phase.LOOKUP: fixed + lookup / bw, Phase.UPDATE: update / bw}
 
 
-def _table_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Parts:
+def _table_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Cost:
     frac = rows / t.rows
     ids = w.global_batch * t.ids_per_sample * frac
     out_rows = ids if t.sequence else w.global_batch * t.bags_per_sample * frac
-    comm = {
-        Phase.INPUT: a2a_seconds(ids * ID_BYTES, w.topology),
-        Phase.OUTPUT: a2a_seconds(2 * out_rows * cols * OUT_BYTES, w.topology),
-    }
-    return _compute(t, w, ids, cols, comm)
+    inp, out = ids * ID_BYTES, 2 * out_rows * cols * OUT_BYTES
+    parts = {Phase.INPUT: a2a_seconds(inp, w.topology), Phase.OUTPUT: a2a_seconds(out, w.topology)}
+    return _compute(t, w, ids, cols, a2a_seconds(inp + out, w.topology), parts)
 
 
-def _row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Parts:
+def _row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Cost:
     if t.sequence:  # every id to one owner, its row straight back: an all-to-all
         return _table_wise(t, w, rows, cols)
     topo = w.topology
@@ -136,16 +136,17 @@ def _row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Parts:
     partial = w.global_batch * t.bags_per_sample * cols * OUT_BYTES
     scatter = 2 * partial * (topo.world_size - 1) / topo.world_size
     bw = topo.comm_bw if topo.rates is None else topo.rates.reduce_scatter_bw
-    comm = {Phase.INPUT: a2a_seconds(ids * ID_BYTES, topo), Phase.OUTPUT: _over(scatter, bw)}
-    return _compute(t, w, ids, cols, comm)
+    inp, out = a2a_seconds(ids * ID_BYTES, topo), _over(scatter, bw)
+    return _compute(t, w, ids, cols, inp + out, {Phase.INPUT: inp, Phase.OUTPUT: out})
 
 
-def _table_row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Parts:
+def _table_row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Cost:
     """A block's ids and lookup; its output is :func:`holder_output_seconds`, charged per holder."""
     if t.sequence:
         return _table_wise(t, w, rows, cols)
     ids = w.global_batch * t.ids_per_sample * rows / t.rows
-    return _compute(t, w, ids, cols, {Phase.INPUT: a2a_seconds(ids * ID_BYTES, w.topology)})
+    inp = a2a_seconds(ids * ID_BYTES, w.topology)
+    return _compute(t, w, ids, cols, inp, {Phase.INPUT: inp})
 
 
 def holder_output_seconds(t: TableSpec, w: Workload, cols: int, holders: int) -> float:
@@ -184,7 +185,7 @@ def host_charges(t: TableSpec, w: Workload, kind: ShardingType, shards: list[tup
     return out
 
 
-def _data_parallel(t: TableSpec, w: Workload, rows: int, cols: int) -> Parts:
+def _data_parallel(t: TableSpec, w: Workload, rows: int, cols: int) -> Cost:
     topo = w.topology
     ids = w.batch_size * t.ids_per_sample
     lookup = ids * cols * t.elem_bytes + ids * cols * OUT_BYTES
@@ -192,19 +193,19 @@ def _data_parallel(t: TableSpec, w: Workload, rows: int, cols: int) -> Parts:
     allreduce = 2 * (world - 1) / world * rows * cols * OUT_BYTES
     dense_update = rows * (2 * cols * t.elem_bytes + 2 * w.state_per_row(cols) * STATE_BYTES)
     if topo.rates is None:
-        return {
-            Phase.LOOKUP: lookup / topo.memory_bw,
-            Phase.REPLICATED: allreduce / topo.comm_bw + dense_update / topo.memory_bw,
-        }
+        total = allreduce / topo.comm_bw + (lookup + dense_update) / topo.memory_bw
+        replicated = allreduce / topo.comm_bw + dense_update / topo.memory_bw
+        return total, {Phase.LOOKUP: lookup / topo.memory_bw, Phase.REPLICATED: replicated}
     rates = topo.rates  # measured: the all-reduce, and the dense gradient + optimizer step per table byte
     table = rows * cols * t.elem_bytes
-    return {
+    parts = {
         Phase.LOOKUP: rates.lookup_seconds + lookup / topo.memory_bw,
         Phase.REPLICATED: allreduce / rates.allreduce_bw + table / rates.dense_bw,
     }
+    return parts[Phase.LOOKUP] + parts[Phase.REPLICATED], parts
 
 
-PERF: dict[ShardingType, Callable[[TableSpec, Workload, int, int], Parts]] = {
+PERF: dict[ShardingType, Callable[[TableSpec, Workload, int, int], Cost]] = {
     ShardingType.TABLE_WISE: _table_wise,
     ShardingType.COLUMN_WISE: _table_wise,
     ShardingType.ROW_WISE: _row_wise,
@@ -220,12 +221,12 @@ HOST_OUTPUT = frozenset({ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD})
 
 def shard_phases(table: TableSpec, work: Workload, kind: ShardingType, rows: int, cols: int) -> Parts:
     """Seconds per step a ``rows x cols`` shard of ``table`` costs its rank, per :class:`Phase`."""
-    return PERF[kind](table, work, rows, cols)
+    return PERF[kind](table, work, rows, cols)[1]
 
 
 def shard_perf(table: TableSpec, work: Workload, kind: ShardingType, rows: int, cols: int) -> float:
     """Seconds per step a ``rows x cols`` shard of ``table`` costs its rank (plus :func:`host_charges`)."""
-    return sum(shard_phases(table, work, kind, rows, cols).values())
+    return PERF[kind](table, work, rows, cols)[0]
 
 
 #: a sharding type's group (its mechanism, ``rates.MECHANISM_CALLS``): each group has its own collectives

@@ -287,3 +287,16 @@ def test_further_pieces_count_column_pieces_and_host_pieces_add_their_own() -> N
     assert step_estimate(host, topo) == pytest.approx(no_host + 2 * 1e-3)
     replicated = plan(dict.fromkeys(("t0", "t1", "t2"), "data_parallel"))
     assert pieces(replicated) == (3, 0)
+
+
+@pytest.mark.parametrize("rates", [None, RATES])
+@pytest.mark.parametrize("kind", list(ShardingType))
+def test_a_shards_phases_add_up_to_its_cost(kind: ShardingType, rates: Rates | None) -> None:
+    from lightning_shardrec.planner.perf import shard_phases
+
+    spec = table_specs(find_tables(ebc()), {}, 4)[0]
+    work = Workload(topology=Topology(4, compute_device="cpu", local_world_size=2, rates=rates), batch_size=64)
+    rows = spec.rows if kind in (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL) else spec.rows // 2
+    parts = shard_phases(spec, work, kind, rows, spec.dim)
+    assert parts and all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) == pytest.approx(shard_perf(spec, work, kind, rows, spec.dim), rel=1e-12)
