@@ -82,8 +82,17 @@ def ranks(values: list[float]) -> list[int]:
 
 
 def report(
-    rows: list[Row], fixed: Measured, rates: Rates, load: str, steps: int, rounds: int, plot: Path | None
+    rows: list[Row],
+    fixed: Measured,
+    rates: Rates,
+    measured: Rates,
+    load: str,
+    steps: int,
+    rounds: int,
+    plot: Path | None,
 ) -> str:
+    """The docs section: ``rates`` are what the estimates used (``measured``'s, with the in-step rates
+    of ``check``'s own rounds); ``fixed`` is the fixed step as timed in those rounds."""
     er, mr = ranks([r.estimate for r in rows]), ranks([r.measured.seconds for r in rows])
     lines = [
         SECTION,
@@ -100,20 +109,33 @@ def report(
         "unchanged. The file's bandwidths replace the defaults; each shard's lookup also pays the kernel's "
         "fixed `lookup_seconds`; row-wise outputs run at the measured reduce-scatter rate; a replicated table "
         "pays its all-reduce and its dense gradient and update at measured rates. `step_estimate(plan, topology)` "
-        "adds to the slowest rank's cost the fixed step (a tiny replicated table: the dense model, its all-reduce, "
-        "the header), the calls the plan makes beyond the fixed step's, each at its kind's in-step seconds "
-        "(`step_calls`: counted per mechanism, derived from the plan's sharding types), and the further groups "
-        "and tables. The in-step seconds per call kind come from tiny-table steps, one per mechanism, divided by "
-        "the calls the mechanism adds.",
+        "is the plan's critical path: a step is phases between collectives (per sharding group: ids in, "
+        "lookup, output out and its gradient back, update; and the replicated tables' all-reduce and update), "
+        "each as long as its slowest rank (`PlanStats.phase_cost`, `critical_path`). In the compute phases "
+        "the ranks share the cores: the kernel rate was timed with every rank computing at once, so a rank "
+        "computing alone runs `ranks_per_core` times faster (the ranks / the cores `measure` ran on), but "
+        "never all together faster than the shared rate. To that it adds the fixed step (a tiny replicated "
+        "table: the dense model, its all-reduce, the header), the calls the plan makes beyond the fixed "
+        "step's, each at its kind's in-step seconds (`step_calls`: counted per mechanism, derived from the "
+        "plan's sharding types), the further groups, and the further pieces (a table, or each column piece "
+        "of a column-wise or grid table; a table_row_wise or grid piece adds its own). The in-step seconds "
+        "per call kind come "
+        "from tiny-table steps, one per mechanism, divided by the calls the mechanism adds. `check` times "
+        "these tiny-table steps again inside its own interleaved rounds and prices every layout with those "
+        "in-step figures (and the all-to-all bandwidths as slowed in those rounds), so the estimate and the "
+        "measured plans see the same load; the kernel, reduce-scatter, all-reduce and replicated-table rates "
+        "are `measure`'s.",
         "",
         f"Rates: {rates.source}; {load}. Kernel {rates.memory_bw / 1e9:.2f} GB/s "
         f"+ {rates.lookup_seconds * 1e3:.3f} ms per lookup; all-to-all in-host {rates.intra_host_bw / 1e9:.2f} GB/s, "
         f"between hosts {rates.inter_host_bw / 1e9:.2f} GB/s; reduce-scatter {rates.reduce_scatter_bw / 1e9:.2f} GB/s; "
         f"all-reduce {rates.allreduce_bw / 1e9:.2f} GB/s; replicated table gradient and update "
-        f"{rates.dense_bw / 1e9:.2f} GB/s of table. In a step: fixed step {rates.step_seconds * 1e3:.2f} ms, "
+        f"{rates.dense_bw / 1e9:.2f} GB/s of table; {rates.ranks_per_core:g} ranks per core. "
+        f"In a step (`check`'s rounds): fixed step {rates.step_seconds * 1e3:.2f} ms, "
         f"{rates.collective_seconds * 1e3:.2f} ms per all-to-all, {rates.host_call_seconds * 1e3:.2f} ms per "
         f"in-host all-to-all, {rates.reduce_scatter_seconds * 1e3:.2f} ms per reduce-scatter or all-gather, "
-        f"{rates.group_seconds * 1e3:.2f} ms per further group, {rates.table_seconds * 1e3:.2f} ms per further table.",
+        f"{rates.group_seconds * 1e3:.2f} ms per further group, {rates.table_seconds * 1e3:.2f} ms per further piece "
+        f"(+{rates.host_table_seconds * 1e3:.2f} ms for a table_row_wise or grid piece).",
         "",
         f"Model: {len(TABLES)} tables ({', '.join(f'{n}x{d}' for n, d in TABLES.values())}), pooling {POOLING}, "
         f"batch {BATCH} per rank, adagrad, {WORLD // LOCAL} hosts x {LOCAL} gloo ranks (pretend hosts, one "
@@ -156,9 +178,10 @@ def report(
         )
         + f". Calls: the model's count equals the counted one for {counts_ok} of {len(rows)} plans.",
         "",
-        f"The fixed step took {rates.step_seconds * 1e3:.2f} ms in `measure` and "
+        f"The fixed step took {measured.step_seconds * 1e3:.2f} ms in `measure` and "
         f"{fixed.seconds * 1e3:.2f} ms ({fixed.lo * 1e3:.2f}-{fixed.hi * 1e3:.2f}) in these rounds: "
-        f"{fixed.seconds / rates.step_seconds - 1:+.0%}, the drift of the machine's load between the two commands.",
+        f"{fixed.seconds / measured.step_seconds - 1:+.0%}, the drift of the machine's load between the two "
+        "commands, which the same-round figures take out.",
     ]
     if plot is not None:
         lines += ["", f"![estimated vs measured step time]({Path('img') / plot.name})"]

@@ -27,6 +27,7 @@ from lightning_shardrec.planner import (
     ShardMetadata,
     Topology,
 )
+from lightning_shardrec.planner.rates import critical_path
 from lightning_shardrec.testing import local_world_size
 
 WORLD, LOCAL = 4, 2
@@ -122,14 +123,15 @@ def constraints(name: str) -> dict[str, ParameterConstraints]:
     }
 
 
-def plan_for(name: str, rates: Rates | None) -> ShardingPlan:
+def plan_for(name: str, rates: Rates | None, layout: ShardingPlan | None = None) -> ShardingPlan:
+    """Plan ``name`` for ``rates``; with ``layout``: that plan's layout, priced at ``rates``."""
     topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL, rates=rates)
     planner = EmbeddingShardingPlanner(topo, batch_size=BATCH, constraints=constraints(name))
+    if layout is not None:
+        return planner.plan(model(), fixed=layout)
     return planner.plan(model(), fixed=_layout(name) if PLANS[name] == "layout" else None)
 
 
-#: the fixed step's model (``Rates.step_seconds``): one tiny replicated table, no sharded group
-FIXED = "fixed step"
 TINY = (4, 8)  # rows, dim of a tiny table: one row per rank row-wise, two per rank in a host
 
 
@@ -155,6 +157,61 @@ def tiny_plan(
     topo = topo or Topology(WORLD, compute_device="cpu", local_world_size=LOCAL)
     pooled = {t: ParameterConstraints(pooling_factors=[float(POOLING)]) for t in tiny}
     return tiny, EmbeddingShardingPlanner(topo, batch_size=BATCH, constraints=pooled).plan(model(tiny), fixed=fixed)
+
+
+#: the tiny-table steps that measure the fixed step, what each kind of call costs inside a step, what a
+#: further sharding group and a further table cost (:func:`step_parts`); ``base`` is the fixed step's model
+#: (``Rates.step_seconds``): one tiny replicated table, no sharded group
+PARTS: dict[str, list[str]] = {
+    "base": ["data_parallel"],
+    "tw": ["table_wise"],
+    "rw": ["row_wise"],
+    "host": ["table_row_wise"],
+    "tw+rw": ["table_wise", "row_wise"],
+    "tw+host": ["table_wise", "table_row_wise"],
+    "tw x6": ["table_wise"] * 6,  # 64 wide, round robin over the ranks: what a further table costs in a plan
+    "host x6": ["table_row_wise"] * 6,  # 64 wide, row-blocked in host 0: what a further host piece adds
+    "tw wide": ["table_wise"],  # 128 wide: how much slower a step's all-to-alls move bytes than alone
+}
+#: the tiny tables' width where it is not ``TINY``'s
+WIDTH = {"tw x6": 64, "host x6": 64, "tw wide": 128}
+
+
+def part_plan(name: str, topo: Topology | None = None) -> tuple[dict[str, tuple[int, int]], ShardingPlan]:
+    return tiny_plan(PARTS[name], topo, WIDTH.get(name, TINY[1]))
+
+
+def step_parts(rates: Rates, per_rank: list[dict[str, list[list[float]]]]) -> dict[str, float]:
+    """The fixed step (a tiny replicated table: dense model, header, DDP's all-reduce) and, by the calls
+    :data:`~lightning_shardrec.planner.rates.MECHANISM_CALLS` counts, the in-step seconds per all-to-all
+    (table-wise's 4), per in-host all-to-all (table-row-wise's 2 more), per reduce-scatter or all-gather
+    (row-wise's, beside its 2 all-to-alls); a further group's and a further table's seconds; the all-to-all
+    bandwidths slowed as a wide tiny table's step shows.
+
+    ``per_rank[rank][part][round][step]``: the :data:`PARTS` steps' seconds. Each tiny step is taken net
+    of what the model already charges it (``rates``' bandwidths and kernel: the plan's critical path), so
+    its bytes are not counted twice."""
+    topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL, rates=rates)
+    charged = {name: critical_path(part_plan(name, topo)[1], rates) for name in PARTS}
+    t = {name: summarize([r[name] for r in per_rank]).seconds - charged[name] for name in PARTS}
+    # a 128-wide table's all-to-alls against an 8-wide one's: how much slower bytes move in a step than alone
+    modeled = charged["tw wide"] - charged["tw"]
+    slower = max(1.0, (t["tw wide"] - t["tw"] + modeled) / modeled)
+    a2a = max(0.0, (t["tw"] - t["base"]) / 4)
+    pair = statistics.fmean(
+        [t["tw+rw"] - t["tw"] - t["rw"] + t["base"], t["tw+host"] - t["tw"] - t["host"] + t["base"]]
+    )
+    return {
+        "step_seconds": t["base"],
+        "collective_seconds": a2a,
+        "host_call_seconds": max(0.0, (t["host"] - t["base"] - 4 * a2a) / 2),
+        "reduce_scatter_seconds": max(0.0, (t["rw"] - t["base"] - 2 * a2a) / 2),
+        "group_seconds": max(0.0, pair),
+        "table_seconds": max(0.0, (t["tw x6"] - t["tw"]) / 5),
+        "host_table_seconds": max(0.0, (t["host x6"] - t["host"] - t["tw x6"] + t["tw"]) / 5),
+        "intra_host_bw": rates.intra_host_bw / slower,
+        "inter_host_bw": rates.inter_host_bw / slower,
+    }
 
 
 def batch(seed: int, tables: dict[str, tuple[int, int]] = TABLES) -> KeyedJaggedTensor:
@@ -206,12 +263,13 @@ def check_rank(
     rank: int, world: int, names: list[str], rates: Rates | None, steps: int, rounds: int
 ) -> tuple[dict[str, dict[str, Tally]], dict[str, list[list[float]]]]:
     """Per plan: this rank's counted collectives of one step, and its step seconds per round (and the
-    fixed step's, :data:`FIXED`, in the same rounds)."""
+    :data:`PARTS` steps', in the same rounds)."""
     with local_world_size(LOCAL):
         counters = {n: CommCounter(LOCAL) for n in names}
         steps_of = {n: train_step(rank, TABLES, plan_for(n, rates), counters[n]) for n in names}
-        steps_of[FIXED] = train_step(rank, *tiny_plan(["data_parallel"]))  # timed alike: the load the rounds ran under
-        steps_of[FIXED]()
+        for part in PARTS:  # timed alike: the in-step rates under the load the rounds ran under
+            steps_of[part] = train_step(rank, *part_plan(part))
+            steps_of[part]()
         for n in names:
             steps_of[n]()
             steps_of[n]()

@@ -43,25 +43,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _calibrate_report import SECTION, Row, as_calls, calls_text, report, scatter
 from _calibrate_runs import (
     BATCH,
-    FIXED,
     LOCAL,
     PLANS,
     POOLING,
-    TINY,
     WORLD,
     Measured,
     check_rank,
     plan_for,
+    step_parts,
     summarize,
     timed,
-    tiny_plan,
-    train_step,
 )
 from _report import replace_section  # noqa: E402
 
 from lightning_shardrec import FusedOptimConfig
 from lightning_shardrec.configs import EmbOptimType
-from lightning_shardrec.planner import Rates, ShardingPlan, Topology, step_estimate
+from lightning_shardrec.planner import Rates, Topology, step_estimate
 from lightning_shardrec.planner.rates import step_calls
 from lightning_shardrec.testing import local_world_size, run_ranks
 
@@ -166,7 +163,9 @@ def measure_collectives() -> dict[str, float]:
     floats = SIZES[1] - SIZES[0]
     left = (WORLD - 1) / WORLD
     sent = [4 * floats * (LOCAL - 1), 4 * floats * (WORLD - 1), 2 * 4 * floats * WORLD * left]
-    bw = [n / max(b - a, 1e-9) for n, a, b in zip(sent, small, large, strict=True)]
+    # under load the two medians can come out nearly equal (or reversed): a slope under 5% of the large
+    # call's time is noise, and then the large call's own rate (a lower bound) stands in
+    bw = [n / (b - a if b - a > 0.05 * b else b) for n, a, b in zip(sent, small, large, strict=True)]
     names = ("intra_host_bw", "inter_host_bw", "reduce_scatter_bw")
     return dict(zip(names, bw, strict=True))
 
@@ -216,76 +215,25 @@ def measure_dense() -> dict[str, float]:
     return {"dense_bw": table / local, "allreduce_bw": ring / max(every[1] - every[0] - local, 0.05 * local)}
 
 
-#: the tiny-table steps that measure the fixed step, what each kind of call costs inside a step, what a
-#: further sharding group and a further table cost (:func:`measure_step_parts`)
-PARTS: dict[str, list[str]] = {
-    "base": ["data_parallel"],
-    "tw": ["table_wise"],
-    "rw": ["row_wise"],
-    "host": ["table_row_wise"],
-    "tw+rw": ["table_wise", "row_wise"],
-    "tw+host": ["table_wise", "table_row_wise"],
-    "tw x6": ["table_wise"] * 6,  # 64 wide, round robin over the ranks: what a further table costs in a plan
-    "tw wide": ["table_wise"],  # 128 wide: how much slower a step's all-to-alls move bytes than alone
-}
-#: the tiny tables' width where it is not ``TINY``'s
-WIDTH = {"tw x6": 64, "tw wide": 128}
-
-
-def _tiny(name: str, topo: Topology | None = None) -> tuple[dict[str, tuple[int, int]], ShardingPlan]:
-    return tiny_plan(PARTS[name], topo, WIDTH.get(name, TINY[1]))
-
-
-def parts_rank(rank: int, world: int, steps: int, rounds: int) -> dict[str, list[list[float]]]:
-    """Step seconds of every :data:`PARTS` model, interleaved in rounds (as ``check`` times its plans)."""
-    with local_world_size(LOCAL):
-        steps_of = {name: train_step(rank, *_tiny(name)) for name in PARTS}
-        for step in steps_of.values():
-            step()
-        times: dict[str, list[list[float]]] = {name: [] for name in PARTS}
-        for _ in range(rounds):
-            for name, step in steps_of.items():
-                step()
-                times[name].append(timed(step, steps))
-        return times
-
-
 def measure_step_parts(rates: Rates, steps: int = 10, rounds: int = 5) -> dict[str, float]:
-    """The fixed step (a tiny replicated table: dense model, header, DDP's all-reduce) and, by the calls
-    :data:`~lightning_shardrec.planner.rates.MECHANISM_CALLS` counts, the in-step seconds per all-to-all
-    (table-wise's 4), per in-host all-to-all (table-row-wise's 2 more), per reduce-scatter or all-gather
-    (row-wise's, beside its 2 all-to-alls); a further group's and a further table's seconds.
+    """The in-step rates of :data:`~_calibrate_runs.PARTS`' tiny-table steps, timed interleaved in rounds
+    (:func:`~_calibrate_runs.step_parts`; ``check`` times the same steps in its own rounds)."""
+    res = run_ranks(check_rank, WORLD, [], None, steps, rounds, timeout=600)
+    return step_parts(rates, [r[1] for r in res])
 
-    Each tiny step is taken net of what the model already charges it (``rates``' bandwidths and
-    kernel: the plan's slowest rank), so its bytes are not counted twice."""
-    res = run_ranks(parts_rank, WORLD, steps, rounds, timeout=600)
-    topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL, rates=rates)
-    charged = {name: _tiny(name, topo)[1].stats.max_cost for name in PARTS}
-    t = {name: summarize([r[name] for r in res]).seconds - charged[name] for name in PARTS}
-    # a 128-wide table's all-to-alls against an 8-wide one's: how much slower bytes move in a step than alone
-    modeled = charged["tw wide"] - charged["tw"]
-    slower = max(1.0, (t["tw wide"] - t["tw"] + modeled) / modeled)
-    a2a = max(0.0, (t["tw"] - t["base"]) / 4)
-    pair = statistics.fmean(
-        [t["tw+rw"] - t["tw"] - t["rw"] + t["base"], t["tw+host"] - t["tw"] - t["host"] + t["base"]]
-    )
-    return {
-        "step_seconds": t["base"],
-        "collective_seconds": a2a,
-        "host_call_seconds": max(0.0, (t["host"] - t["base"] - 4 * a2a) / 2),
-        "reduce_scatter_seconds": max(0.0, (t["rw"] - t["base"] - 2 * a2a) / 2),
-        "group_seconds": max(0.0, pair),
-        "table_seconds": max(0.0, (t["tw x6"] - t["tw"]) / 5),
-        "intra_host_bw": rates.intra_host_bw / slower,
-        "inter_host_bw": rates.inter_host_bw / slower,
-    }
+
+def cpus() -> int:
+    """The cores this process may run on (its affinity; ``os.cpu_count()`` where that is unknown)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def measure_rates(out: Path) -> Rates:
     lookup, memory_bw = measure_kernel()
+    cores = cpus()
     source = (
         f"benchmarks/calibrate.py on {cpu_model()}, {torch.get_num_threads()} thread per rank, "
-        f"{WORLD} gloo ranks as 2 hosts x {LOCAL}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{WORLD} gloo ranks as 2 hosts x {LOCAL} on {cores} cores, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f} at its start"
     )
     parts = ("step_seconds", "collective_seconds", "host_call_seconds", "reduce_scatter_seconds")
@@ -294,7 +242,8 @@ def measure_rates(out: Path) -> Rates:
         lookup_seconds=lookup,
         **measure_collectives(),
         **measure_dense(),
-        **dict.fromkeys((*parts, "group_seconds", "table_seconds"), 0.0),
+        **dict.fromkeys((*parts, "group_seconds", "table_seconds", "host_table_seconds"), 0.0),
+        ranks_per_core=max(1.0, WORLD / cores),
         source=source,
     )
     alone = f"in-host {rates.intra_host_bw / 1e9:.2f} GB/s, between hosts {rates.inter_host_bw / 1e9:.2f} GB/s"
@@ -306,16 +255,22 @@ def measure_rates(out: Path) -> Rates:
 
 
 # --- check -------------------------------------------------------------------------------------
-def check(rates: Rates, steps: int, rounds: int) -> tuple[list[Row], Measured]:
-    """Every plan of :data:`PLANS`: ``step_estimate`` against the measured step, and its calls counted;
-    and the fixed step measured in the same rounds."""
+def check(rates: Rates, steps: int, rounds: int) -> tuple[list[Row], Measured, Rates]:
+    """Every plan of :data:`PLANS`: ``step_estimate`` against the measured step, and its calls counted.
+
+    The tiny-table steps run in the same rounds; the estimate takes its in-step rates (the fixed step,
+    seconds per call, group and piece, the all-to-alls' in-step bandwidths:
+    :func:`~_calibrate_runs.step_parts`) from them and prices each timed layout at those, so estimate
+    and measurement see the same load. Returns the rows, the fixed step as measured, and the rates used."""
     names = list(PLANS)
     res = run_ranks(check_rank, WORLD, names, rates, steps, rounds, timeout=600)
-    topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL, rates=rates)
+    parts = step_parts(rates, [r[1] for r in res])
+    in_step = replace(rates, **parts)
+    topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL, rates=in_step)
     rows: list[Row] = []
     layouts: list[object] = []
     for n in names:
-        plan = plan_for(n, rates)
+        plan = plan_for(n, rates)  # the layout timed; priced at the same-round rates below
         same = next((r.name for r, p in zip(rows, layouts, strict=True) if p == plan.plan), None)
         layouts.append(plan.plan)
         counted = as_calls(res[0][0][n])
@@ -323,7 +278,12 @@ def check(rates: Rates, steps: int, rounds: int) -> tuple[list[Row], Measured]:
         if any(c != counted for c in others):
             raise RuntimeError(f"plan {n}: the ranks counted different calls: {[counted, *others]}")
         row = Row(
-            n, step_estimate(plan, topo), summarize([r[1][n] for r in res]), counted, step_calls(plan, LOCAL), same
+            n,
+            step_estimate(plan_for(n, in_step, plan), topo),
+            summarize([r[1][n] for r in res]),
+            counted,
+            step_calls(plan, LOCAL),
+            same,
         )
         rows.append(row)
         m = row.measured
@@ -333,9 +293,9 @@ def check(rates: Rates, steps: int, rounds: int) -> tuple[list[Row], Measured]:
             + ("" if row.modeled == counted else f"  model: {calls_text(row.modeled)}"),
             flush=True,
         )
-    fixed = summarize([r[1][FIXED] for r in res])
+    fixed = summarize([r[1]["base"] for r in res])
     print(f"fixed step: {rates.step_seconds * 1e3:.2f} ms in measure, {fixed.seconds * 1e3:.2f} ms in these rounds")
-    return rows, fixed
+    return rows, fixed, in_step
 
 
 def load_text(before: float, after: float, note: str) -> str:
@@ -363,7 +323,7 @@ def main() -> None:
         return
     rates = Rates.load(args.rates)
     before = os.getloadavg()[0]
-    rows, fixed = check(rates, args.steps, args.rounds)
+    rows, fixed, in_step = check(rates, args.steps, args.rounds)
     load = load_text(before, os.getloadavg()[0], args.load)
     if args.plot:
         scatter(
@@ -371,7 +331,7 @@ def main() -> None:
             args.plot,
             f"Planner estimate vs measured, {WORLD // LOCAL} hosts x {LOCAL} ranks\n{cpu_model()}, {load}",
         )
-    text = report(rows, fixed, rates, load, args.steps, args.rounds, args.plot)
+    text = report(rows, fixed, in_step, rates, load, args.steps, args.rounds, args.plot)
     print(text)
     if args.write_docs:
         replace_section(args.write_docs, SECTION, text)

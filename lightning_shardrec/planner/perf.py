@@ -25,18 +25,23 @@ the other ranks of its host (intra-host link), the rest cross hosts (``L`` ranks
 Sequence tables (``EmbeddingConfig``) output one row per id instead of one per bag,
 so for them every output term scales with ``f``.
 
-With calibrated rates (``Topology(rates=...)``, :mod:`lightning_shardrec.planner.rates`) each
-shard's lookup also pays the kernel's fixed ``lookup_seconds``, row_wise's reduce-scatter runs at
-the measured ``reduce_scatter_bw``; the fixed step, the calls counted from the plan and the further
-groups and tables are per plan (:func:`~lightning_shardrec.planner.rates.step_estimate`).
+Each shard's cost is kept per :class:`Phase` (:func:`shard_phases`; :func:`shard_perf` is their sum,
+what the planner balances). With calibrated rates (``Topology(rates=...)``,
+:mod:`lightning_shardrec.planner.rates`) each shard's lookup also pays the kernel's fixed
+``lookup_seconds``, row_wise's reduce-scatter runs at the measured ``reduce_scatter_bw``, and the plan
+records every rank's seconds per phase of each group (:func:`phase_loads`, ``PlanStats.phase_cost``):
+the step estimate charges each phase its slowest rank; the fixed step, the calls counted from the plan
+and the further groups and pieces are per plan (:func:`~lightning_shardrec.planner.rates.step_estimate`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import Enum
 
 from lightning_shardrec.configs import EmbOptimType
+from lightning_shardrec.planner.rates import MECHANISM_CALLS
 from lightning_shardrec.planner.tables import TableSpec
 from lightning_shardrec.planner.topology import Topology
 from lightning_shardrec.planner.types import ShardingType
@@ -44,6 +49,23 @@ from lightning_shardrec.planner.types import ShardingType
 ID_BYTES = 8  # int64 ids
 OUT_BYTES = 4  # fp32 pooled outputs and gradients
 STATE_BYTES = 4  # fp32 optimizer state
+
+
+class Phase(str, Enum):
+    """A part of a step between collectives: every rank waits for the slowest in it."""
+
+    INPUT = "input"  # ids all-to-all
+    LOOKUP = "lookup"  # kernel forward (and its fixed cost)
+    OUTPUT = "output"  # pooled output out, its gradient back (all-to-all, reduce-scatter, in-host exchange)
+    UPDATE = "update"  # fused backward update of the rows
+    REPLICATED = "replicated"  # a replicated table's all-reduce and dense update
+
+
+#: phases where a rank computes (ranks of one machine share its cores there)
+COMPUTE_PHASES = frozenset({Phase.LOOKUP, Phase.UPDATE})
+Parts = dict[Phase, float]
+#: a shard's seconds per step, and the same by phase (they add up to it, up to rounding)
+Cost = tuple[float, Parts]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,21 +107,27 @@ def a2a_seconds(nbytes: float, topo: Topology) -> float:
     return _over(inter, float(topo.inter_host_bw)) + _over(intra, float(topo.intra_host_bw))  # type: ignore[arg-type]
 
 
-def _compute(t: TableSpec, w: Workload, ids: float, cols: int) -> float:
+def _compute(t: TableSpec, w: Workload, ids: float, cols: int, comm: float, parts: Parts) -> Cost:
+    """``comm`` seconds (``parts`` by phase) and the kernel's: its forward (with the fixed
+    ``lookup_seconds``) and update. The total adds up as the planner always has (its ties stay)."""
     rates = w.topology.rates
     fixed = 0.0 if rates is None else rates.lookup_seconds
-    return fixed + (ids * cols * t.elem_bytes + _update_bytes(t, w, ids, cols)) / w.topology.memory_bw
+    bw = w.topology.memory_bw
+    lookup, update = ids * cols * t.elem_bytes, _update_bytes(t, w, ids, cols)
+    total = comm + (fixed + (lookup + update) / bw)
+    return total, parts | {Phase.LOOKUP: fixed + lookup / bw, Phase.UPDATE: update / bw}
 
 
-def _table_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
+def _table_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Cost:
     frac = rows / t.rows
     ids = w.global_batch * t.ids_per_sample * frac
     out_rows = ids if t.sequence else w.global_batch * t.bags_per_sample * frac
-    comm = a2a_seconds(ids * ID_BYTES + 2 * out_rows * cols * OUT_BYTES, w.topology)
-    return comm + _compute(t, w, ids, cols)
+    inp, out = ids * ID_BYTES, 2 * out_rows * cols * OUT_BYTES
+    parts = {Phase.INPUT: a2a_seconds(inp, w.topology), Phase.OUTPUT: a2a_seconds(out, w.topology)}
+    return _compute(t, w, ids, cols, a2a_seconds(inp + out, w.topology), parts)
 
 
-def _row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
+def _row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Cost:
     if t.sequence:  # every id to one owner, its row straight back: an all-to-all
         return _table_wise(t, w, rows, cols)
     topo = w.topology
@@ -108,15 +136,17 @@ def _row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
     partial = w.global_batch * t.bags_per_sample * cols * OUT_BYTES
     scatter = 2 * partial * (topo.world_size - 1) / topo.world_size
     bw = topo.comm_bw if topo.rates is None else topo.rates.reduce_scatter_bw
-    return a2a_seconds(ids * ID_BYTES, topo) + _over(scatter, bw) + _compute(t, w, ids, cols)
+    inp, out = a2a_seconds(ids * ID_BYTES, topo), _over(scatter, bw)
+    return _compute(t, w, ids, cols, inp + out, {Phase.INPUT: inp, Phase.OUTPUT: out})
 
 
-def _table_row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
+def _table_row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Cost:
     """A block's ids and lookup; its output is :func:`holder_output_seconds`, charged per holder."""
     if t.sequence:
         return _table_wise(t, w, rows, cols)
     ids = w.global_batch * t.ids_per_sample * rows / t.rows
-    return a2a_seconds(ids * ID_BYTES, w.topology) + _compute(t, w, ids, cols)
+    inp = a2a_seconds(ids * ID_BYTES, w.topology)
+    return _compute(t, w, ids, cols, inp, {Phase.INPUT: inp})
 
 
 def holder_output_seconds(t: TableSpec, w: Workload, cols: int, holders: int) -> float:
@@ -155,7 +185,7 @@ def host_charges(t: TableSpec, w: Workload, kind: ShardingType, shards: list[tup
     return out
 
 
-def _data_parallel(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
+def _data_parallel(t: TableSpec, w: Workload, rows: int, cols: int) -> Cost:
     topo = w.topology
     ids = w.batch_size * t.ids_per_sample
     lookup = ids * cols * t.elem_bytes + ids * cols * OUT_BYTES
@@ -163,13 +193,19 @@ def _data_parallel(t: TableSpec, w: Workload, rows: int, cols: int) -> float:
     allreduce = 2 * (world - 1) / world * rows * cols * OUT_BYTES
     dense_update = rows * (2 * cols * t.elem_bytes + 2 * w.state_per_row(cols) * STATE_BYTES)
     if topo.rates is None:
-        return allreduce / topo.comm_bw + (lookup + dense_update) / topo.memory_bw
+        total = allreduce / topo.comm_bw + (lookup + dense_update) / topo.memory_bw
+        replicated = allreduce / topo.comm_bw + dense_update / topo.memory_bw
+        return total, {Phase.LOOKUP: lookup / topo.memory_bw, Phase.REPLICATED: replicated}
     rates = topo.rates  # measured: the all-reduce, and the dense gradient + optimizer step per table byte
     table = rows * cols * t.elem_bytes
-    return rates.lookup_seconds + lookup / topo.memory_bw + allreduce / rates.allreduce_bw + table / rates.dense_bw
+    parts = {
+        Phase.LOOKUP: rates.lookup_seconds + lookup / topo.memory_bw,
+        Phase.REPLICATED: allreduce / rates.allreduce_bw + table / rates.dense_bw,
+    }
+    return parts[Phase.LOOKUP] + parts[Phase.REPLICATED], parts
 
 
-PERF: dict[ShardingType, Callable[[TableSpec, Workload, int, int], float]] = {
+PERF: dict[ShardingType, Callable[[TableSpec, Workload, int, int], Cost]] = {
     ShardingType.TABLE_WISE: _table_wise,
     ShardingType.COLUMN_WISE: _table_wise,
     ShardingType.ROW_WISE: _row_wise,
@@ -183,6 +219,39 @@ PERF: dict[ShardingType, Callable[[TableSpec, Workload, int, int], float]] = {
 HOST_OUTPUT = frozenset({ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD})
 
 
+def shard_phases(table: TableSpec, work: Workload, kind: ShardingType, rows: int, cols: int) -> Parts:
+    """Seconds per step a ``rows x cols`` shard of ``table`` costs its rank, per :class:`Phase`."""
+    return PERF[kind](table, work, rows, cols)[1]
+
+
 def shard_perf(table: TableSpec, work: Workload, kind: ShardingType, rows: int, cols: int) -> float:
     """Seconds per step a ``rows x cols`` shard of ``table`` costs its rank (plus :func:`host_charges`)."""
-    return PERF[kind](table, work, rows, cols)
+    return PERF[kind](table, work, rows, cols)[0]
+
+
+#: a sharding type's group (its mechanism, ``rates.MECHANISM_CALLS``): each group has its own collectives
+GROUP_OF = {kind: "+".join(sorted(types)) for types in MECHANISM_CALLS for kind in types}
+
+
+def phase_loads(
+    placed: Iterable[tuple[TableSpec, ShardingType, list[tuple[int, int, int, int]]]], work: Workload
+) -> dict[str, tuple[float, ...]]:
+    """Per phase of each group (``"output/row_wise"``), every rank's seconds in it.
+
+    ``placed``: per table, its sharding type and shards ``(rank, col0, rows, cols)``. The slowest rank
+    of each phase sets the step (:func:`~lightning_shardrec.planner.rates.critical_path`).
+    """
+    out: dict[str, list[float]] = {}
+    world = work.topology.world_size
+
+    def add(phase: Phase, kind: ShardingType, rank: int, seconds: float) -> None:
+        out.setdefault(f"{phase.value}/{GROUP_OF[kind.value]}", [0.0] * world)[rank] += seconds
+
+    for spec, kind, shards in placed:
+        for rank, _, rows, cols in shards:
+            for phase, seconds in shard_phases(spec, work, kind, rows, cols).items():
+                add(phase, kind, rank, seconds)
+        owners = [(r, c0, cols) for r, c0, _, cols in shards]
+        for rank, seconds in host_charges(spec, work, kind, owners).items():
+            add(Phase.OUTPUT, kind, rank, seconds)
+    return {key: tuple(v) for key, v in sorted(out.items())}

@@ -22,7 +22,7 @@ from lightning_shardrec.planner.dynamic_plan import dynamic_layouts
 from lightning_shardrec.planner.enumerate import TableOptions, prefers_data_parallel, table_options
 from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, check_reserve
 from lightning_shardrec.planner.partition import Placement, RankLoads, partition
-from lightning_shardrec.planner.perf import Workload, host_charges, shard_perf
+from lightning_shardrec.planner.perf import Workload, host_charges, phase_loads, shard_perf
 from lightning_shardrec.planner.sharding_plan import GiB, PlanStats, ShardingPlan
 from lightning_shardrec.planner.storage import resident_bytes, shard_storage
 from lightning_shardrec.planner.tables import TablesInput, TableSpec, find_tables, table_specs
@@ -261,6 +261,7 @@ class EmbeddingShardingPlanner:
             storage_cap=topo.memory_cap,
             lower_bound=lower / topo.world_size,
             reserve=self.reserve,
+            phase_cost={} if topo.rates is None else phase_loads(_placed(specs, result), work),
         )
         return ShardingPlan(plan, stats=stats, dynamic=dynamic_layouts(specs, work))
 
@@ -351,6 +352,18 @@ def _data_parallel(spec: TableSpec, world_size: int) -> ParameterSharding:
     return ParameterSharding(
         ShardingType.DATA_PARALLEL, EmbeddingComputeKernel.DENSE, list(range(world_size)), shards
     )
+
+
+def _placed(
+    specs: list[TableSpec], result: dict[Key, ParameterSharding]
+) -> list[tuple[TableSpec, ShardingType, list[tuple[int, int, int, int]]]]:
+    """Per table: its spec, sharding type and shards ``(rank, col0, rows, cols)``."""
+    out = []
+    for spec in specs:
+        ps = result[spec.key]
+        shards = [(s.rank, s.shard_offsets[1], s.shard_sizes[0], s.shard_sizes[1]) for s in ps.shards]
+        out.append((spec, ps.sharding_type, shards))
+    return out
 
 
 def _sharding(p: Placement) -> ParameterSharding:

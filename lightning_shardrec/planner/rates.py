@@ -22,18 +22,26 @@ it also charges what a measured step shows on a loaded CPU cluster:
   all-gather. On a CPU a call waits for every rank to be scheduled, so these are far above an idle
   all-to-all's latency;
 - ``group_seconds`` (s) per sharding group beyond the first (its output split and joined) and
-  ``table_seconds`` (s) per further table (each table's features are split, sent and pooled).
+  ``table_seconds`` (s) per further piece (a table, or each column piece of a column-wise or grid
+  table: each gets its own copy of the ids, its own lookup and its own block of the output), and
+  ``host_table_seconds`` (s) what a table_row_wise / grid_shard piece adds to that (its partial is
+  also reduced among its holders), both measured on six tiny tables against one;
 
-:func:`step_estimate` adds to the slowest rank's bytes and lookups the fixed step, the calls a plan
-makes beyond the fixed step's, counted per mechanism from its sharding types (:func:`step_calls`),
-each at its kind's in-step seconds, and the further groups and tables.
+- ``ranks_per_core``: ranks per CPU core where ``measure`` ran (its ranks / ``os.cpu_count()``, at least
+  1). Its kernel rates were timed with every rank computing at once; a rank that computes while
+  others wait runs that many times faster, but the ranks together never beat the shared rate.
+
+:func:`step_estimate` is the plan's critical path (:func:`critical_path`: a step is phases between
+collectives, each as long as its slowest rank) plus the fixed step, the calls a plan makes beyond the
+fixed step's, counted per mechanism from its sharding types (:func:`step_calls`), each at its kind's
+in-step seconds, and the further groups and tables.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, astuple, dataclass, fields, replace
+from dataclasses import MISSING, asdict, astuple, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,11 +108,15 @@ class Rates:
     reduce_scatter_seconds: float
     group_seconds: float
     table_seconds: float
+    host_table_seconds: float = 0.0
+    ranks_per_core: float = 1.0
     source: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.ranks_per_core, int | float) or not self.ranks_per_core >= 1:
+            raise ValueError(f"Rates: ranks_per_core must be a number >= 1, got {self.ranks_per_core!r}")
         for f in fields(self):
-            if f.name == "source":
+            if f.name in ("source", "ranks_per_core"):
                 continue
             value = getattr(self, f.name)
             positive = f.name.endswith("_bw")
@@ -125,7 +137,8 @@ class Rates:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"Rates file {path}: unknown keys {unknown}; valid: {sorted(names)}")
-        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name != "source")
+        optional = {f.name for f in fields(cls) if f.default is not MISSING}
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name not in optional)
         if missing:
             raise ValueError(f"Rates file {path}: missing keys {missing}")
         return cls(**data)
@@ -161,6 +174,22 @@ def step_calls(plan: Any, local_world_size: int) -> Calls:
     return calls + Calls(all_reduce=max(1, math.ceil(replicated / DDP_BUCKET_BYTES)))
 
 
+#: sharding types whose pieces are also reduced among their holders in a host
+HOST_TYPES = frozenset({"table_row_wise", "grid_shard"})
+
+
+def pieces(plan: Any) -> tuple[int, int]:
+    """Pieces a step handles (a table, or each column range of a column-wise or grid table), and how many
+    of them are table_row_wise / grid_shard pieces."""
+    total = host = 0
+    for tables in plan.plan.values():
+        for ps in tables.values():
+            n = len({s.shard_offsets[1] for s in ps.shards}) if ps.sharding_type.value != "data_parallel" else 1
+            total += n
+            host += n if ps.sharding_type.value in HOST_TYPES else 0
+    return total, host
+
+
 def groups(plan: Any) -> int:
     """Sharding groups a step runs: per collection, one per mechanism its tables use."""
     return sum(
@@ -183,11 +212,36 @@ def calls_seconds(calls: Calls, rates: Rates) -> float:
     )
 
 
+#: phases where ranks compute (``perf.COMPUTE_PHASES``), named as in ``PlanStats.phase_cost``'s keys
+COMPUTE_PHASES = ("lookup", "update")
+
+
+def phase_seconds(phase: str, per_rank: tuple[float, ...] | list[float], ranks_per_core: float) -> float:
+    """How long a phase takes, from each rank's seconds in it (``ranks_per_core`` = 1: the slowest rank's).
+
+    A compute phase at rates timed with ``s`` ranks per core: no shorter than the slowest rank's
+    seconds alone (``max / s``), nor than the ranks' work spread over all cores (their mean).
+    """
+    slowest = max(per_rank)
+    if phase.split("/")[0] not in COMPUTE_PHASES or ranks_per_core == 1:
+        return slowest
+    return max(slowest / ranks_per_core, sum(per_rank) / len(per_rank))
+
+
+def critical_path(plan: Any, rates: Rates) -> float:
+    """Seconds of a plan's shard work when every phase lasts as long as its slowest rank
+    (:func:`phase_seconds` over ``plan.stats.phase_cost``; a plan without phases: its slowest rank's total)."""
+    phases = plan.stats.phase_cost
+    if not phases:
+        return float(plan.stats.max_cost)
+    return sum(phase_seconds(name, per_rank, rates.ranks_per_core) for name, per_rank in phases.items())
+
+
 def step_estimate(plan: Any, topology: Topology) -> float:
     """Seconds per training step of ``plan`` on ``topology`` (calibrated: ``Topology(rates=...)``).
 
-    The slowest rank's cost (``plan.stats.max_cost``), the fixed step, the calls beyond the fixed
-    step's (:func:`collectives`, :func:`calls_seconds`), and the further groups and tables.
+    The plan's :func:`critical_path`, the fixed step, the calls beyond the fixed step's
+    (:func:`collectives`, :func:`calls_seconds`), and the further groups and pieces (:func:`pieces`).
     """
     rates = topology.rates
     if rates is None:
@@ -195,9 +249,12 @@ def step_estimate(plan: Any, topology: Topology) -> float:
             "step_estimate: the topology has no measured rates; build it with Topology(..., rates='rates.json') "
             "(benchmarks/calibrate.py measure writes the file)"
         )
-    tables = sum(len(t) for t in plan.plan.values())
+    total, host = pieces(plan)
     fixed = (
-        rates.step_seconds + rates.table_seconds * max(0, tables - 1) + rates.group_seconds * max(0, groups(plan) - 1)
+        rates.step_seconds
+        + rates.table_seconds * max(0, total - 1)
+        + rates.host_table_seconds * max(0, host - 1)
+        + rates.group_seconds * max(0, groups(plan) - 1)
     )
     calls = calls_seconds(collectives(plan, topology.world_size // topology.num_hosts), rates)
-    return float(plan.stats.max_cost) + fixed + calls
+    return critical_path(plan, rates) + fixed + calls

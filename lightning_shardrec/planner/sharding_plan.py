@@ -26,10 +26,14 @@ class PlanStats:
     storage_cap: int
     lower_bound: float
     reserve: float = 0.0
+    #: calibrated plans only (``Topology(rates=...)``): per phase of each group, every rank's seconds in it
+    phase_cost: Mapping[str, Sequence[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rank_storage", tuple(int(x) for x in self.rank_storage))
         object.__setattr__(self, "rank_cost", tuple(float(x) for x in self.rank_cost))
+        phases = {k: tuple(float(x) for x in v) for k, v in self.phase_cost.items()}
+        object.__setattr__(self, "phase_cost", phases)
 
     @property
     def max_cost(self) -> float:
@@ -84,6 +88,7 @@ class PlanStats:
             "storage_cap": self.storage_cap,
             "lower_bound": self.lower_bound,
             "reserve": self.reserve,
+            **({"phase_cost": {k: list(v) for k, v in self.phase_cost.items()}} if self.phase_cost else {}),
         }
 
 

@@ -12,6 +12,7 @@ from lightning_shardrec.planner import (
     EmbeddingShardingPlanner,
     ParameterConstraints,
     Rates,
+    ShardingPlan,
     ShardingType,
     Topology,
     Workload,
@@ -24,7 +25,10 @@ from lightning_shardrec.planner.rates import (
     Calls,
     calls_seconds,
     collectives,
+    critical_path,
     groups,
+    phase_seconds,
+    pieces,
     step_calls,
 )
 from lightning_shardrec.planner.tables import find_tables, table_specs
@@ -177,19 +181,19 @@ def test_step_estimate_adds_the_fixed_step_calls_groups_and_tables() -> None:
     one_type = plan({"t0": "table_wise", "t1": "table_wise", "t2": "table_wise"})
     assert groups(one_type) == 1
     # beyond the fixed step: table-wise's 4 all-to-alls; 2 further tables
-    assert step_estimate(one_type, topo) == pytest.approx(one_type.stats.max_cost + 5e-3 + 4 * 5e-4 + 2 * 2e-4)
+    assert step_estimate(one_type, topo) == pytest.approx(critical_path(one_type, RATES) + 5e-3 + 4 * 5e-4 + 2 * 2e-4)
     mixed = plan({"t0": "table_row_wise", "t1": "row_wise", "t2": "table_wise"})
     assert groups(mixed) == 3
     beyond = collectives(mixed, 2)
     assert beyond == Calls(all_to_all=2 + 4 + 4, host_all_to_all=2, reduce_scatter=1, all_gather=1)
     assert calls_seconds(beyond, RATES) == pytest.approx(10 * 5e-4 + 2 * 7e-4 + 2 * 2e-3)
     assert step_estimate(mixed, topo) == pytest.approx(
-        mixed.stats.max_cost + 5e-3 + calls_seconds(beyond, RATES) + 2 * 3e-3 + 2 * 2e-4
+        critical_path(mixed, RATES) + 5e-3 + calls_seconds(beyond, RATES) + 2 * 3e-3 + 2 * 2e-4
     )
     # a replicated-only plan makes no call beyond the fixed step's (whose table is replicated)
     replicated = plan(dict.fromkeys(("t0", "t1", "t2"), "data_parallel"))
     assert collectives(replicated, 2) == Calls()
-    assert step_estimate(replicated, topo) == pytest.approx(replicated.stats.max_cost + 5e-3 + 2 * 2e-4)
+    assert step_estimate(replicated, topo) == pytest.approx(critical_path(replicated, RATES) + 5e-3 + 2 * 2e-4)
     with pytest.raises(ValueError, match=r"step_estimate: the topology has no measured rates; build it with"):
         step_estimate(mixed, Topology(4, compute_device="cpu", local_world_size=2))
 
@@ -200,6 +204,7 @@ def test_step_estimate_adds_the_fixed_step_calls_groups_and_tables() -> None:
         ({"memory_bw": 0.0}, r"Rates: memory_bw must be a finite number > 0, got 0.0"),
         ({"collective_seconds": -1.0}, r"Rates: collective_seconds must be a finite number >= 0, got -1.0"),
         ({"allreduce_bw": float("nan")}, r"Rates: allreduce_bw must be a finite number > 0, got nan"),
+        ({"ranks_per_core": 0.5}, r"Rates: ranks_per_core must be a number >= 1, got 0.5"),
     ],
 )
 def test_bad_rates_are_named(change: dict, match: str) -> None:
@@ -217,8 +222,81 @@ def test_bad_rates_files_are_named(tmp_path) -> None:
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"r.json: missing keys \['memory_bw'\]"):
         Rates.load(path)
+    data = {k: v for k, v in asdict(RATES).items() if k not in ("ranks_per_core", "host_table_seconds", "source")}
+    path.write_text(json.dumps(data))  # an older file: one rank per core, no host piece term
+    assert Rates.load(path) == replace(RATES, source="")
     path.write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"r.json: expected a JSON object, got list"):
         Rates.load(path)
     with pytest.raises(TypeError, match=r"Topology: rates must be a Rates or a path to a rates file, got int"):
         Topology(2, compute_device="cpu", rates=3)  # type: ignore[arg-type]
+
+
+def test_a_phase_lasts_as_long_as_its_slowest_rank_and_shared_cores_are_derived() -> None:
+    assert phase_seconds("output/row_wise", [1.0, 3.0, 0.0, 0.0], 2.0) == 3.0  # a collective: no sharing
+    assert phase_seconds("lookup/row_wise", [1.0, 3.0, 0.0, 0.0], 1.0) == 3.0
+    # 2 ranks per core: one rank computing alone runs twice as fast as at the shared (measured) rate ...
+    assert phase_seconds("lookup/row_wise", [4.0, 0.0, 0.0, 0.0], 2.0) == 2.0
+    # ... but all ranks computing at once run at the shared rate (the mean bounds it)
+    assert phase_seconds("update/table_wise", [2.0, 2.0, 2.0, 2.0], 2.0) == 2.0
+    assert phase_seconds("update/table_wise", [4.0, 4.0, 2.0, 2.0], 2.0) == 3.0
+
+
+def test_the_critical_path_sums_each_phase_slowest_rank() -> None:
+    mixed = plan({"t0": "table_row_wise", "t1": "row_wise", "t2": "table_wise"})
+    phases = mixed.stats.phase_cost
+    assert {name.split("/")[1] for name in phases} == {
+        "row_wise",
+        "grid_shard+table_row_wise",
+        "column_wise+table_wise",
+    }
+    # every rank's phases add up to the planner's per-rank cost
+    per_rank = [sum(v[r] for v in phases.values()) for r in range(4)]
+    assert per_rank == pytest.approx(list(mixed.stats.rank_cost), rel=1e-12)
+    path = sum(max(v) for v in phases.values())
+    assert critical_path(mixed, RATES) == pytest.approx(path)
+    # different ranks are slowest in different phases: longer than the slowest rank's total
+    assert path > mixed.stats.max_cost * 1.01
+    shared = replace(RATES, ranks_per_core=2.0)
+    assert critical_path(mixed, shared) == pytest.approx(sum(phase_seconds(name, v, 2.0) for name, v in phases.items()))
+    assert critical_path(mixed, shared) < path
+    assert ShardingPlan.from_json(mixed.to_json()).stats.phase_cost == phases
+
+
+def test_plans_without_rates_record_no_phases() -> None:
+    plain = plan({"t0": "table_row_wise", "t1": "row_wise", "t2": "table_wise"}, rates=None)
+    assert plain.stats.phase_cost == {}
+    assert "phase_cost" not in plain.to_json()
+    assert critical_path(plain, RATES) == plain.stats.max_cost
+
+
+def test_further_pieces_count_column_pieces_and_host_pieces_add_their_own() -> None:
+    topo = Topology(4, compute_device="cpu", local_world_size=2, rates=replace(RATES, host_table_seconds=1e-3))
+    tw = plan({"t0": "table_wise", "t1": "table_wise", "t2": "table_wise"})
+    assert pieces(tw) == (3, 0)
+    cw = plan({"t0": "column_wise", "t1": "table_wise", "t2": "table_wise"})
+    cuts = len({s.shard_offsets[1] for s in cw.plan[""]["t0"].shards})
+    assert cuts > 1
+    assert pieces(cw) == (cuts + 2, 0)
+    assert step_estimate(cw, topo) - step_estimate(tw, topo) == pytest.approx(
+        critical_path(cw, RATES) - critical_path(tw, RATES) + (cuts - 1) * 2e-4
+    )
+    host = plan(dict.fromkeys(("t0", "t1", "t2"), "table_row_wise"))
+    assert pieces(host) == (3, 3)
+    no_host = step_estimate(host, Topology(4, compute_device="cpu", local_world_size=2, rates=RATES))
+    assert step_estimate(host, topo) == pytest.approx(no_host + 2 * 1e-3)
+    replicated = plan(dict.fromkeys(("t0", "t1", "t2"), "data_parallel"))
+    assert pieces(replicated) == (3, 0)
+
+
+@pytest.mark.parametrize("rates", [None, RATES])
+@pytest.mark.parametrize("kind", list(ShardingType))
+def test_a_shards_phases_add_up_to_its_cost(kind: ShardingType, rates: Rates | None) -> None:
+    from lightning_shardrec.planner.perf import shard_phases
+
+    spec = table_specs(find_tables(ebc()), {}, 4)[0]
+    work = Workload(topology=Topology(4, compute_device="cpu", local_world_size=2, rates=rates), batch_size=64)
+    rows = spec.rows if kind in (ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL) else spec.rows // 2
+    parts = shard_phases(spec, work, kind, rows, spec.dim)
+    assert parts and all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) == pytest.approx(shard_perf(spec, work, kind, rows, spec.dim), rel=1e-12)
