@@ -34,6 +34,15 @@ def as_calls(tally: dict[str, Tally]) -> Calls:
     return Calls(**out)
 
 
+def _rate(seconds_per_byte: float) -> str:
+    return f"{1e-9 / seconds_per_byte:.2f} GB/s" if seconds_per_byte else "free (measured no cost)"
+
+
+def busiest(per_rank: list[Calls]) -> Calls:
+    """Per kind, the most calls any rank made (a step waits for its busiest rank)."""
+    return Calls(*(max(n) for n in zip(*(astuple(c) for c in per_rank), strict=True)))
+
+
 def calls_text(c: Calls) -> str:
     """``5 a2a + 2 host + 1 RS + 1 AG + 1 AR`` (non-zero kinds)."""
     short = ("a2a", "host a2a", "RS", "AG", "AR")
@@ -107,35 +116,48 @@ def report(
         "",
         "`Topology(..., rates='rates.json')` (or a `Rates`) opts in; without it the planner and its plans are "
         "unchanged. The file's bandwidths replace the defaults; each shard's lookup also pays the kernel's "
-        "fixed `lookup_seconds`; row-wise outputs run at the measured reduce-scatter rate; a replicated table "
-        "pays its all-reduce and its dense gradient and update at measured rates. `step_estimate(plan, topology)` "
-        "is the plan's critical path: a step is phases between collectives (per sharding group: ids in, "
-        "lookup, output out and its gradient back, update; and the replicated tables' all-reduce and update), "
-        "each as long as its slowest rank (`PlanStats.phase_cost`, `critical_path`). In the compute phases "
-        "the ranks share the cores: the kernel rate was timed with every rank computing at once, so a rank "
-        "computing alone runs `ranks_per_core` times faster (the ranks / the cores `measure` ran on), but "
-        "never all together faster than the shared rate. To that it adds the fixed step (a tiny replicated "
-        "table: the dense model, its all-reduce, the header), the calls the plan makes beyond the fixed "
-        "step's, each at its kind's in-step seconds (`step_calls`: counted per mechanism, derived from the "
-        "plan's sharding types), the further groups, and the further pieces (a table, or each column piece "
-        "of a column-wise or grid table; a table_row_wise or grid piece adds its own). The in-step seconds "
-        "per call kind come "
-        "from tiny-table steps, one per mechanism, divided by the calls the mechanism adds. `check` times "
-        "these tiny-table steps again inside its own interleaved rounds and prices every layout with those "
-        "in-step figures (and the all-to-all bandwidths as slowed in those rounds), so the estimate and the "
-        "measured plans see the same load; the kernel, reduce-scatter, all-reduce and replicated-table rates "
+        "fixed `lookup_seconds`, and its update the distinct rows it touches (their weights and optimizer "
+        "state, at `row_byte_seconds` per byte: scattered rows of a large table miss the caches; the ids are "
+        "taken as uniform, `perf.distinct_rows`, so skewed ids cost less); row-wise outputs run at the measured "
+        "reduce-scatter rate; a replicated table pays its all-reduce and its dense gradient and update at "
+        "measured rates. `step_estimate(plan, topology)` is the plan's critical path: a step is phases between "
+        "collectives (per sharding group: ids in, lookup, output out and its gradient back, update; and the "
+        "replicated tables' all-reduce and update), each as long as its slowest rank (`PlanStats.phase_cost`, "
+        "`critical_path`). In the compute phases the ranks share the cores: the kernel rate was timed with "
+        "every rank computing at once, so a rank computing alone runs `ranks_per_core` times faster (the ranks "
+        "/ the cores `measure` ran on), but never all together faster than the shared rate. To that it adds the "
+        "fixed step (a tiny replicated table: the dense model, its all-reduce, the header), the calls the plan "
+        "makes beyond the fixed step's, each at its kind's in-step seconds (`step_calls`: counted per "
+        "mechanism, derived from the plan's sharding types), the further groups, and the further pieces (a "
+        "table, or each column piece of a column-wise or grid table; a table_row_wise or grid piece adds its "
+        "own).",
+        "",
+        "The in-step figures come from probes (`benchmarks/_calibrate_probes.py`): steps of small tables "
+        "that differ in one thing. One tiny table per mechanism, against the fixed step, gives the seconds per "
+        "call of each kind (divided by the calls the mechanism adds); two mechanisms together a further "
+        "group; six tiny tables against one a further piece; four 64-wide tables of 65,536 rows against four "
+        "of 4 rows, one per rank, the seconds per byte of distinct rows; a 51 MB replicated table against the "
+        "fixed step scales `measure`'s all-reduce and dense-update rates; a 128-wide tiny table against an "
+        "8-wide one slows the all-to-all bandwidths. Each probe is taken net of what the model already "
+        "charges it, and each difference per round (the two probes ran one after the other), the median over "
+        "rounds. `check` times the probes inside its own interleaved rounds and prices every layout with those "
+        "figures, so the estimate and the measured plans see the same load; the kernel and reduce-scatter rates "
         "are `measure`'s.",
         "",
-        f"Rates: {rates.source}; {load}. Kernel {rates.memory_bw / 1e9:.2f} GB/s "
-        f"+ {rates.lookup_seconds * 1e3:.3f} ms per lookup; all-to-all in-host {rates.intra_host_bw / 1e9:.2f} GB/s, "
-        f"between hosts {rates.inter_host_bw / 1e9:.2f} GB/s; reduce-scatter {rates.reduce_scatter_bw / 1e9:.2f} GB/s; "
-        f"all-reduce {rates.allreduce_bw / 1e9:.2f} GB/s; replicated table gradient and update "
-        f"{rates.dense_bw / 1e9:.2f} GB/s of table; {rates.ranks_per_core:g} ranks per core. "
+        f"Rates: {rates.source}; {load}. Kernel (rows in cache) {measured.memory_bw / 1e9:.2f} GB/s of per-id bytes "
+        f"+ {measured.lookup_seconds * 1e3:.3f} ms per lookup; all-to-all alone in-host "
+        f"{measured.intra_host_bw / 1e9:.2f} GB/s, between hosts {measured.inter_host_bw / 1e9:.2f} GB/s; "
+        f"reduce-scatter {measured.reduce_scatter_bw / 1e9:.2f} GB/s; all-reduce alone "
+        f"{measured.allreduce_bw / 1e9:.2f} GB/s; replicated table gradient and update alone "
+        f"{measured.dense_bw / 1e9:.2f} GB/s of table; {measured.ranks_per_core:g} ranks per core. "
         f"In a step (`check`'s rounds): fixed step {rates.step_seconds * 1e3:.2f} ms, "
         f"{rates.collective_seconds * 1e3:.2f} ms per all-to-all, {rates.host_call_seconds * 1e3:.2f} ms per "
         f"in-host all-to-all, {rates.reduce_scatter_seconds * 1e3:.2f} ms per reduce-scatter or all-gather, "
         f"{rates.group_seconds * 1e3:.2f} ms per further group, {rates.table_seconds * 1e3:.2f} ms per further piece "
-        f"(+{rates.host_table_seconds * 1e3:.2f} ms for a table_row_wise or grid piece).",
+        f"(+{rates.host_table_seconds * 1e3:.2f} ms for a table_row_wise or grid piece); all-to-all in-host "
+        f"{rates.intra_host_bw / 1e9:.2f} GB/s, between hosts {rates.inter_host_bw / 1e9:.2f} GB/s; distinct rows "
+        f"{_rate(rates.row_byte_seconds)}; replicated tables at {measured.dense_bw / rates.dense_bw:.2f}x "
+        "`measure`'s seconds per byte.",
         "",
         f"Model: {len(TABLES)} tables ({', '.join(f'{n}x{d}' for n, d in TABLES.values())}), pooling {POOLING}, "
         f"batch {BATCH} per rank, adagrad, {WORLD // LOCAL} hosts x {LOCAL} gloo ranks (pretend hosts, one "
@@ -147,7 +169,8 @@ def report(
         "",
         f"Measured: the plans run interleaved in {rounds} rounds of {steps} steps; a step is the slowest rank's; "
         "the figure is the median over rounds of each round's median step, the range is the rounds' "
-        "lowest and highest. Calls: counted in one step (`benchmarks/_comm_count.py`: a2a all-to-all, "
+        "lowest and highest. Calls: counted in one step, the most any rank made per kind "
+        "(`benchmarks/_comm_count.py`: a2a all-to-all, "
         "host a2a on a host's group, RS reduce-scatter, AG all-gather, AR all-reduce incl. DDP's) "
         "and derived from the plan by the model (`step_calls`).",
         "",

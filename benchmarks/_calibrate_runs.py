@@ -27,7 +27,6 @@ from lightning_shardrec.planner import (
     ShardMetadata,
     Topology,
 )
-from lightning_shardrec.planner.rates import critical_path
 from lightning_shardrec.testing import local_world_size
 
 WORLD, LOCAL = 4, 2
@@ -45,13 +44,13 @@ TABLES = {
 HOSTS = [[0, 1], [2, 3]]
 
 
-def _shards(kind: str, pieces: list[tuple[int, int, int, int, int]]) -> ParameterSharding:
+def shards(kind: str, pieces: list[tuple[int, int, int, int, int]]) -> ParameterSharding:
     """A fused ``kind`` sharding of ``pieces`` ``(rank, row0, col0, rows, cols)``."""
     shards = [ShardMetadata((r0, c0), (rows, cols), rank) for rank, r0, c0, rows, cols in pieces]
     return ParameterSharding(kind, "fused", [s.rank for s in shards], shards)
 
 
-def _blocks(rows: int, ranks: list[int], col0: int, cols: int) -> list[tuple[int, int, int, int, int]]:
+def blocks(rows: int, ranks: list[int], col0: int, cols: int) -> list[tuple[int, int, int, int, int]]:
     """Row blocks of ``rows`` (near-equal) over ``ranks``, columns ``[col0, col0 + cols)``."""
     cuts = [rows * i // len(ranks) for i in range(len(ranks) + 1)]
     return [(r, cuts[i], col0, cuts[i + 1] - cuts[i], cols) for i, r in enumerate(ranks)]
@@ -65,16 +64,16 @@ def _layout(name: str) -> dict[str, ParameterSharding]:
         if name == "column_wise":  # 16-wide pieces over the ranks, 16-wide tables whole
             k = d // 16
             ranks = [(i + j) % WORLD for j in range(k)]
-            out[t] = _shards("column_wise", [(r, 0, 16 * j, n, 16) for j, r in enumerate(ranks)])
+            out[t] = shards("column_wise", [(r, 0, 16 * j, n, 16) for j, r in enumerate(ranks)])
         elif name == "table_row_wise" or (name == "grid_shard" and d < 64):  # row blocks over one host
-            out[t] = _shards("table_row_wise", _blocks(n, host, 0, d))
+            out[t] = shards("table_row_wise", blocks(n, host, 0, d))
         elif name == "grid_shard":  # two column halves, each row-blocked over one host
-            out[t] = _shards("grid_shard", _blocks(n, HOSTS[0], 0, d // 2) + _blocks(n, HOSTS[1], d // 2, d // 2))
+            out[t] = shards("grid_shard", blocks(n, HOSTS[0], 0, d // 2) + blocks(n, HOSTS[1], d // 2, d // 2))
         elif name == "mixed":  # the large tables row-wise, the middle ones whole, the small replicated
             if n >= 50_000:
-                out[t] = _shards("row_wise", _blocks(n, list(range(WORLD)), 0, d))
+                out[t] = shards("row_wise", blocks(n, list(range(WORLD)), 0, d))
             elif n >= 5_000:
-                out[t] = _shards("table_wise", [(i % WORLD, 0, 0, n, d)])
+                out[t] = shards("table_wise", [(i % WORLD, 0, 0, n, d)])
     return out
 
 
@@ -91,7 +90,9 @@ PLANS: dict[str, list[str] | None | str] = {
 }
 
 
-def model(tables: dict[str, tuple[int, int]] = TABLES) -> torch.nn.Module:
+def model(tables: dict[str, tuple[int, int]] = TABLES, device: str | None = None) -> torch.nn.Module:
+    """The checked model (``device="meta"``: for planning, nothing allocated)."""
+
     class Rec(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -99,7 +100,8 @@ def model(tables: dict[str, tuple[int, int]] = TABLES) -> torch.nn.Module:
                 [
                     EmbeddingBagConfig(num_embeddings=n, embedding_dim=d, name=t, feature_names=[f"f_{t}"])
                     for t, (n, d) in tables.items()
-                ]
+                ],
+                device=device,
             )
             self.top = torch.nn.Linear(sum(d for _, d in tables.values()), 1)
 
@@ -128,90 +130,8 @@ def plan_for(name: str, rates: Rates | None, layout: ShardingPlan | None = None)
     topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL, rates=rates)
     planner = EmbeddingShardingPlanner(topo, batch_size=BATCH, constraints=constraints(name))
     if layout is not None:
-        return planner.plan(model(), fixed=layout)
-    return planner.plan(model(), fixed=_layout(name) if PLANS[name] == "layout" else None)
-
-
-TINY = (4, 8)  # rows, dim of a tiny table: one row per rank row-wise, two per rank in a host
-
-
-def tiny_plan(
-    kinds: list[str], topo: Topology | None = None, dim: int = TINY[1]
-) -> tuple[dict[str, tuple[int, int]], ShardingPlan]:
-    """One tiny table (``dim`` wide) per entry of ``kinds`` (data_parallel, table_wise round robin, row_wise
-    over every rank, table_row_wise over host 0) and their plan: the steps that measure a group's costs."""
-    rows = TINY[0]
-    tiny = {f"t{i}": (rows, dim) for i in range(len(kinds))}
-    fixed = {}
-    for i, (t, kind) in enumerate(zip(tiny, kinds, strict=True)):
-        if kind == "data_parallel":
-            fixed[t] = ParameterSharding(
-                kind, "dense", range(WORLD), [ShardMetadata((0, 0), (rows, dim), r) for r in range(WORLD)]
-            )
-        elif kind == "table_wise":
-            fixed[t] = _shards(kind, [(i % WORLD, 0, 0, rows, dim)])  # round robin, as plans spread tables
-        elif kind == "row_wise":
-            fixed[t] = _shards(kind, _blocks(rows, list(range(WORLD)), 0, dim))
-        else:
-            fixed[t] = _shards(kind, _blocks(rows, HOSTS[0], 0, dim))
-    topo = topo or Topology(WORLD, compute_device="cpu", local_world_size=LOCAL)
-    pooled = {t: ParameterConstraints(pooling_factors=[float(POOLING)]) for t in tiny}
-    return tiny, EmbeddingShardingPlanner(topo, batch_size=BATCH, constraints=pooled).plan(model(tiny), fixed=fixed)
-
-
-#: the tiny-table steps that measure the fixed step, what each kind of call costs inside a step, what a
-#: further sharding group and a further table cost (:func:`step_parts`); ``base`` is the fixed step's model
-#: (``Rates.step_seconds``): one tiny replicated table, no sharded group
-PARTS: dict[str, list[str]] = {
-    "base": ["data_parallel"],
-    "tw": ["table_wise"],
-    "rw": ["row_wise"],
-    "host": ["table_row_wise"],
-    "tw+rw": ["table_wise", "row_wise"],
-    "tw+host": ["table_wise", "table_row_wise"],
-    "tw x6": ["table_wise"] * 6,  # 64 wide, round robin over the ranks: what a further table costs in a plan
-    "host x6": ["table_row_wise"] * 6,  # 64 wide, row-blocked in host 0: what a further host piece adds
-    "tw wide": ["table_wise"],  # 128 wide: how much slower a step's all-to-alls move bytes than alone
-}
-#: the tiny tables' width where it is not ``TINY``'s
-WIDTH = {"tw x6": 64, "host x6": 64, "tw wide": 128}
-
-
-def part_plan(name: str, topo: Topology | None = None) -> tuple[dict[str, tuple[int, int]], ShardingPlan]:
-    return tiny_plan(PARTS[name], topo, WIDTH.get(name, TINY[1]))
-
-
-def step_parts(rates: Rates, per_rank: list[dict[str, list[list[float]]]]) -> dict[str, float]:
-    """The fixed step (a tiny replicated table: dense model, header, DDP's all-reduce) and, by the calls
-    :data:`~lightning_shardrec.planner.rates.MECHANISM_CALLS` counts, the in-step seconds per all-to-all
-    (table-wise's 4), per in-host all-to-all (table-row-wise's 2 more), per reduce-scatter or all-gather
-    (row-wise's, beside its 2 all-to-alls); a further group's and a further table's seconds; the all-to-all
-    bandwidths slowed as a wide tiny table's step shows.
-
-    ``per_rank[rank][part][round][step]``: the :data:`PARTS` steps' seconds. Each tiny step is taken net
-    of what the model already charges it (``rates``' bandwidths and kernel: the plan's critical path), so
-    its bytes are not counted twice."""
-    topo = Topology(WORLD, compute_device="cpu", local_world_size=LOCAL, rates=rates)
-    charged = {name: critical_path(part_plan(name, topo)[1], rates) for name in PARTS}
-    t = {name: summarize([r[name] for r in per_rank]).seconds - charged[name] for name in PARTS}
-    # a 128-wide table's all-to-alls against an 8-wide one's: how much slower bytes move in a step than alone
-    modeled = charged["tw wide"] - charged["tw"]
-    slower = max(1.0, (t["tw wide"] - t["tw"] + modeled) / modeled)
-    a2a = max(0.0, (t["tw"] - t["base"]) / 4)
-    pair = statistics.fmean(
-        [t["tw+rw"] - t["tw"] - t["rw"] + t["base"], t["tw+host"] - t["tw"] - t["host"] + t["base"]]
-    )
-    return {
-        "step_seconds": t["base"],
-        "collective_seconds": a2a,
-        "host_call_seconds": max(0.0, (t["host"] - t["base"] - 4 * a2a) / 2),
-        "reduce_scatter_seconds": max(0.0, (t["rw"] - t["base"] - 2 * a2a) / 2),
-        "group_seconds": max(0.0, pair),
-        "table_seconds": max(0.0, (t["tw x6"] - t["tw"]) / 5),
-        "host_table_seconds": max(0.0, (t["host x6"] - t["host"] - t["tw x6"] + t["tw"]) / 5),
-        "intra_host_bw": rates.intra_host_bw / slower,
-        "inter_host_bw": rates.inter_host_bw / slower,
-    }
+        return planner.plan(model(device="meta"), fixed=layout)
+    return planner.plan(model(device="meta"), fixed=_layout(name) if PLANS[name] == "layout" else None)
 
 
 def batch(seed: int, tables: dict[str, tuple[int, int]] = TABLES) -> KeyedJaggedTensor:
@@ -263,13 +183,15 @@ def check_rank(
     rank: int, world: int, names: list[str], rates: Rates | None, steps: int, rounds: int
 ) -> tuple[dict[str, dict[str, Tally]], dict[str, list[list[float]]]]:
     """Per plan: this rank's counted collectives of one step, and its step seconds per round (and the
-    :data:`PARTS` steps', in the same rounds)."""
+    probes' steps (``_calibrate_probes.PROBES``), in the same rounds)."""
+    from _calibrate_probes import PROBES, probe_plan
+
     with local_world_size(LOCAL):
         counters = {n: CommCounter(LOCAL) for n in names}
         steps_of = {n: train_step(rank, TABLES, plan_for(n, rates), counters[n]) for n in names}
-        for part in PARTS:  # timed alike: the in-step rates under the load the rounds ran under
-            steps_of[part] = train_step(rank, *part_plan(part))
-            steps_of[part]()
+        for probe in PROBES:  # timed alike: the in-step rates under the load the rounds ran under
+            steps_of[probe] = train_step(rank, *probe_plan(probe))
+            steps_of[probe]()
         for n in names:
             steps_of[n]()
             steps_of[n]()
@@ -297,10 +219,15 @@ class Measured:
         return (self.hi - self.lo) / self.seconds
 
 
-def summarize(per_rank: list[list[list[float]]]) -> Measured:
-    """``per_rank[rank][round][step]`` seconds -> :class:`Measured` (the slowest rank per step)."""
-    rounds = [
+def round_steps(per_rank: list[list[list[float]]]) -> list[float]:
+    """``per_rank[rank][round][step]`` seconds -> per round, the median step (a step: the slowest rank's)."""
+    return [
         statistics.median(max(steps) for steps in zip(*(r[i] for r in per_rank), strict=True))
         for i in range(len(per_rank[0]))
     ]
+
+
+def summarize(per_rank: list[list[list[float]]]) -> Measured:
+    """``per_rank[rank][round][step]`` seconds -> :class:`Measured` (the median round and the rounds' range)."""
+    rounds = round_steps(per_rank)
     return Measured(statistics.median(rounds), min(rounds), max(rounds))

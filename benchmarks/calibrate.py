@@ -2,22 +2,25 @@
 
     python benchmarks/calibrate.py measure --out rates.json      # this machine's rates (~40 s)
     python benchmarks/calibrate.py check --rates rates.json \\
-        [--write-docs docs/planner.md --plot docs/img/planner_calibration.png]   # 8 plans on 2x2 ranks (~1 min)
+        [--write-docs docs/planner.md --plot docs/img/planner_calibration.png]   # 8 plans on 2x2 ranks (~1.5 min)
 
 ``measure`` (on 4 gloo ranks pretending 2 hosts x 2 ranks, ``LOCAL_WORLD_SIZE=2``; every part timed
 on all ranks at once, as they run in a step) writes a JSON file ``Topology(rates=...)`` loads:
 
-- the embedding kernel (fastest backend, forward + fused adagrad update) on several table shapes:
-  ``lookup_seconds + bytes / memory_bw`` by least squares;
+- the embedding kernel (fastest backend, forward + fused adagrad update) on 4-row tables of several
+  widths and batches (rows in cache: the cost per id): ``lookup_seconds + bytes / memory_bw`` by least
+  squares;
 - all-to-alls in a host and over all ranks, row-wise's reduce-scatter + all-gather: bandwidths as
   the slope between a small and a large call;
 - a replicated 64-wide table's step at two sizes: its dense gradient and adagrad update with DDP over
   a group of one rank (bucket copies, no all-reduce) give ``dense_bw``; with DDP over all ranks, what
   the bucketed all-reduce adds (overlapping the backward, as in a step) gives ``allreduce_bw``;
-- tiny-table steps, interleaved in rounds (:data:`PARTS`): the fixed step (a tiny replicated table),
-  then one table per mechanism; the seconds each adds, divided by the calls it adds (counted,
+- probe steps, interleaved in rounds (``_calibrate_probes.PROBES``): the fixed step (a tiny replicated
+  table), then one table per mechanism; the seconds each adds, divided by the calls it adds (counted,
   ``planner/rates.py``), give the in-step seconds per all-to-all, in-host all-to-all and
-  reduce-scatter/all-gather; pairs of mechanisms the seconds per further group, six tables per table.
+  reduce-scatter/all-gather; pairs of mechanisms the seconds per further group, six tables per table,
+  tables of many rows the seconds per byte of distinct rows, a large replicated table the in-step
+  replicated rates (``_calibrate_probes.step_parts``).
 
 ``check`` plans one model with 8 layouts (``benchmarks/_calibrate_runs.py``) for
 ``Topology(4, local_world_size=2, rates=...)``, times them interleaved in rounds, counts each step's
@@ -40,20 +43,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _calibrate_report import SECTION, Row, as_calls, calls_text, report, scatter
-from _calibrate_runs import (
-    BATCH,
-    LOCAL,
-    PLANS,
-    POOLING,
-    WORLD,
-    Measured,
-    check_rank,
-    plan_for,
-    step_parts,
-    summarize,
-    timed,
-)
+from _calibrate_probes import step_parts
+from _calibrate_report import SECTION, Row, as_calls, busiest, calls_text, report, scatter
+from _calibrate_runs import BATCH, LOCAL, PLANS, POOLING, WORLD, Measured, check_rank, plan_for, summarize, timed
 from _report import replace_section  # noqa: E402
 
 from lightning_shardrec import FusedOptimConfig
@@ -62,7 +54,9 @@ from lightning_shardrec.planner import Rates, Topology, step_estimate
 from lightning_shardrec.planner.rates import step_calls
 from lightning_shardrec.testing import local_world_size, run_ranks
 
-SHAPES = [(20_000, 16, 256), (20_000, 64, 256), (100_000, 128, 256), (100_000, 64, 1024), (5_000, 32, 2048)]
+#: (rows, dim, batch) the kernel is timed on: 4 rows, so its rows stay in cache and the fit is the cost per id;
+#: rows read from memory are the distinct rows' cost, measured inside a step (``_calibrate_probes``)
+SHAPES = [(4, 16, 256), (4, 64, 256), (4, 128, 256), (4, 64, 1024), (4, 32, 2048)]
 
 
 def cpu_model() -> str:
@@ -216,8 +210,8 @@ def measure_dense() -> dict[str, float]:
 
 
 def measure_step_parts(rates: Rates, steps: int = 10, rounds: int = 5) -> dict[str, float]:
-    """The in-step rates of :data:`~_calibrate_runs.PARTS`' tiny-table steps, timed interleaved in rounds
-    (:func:`~_calibrate_runs.step_parts`; ``check`` times the same steps in its own rounds)."""
+    """The in-step rates of the probe steps (``_calibrate_probes.PROBES``), timed interleaved in rounds
+    (:func:`~_calibrate_probes.step_parts`; ``check`` times the same steps in its own rounds)."""
     res = run_ranks(check_rank, WORLD, [], None, steps, rounds, timeout=600)
     return step_parts(rates, [r[1] for r in res])
 
@@ -242,7 +236,7 @@ def measure_rates(out: Path) -> Rates:
         lookup_seconds=lookup,
         **measure_collectives(),
         **measure_dense(),
-        **dict.fromkeys((*parts, "group_seconds", "table_seconds", "host_table_seconds"), 0.0),
+        **dict.fromkeys((*parts, "group_seconds", "table_seconds", "host_table_seconds", "row_byte_seconds"), 0.0),
         ranks_per_core=max(1.0, WORLD / cores),
         source=source,
     )
@@ -273,10 +267,8 @@ def check(rates: Rates, steps: int, rounds: int) -> tuple[list[Row], Measured, R
         plan = plan_for(n, rates)  # the layout timed; priced at the same-round rates below
         same = next((r.name for r, p in zip(rows, layouts, strict=True) if p == plan.plan), None)
         layouts.append(plan.plan)
-        counted = as_calls(res[0][0][n])
-        others = [as_calls(r[0][n]) for r in res[1:]]
-        if any(c != counted for c in others):
-            raise RuntimeError(f"plan {n}: the ranks counted different calls: {[counted, *others]}")
+        # a host that holds no table_row_wise piece makes no in-host calls: the busiest rank's, per kind
+        counted = busiest([as_calls(r[0][n]) for r in res])
         row = Row(
             n,
             step_estimate(plan_for(n, in_step, plan), topo),

@@ -14,12 +14,19 @@ once the fastest step time ``T*`` is known, one more pass spreads the tables ins
 (each whole table to the least-loaded rank, near-equal loads going to the rank with the
 most free memory) under ``T* * (1 + TIE_EPS)``; it replaces the best plan when it keeps
 to that time and leaves more memory free on the fullest rank.
+
+With measured rates (``Topology(rates=...)``) a plan also pays per plan: its collective calls, its
+sharding groups and its pieces (:func:`~lightning_shardrec.planner.rates.step_estimate`), which no
+rank's load shows. The planner then passes a ``score`` (the plan's step estimate), and the plan the
+loads alone pick competes with the best the search finds by that score and with the best plan of
+whole tables: cutting a table to level the ranks can cost more than it saves.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from lightning_shardrec.planner.enumerate import TableOptions
 from lightning_shardrec.planner.fill import (
@@ -38,6 +45,13 @@ from lightning_shardrec.planner.types import ShardingType
 
 _SEARCH_STEPS = 40
 _SEARCH_TOLERANCE = 1e-3
+
+#: how good a candidate plan is (lower is better): by default its slowest rank's load
+Score = Callable[[list[Placement], RankLoads], float]
+
+
+def makespan(placed: list[Placement], ranks: RankLoads) -> float:
+    return max(ranks.load)
 
 
 def place_table(
@@ -87,9 +101,7 @@ def place_table(
 def _order(options: Sequence[TableOptions]) -> list[TableOptions]:
     """Pinned tables first (least freedom), then by decreasing cost, then decreasing memory;
     ties by key (deterministic)."""
-    return sorted(
-        options, key=lambda o: (o.table.ranks is None, -o.tw_cost, -o.tw_mem, o.table.key)
-    )
+    return sorted(options, key=lambda o: (o.table.ranks is None, -o.tw_cost, -o.tw_mem, o.table.key))
 
 
 def pack(
@@ -126,8 +138,10 @@ def _search(
     lo: float,
     hi: float,
     level: bool,
+    score: Score,
 ) -> tuple[list[Placement], RankLoads] | None:
     best: tuple[list[Placement], RankLoads] | None = None
+    best_score = math.inf
     for _ in range(_SEARCH_STEPS):
         if hi <= lo * (1 + _SEARCH_TOLERANCE):
             break
@@ -136,10 +150,10 @@ def _search(
         if failed:
             lo = mid
             continue
-        makespan = max(ranks.load)
-        if best is None or makespan < max(best[1].load):
-            best = (placed, ranks)
-        hi = min(mid, makespan)
+        scored = score(placed, ranks)
+        if scored < best_score:
+            best, best_score = (placed, ranks), scored
+        hi = min(mid, max(ranks.load))
     return best
 
 
@@ -149,23 +163,47 @@ def partition(
     base_load: Sequence[float],
     free: Sequence[float],
     lower_bound: float,
+    score: Score = makespan,
 ) -> tuple[list[Placement], list[TableOptions], RankLoads]:
     """Search the smallest step time every table fits under; keep the best plan found.
 
     Two ways to size a cut are searched: level the loads of the ranks it lands on, or
     fill them to the target in turn (McNaughton). Returns (placements, tables that fit
-    nowhere even without a time limit, loads).
+    nowhere even without a time limit, loads). With a ``score`` other than the slowest rank's
+    load, three plans compete on it: the plan the load alone picks, the best the search finds by
+    ``score``, and the same with every table whole where table_wise is allowed.
     """
+    best = _partition(options, work, base_load, free, lower_bound, makespan)
+    if score is makespan or best[1]:
+        return best
+    whole = [replace(o, kinds=(ShardingType.TABLE_WISE,)) if o.allows(ShardingType.TABLE_WISE) else o for o in options]
+    for opts in (options, whole):
+        found = _partition(opts, work, base_load, free, lower_bound, score)
+        if not found[1] and score(found[0], found[2]) < score(best[0], best[2]):
+            best = found
+    return best
+
+
+def _partition(
+    options: Sequence[TableOptions],
+    work: Workload,
+    base_load: Sequence[float],
+    free: Sequence[float],
+    lower_bound: float,
+    score: Score,
+) -> tuple[list[Placement], list[TableOptions], RankLoads]:
     placed, failed, ranks = pack(options, work, base_load, free, math.inf, keep_going=True)
     if failed or not options:
         return placed, failed, ranks
     best, best_ranks = placed, ranks
+    best_score = score(placed, ranks)
     lo = max(lower_bound, max(base_load), 1e-30)
     for level in (True, False):
-        found = _search(options, work, base_load, free, lo, max(best_ranks.load), level)
-        if found is not None and max(found[1].load) < max(best_ranks.load):
+        found = _search(options, work, base_load, free, lo, max(best_ranks.load), level, score)
+        if found is not None and score(*found) < best_score:
             best, best_ranks = found
-    return _spread(options, work, base_load, free, best, best_ranks)
+            best_score = score(*found)
+    return _spread(options, work, base_load, free, best, best_ranks, score)
 
 
 def _spread(
@@ -175,12 +213,14 @@ def _spread(
     free: Sequence[float],
     best: list[Placement],
     best_ranks: RankLoads,
+    score: Score = makespan,
 ) -> tuple[list[Placement], list[TableOptions], RankLoads]:
     """Break a step-time tie by memory: keep the spread plan if it is within ``TIE_EPS``
-    of the best step time and leaves more memory free on its fullest rank."""
+    of the best step time (its score) and leaves more memory free on its fullest rank."""
     limit = max(best_ranks.load) * (1 + TIE_EPS)
+    within = score(best, best_ranks) * (1 + TIE_EPS)
     for level in (True, False):
         placed, failed, ranks = pack(options, work, base_load, free, limit, level=level, spread=True)
-        if not failed and max(ranks.load) <= limit and min(ranks.free) > min(best_ranks.free):
+        if not failed and score(placed, ranks) <= within and min(ranks.free) > min(best_ranks.free):
             best, best_ranks = placed, ranks
     return best, [], best_ranks

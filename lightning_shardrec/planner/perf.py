@@ -36,6 +36,7 @@ and the further groups and pieces are per plan (:func:`~lightning_shardrec.plann
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -107,15 +108,30 @@ def a2a_seconds(nbytes: float, topo: Topology) -> float:
     return _over(inter, float(topo.inter_host_bw)) + _over(intra, float(topo.intra_host_bw))  # type: ignore[arg-type]
 
 
-def _compute(t: TableSpec, w: Workload, ids: float, cols: int, comm: float, parts: Parts) -> Cost:
+def distinct_rows(ids: float, rows: int) -> float:
+    """Expected distinct rows ``ids`` uniform ids touch in a shard of ``rows``: ``rows (1 - e^(-ids/rows))``.
+
+    The planner knows no id distribution; skewed ids touch fewer rows (this is the most)."""
+    return 0.0 if rows <= 0 else rows * -math.expm1(-ids / rows)
+
+
+def _compute(t: TableSpec, w: Workload, ids: float, rows: int, cols: int, comm: float, parts: Parts) -> Cost:
     """``comm`` seconds (``parts`` by phase) and the kernel's: its forward (with the fixed
-    ``lookup_seconds``) and update. The total adds up as the planner always has (its ties stay)."""
+    ``lookup_seconds``) and update. The total adds up as the planner always has (its ties stay).
+
+    Calibrated, the update also pays ``row_byte_seconds`` per byte of the distinct rows it touches
+    (weights and optimizer state, :func:`distinct_rows`): scattered rows of a large table miss the
+    caches, which the per-id bytes at ``memory_bw`` (a table timed alone) do not show."""
     rates = w.topology.rates
     fixed = 0.0 if rates is None else rates.lookup_seconds
     bw = w.topology.memory_bw
     lookup, update = ids * cols * t.elem_bytes, _update_bytes(t, w, ids, cols)
-    total = comm + (fixed + (lookup + update) / bw)
-    return total, parts | {Phase.LOOKUP: fixed + lookup / bw, Phase.UPDATE: update / bw}
+    scattered = 0.0
+    if rates is not None and rates.row_byte_seconds:
+        row = cols * t.elem_bytes + w.state_per_row(cols) * STATE_BYTES
+        scattered = distinct_rows(ids, rows) * row * rates.row_byte_seconds
+    total = comm + (fixed + (lookup + update) / bw + scattered)
+    return total, parts | {Phase.LOOKUP: fixed + lookup / bw, Phase.UPDATE: update / bw + scattered}
 
 
 def _table_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Cost:
@@ -124,7 +140,7 @@ def _table_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Cost:
     out_rows = ids if t.sequence else w.global_batch * t.bags_per_sample * frac
     inp, out = ids * ID_BYTES, 2 * out_rows * cols * OUT_BYTES
     parts = {Phase.INPUT: a2a_seconds(inp, w.topology), Phase.OUTPUT: a2a_seconds(out, w.topology)}
-    return _compute(t, w, ids, cols, a2a_seconds(inp + out, w.topology), parts)
+    return _compute(t, w, ids, rows, cols, a2a_seconds(inp + out, w.topology), parts)
 
 
 def _row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Cost:
@@ -137,7 +153,7 @@ def _row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Cost:
     scatter = 2 * partial * (topo.world_size - 1) / topo.world_size
     bw = topo.comm_bw if topo.rates is None else topo.rates.reduce_scatter_bw
     inp, out = a2a_seconds(ids * ID_BYTES, topo), _over(scatter, bw)
-    return _compute(t, w, ids, cols, inp + out, {Phase.INPUT: inp, Phase.OUTPUT: out})
+    return _compute(t, w, ids, rows, cols, inp + out, {Phase.INPUT: inp, Phase.OUTPUT: out})
 
 
 def _table_row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Cost:
@@ -146,7 +162,7 @@ def _table_row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Cost:
         return _table_wise(t, w, rows, cols)
     ids = w.global_batch * t.ids_per_sample * rows / t.rows
     inp = a2a_seconds(ids * ID_BYTES, w.topology)
-    return _compute(t, w, ids, cols, inp, {Phase.INPUT: inp})
+    return _compute(t, w, ids, rows, cols, inp, {Phase.INPUT: inp})
 
 
 def holder_output_seconds(t: TableSpec, w: Workload, cols: int, holders: int) -> float:

@@ -21,8 +21,9 @@ from lightning_shardrec.errors import PlannerError, UnsupportedFeatureError
 from lightning_shardrec.planner.dynamic_plan import dynamic_layouts
 from lightning_shardrec.planner.enumerate import TableOptions, prefers_data_parallel, table_options
 from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, check_reserve
-from lightning_shardrec.planner.partition import Placement, RankLoads, partition
+from lightning_shardrec.planner.partition import Placement, RankLoads, makespan, partition
 from lightning_shardrec.planner.perf import Workload, host_charges, phase_loads, shard_perf
+from lightning_shardrec.planner.rates import step_estimate
 from lightning_shardrec.planner.sharding_plan import GiB, PlanStats, ShardingPlan
 from lightning_shardrec.planner.storage import resident_bytes, shard_storage
 from lightning_shardrec.planner.tables import TablesInput, TableSpec, find_tables, table_specs
@@ -128,9 +129,7 @@ class EmbeddingShardingPlanner:
         if batch_size is None:
             batch_size = DEFAULT_BATCH_SIZE
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
-            raise ValueError(
-                f"EmbeddingShardingPlanner: batch_size must be a positive int, got {batch_size!r}"
-            )
+            raise ValueError(f"EmbeddingShardingPlanner: batch_size must be a positive int, got {batch_size!r}")
         if topology is None:
             topology = default_topology()
         if not isinstance(topology, Topology):
@@ -144,9 +143,7 @@ class EmbeddingShardingPlanner:
         self.reserve = check_reserve(reserve, "EmbeddingShardingPlanner: reserve")
         self.budget = MemoryBudget(topology.memory_cap, self.reserve)
         self.debug = bool(debug)
-        self.work = Workload(
-            topology=topology, batch_size=batch_size, optimizer=EmbOptimType.parse(optimizer)
-        )
+        self.work = Workload(topology=topology, batch_size=batch_size, optimizer=EmbOptimType.parse(optimizer))
 
     def collective_plan(
         self,
@@ -186,11 +183,46 @@ class EmbeddingShardingPlanner:
         return plan
 
     def _plan(self, module: TablesInput, fixed: FixedPlan | None) -> ShardingPlan:
-        topo, work = self.topology, self.work
+        topo = self.topology
         constraints = in_backward_constraints(module, self.constraints)
         specs = table_specs(find_tables(module), constraints, topo.world_size)
-        by_key = {s.key: s for s in specs}
         given = self._fixed(fixed, specs)
+        opts = [self._options(spec) for spec in specs if spec.key not in given]
+        plan = self._place(specs, given, opts, auto_dp=True)
+        cap = self.budget.tables
+        if topo.rates is None or not any(prefers_data_parallel(o, cap) and len(o.kinds) > 1 for o in opts):
+            return plan
+        # measured rates: replicating a small table adds a group, which its own cost does not show
+        try:
+            sharded = self._place(specs, given, opts, auto_dp=False)
+        except PlannerError:
+            return plan
+        return sharded if step_estimate(sharded, topo) < step_estimate(plan, topo) else plan
+
+    def _options(self, spec: TableSpec) -> TableOptions:
+        opt = table_options(spec, self.work)
+        if not opt.kinds:
+            grid = (
+                f"; grid_shard needs at least 2 x min_partition columns (the table has {spec.dim}, "
+                f"min_partition {spec.min_partition})"
+                if ShardingType.GRID_SHARD in spec.sharding_types
+                else ""
+            )
+            raise PlannerError(
+                f"table {spec.label}: no sharding type fits its constraints (sharding_types "
+                f"{[k.value for k in spec.sharding_types]}, compute_kernels "
+                f"{[k.value for k in spec.compute_kernels]}, ranks {spec.ranks}); data_parallel "
+                f"needs the 'dense' kernel and every rank, the others need 'fused'{grid}"
+            )
+        return opt
+
+    def _place(
+        self, specs: list[TableSpec], given: dict[Key, ParameterSharding], opts: list[TableOptions], auto_dp: bool
+    ) -> ShardingPlan:
+        """The plan: ``given`` tables as given, small tables replicated (``auto_dp``: where cheaper in
+        total; else only those that must be), the rest partitioned."""
+        topo, work = self.topology, self.work
+        by_key = {s.key: s for s in specs}
         cap = self.budget.tables
         load = [0.0] * topo.world_size
         used = [0] * topo.world_size
@@ -199,30 +231,17 @@ class EmbeddingShardingPlanner:
         for key, ps in given.items():
             self._charge(by_key[key], ps, load, used, owners)
             result[key] = ps
-        free_opts: list[TableOptions] = []
         lower = sum(load)
-        for spec in specs:
-            if spec.key in given:
-                continue
-            opt = table_options(spec, work)
-            if not opt.kinds:
-                grid = (
-                    f"; grid_shard needs at least 2 x min_partition columns (the table has {spec.dim}, "
-                    f"min_partition {spec.min_partition})"
-                    if ShardingType.GRID_SHARD in spec.sharding_types
-                    else ""
-                )
-                raise PlannerError(
-                    f"table {spec.label}: no sharding type fits its constraints (sharding_types "
-                    f"{[k.value for k in spec.sharding_types]}, compute_kernels "
-                    f"{[k.value for k in spec.compute_kernels]}, ranks {spec.ranks}); data_parallel "
-                    f"needs the 'dense' kernel and every rank, the others need 'fused'{grid}"
-                )
+        for opt in opts:
             lower += opt.cheapest_total
-            if prefers_data_parallel(opt, cap):
-                ps = _data_parallel(spec, topo.world_size)
-                self._charge(spec, ps, load, used, owners)
-                result[spec.key] = ps
+        lower /= topo.world_size
+        free_opts: list[TableOptions] = []
+        for opt in opts:
+            only = all(k is ShardingType.DATA_PARALLEL for k in opt.kinds)
+            if prefers_data_parallel(opt, cap) and (auto_dp or only):
+                ps = _data_parallel(opt.table, topo.world_size)
+                self._charge(opt.table, ps, load, used, owners)
+                result[opt.table.key] = ps
             else:
                 free_opts.append(opt)
         over = [r for r in range(topo.world_size) if used[r] > cap]
@@ -237,7 +256,16 @@ class EmbeddingShardingPlanner:
                 + f"\n  per rank: {self._budget_text()}"
             )
         free = [cap - u for u in used]
-        placed, failed, ranks = partition(free_opts, work, load, free, lower / topo.world_size)
+
+        def build(placed: list[Placement], ranks: RankLoads) -> ShardingPlan:
+            return self._build(specs, result | {p.table.key: _sharding(p) for p in placed}, ranks, lower)
+
+        def estimate(placed: list[Placement], ranks: RankLoads) -> float:
+            return step_estimate(build(placed, ranks), topo)
+
+        placed, failed, ranks = partition(
+            free_opts, work, load, free, lower, makespan if topo.rates is None else estimate
+        )
         if failed:
             full = min(range(topo.world_size), key=lambda r: (ranks.free[r], r))
             held = int(cap - ranks.free[full])
@@ -250,24 +278,27 @@ class EmbeddingShardingPlanner:
                 f"buffers placed before {names} fit nowhere; capacity {topo.memory_cap} bytes "
                 f"({topo.memory_cap / GiB:.2f} GiB)"
             )
-        for p in placed:
-            result[p.table.key] = _sharding(p)
+        return build(placed, ranks)
+
+    def _build(
+        self, specs: list[TableSpec], result: dict[Key, ParameterSharding], ranks: RankLoads, lower: float
+    ) -> ShardingPlan:
+        """The plan of ``result`` (every table's sharding) with its stats."""
+        topo = self.topology
         plan: dict[str, dict[str, ParameterSharding]] = {}
         for spec in specs:
             plan.setdefault(spec.path, {})[spec.name] = result[spec.key]
         stats = PlanStats(
-            rank_storage=[cap - f for f in ranks.free],  # bytes the tables use
+            rank_storage=[self.budget.tables - f for f in ranks.free],  # bytes the tables use
             rank_cost=ranks.load,
             storage_cap=topo.memory_cap,
-            lower_bound=lower / topo.world_size,
+            lower_bound=lower,
             reserve=self.reserve,
-            phase_cost={} if topo.rates is None else phase_loads(_placed(specs, result), work),
+            phase_cost={} if topo.rates is None else phase_loads(_placed(specs, result), self.work),
         )
-        return ShardingPlan(plan, stats=stats, dynamic=dynamic_layouts(specs, work))
+        return ShardingPlan(plan, stats=stats, dynamic=dynamic_layouts(specs, self.work))
 
-    def _fixed(
-        self, fixed: FixedPlan | None, specs: list[TableSpec]
-    ) -> dict[Key, ParameterSharding]:
+    def _fixed(self, fixed: FixedPlan | None, specs: list[TableSpec]) -> dict[Key, ParameterSharding]:
         if fixed is None:
             return {}
         by_key = {s.key: s for s in specs}
@@ -279,24 +310,17 @@ class EmbeddingShardingPlanner:
             wanted = {(s.path, s.name): fixed[s.name] for s in specs if s.name in fixed}
             known = {s.name for s in specs}
             problems.extend(
-                f"table '{n}' is not in the model; available: {available}"
-                for n in sorted(set(fixed) - known)
+                f"table '{n}' is not in the model; available: {available}" for n in sorted(set(fixed) - known)
             )
         for key, ps in sorted(wanted.items()):
             spec = by_key.get(key)
             if spec is None:
-                problems.append(
-                    f"table '{key[1]}' (module '{key[0]}') is not in the model; available: {available}"
-                )
+                problems.append(f"table '{key[1]}' (module '{key[0]}') is not in the model; available: {available}")
                 continue
             if not isinstance(ps, ParameterSharding):
-                problems.append(
-                    f"table {spec.label}: expected a ParameterSharding, got {type(ps).__name__}"
-                )
+                problems.append(f"table {spec.label}: expected a ParameterSharding, got {type(ps).__name__}")
                 continue
-            problems.extend(
-                f"table {spec.label}: {p}" for p in sharding_problems(spec, ps, self.topology)
-            )
+            problems.extend(f"table {spec.label}: {p}" for p in sharding_problems(spec, ps, self.topology))
         if problems:
             raise PlannerError("invalid given sharding plan:\n  " + "\n  ".join(problems))
         return wanted
@@ -349,9 +373,7 @@ class EmbeddingShardingPlanner:
 
 def _data_parallel(spec: TableSpec, world_size: int) -> ParameterSharding:
     shards = [ShardMetadata((0, 0), (spec.rows, spec.dim), r) for r in range(world_size)]
-    return ParameterSharding(
-        ShardingType.DATA_PARALLEL, EmbeddingComputeKernel.DENSE, list(range(world_size)), shards
-    )
+    return ParameterSharding(ShardingType.DATA_PARALLEL, EmbeddingComputeKernel.DENSE, list(range(world_size)), shards)
 
 
 def _placed(
@@ -367,9 +389,7 @@ def _placed(
 
 
 def _sharding(p: Placement) -> ParameterSharding:
-    shards = [
-        ShardMetadata((x.row_offset, x.col_offset), (x.rows, x.cols), x.rank) for x in p.pieces
-    ]
+    shards = [ShardMetadata((x.row_offset, x.col_offset), (x.rows, x.cols), x.rank) for x in p.pieces]
     return ParameterSharding(p.kind, EmbeddingComputeKernel.FUSED, [s.rank for s in shards], shards)
 
 

@@ -289,7 +289,7 @@ def test_further_pieces_count_column_pieces_and_host_pieces_add_their_own() -> N
     assert pieces(replicated) == (3, 0)
 
 
-@pytest.mark.parametrize("rates", [None, RATES])
+@pytest.mark.parametrize("rates", [None, RATES, replace(RATES, row_byte_seconds=1e-9)])
 @pytest.mark.parametrize("kind", list(ShardingType))
 def test_a_shards_phases_add_up_to_its_cost(kind: ShardingType, rates: Rates | None) -> None:
     from lightning_shardrec.planner.perf import shard_phases
@@ -300,3 +300,40 @@ def test_a_shards_phases_add_up_to_its_cost(kind: ShardingType, rates: Rates | N
     parts = shard_phases(spec, work, kind, rows, spec.dim)
     assert parts and all(v >= 0 for v in parts.values())
     assert sum(parts.values()) == pytest.approx(shard_perf(spec, work, kind, rows, spec.dim), rel=1e-12)
+
+
+def test_distinct_rows_of_uniform_ids() -> None:
+    from lightning_shardrec.planner.perf import distinct_rows
+
+    assert distinct_rows(0, 100) == 0.0 and distinct_rows(5, 0) == 0.0
+    assert distinct_rows(4096, 4) == pytest.approx(4.0)  # every row, many times over
+    assert distinct_rows(10, 10**9) == pytest.approx(10.0, rel=1e-6)  # every id its own row
+    # against counting: 4096 uniform ids over 65,536 rows
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    counted = [torch.randint(0, 65_536, (4096,), generator=gen).unique().numel() for _ in range(20)]
+    assert distinct_rows(4096, 65_536) == pytest.approx(sum(counted) / len(counted), rel=0.01)
+
+
+@pytest.mark.parametrize("kind", [ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE])
+def test_the_update_pays_per_byte_of_the_distinct_rows_it_touches(kind: ShardingType) -> None:
+    """Calibrated with ``row_byte_seconds``: a shard's update pays its distinct rows' weights and state
+    (adagrad: one state value per element) at that rate; a table of few rows pays for those few only."""
+    from lightning_shardrec.planner.perf import Phase, distinct_rows, shard_phases
+
+    spec = table_specs(find_tables(ebc()), {}, 4)[0]  # 10_000 x 64, pooling 1
+    topo = Topology(4, compute_device="cpu", local_world_size=2, rates=replace(RATES, row_byte_seconds=2e-9))
+    work = Workload(topology=topo, batch_size=64)
+    flat = Workload(topology=Topology(4, compute_device="cpu", local_world_size=2, rates=RATES), batch_size=64)
+    rows = spec.rows if kind is ShardingType.TABLE_WISE else spec.rows // 2
+    ids = 4 * 64 * rows / spec.rows  # the global batch's ids that fall in the shard
+    extra = distinct_rows(ids, rows) * (64 * 4 + 64 * 4) * 2e-9
+    got, want = shard_phases(spec, work, kind, rows, 64), shard_phases(spec, flat, kind, rows, 64)
+    assert got[Phase.UPDATE] - want[Phase.UPDATE] == pytest.approx(extra)
+    assert {p: v for p, v in got.items() if p is not Phase.UPDATE} == {
+        p: v for p, v in want.items() if p is not Phase.UPDATE
+    }
+    assert shard_perf(spec, work, kind, rows, 64) - shard_perf(spec, flat, kind, rows, 64) == pytest.approx(extra)
+    few = shard_phases(spec, work, kind, 4, 64)[Phase.UPDATE] - shard_phases(spec, flat, kind, 4, 64)[Phase.UPDATE]
+    assert few <= 4 * 512 * 2e-9 + 1e-15
