@@ -317,23 +317,31 @@ def test_distinct_rows_of_uniform_ids() -> None:
 
 
 @pytest.mark.parametrize("kind", [ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE])
-def test_the_update_pays_per_byte_of_the_distinct_rows_it_touches(kind: ShardingType) -> None:
-    """Calibrated with ``row_byte_seconds``: a shard's update pays its distinct rows' weights and state
-    (adagrad: one state value per element) at that rate; a table of few rows pays for those few only."""
+def test_a_shard_pays_per_distinct_row_and_per_byte_of_those_rows(kind: ShardingType) -> None:
+    """Calibrated with ``row_seconds`` and ``row_byte_seconds``: a shard pays each distinct row it touches
+    and its weights and state (adagrad: one state value per element), in a phase of its own; a table of few
+    rows pays for those few only, a narrower piece the same per row and less per byte."""
     from lightning_shardrec.planner.perf import Phase, distinct_rows, shard_phases
 
     spec = table_specs(find_tables(ebc()), {}, 4)[0]  # 10_000 x 64, pooling 1
-    topo = Topology(4, compute_device="cpu", local_world_size=2, rates=replace(RATES, row_byte_seconds=2e-9))
-    work = Workload(topology=topo, batch_size=64)
+    rates = replace(RATES, row_seconds=1e-7, row_byte_seconds=2e-9)
+    work = Workload(topology=Topology(4, compute_device="cpu", local_world_size=2, rates=rates), batch_size=64)
     flat = Workload(topology=Topology(4, compute_device="cpu", local_world_size=2, rates=RATES), batch_size=64)
     rows = spec.rows if kind is ShardingType.TABLE_WISE else spec.rows // 2
     ids = 4 * 64 * rows / spec.rows  # the global batch's ids that fall in the shard
-    extra = distinct_rows(ids, rows) * (64 * 4 + 64 * 4) * 2e-9
-    got, want = shard_phases(spec, work, kind, rows, 64), shard_phases(spec, flat, kind, rows, 64)
-    assert got[Phase.UPDATE] - want[Phase.UPDATE] == pytest.approx(extra)
-    assert {p: v for p, v in got.items() if p is not Phase.UPDATE} == {
-        p: v for p, v in want.items() if p is not Phase.UPDATE
-    }
-    assert shard_perf(spec, work, kind, rows, 64) - shard_perf(spec, flat, kind, rows, 64) == pytest.approx(extra)
-    few = shard_phases(spec, work, kind, 4, 64)[Phase.UPDATE] - shard_phases(spec, flat, kind, 4, 64)[Phase.UPDATE]
-    assert few <= 4 * 512 * 2e-9 + 1e-15
+    for cols in (64, 16):
+        extra = distinct_rows(ids, rows) * (1e-7 + (cols * 4 + cols * 4) * 2e-9)
+        got, want = shard_phases(spec, work, kind, rows, cols), shard_phases(spec, flat, kind, rows, cols)
+        assert got.pop(Phase.ROWS) == pytest.approx(extra) and Phase.ROWS not in want
+        assert got == want
+        assert shard_perf(spec, work, kind, rows, cols) - shard_perf(spec, flat, kind, rows, cols) == pytest.approx(
+            extra
+        )
+    few = shard_phases(spec, work, kind, 4, 64)[Phase.ROWS]
+    assert few <= 4 * (1e-7 + 512 * 2e-9) + 1e-15
+
+
+def test_every_rank_pays_its_rows_at_the_shared_rate() -> None:
+    """Distinct rows are not sped up by ranks that wait: a phase of rows lasts as long as its slowest rank."""
+    assert phase_seconds("rows/column_wise+table_wise", (4.0, 1.0, 0.0, 0.0), 2.0) == 4.0
+    assert phase_seconds("update/column_wise+table_wise", (4.0, 1.0, 0.0, 0.0), 2.0) == 2.0
