@@ -34,10 +34,6 @@ def as_calls(tally: dict[str, Tally]) -> Calls:
     return Calls(**out)
 
 
-def _rate(seconds_per_byte: float) -> str:
-    return f"{1e-9 / seconds_per_byte:.2f} GB/s" if seconds_per_byte else "free (measured no cost)"
-
-
 def busiest(per_rank: list[Calls]) -> Calls:
     """Per kind, the most calls any rank made (a step waits for its busiest rank)."""
     return Calls(*(max(n) for n in zip(*(astuple(c) for c in per_rank), strict=True)))
@@ -116,9 +112,11 @@ def report(
         "",
         "`Topology(..., rates='rates.json')` (or a `Rates`) opts in; without it the planner and its plans are "
         "unchanged. The file's bandwidths replace the defaults; each shard's lookup also pays the kernel's "
-        "fixed `lookup_seconds`, and its update the distinct rows it touches (their weights and optimizer "
-        "state, at `row_byte_seconds` per byte: scattered rows of a large table miss the caches; the ids are "
-        "taken as uniform, `perf.distinct_rows`, so skewed ids cost less); row-wise outputs run at the measured "
+        "fixed `lookup_seconds` and its ids at the kernel's rate with rows in cache; the distinct rows it "
+        "touches also pay `row_seconds` each (a cache miss, whatever the width: a column piece misses on its "
+        "own), in a phase every rank pays at the shared rate (the ids are taken as uniform, "
+        "`perf.distinct_rows`, so skewed ids cost less); "
+        "row-wise outputs run at the measured "
         "reduce-scatter rate; a replicated table pays its all-reduce and its dense gradient and update at "
         "measured rates. `step_estimate(plan, topology)` is the plan's critical path: a step is phases between "
         "collectives (per sharding group: ids in, lookup, output out and its gradient back, update; and the "
@@ -135,9 +133,10 @@ def report(
         "The in-step figures come from probes (`benchmarks/_calibrate_probes.py`): steps of small tables "
         "that differ in one thing. One tiny table per mechanism, against the fixed step, gives the seconds per "
         "call of each kind (divided by the calls the mechanism adds); two mechanisms together a further "
-        "group; six tiny tables against one a further piece; four 64-wide tables of 65,536 rows against four "
-        "of 4 rows, one per rank, the seconds per byte of distinct rows; a 51 MB replicated table against the "
-        "fixed step scales `measure`'s all-reduce and dense-update rates; a 128-wide tiny table against an "
+        "group; six tiny tables against one a further piece; four tables of 65,536 rows, 64 and 16 wide, "
+        "against four of 4 rows, one per rank, the seconds per distinct row and per byte of it; two 26 MB "
+        "replicated tables (two DDP buckets) against the fixed step scale `measure`'s all-reduce and "
+        "dense-update rates; a 128-wide tiny table against an "
         "8-wide one slows the all-to-all bandwidths. Each probe is taken net of what the model already "
         "charges it, and each difference per round (the two probes ran one after the other), the median over "
         "rounds. `check` times the probes inside its own interleaved rounds and prices every layout with those "
@@ -156,7 +155,8 @@ def report(
         f"{rates.group_seconds * 1e3:.2f} ms per further group, {rates.table_seconds * 1e3:.2f} ms per further piece "
         f"(+{rates.host_table_seconds * 1e3:.2f} ms for a table_row_wise or grid piece); all-to-all in-host "
         f"{rates.intra_host_bw / 1e9:.2f} GB/s, between hosts {rates.inter_host_bw / 1e9:.2f} GB/s; distinct rows "
-        f"{_rate(rates.row_byte_seconds)}; replicated tables at {measured.dense_bw / rates.dense_bw:.2f}x "
+        f"{rates.row_seconds * 1e6:.3f} us each; replicated tables at "
+        f"{measured.dense_bw / rates.dense_bw:.2f}x "
         "`measure`'s seconds per byte.",
         "",
         f"Model: {len(TABLES)} tables ({', '.join(f'{n}x{d}' for n, d in TABLES.values())}), pooling {POOLING}, "
