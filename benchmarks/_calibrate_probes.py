@@ -42,6 +42,7 @@ PROBES: dict[str, tuple[list[str], int, int]] = {
     "tw wide": (["table_wise"], TINY[0], 128),  # how much slower a step's all-to-alls move bytes than alone
     "tw x12": (["table_wise"] * 12, TINY[0], 64),  # three tables per rank ...
     "rows x12": (["table_wise"] * 12, 65_536, 64),  # ... of many rows, uniform ids: a distinct row's cost
+    "rows16 x12": (["table_wise"] * 12, 65_536, 16),  # ... 16 wide: per row against per byte
     # two 26 MB replicated tables (two DDP buckets: one's all-reduce overlaps the other's backward)
     "dp large": (["data_parallel"] * 2, 100_000, 64),
 }
@@ -79,7 +80,8 @@ def step_parts(rates: Rates, per_rank: list[dict[str, list[list[float]]]]) -> di
     :data:`~lightning_shardrec.planner.rates.MECHANISM_CALLS` counts, the seconds per all-to-all (table-wise's
     4), per in-host all-to-all (table-row-wise's 2 more), per reduce-scatter or all-gather (row-wise's, beside
     its 2 all-to-alls); a further piece's and a further group's seconds; the seconds per byte of distinct
-    distinct row a lookup and update touch (twelve tables of many rows against twelve of 4).
+    distinct row and byte of it a lookup and update touch (twelve tables of many rows, 64 and 16 wide,
+    against twelve of 4).
     """
     rounds = {name: round_steps([r[name] for r in per_rank]) for name in PROBES}
 
@@ -95,7 +97,7 @@ def step_parts(rates: Rates, per_rank: list[dict[str, list[list[float]]]]) -> di
         paired = statistics.median(x - y for x, y in zip(rounds[a], rounds[b], strict=True))
         return paired - (charged[a] - charged[b])
 
-    flat = replace(rates, row_seconds=0.0)
+    flat = replace(rates, row_seconds=0.0, row_byte_seconds=0.0)
     charged = charges(flat)
     # what the model charges the all-to-alls, and the replicated tables (the rise when their rates halve)
     a2a_part = diff(
@@ -121,8 +123,11 @@ def step_parts(rates: Rates, per_rank: list[dict[str, list[list[float]]]]) -> di
     table = max(0.0, d("tw x12", "tw") / 11)
     # two mechanisms against each alone: a further group, and a further piece (``table``)
     pair = statistics.fmean([d("tw+rw", "tw") - d("rw", "base"), d("tw+host", "tw") - d("host", "base")]) - table
-    # per rank: three tables of 65,536 rows, each with the global batch's ids
+    # per rank: three tables of 65,536 rows, each with the global batch's ids; a row's weights and adagrad
+    # state, 64 or 16 wide
     touched = 3 * distinct_rows(BATCH * WORLD * POOLING, PROBES["rows x12"][1])
+    wide, narrow = d("rows x12", "tw x12") / touched, d("rows16 x12", "tw x12") / touched
+    per_byte = max(0.0, (wide - narrow) / ((64 - 16) * 4 * 2))
     return found | {
         "step_seconds": statistics.median(rounds["base"]) - charged["base"],
         "collective_seconds": a2a,
@@ -131,5 +136,6 @@ def step_parts(rates: Rates, per_rank: list[dict[str, list[list[float]]]]) -> di
         "group_seconds": max(0.0, pair),
         "table_seconds": table,
         "host_table_seconds": max(0.0, (d("host x6", "host") - d("tw x6", "tw")) / 5),
-        "row_seconds": max(0.0, d("rows x12", "tw x12") / touched),
+        "row_seconds": max(0.0, narrow - 16 * 4 * 2 * per_byte),
+        "row_byte_seconds": per_byte,
     }

@@ -236,7 +236,9 @@ def measure_rates(out: Path) -> Rates:
         lookup_seconds=lookup,
         **measure_collectives(),
         **measure_dense(),
-        **dict.fromkeys((*parts, "group_seconds", "table_seconds", "host_table_seconds", "row_seconds"), 0.0),
+        **dict.fromkeys(
+            (*parts, "group_seconds", "table_seconds", "host_table_seconds", "row_seconds", "row_byte_seconds"), 0.0
+        ),
         ranks_per_core=max(1.0, WORLD / cores),
         source=source,
     )

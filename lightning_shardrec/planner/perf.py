@@ -120,17 +120,18 @@ def _compute(t: TableSpec, w: Workload, ids: float, rows: int, cols: int, comm: 
     """``comm`` seconds (``parts`` by phase) and the kernel's: its forward (with the fixed
     ``lookup_seconds``) and update. The total adds up as the planner always has (its ties stay).
 
-    Calibrated, the shard also pays ``row_seconds`` per distinct row it touches (:func:`distinct_rows`):
-    scattered rows of a large table miss the caches, which the per-id bytes at ``memory_bw`` (rows in
-    cache) do not show; a column piece misses on its own rows. Every rank pays its rows at the shared
-    rate (:attr:`Phase.ROWS`)."""
+    Calibrated, the shard also pays per distinct row it touches (:func:`distinct_rows`): ``row_seconds``
+    per row and ``row_byte_seconds`` per byte of its weights and optimizer state. Scattered rows of a
+    large table miss the caches, which the per-id bytes at ``memory_bw`` (rows in cache) do not show; a
+    column piece misses on its own rows. Every rank pays its rows at the shared rate (:attr:`Phase.ROWS`)."""
     rates = w.topology.rates
     fixed = 0.0 if rates is None else rates.lookup_seconds
     bw = w.topology.memory_bw
     lookup, update = ids * cols * t.elem_bytes, _update_bytes(t, w, ids, cols)
     scattered = 0.0
-    if rates is not None and rates.row_seconds:
-        scattered = distinct_rows(ids, rows) * rates.row_seconds
+    if rates is not None and (rates.row_seconds or rates.row_byte_seconds):
+        row = cols * t.elem_bytes + w.state_per_row(cols) * STATE_BYTES
+        scattered = distinct_rows(ids, rows) * (rates.row_seconds + row * rates.row_byte_seconds)
     total = comm + (fixed + (lookup + update) / bw + scattered)
     out = parts | {Phase.LOOKUP: fixed + lookup / bw, Phase.UPDATE: update / bw}
     return total, out | ({Phase.ROWS: scattered} if scattered else {})

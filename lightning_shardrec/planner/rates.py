@@ -5,7 +5,7 @@ it also charges what a measured step shows on a loaded CPU cluster:
 
 - ``memory_bw`` (bytes/s) and ``lookup_seconds`` (s per shard lookup + fused update, the
   kernel's fixed cost): a kernel step of ``n`` bytes per id takes ``lookup_seconds + n / memory_bw``,
-  fitted on tables whose rows stay in cache (rows read from memory: ``row_seconds``);
+  fitted on tables whose rows stay in cache (rows read from memory: ``row_seconds``, ``row_byte_seconds``);
 - ``intra_host_bw`` / ``inter_host_bw`` (bytes/s) of an all-to-all's bytes (the slope between two sizes,
   slowed by as much as a wide tiny table's all-to-alls show inside a step);
 - ``reduce_scatter_bw`` (bytes/s): row_wise's reduce-scatter of the pooled partial and the all-gather
@@ -21,15 +21,16 @@ it also charges what a measured step shows on a loaded CPU cluster:
   ``host_call_seconds`` per in-host all-to-all, ``reduce_scatter_seconds`` per reduce-scatter or
   all-gather. On a CPU a call waits for every rank to be scheduled, so these are far above an idle
   all-to-all's latency;
-- ``group_seconds`` (s) per sharding group beyond the first (its output split and joined) and
+- ``group_seconds`` (s) per sharded group beyond the first (its output split and joined) and
   ``table_seconds`` (s) per further piece (a table, or each column piece of a column-wise or grid
   table: each gets its own copy of the ids, its own lookup and its own block of the output), and
   ``host_table_seconds`` (s) what a table_row_wise / grid_shard piece adds to that (its partial is
   also reduced among its holders), both measured on six tiny tables against one;
 
-- ``row_seconds`` (s per row): what a lookup and its fused update pay, inside a step, per distinct row
-  they touch (``perf.distinct_rows``): a cache miss, whatever the row's width. Measured as twelve tables
-  of many rows against twelve of 4 rows, every rank updating three;
+- ``row_seconds`` (s per row) and ``row_byte_seconds`` (s per byte): what a lookup and its fused update
+  pay, inside a step, per distinct row they touch (``perf.distinct_rows``: a cache miss) and per byte of
+  those rows (weights and optimizer state). Measured as twelve tables of many rows, 64 and 16 wide,
+  against twelve of 4 rows, every rank updating three;
 
 - ``ranks_per_core``: ranks per CPU core where ``measure`` ran (its ranks / ``os.cpu_count()``, at least
   1). Its kernel rates were timed with every rank computing at once; a rank that computes while
@@ -114,6 +115,7 @@ class Rates:
     table_seconds: float
     host_table_seconds: float = 0.0
     row_seconds: float = 0.0
+    row_byte_seconds: float = 0.0
     ranks_per_core: float = 1.0
     source: str = ""
 
@@ -196,9 +198,14 @@ def pieces(plan: Any) -> tuple[int, int]:
 
 
 def groups(plan: Any) -> int:
-    """Sharding groups a step runs: per collection, one per mechanism its tables use."""
+    """Sharded groups a step runs: per collection, one per mechanism its sharded tables use (replicated
+    tables are looked up locally, with no collective of their own)."""
     return sum(
-        sum(1 for types in MECHANISM_CALLS if types & {ps.sharding_type.value for ps in tables.values()})
+        sum(
+            1
+            for types in MECHANISM_CALLS
+            if "data_parallel" not in types and types & {ps.sharding_type.value for ps in tables.values()}
+        )
         for tables in plan.plan.values()
     )
 

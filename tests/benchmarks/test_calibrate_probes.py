@@ -49,6 +49,7 @@ TRUTH = replace(
     table_seconds=3e-4,
     host_table_seconds=2e-4,
     row_seconds=5e-7,
+    row_byte_seconds=1e-9,
 )
 DRIFT = [0.0, 4e-3, -2e-3, 9e-3, 1e-3]  # per round, every probe alike: the machine's load moving
 
@@ -76,6 +77,7 @@ def test_a_fit_that_charges_nothing_more_finds_nothing_more() -> None:
         "group_seconds",
         "table_seconds",
         "row_seconds",
+        "row_byte_seconds",
     ):
         assert fitted[name] == pytest.approx(0.0, abs=1e-6), name
     assert fitted["dense_bw"] == pytest.approx(ALONE.dense_bw, rel=1e-6)

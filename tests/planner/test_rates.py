@@ -194,6 +194,11 @@ def test_step_estimate_adds_the_fixed_step_calls_groups_and_tables() -> None:
     replicated = plan(dict.fromkeys(("t0", "t1", "t2"), "data_parallel"))
     assert collectives(replicated, 2) == Calls()
     assert step_estimate(replicated, topo) == pytest.approx(critical_path(replicated, RATES) + 5e-3 + 2 * 2e-4)
+    assert groups(replicated) == 0
+    # a replicated table beside a sharded group: looked up locally, no further group
+    beside = plan({"t0": "table_wise", "t1": "table_wise", "t2": "data_parallel"})
+    assert groups(beside) == 1
+    assert step_estimate(beside, topo) == pytest.approx(critical_path(beside, RATES) + 5e-3 + 4 * 5e-4 + 2 * 2e-4)
     with pytest.raises(ValueError, match=r"step_estimate: the topology has no measured rates; build it with"):
         step_estimate(mixed, Topology(4, compute_device="cpu", local_world_size=2))
 
