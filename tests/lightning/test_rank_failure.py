@@ -62,7 +62,7 @@ def test_dead_rank_is_named_and_resume_loses_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_hung_rank_is_named_by_the_heartbeat_watchdog(tmp_path):
-    hung, _ = run(tmp_path, "--fault", "stop", "--rank", "1", "--step", "3", "--heartbeat-timeout", "8")
+    hung, _ = run(tmp_path, "--fault", "stop", "--rank", "1", "--step", "3", "--heartbeat-timeout", "4")
     ended = time.time()
     assert hung.returncode != 0
     assert "lightning_shardrec: rank 1 stopped (no heartbeat for" in hung.stdout + hung.stderr, hung.stdout[-3000:]
