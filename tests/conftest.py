@@ -4,10 +4,11 @@ import os
 import shutil
 import subprocess
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from _forked_python import ForkedPython
 
 from lightning_shardrec.kernels.autotune import CACHE_ENV
 
@@ -18,6 +19,15 @@ torch.set_num_threads(1)
 def _kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """``kernel="auto"``'s timings go to a temporary directory (inherited by spawned ranks), never ~/.cache."""
     os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("kernel_cache"))
+
+
+@pytest.fixture(scope="session")
+def forked_python() -> Iterator[ForkedPython]:
+    """``python SCRIPT`` for the tests that start scripts: forked from one interpreter that imported torch and
+    Lightning (``_forked_python.py``), with this session's environment and unbuffered output."""
+    server = ForkedPython({**os.environ, "PYTHONUNBUFFERED": "1"})
+    yield server
+    server.close()
 
 
 @pytest.fixture(autouse=True)

@@ -41,6 +41,8 @@ from lightning_shardrec.distributed.whereabouts import Whereabouts
 log = logging.getLogger(__name__)
 
 _PREFIX = "shardrec/health"
+#: seconds :meth:`RankMonitor.explain` waits past its ``wait`` for the store (a silent store host never answers)
+STORE_GRACE_S = 10.0
 _DONE = "done"
 _GONE = "died (its process is gone: killed or crashed)"
 # Messages of collectives that lost a peer (gloo, NCCL, the TCP store).
@@ -232,7 +234,7 @@ class RankMonitor:
 
         looking = threading.Thread(target=look, name=f"shardrec-explain-{self.rank}", daemon=True)
         looking.start()
-        looking.join(timeout=wait + 10.0)  # a silent store host never answers a read
+        looking.join(timeout=wait + STORE_GRACE_S)  # a silent store host never answers a read
         if found:
             return found[0]
         where = self._host_ranks(0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from test_bench_smoke import run_quick
 
 
-def test_serving_bench_quick():
-    text = run_quick("serving_bench.py")
+def test_serving_bench_quick(forked_python):
+    text = run_quick(forked_python, "serving_bench.py")
     assert text.startswith("## Serving latency")
     for batch in (1, 64, 512):
         for case in ("eager float", "eager int8", "pt2 int8"):

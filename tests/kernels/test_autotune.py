@@ -179,6 +179,16 @@ def test_timing_leaves_the_rng_alone(cache):
 
 
 def _agree_worker(rank, world, cache_dir):
+    """:func:`_agree` with the environment restored after it: the rank processes serve later cases (left at
+    ``off``, the kernel cache made every later ``kernel="auto"`` on these ranks time its backends again)."""
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ):
+        return _agree(rank, world, cache_dir)
+
+
+def _agree(rank, world, cache_dir):
     import os
 
     from lightning_shardrec.distributed.comm import ShardingEnv, sum_over_ranks

@@ -17,6 +17,8 @@ resume on 2 ranks from a plain ``torch.save`` file memory-maps it, each rank cop
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -34,11 +36,22 @@ PIECE = 8 * MiB  # test pieces: a 61 MiB shard is written as 8 pieces
 ALLOWANCE = 64 * MiB  # Lightning, gloo, a row-wise step's buffers (~25 MiB) and the pieces in flight (~20 MiB)
 
 
-def fit_in_pieces(rank, world, piece_bytes, *args):
+@contextmanager
+def pieces_of(piece_bytes: int) -> Iterator[None]:
+    """``sharded_state.PIECE_BYTES`` set inside the block, restored after it: the rank processes serve later cases
+    (left behind, 64-byte pieces made the next full-state gather on those ranks move 2 rows a collective)."""
     from lightning_shardrec.checkpoint import sharded_state
 
-    sharded_state.PIECE_BYTES = piece_bytes
-    return fit(rank, world, *args)
+    default, sharded_state.PIECE_BYTES = sharded_state.PIECE_BYTES, piece_bytes
+    try:
+        yield
+    finally:
+        sharded_state.PIECE_BYTES = default
+
+
+def fit_in_pieces(rank, world, piece_bytes, *args):
+    with pieces_of(piece_bytes):
+        return fit(rank, world, *args)
 
 
 def test_pieces_of_any_size_resume_the_identical_run(tmp_path):
@@ -111,10 +124,13 @@ def test_one_file_per_item_resumes_the_identical_run(tmp_path):
 
 
 def save_or_resume(rank: int, world: int, path: str, resume: bool) -> dict[str, int]:
-    from lightning_shardrec import ParameterConstraints, ShardRecStrategy
-    from lightning_shardrec.checkpoint import sharded_state
+    with pieces_of(PIECE):
+        return _save_or_resume(rank, world, path, resume)
 
-    sharded_state.PIECE_BYTES = PIECE
+
+def _save_or_resume(rank: int, world: int, path: str, resume: bool) -> dict[str, int]:
+    from lightning_shardrec import ParameterConstraints, ShardRecStrategy
+
     external_launch(rank, world)
     reset_peak()
     base = rss()
@@ -165,10 +181,13 @@ FULL_ALLOWANCE = 16 * MiB  # measured: 0.2 MiB (the pickled dense state and stan
 
 def save_full(rank: int, world: int, path: str) -> dict[str, object]:
     """Fit, then ``save_checkpoint`` in the full format: each rank's peak over fit, and what was saved."""
-    from lightning_shardrec import ParameterConstraints, ShardRecStrategy
-    from lightning_shardrec.checkpoint import sharded_state
+    with pieces_of(BAND):
+        return _save_full(rank, world, path)
 
-    sharded_state.PIECE_BYTES = BAND
+
+def _save_full(rank: int, world: int, path: str) -> dict[str, object]:
+    from lightning_shardrec import ParameterConstraints, ShardRecStrategy
+
     external_launch(rank, world)
     rows = ParameterConstraints(sharding_types=["row_wise"])
     strategy = ShardRecStrategy(constraints={f"t{i}": rows for i in range(TABLES)}, checkpoint_format="full")

@@ -7,9 +7,7 @@ Each run is a real 2-rank job started by Lightning's own subprocess launcher
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,18 +18,11 @@ SCRIPT = Path(__file__).with_name("_fault_run.py")
 BOUND_S = 240
 
 
-def run(out: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+def run(forked_python, out: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``python _fault_run.py out *args`` (this session's environment, unbuffered: ``forked_python``)."""
     out.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     started = time.time()
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=BOUND_S,
-        env=env,
-        cwd=SCRIPT.parent,
-    )
+    proc = forked_python.run([SCRIPT, out, *args], cwd=SCRIPT.parent, timeout=BOUND_S)
     return proc, time.time() - started
 
 
@@ -40,18 +31,18 @@ def detect_seconds(out: Path, ended: float) -> float:
 
 
 @pytest.mark.slow
-def test_dead_rank_is_named_and_resume_loses_nothing(tmp_path):
-    killed, _ = run(tmp_path / "a", "--fault", "kill", "--rank", "1", "--step", "7")
+def test_dead_rank_is_named_and_resume_loses_nothing(tmp_path, forked_python):
+    killed, _ = run(forked_python, tmp_path / "a", "--fault", "kill", "--rank", "1", "--step", "7")
     ended = time.time()
     assert killed.returncode != 0
     assert "lightning_shardrec: rank 1 died" in killed.stdout + killed.stderr, killed.stderr[-3000:]
     assert detect_seconds(tmp_path / "a", ended) < 30  # the gloo timeout alone would be 10 minutes
     assert not (tmp_path / "a" / "final.pt").exists()
 
-    resumed, _ = run(tmp_path / "a", "--resume")
+    resumed, _ = run(forked_python, tmp_path / "a", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (tmp_path / "a" / "ran").read_text() == "5"  # steps 5..9 from the step-5 checkpoint, none redone
-    straight, _ = run(tmp_path / "b")
+    straight, _ = run(forked_python, tmp_path / "b")
     assert straight.returncode == 0, straight.stderr[-3000:]
     got = torch.load(tmp_path / "a" / "final.pt", weights_only=True)
     want = torch.load(tmp_path / "b" / "final.pt", weights_only=True)
@@ -61,8 +52,8 @@ def test_dead_rank_is_named_and_resume_loses_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_hung_rank_is_named_by_the_heartbeat_watchdog(tmp_path):
-    hung, _ = run(tmp_path, "--fault", "stop", "--rank", "1", "--step", "3", "--heartbeat-timeout", "8")
+def test_hung_rank_is_named_by_the_heartbeat_watchdog(tmp_path, forked_python):
+    hung, _ = run(forked_python, tmp_path, "--fault", "stop", "--rank", "1", "--step", "3", "--heartbeat-timeout", "4")
     ended = time.time()
     assert hung.returncode != 0
     assert "lightning_shardrec: rank 1 stopped (no heartbeat for" in hung.stdout + hung.stderr, hung.stdout[-3000:]
