@@ -244,7 +244,8 @@ class CriteoBinary:
                 a = np.load(path, mmap_mode="r")
             except Exception as e:  # numpy's header parser fails in many ways (OSError, ValueError, TokenError ...)
                 raise ValueError(
-                    f"criteo {path} is missing or corrupt ({type(e).__name__}: {e}); preprocess again"
+                    f"criteo {path} (source {f.stem!r} in meta.json) is missing or corrupt "
+                    f"({type(e).__name__}: {e}); preprocess again"
                 ) from None
             if a.shape != shape or a.dtype != dtype:
                 raise ValueError(

@@ -297,3 +297,16 @@ def test_meta_json_with_wrong_fields_is_named(processed: Path, edit: str, value:
         assert len(data) == (50 if meta["files"] else 0)
         chunk = data.read(0, len(data))
         assert chunk.sparse.shape == (len(data), NUM_SPARSE)
+
+
+def test_a_meta_json_naming_a_missing_source_names_both(processed: Path) -> None:
+    """A corrupted stem in ``meta.json`` (found by the fuzz test above: ``day_1`` -> `` ay_1``) points at files
+    that do not exist: the error names the file and where its name came from."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "p"
+        shutil.copytree(processed, root)
+        meta = root / "meta.json"
+        meta.write_text(meta.read_text().replace('"day_1"', '" ay_1"'))
+        named = r"ay_1\.dense\.npy \(source ' ay_1' in meta\.json\) is missing or corrupt"
+        with pytest.raises(ValueError, match=named):
+            CriteoBinary(root)
