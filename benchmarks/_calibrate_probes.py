@@ -11,17 +11,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
-from _calibrate_runs import BATCH, HOSTS, LOCAL, POOLING, WORLD, blocks, model, round_steps, shards
+from _calibrate_runs import BATCH, HOSTS, LOCAL, POOLING, WORLD, blocks, plan_layout, round_steps, shards
 
-from lightning_shardrec.planner import (
-    EmbeddingShardingPlanner,
-    ParameterConstraints,
-    ParameterSharding,
-    Rates,
-    ShardingPlan,
-    ShardMetadata,
-    Topology,
-)
+from lightning_shardrec.planner import ParameterSharding, Rates, ShardingPlan, ShardMetadata, Topology
 from lightning_shardrec.planner.perf import distinct_rows
 from lightning_shardrec.planner.rates import critical_path
 
@@ -64,10 +56,7 @@ def probe_plan(name: str, topo: Topology | None = None) -> tuple[dict[str, tuple
             fixed[t] = shards(kind, blocks(rows, list(range(WORLD)), 0, dim))
         else:
             fixed[t] = shards(kind, blocks(rows, HOSTS[0], 0, dim))
-    topo = topo or Topology(WORLD, compute_device="cpu", local_world_size=LOCAL)
-    pooled = {t: ParameterConstraints(pooling_factors=[float(POOLING)]) for t in tables}
-    planner = EmbeddingShardingPlanner(topo, batch_size=BATCH, constraints=pooled)
-    return tables, planner.plan(model(tables, "meta"), fixed=fixed)
+    return tables, plan_layout(tables, fixed, topo)
 
 
 def step_parts(rates: Rates, per_rank: list[dict[str, list[list[float]]]]) -> dict[str, float]:

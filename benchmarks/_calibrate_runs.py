@@ -134,6 +134,16 @@ def plan_for(name: str, rates: Rates | None, layout: ShardingPlan | None = None)
     return planner.plan(model(device="meta"), fixed=_layout(name) if PLANS[name] == "layout" else None)
 
 
+def plan_layout(
+    tables: dict[str, tuple[int, int]], fixed: dict[str, ParameterSharding], topo: Topology | None = None
+) -> ShardingPlan:
+    """``tables`` (name -> (rows, dim)) laid out as ``fixed`` says, priced for ``topo``."""
+    topo = topo or Topology(WORLD, compute_device="cpu", local_world_size=LOCAL)
+    pooled = {t: ParameterConstraints(pooling_factors=[float(POOLING)]) for t in tables}
+    planner = EmbeddingShardingPlanner(topo, batch_size=BATCH, constraints=pooled)
+    return planner.plan(model(tables, "meta"), fixed=fixed)
+
+
 def batch(seed: int, tables: dict[str, tuple[int, int]] = TABLES) -> KeyedJaggedTensor:
     g = torch.Generator().manual_seed(seed)
     keys = [f"f_{t}" for t in tables]

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, replace
 
 import pytest
+from planner_helpers import RATES
 
 from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_shardrec.planner import (
@@ -32,23 +33,6 @@ from lightning_shardrec.planner.rates import (
     step_calls,
 )
 from lightning_shardrec.planner.tables import find_tables, table_specs
-
-RATES = Rates(
-    memory_bw=5e9,
-    lookup_seconds=1e-4,
-    intra_host_bw=6e8,
-    inter_host_bw=2.5e8,
-    reduce_scatter_bw=2e8,
-    allreduce_bw=4e8,
-    dense_bw=3e8,
-    step_seconds=5e-3,
-    collective_seconds=5e-4,
-    host_call_seconds=7e-4,
-    reduce_scatter_seconds=2e-3,
-    group_seconds=3e-3,
-    table_seconds=2e-4,
-    source="test",
-)
 
 
 def ebc() -> EmbeddingBagCollection:
