@@ -10,6 +10,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -47,12 +48,7 @@ def run(out: Path, force_cpu: bool = False) -> Report:
     mode = Mode.detect(force_cpu)
     print(f"gpu-check: {'CUDA' if mode.cuda else 'CPU'} mode on {mode.describe()}; report to {out}", flush=True)
     env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda)}
-    try:
-        import lightning
-
-        env["lightning"] = lightning.__version__
-    except ImportError:  # pragma: no cover - lightning is a dependency
-        pass
+    env["lightning"] = metadata.version("lightning")  # a dependency; read without importing Lightning here
     report = Report("cuda" if mode.cuda else "cpu", mode.describe(), env)
     for name, section in _sections():
         t0 = time.perf_counter()
