@@ -177,10 +177,12 @@ def partition(
     if score is makespan or best[1]:
         return best
     whole = [replace(o, kinds=(ShardingType.TABLE_WISE,)) if o.allows(ShardingType.TABLE_WISE) else o for o in options]
+    best_score = score(best[0], best[2])
     for opts in (options, whole):
         found = _partition(opts, work, base_load, free, lower_bound, score)
-        if not found[1] and score(found[0], found[2]) < score(best[0], best[2]):
-            best = found
+        scored = math.inf if found[1] else score(found[0], found[2])
+        if scored < best_score:
+            best, best_score = found, scored
     return best
 
 
@@ -200,9 +202,9 @@ def _partition(
     lo = max(lower_bound, max(base_load), 1e-30)
     for level in (True, False):
         found = _search(options, work, base_load, free, lo, max(best_ranks.load), level, score)
-        if found is not None and score(*found) < best_score:
-            best, best_ranks = found
-            best_score = score(*found)
+        scored = math.inf if found is None else score(*found)
+        if found is not None and scored < best_score:
+            (best, best_ranks), best_score = found, scored
     return _spread(options, work, base_load, free, best, best_ranks, score)
 
 
