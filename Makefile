@@ -1,15 +1,16 @@
 # Two commands on a fresh machine: `make train` and `make test`.
-# Each bootstraps .venv (torch 2.13 + the fbgemm build for this machine) once;
-# later runs skip the installs (the stamp tracks pyproject.toml).
+# Each bootstraps .venv (the pinned pair: torch 2.13 + the fbgemm 1.8 build for this machine)
+# once; later runs skip the installs (the stamp tracks pyproject.toml). The library itself
+# runs on torch >= 2.11 with or without fbgemm: `make test-range` (docs/install.md).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 # CUDA build of fbgemm when a GPU answers, the CPU build otherwise.
-FBGEMM_EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+FBGEMM_EXTRA := torch213-$(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(FBGEMM_EXTRA)
 PYTEST_ARGS ?=
 
-.PHONY: setup train test lint docs clean gpu-check
+.PHONY: setup train test test-range lint docs clean gpu-check
 
 setup: $(STAMP)
 
@@ -26,6 +27,11 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The supported range beyond the pinned pair: the newest torch pip reaches, with its fbgemm
+# and without, and the oldest supported torch and Lightning (.ci/range.sh; venvs .venv-range-*).
+test-range:
+	bash .ci/range.sh
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict
@@ -51,7 +57,8 @@ bench: $(STAMP)
 # Report: $$GPU_CHECK_OUT (default ./gpu_check_report)/report.{json,md}; exits 1 when a check fails.
 GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
+	@$(GPU_CHECK_PY) -c "import torch" 2>/dev/null || { echo "gpu-check: $(GPU_CHECK_PY) has no torch: run 'make setup' (or install torch >= 2.11) first"; exit 1; }
 	PYTHONPATH=. $(GPU_CHECK_PY) -m lightning_shardrec.gpu_check
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-range-* .pytest_cache .hypothesis

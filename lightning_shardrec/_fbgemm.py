@@ -19,6 +19,12 @@ if TYPE_CHECKING:
 # Set LIGHTNING_SHARDREC_DISABLE_FBGEMM=1 to force the portable torch paths.
 _DISABLE_ENV = "LIGHTNING_SHARDREC_DISABLE_FBGEMM"
 
+# fbgemm-gpu ships one build per torch minor; these pairs load and pass the suite here (the
+# install extras in pyproject.toml and docs/install.md name the same). Any other torch runs
+# the portable backend.
+FBGEMM_PAIRS: dict[str, str] = {"2.13": "1.8.0", "2.14": "1.9.0"}
+_DISTRIBUTIONS = ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "fbgemm-gpu-nightly-cpu")
+
 
 @functools.cache
 def _load() -> ModuleType | None:
@@ -44,10 +50,55 @@ def fbgemm_tbe() -> ModuleType:
     tbe = _load()
     if tbe is None:
         raise RuntimeError(
-            "fbgemm_gpu is not available: install the build that matches torch 2.13 "
-            "(`pip install lightning-shardrec[cpu]` or `[cuda]`), or use kernel='torch'"
+            f"fbgemm_gpu is not available ({describe()}); {_install_hint()}, or use kernel='torch'"
         )
     return tbe
+
+
+def _torch_minor() -> str:
+    import torch
+
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
+def installed_build() -> str | None:
+    """``"fbgemm-gpu-cpu 1.9.0"``: the installed fbgemm distribution, read without importing it; None if none."""
+    from importlib import metadata
+
+    for name in _DISTRIBUTIONS:
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def describe() -> str:
+    """One line: the fbgemm build, whether it loaded with this torch, and the backend that runs.
+
+    e.g. ``"fbgemm-gpu-cpu 1.9.0 loaded with torch 2.14.1: fbgemm kernels"`` or
+    ``"no fbgemm-gpu installed (torch 2.11.0): portable backend"``.
+    """
+    import torch
+
+    build, where = installed_build(), f"torch {torch.__version__}"
+    if os.environ.get(_DISABLE_ENV, "0") not in ("", "0"):
+        return f"{build or 'no fbgemm-gpu'} switched off by {_DISABLE_ENV}: portable backend"
+    if build is None:
+        return f"no fbgemm-gpu installed ({where}): portable backend"
+    if fbgemm_available():
+        return f"{build} loaded with {where}: fbgemm kernels"
+    return f"{build} does not load with {where}: portable backend"
+
+
+def _install_hint() -> str:
+    pair = FBGEMM_PAIRS.get(_torch_minor())
+    if pair is None:
+        known = ", ".join(f"torch {t} <-> {v}" for t, v in FBGEMM_PAIRS.items())
+        return f"no fbgemm-gpu build is paired with torch {_torch_minor()} here (pairs: {known})"
+    minor = _torch_minor()
+    extra = f"torch{minor.replace('.', '')}-cpu"
+    return f"install fbgemm-gpu(-cpu)=={pair}, the build for torch {minor} (`pip install lightning-shardrec[{extra}]`)"
 
 
 def fbgemm_ops_on(device: str) -> bool:
@@ -101,8 +152,7 @@ def fbgemm_inference_tbe() -> ModuleType:
     inference = _load_inference()
     if inference is None:
         raise RuntimeError(
-            "fbgemm_gpu's inference TBE is not available: install the build that matches torch 2.13 "
-            "(`pip install lightning-shardrec[cpu]` or `[cuda]`), or use backend='torch'"
+            f"fbgemm_gpu's inference TBE is not available ({describe()}); {_install_hint()}, or use backend='torch'"
         )
     return inference
 

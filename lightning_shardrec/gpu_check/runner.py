@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_shardrec import _fbgemm as fbgemm
 from lightning_shardrec.gpu_check.env import Mode
 from lightning_shardrec.gpu_check.report import Check, Report, Status
 
@@ -26,7 +27,6 @@ NOT_ON_ONE_GPU = [
         "sharded all-to-alls, reduce-scatters and DDP over NCCL need 2+ GPUs; CPU CI covers "
         "them with gloo, and the one-GPU runs here use a one-rank group",
     ),
-    ("fbgemm kernels", "the GPU machine has no fbgemm-gpu: every run here uses the torch kernel"),
     ("same-host shared-memory transport", "gloo groups of several CPU ranks only"),
 ]
 
@@ -49,6 +49,8 @@ def run(out: Path, force_cpu: bool = False) -> Report:
     print(f"gpu-check: {'CUDA' if mode.cuda else 'CPU'} mode on {mode.describe()}; report to {out}", flush=True)
     env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda)}
     env["lightning"] = metadata.version("lightning")  # a dependency; read without importing Lightning here
+    env["fbgemm"] = fbgemm.describe()  # the build, whether it loads with this torch, the backend chosen
+    print(f"gpu-check: torch {torch.__version__}, lightning {env['lightning']}; {env['fbgemm']}", flush=True)
     report = Report("cuda" if mode.cuda else "cpu", mode.describe(), env)
     for name, section in _sections():
         t0 = time.perf_counter()
@@ -61,7 +63,10 @@ def run(out: Path, force_cpu: bool = False) -> Report:
             report.add(Check(name, "ran to the end", Status.FAIL, f"{type(e).__name__}: {e}", {"traceback": where}))
         print(f"gpu-check: {name} took {time.perf_counter() - t0:.1f} s", flush=True)
         report.write(out)  # after every section: a run killed later still leaves what it found
-    for what, why in NOT_ON_ONE_GPU:
+    not_here = list(NOT_ON_ONE_GPU)
+    if not fbgemm.fbgemm_ops_on(mode.device.type):
+        not_here.append(("fbgemm kernels", f"{env['fbgemm']}: every run here uses the torch kernel"))
+    for what, why in not_here:
         report.add(Check("not checked here", what, Status.NOT_CHECKED, why))
     json_path, md_path = report.write(out)
     print(f"gpu-check: {len(report.failed)} failed of {len(report.checks)}; wrote {json_path} and {md_path}")
