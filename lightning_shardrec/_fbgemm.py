@@ -19,10 +19,10 @@ if TYPE_CHECKING:
 # Set LIGHTNING_SHARDREC_DISABLE_FBGEMM=1 to force the portable torch paths.
 _DISABLE_ENV = "LIGHTNING_SHARDREC_DISABLE_FBGEMM"
 
-# fbgemm-gpu ships one build per torch minor; these pairs load and pass the suite here (the
-# install extras in pyproject.toml and docs/install.md name the same). Any other torch runs
-# the portable backend.
-FBGEMM_PAIRS: dict[str, str] = {"2.13": "1.8.0", "2.14": "1.9.0"}
+# fbgemm-gpu ships one build per torch minor (fbgemm's own table). Checked here: 2.13 and 2.14
+# pass the suite with their build, 2.11's loads (docs/install.md). The install extras in
+# pyproject.toml name the same pairs; any other torch runs the portable backend.
+FBGEMM_PAIRS: dict[str, str] = {"2.11": "1.6.0", "2.12": "1.7.0", "2.13": "1.8.0", "2.14": "1.9.0"}
 _DISTRIBUTIONS = ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "fbgemm-gpu-nightly-cpu")
 
 
