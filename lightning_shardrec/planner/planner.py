@@ -296,7 +296,13 @@ class EmbeddingShardingPlanner:
             reserve=self.reserve,
             phase_cost={} if topo.rates is None else phase_loads(_placed(specs, result), self.work),
         )
-        return ShardingPlan(plan, stats=stats, dynamic=dynamic_layouts(specs, self.work))
+        return ShardingPlan(
+            plan,
+            stats=stats,
+            dynamic=dynamic_layouts(specs, self.work),
+            compute_device=topo.compute_device.value,
+            local_world_size=int(topo.local_world_size or topo.world_size),
+        )
 
     def _fixed(self, fixed: FixedPlan | None, specs: list[TableSpec]) -> dict[Key, ParameterSharding]:
         if fixed is None:

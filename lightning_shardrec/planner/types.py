@@ -31,7 +31,21 @@ from lightning_shardrec.errors import unknown_name
 _E = TypeVar("_E", bound=enum.Enum)
 
 
-class ShardingType(str, enum.Enum):
+class TorchRecString(str, enum.Enum):
+    """An enum whose members stand for TorchRec's plain strings: ``==``, ``hash``, ``str``,
+    ``format``, ``repr`` and JSON all act as the string value (TorchRec's plans hold ``"column_wise"``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    def __repr__(self) -> str:
+        return repr(str(self.value))
+
+
+class ShardingType(TorchRecString):
     """How a table is cut across ranks (TorchRec's values)."""
 
     TABLE_WISE = "table_wise"
@@ -42,7 +56,7 @@ class ShardingType(str, enum.Enum):
     DATA_PARALLEL = "data_parallel"
 
 
-class EmbeddingComputeKernel(str, enum.Enum):
+class EmbeddingComputeKernel(TorchRecString):
     """How a shard is trained.
 
     ``FUSED``: the fused optimizer updates rows inside backward. ``DENSE``: a plain
@@ -112,6 +126,9 @@ class ParameterSharding:
             s if isinstance(s, ShardMetadata) else ShardMetadata(**s) for s in self.shards
         )
         object.__setattr__(self, "shards", shards)
+
+    def __repr__(self) -> str:
+        return torchrec_repr(self)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -206,3 +223,42 @@ class ParameterConstraints:
                     f"ParameterConstraints: ranks must be a non-empty list of ints >= 0, got {self.ranks!r}"
                 )
             object.__setattr__(self, "ranks", ranks)
+
+
+# --- TorchRec's printed form of a plan entry (issue 43) ---------------------------------------
+#: the fields TorchRec's ParameterSharding prints after the shards; a plan made here leaves them all None
+TORCHREC_UNSET_FIELDS = (
+    "cache_params",
+    "enforce_hbm",
+    "stochastic_rounding",
+    "bounds_check_mode",
+    "output_dtype",
+    "key_value_params",
+)
+
+
+def placement(compute_device: str, rank: int, local_world_size: int) -> str:
+    """TorchRec's shard placement text: ``rank:1/cuda:1`` on GPUs (the rank's local device), ``rank:1/cpu``."""
+    device = str(compute_device)
+    if device in ("cuda", "mtia"):
+        device = f"{device}:{rank % max(local_world_size, 1)}"
+    return f"rank:{rank}/{device}"
+
+
+def torchrec_repr(ps: ParameterSharding, compute_device: str = "cpu", local_world_size: int = 1) -> str:
+    """``repr`` of ``ps`` as TorchRec prints the same entry (its ``EnumerableShardingSpec`` of shards;
+    none for ``data_parallel``)."""
+    if ps.sharding_type is ShardingType.DATA_PARALLEL:
+        spec = "None"
+    else:
+        shards = ", ".join(
+            f"ShardMetadata(shard_offsets={list(s.shard_offsets)}, shard_sizes={list(s.shard_sizes)}, "
+            f"placement={placement(compute_device, s.rank, local_world_size)})"
+            for s in ps.shards
+        )
+        spec = f"EnumerableShardingSpec(shards=[{shards}])"
+    unset = ", ".join(f"{name}=None" for name in TORCHREC_UNSET_FIELDS)
+    return (
+        f"ParameterSharding(sharding_type={ps.sharding_type!r}, compute_kernel={ps.compute_kernel!r}, "
+        f"ranks={list(ps.ranks)}, sharding_spec={spec}, {unset})"
+    )
