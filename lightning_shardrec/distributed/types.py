@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lightning_shardrec.distributed.awaitables import Awaitable, LazyAwaitable, NoWait
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharders import ModuleSharder
 from lightning_shardrec.errors import missing_names
@@ -13,13 +14,9 @@ from lightning_shardrec.planner import (
     ShardMetadata,
 )
 
-_ASYNC = "outputs are ready tensors here (a sharded collection's output has wait(), returning itself)"
 __getattr__ = missing_names(
     __name__,
     {
-        "Awaitable": _ASYNC,
-        "LazyAwaitable": _ASYNC,
-        "NoWait": _ASYNC,
         "ShardedTensor": "DistributedModelParallel.state_dict() holds DTensors (see docs/migrating.md, 'State dicts')",
         "ShardedModule": "the sharded collections are ShardedEmbeddingBagCollection / ShardedEmbeddingCollection",
         "ShardingPlanner": "use EmbeddingShardingPlanner",
@@ -33,6 +30,9 @@ __getattr__ = missing_names(
 )
 
 __all__ = [
+    "Awaitable",
+    "LazyAwaitable",
+    "NoWait",
     "EmbeddingComputeKernel",
     "ModuleSharder",
     "ParameterSharding",

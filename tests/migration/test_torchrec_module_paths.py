@@ -64,7 +64,7 @@ def test_the_same_class_behind_every_path():
 @pytest.mark.parametrize(
     ("path", "name", "match"),
     [
-        ("distributed.types", "LazyAwaitable", "outputs are ready tensors here"),
+        ("distributed.types", "ShardingEnv2D", "2D parallelism is not supported"),
         ("distributed.types", "ShardedTensor", "state_dict"),
         ("distributed.planner.types", "Enumerator", "the planner's stages are built in"),
         ("modules.embedding_configs", "QuantConfig", "quantize for serving"),
