@@ -13,6 +13,7 @@ from lightning_shardrec.planner import (
     ShardingType,
     ShardMetadata,
 )
+from lightning_shardrec.planner.table_params import CacheParams, KeyValueParams
 
 __getattr__ = missing_names(
     __name__,
@@ -23,14 +24,14 @@ __getattr__ = missing_names(
         "EnumerableShardingSpec": "shards are described by ShardMetadata",
         "QuantizedCommCodecs": "use get_qcomm_codecs_registry from lightning_shardrec.distributed.fbgemm_qcomm_codec",
         "ShardingEnv2D": "2D parallelism is not supported",
-        "CacheParams": "there are no UVM caches (tables live on the device)",
-        "KeyValueParams": "key-value (SSD) tables are not supported",
         "PipelineType": "the pipeline is TrainPipelineSparseDist or ShardRecStrategy(pipeline=True)",
     },
 )
 
 __all__ = [
     "Awaitable",
+    "CacheParams",
+    "KeyValueParams",
     "LazyAwaitable",
     "NoWait",
     "EmbeddingComputeKernel",

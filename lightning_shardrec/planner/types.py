@@ -24,9 +24,10 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from lightning_shardrec.errors import unknown_name
+from lightning_shardrec.errors import UnsupportedFeatureError, unknown_name
+from lightning_shardrec.planner.table_params import CacheParams, KeyValueParams, refuse_key_value
 
 _E = TypeVar("_E", bound=enum.Enum)
 
@@ -174,8 +175,26 @@ class ParameterConstraints:
     num_poolings: list[float] | None = None
     min_partition: int | None = None
     ranks: list[int] | None = None
+    # TorchRec's other fields (issue 43): accepted; what each means here is in TORCHREC_CONSTRAINT_FIELDS
+    batch_sizes: list[int] | None = None
+    is_weighted: bool = False
+    cache_params: CacheParams | None = None
+    enforce_hbm: bool | None = None
+    stochastic_rounding: bool | None = None
+    bounds_check_mode: Any = None
+    feature_names: list[str] | None = None
+    output_dtype: Any = None
+    device_group: str | None = None
+    key_value_params: KeyValueParams | None = None
+    use_virtual_table: bool = False
 
     def __post_init__(self) -> None:
+        refuse_key_value(self.key_value_params, self.use_virtual_table, "ParameterConstraints")
+        if self.output_dtype is not None and getattr(self.output_dtype, "name", self.output_dtype) != "FP32":
+            raise UnsupportedFeatureError(
+                f"ParameterConstraints: output_dtype={self.output_dtype!r} is not supported; the collections' "
+                "outputs are fp32 here (None or DataType.FP32)"
+            )
         if self.sharding_types is not None:
             types = [parse_enum(ShardingType, t, "sharding type") for t in self.sharding_types]
             if not types:
@@ -223,6 +242,19 @@ class ParameterConstraints:
                     f"ParameterConstraints: ranks must be a non-empty list of ints >= 0, got {self.ranks!r}"
                 )
             object.__setattr__(self, "ranks", ranks)
+
+
+#: TorchRec's ParameterConstraints fields with no counterpart in the planner here, and why each is safe to accept
+TORCHREC_CONSTRAINT_FIELDS = {
+    "batch_sizes": "the planner costs one batch size per plan (EmbeddingShardingPlanner(batch_size=...))",
+    "is_weighted": "weighted features are read from the collection itself",
+    "cache_params": "no UVM caches: every table lives whole in device memory",
+    "enforce_hbm": "tables always live in the compute device's memory",
+    "stochastic_rounding": "tables are fp32, so updates need no stochastic rounding",
+    "bounds_check_mode": "ids are always checked, raising on an out-of-range id",
+    "feature_names": "pooling factors apply to the table's features in order",
+    "device_group": "one compute device per plan (Topology(compute_device=...))",
+}
 
 
 # --- TorchRec's printed form of a plan entry (issue 43) ---------------------------------------
