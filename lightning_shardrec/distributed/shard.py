@@ -76,7 +76,8 @@ def shard_collection(
         device=target,
         comm_precision=resolve_comm_precision(None, sharders, where),
     )
-    sharded = kind(module, {name: params[name] for name in table_names(module)}, env, setup)
+    plan = {name: params[name] for name in table_names(module)}
+    sharded = kind(module, plan, env, setup)  # type: ignore[arg-type]  # the type matched _SHARDED's key
     materialize_meta(sharded, target)
     sharded.to(target)
     sharded.fused_optimizer = FusedOptimizer(sharded.kernels(), optim)  # type: ignore[assignment]

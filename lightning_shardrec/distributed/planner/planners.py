@@ -24,8 +24,8 @@ def _entries(best_plan: Any) -> Iterable[tuple[str, str, str]]:
             yield str(name), str(ps.compute_kernel), str(ps.sharding_type)
     else:
         for so in best_plan:
-            name = getattr(so, "fqn", None) or getattr(so, "name", "?")
-            yield str(name), str(so.compute_kernel), str(so.sharding_type)
+            label = getattr(so, "fqn", None) or getattr(so, "name", "?")
+            yield str(label), str(so.compute_kernel), str(so.sharding_type)
 
 
 def validate_compute_kernels(best_plan: ShardingPlan | Mapping[str, ParameterSharding] | Iterable[Any]) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.planner import ParameterConstraints, Topology
+from lightning_shardrec.planner.topology import ComputeDevice
 
 #: TorchRec's backward/forward compute ratio (its planner constant BWD_COMPUTE_MULTIPLIER)
 BWD_COMPUTE_MULTIPLIER = 2.0
@@ -172,15 +173,20 @@ def topology_from_configs(
         raise UnsupportedFeatureError(f"KernelConfig({what}) is not supported: the planner here plans cpu or cuda")
     hbm = trainer.dry_run_hbm_bytes if trainer.is_dry_run and trainer.dry_run_hbm_bytes else trainer.hbm_cap_bytes
     ddr = trainer.dry_run_ddr_bytes if trainer.is_dry_run and trainer.dry_run_ddr_bytes else trainer.ddr_cap_bytes
-    caps: dict[str, float | None] = {"hbm_cap": hbm or hardware.hbm_cap_bytes, "ddr_cap": ddr or hardware.ddr_cap_bytes}
-    per_ms = {"hbm_bw": hardware.hbm_mem_bw, "ddr_bw": hardware.ddr_mem_bw}
-    per_ms.update(intra_host_bw=hardware.intra_host_bw, inter_host_bw=hardware.inter_host_bw)
-    caps.update((k, None if v is None else v * 1000.0) for k, v in per_ms.items())  # bytes/ms -> bytes/s
+
+    def per_s(bytes_per_ms: float | None) -> float | None:
+        return None if bytes_per_ms is None else bytes_per_ms * 1000.0
+
     return Topology(
         world_size=int(trainer.world_size),  # type: ignore[arg-type]
-        compute_device=kernel.compute_device,
+        compute_device=ComputeDevice(kernel.compute_device),
         local_world_size=trainer.local_world_size,
-        **{k: v for k, v in caps.items() if v is not None},
+        hbm_cap=hbm or hardware.hbm_cap_bytes,
+        ddr_cap=ddr or hardware.ddr_cap_bytes,
+        hbm_bw=per_s(hardware.hbm_mem_bw),
+        ddr_bw=per_s(hardware.ddr_mem_bw),
+        intra_host_bw=per_s(hardware.intra_host_bw),
+        inter_host_bw=per_s(hardware.inter_host_bw),
     )
 
 

@@ -47,7 +47,7 @@ class ModelInput:
             return None if x is None else x.to(device, non_blocking=non_blocking)
 
         return ModelInput(
-            *(move(x) for x in (self.float_features, self.idlist_features, self.idscore_features)), move(self.label)
+            move(self.float_features), move(self.idlist_features), move(self.idscore_features), move(self.label)
         )
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
@@ -316,7 +316,8 @@ class TestSparseNN(nn.Module):
 
     def dense_forward(self, input: ModelInput, sparse_output: KeyedTensor) -> Tensor | tuple[Tensor, Tensor]:
         over = self.over(self.dense(input.float_features), sparse_output)
-        pred = torch.sigmoid(torch.mean(over, dim=1)) + self.dummy_ones
+        ones = self.get_buffer("dummy_ones")
+        pred = torch.sigmoid(torch.mean(over, dim=1)) + ones
         if self.training:
             return nn.functional.binary_cross_entropy_with_logits(pred, input.label), pred
         return pred
