@@ -245,6 +245,11 @@ TORCHREC_MODULES: frozenset[str] = frozenset(
     )
 )
 
+# --- issue 43 (h43a): packages whose only listed modules are their children -------------------------
+#: ``torchrec.ir`` and ``torchrec.linter`` are packages of the listed ``ir.*`` / ``linter.*`` modules; without
+#: them, ``import lightning_shardrec.ir.schema`` failed on the package with a bare ModuleNotFoundError
+TORCHREC_MODULES = TORCHREC_MODULES | frozenset(("ir", "linter"))
+
 
 class TorchRecPathFinder:
     """Refuses TorchRec module paths this library lacks, by name; leaves every other import alone."""

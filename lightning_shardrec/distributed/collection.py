@@ -229,3 +229,20 @@ class ShardedCollection(nn.Module):
 
     def _groups(self) -> list[EmbeddingSharding]:
         return list(self.groups)  # type: ignore[arg-type]
+
+    # --- TorchRec's per-sharding pieces, by its private names, for programs that print them (issue 43) ---
+    @property
+    def _input_dists(self) -> list[object]:
+        """Each sharding group's input distribution (``group.input_dist``), one per group as TorchRec lists them."""
+        return [g.input_dist for g in self._groups()]
+
+    @property
+    def _lookups(self) -> list[nn.Module]:
+        """Each sharding group's lookup kernel."""
+        return [g.kernel for g in self._groups() if g.kernel is not None]
+
+    @property
+    def _output_dists(self) -> list[object]:
+        """Each sharding group's output distribution (``group.output_dist``)."""
+        return [g.output_dist for g in self._groups()]
+

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.fbgemm_qcomm_codec import QCommsRegistry
@@ -27,8 +28,18 @@ from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.optim.fused_settings import config_of_fused_params
 from lightning_shardrec.planner import EmbeddingComputeKernel, ShardingType
+from lightning_shardrec.planner.types import parse_enum
 
 M = TypeVar("M", bound=nn.Module)
+#: the order TorchRec's sharders list the types in
+_TORCHREC_ORDER = (
+    ShardingType.DATA_PARALLEL,
+    ShardingType.TABLE_WISE,
+    ShardingType.COLUMN_WISE,
+    ShardingType.ROW_WISE,
+    ShardingType.TABLE_ROW_WISE,
+    ShardingType.GRID_SHARD,
+)
 _SECTION = "see docs/migrating.md, 'Sharders'"
 
 
@@ -51,11 +62,42 @@ class ModuleSharder(Generic[M]):
         return {n.split(".")[-2]: p for n, p in module.named_parameters() if n.endswith(".weight")}
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
-        """Every sharding type runs on every device here."""
-        return [t.value for t in ShardingType]
+        """Every sharding type runs on every device here (TorchRec's order; TorchRec offers only
+        data/table/column-wise on CPU, and ``table_column_wise``, which is not supported here)."""
+        return [t.value for t in _TORCHREC_ORDER]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return [k.value for k in EmbeddingComputeKernel]
+        """``["dense"]`` for ``data_parallel``, else ``["fused"]`` (TorchRec's CPU answer; its UVM,
+        caching and key-value kernels do not exist here)."""
+        kind = parse_enum(ShardingType, sharding_type, "sharding type")
+        return [EmbeddingComputeKernel.DENSE.value if kind is ShardingType.DATA_PARALLEL else "fused"]
+
+    # --- TorchRec's remaining sharder methods (issue 43) ------------------------------------
+    def storage_usage(self, tensor: Tensor, compute_device_type: str, compute_kernel: str) -> dict[str, int]:
+        """Bytes ``tensor`` takes where its kernel keeps it: ``{"hbm": n}`` on GPUs, ``{"ddr": n}`` on CPU."""
+        where = "hbm" if compute_device_type in ("cuda", "mtia") else "ddr"
+        return {where: tensor.element_size() * tensor.nelement()}
+
+    def shard(
+        self,
+        module: M,
+        params: Mapping[str, Any],
+        env: Any = None,
+        device: torch.device | str | None = None,
+        module_fqn: str | None = None,
+    ) -> nn.Module:
+        """``module`` sharded as ``params`` (table name -> ``ParameterSharding``, e.g. ``plan.plan[""]``) on
+        ``env`` and ``device``, with this sharder's ``fused_params`` and comm codecs; the result's
+        ``fused_optimizer`` steps its tables inside backward. ``module_fqn`` only names it in errors."""
+        if not isinstance(module, self.module_type):
+            raise TypeError(
+                f"{type(self).__name__}.shard: expects a {self.module_type.__name__}, got {type(module).__name__}"
+            )
+        # imported here: shard.py builds on DistributedModelParallel's pieces, which import this module
+        from lightning_shardrec.distributed.shard import shard_collection
+
+        where = f"{type(self).__name__}.shard" + (f" ('{module_fqn}')" if module_fqn else "")
+        return shard_collection(module, params, env, device, [self], where)
 
 
 class BaseEmbeddingSharder(ModuleSharder[M]):
@@ -79,6 +121,12 @@ class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]
     def module_type(self) -> type[EmbeddingBagCollection]:
         return EmbeddingBagCollection
 
+    @property
+    def sharded_module_type(self) -> type[nn.Module]:
+        from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+        return ShardedEmbeddingBagCollection
+
 
 class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
     """Settings for every :class:`EmbeddingCollection` of the model."""
@@ -86,6 +134,12 @@ class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
     @property
     def module_type(self) -> type[EmbeddingCollection]:
         return EmbeddingCollection
+
+    @property
+    def sharded_module_type(self) -> type[nn.Module]:
+        from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
+
+        return ShardedEmbeddingCollection
 
 
 def check_sharders(sharders: Sequence[object] | None, where: str) -> list[ModuleSharder[Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lightning_shardrec.distributed.awaitables import Awaitable, LazyAwaitable, NoWait
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharders import ModuleSharder
 from lightning_shardrec.errors import missing_names
@@ -12,27 +13,27 @@ from lightning_shardrec.planner import (
     ShardingType,
     ShardMetadata,
 )
+from lightning_shardrec.planner.table_params import CacheParams, KeyValueParams
 
-_ASYNC = "outputs are ready tensors here (a sharded collection's output has wait(), returning itself)"
 __getattr__ = missing_names(
     __name__,
     {
-        "Awaitable": _ASYNC,
-        "LazyAwaitable": _ASYNC,
-        "NoWait": _ASYNC,
         "ShardedTensor": "DistributedModelParallel.state_dict() holds DTensors (see docs/migrating.md, 'State dicts')",
         "ShardedModule": "the sharded collections are ShardedEmbeddingBagCollection / ShardedEmbeddingCollection",
         "ShardingPlanner": "use EmbeddingShardingPlanner",
         "EnumerableShardingSpec": "shards are described by ShardMetadata",
         "QuantizedCommCodecs": "use get_qcomm_codecs_registry from lightning_shardrec.distributed.fbgemm_qcomm_codec",
         "ShardingEnv2D": "2D parallelism is not supported",
-        "CacheParams": "there are no UVM caches (tables live on the device)",
-        "KeyValueParams": "key-value (SSD) tables are not supported",
         "PipelineType": "the pipeline is TrainPipelineSparseDist or ShardRecStrategy(pipeline=True)",
     },
 )
 
 __all__ = [
+    "Awaitable",
+    "CacheParams",
+    "KeyValueParams",
+    "LazyAwaitable",
+    "NoWait",
     "EmbeddingComputeKernel",
     "ModuleSharder",
     "ParameterSharding",

@@ -30,6 +30,10 @@ from lightning_shardrec.inference.serving_ebc import ServingEmbeddingBags
 
 
 def __getattr__(name: str) -> object:
+    if name == "modules":  # TorchRec's ``torchrec.inference.modules`` (``trec_infer.modules.quantize_embeddings``)
+        import importlib
+
+        return importlib.import_module("lightning_shardrec.inference.modules")
     if name == "QuantizedPredictor":
         from lightning_shardrec.lightning.predictor import QuantizedPredictor
 

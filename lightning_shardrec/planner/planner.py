@@ -296,7 +296,9 @@ class EmbeddingShardingPlanner:
             reserve=self.reserve,
             phase_cost={} if topo.rates is None else phase_loads(_placed(specs, result), self.work),
         )
-        return ShardingPlan(plan, stats=stats, dynamic=dynamic_layouts(specs, self.work))
+        device, local = str(topo.compute_device.value), topo.local_world_size or 1
+        dynamic = dynamic_layouts(specs, self.work)
+        return ShardingPlan(plan, stats=stats, dynamic=dynamic, compute_device=device, local_world_size=local)
 
     def _fixed(self, fixed: FixedPlan | None, specs: list[TableSpec]) -> dict[Key, ParameterSharding]:
         if fixed is None:

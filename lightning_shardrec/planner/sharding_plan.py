@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from lightning_shardrec.planner.dynamic_plan import DynamicLayout, DynamicLayouts, dynamic_lines, layouts_from_dict
 from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, size_text
-from lightning_shardrec.planner.types import ParameterSharding, ShardingType
+from lightning_shardrec.planner.types import ParameterSharding, ShardingType, torchrec_repr
 
 GiB = 1024**3
 
@@ -102,6 +102,22 @@ class ShardingPlan:
     plan: dict[str, dict[str, ParameterSharding]]
     stats: PlanStats | None = field(default=None, compare=False, kw_only=True)
     dynamic: DynamicLayouts = field(default_factory=dict, compare=False, kw_only=True)
+    #: where the shards live, for TorchRec's ``placement`` text in ``repr`` (``"cpu"``, ``"cuda"``)
+    compute_device: str = field(default="cpu", compare=False, kw_only=True)
+    local_world_size: int = field(default=1, compare=False, kw_only=True)
+
+    def __repr__(self) -> str:
+        """TorchRec's ``repr`` of the same plan: ``ShardingPlan(plan={path: {table: ParameterSharding(...)}})``."""
+        modules = ", ".join(
+            f"{path!r}: {{"
+            + ", ".join(
+                f"{name!r}: {torchrec_repr(ps, self.compute_device, self.local_world_size)}"
+                for name, ps in tables.items()
+            )
+            + "}"
+            for path, tables in self.plan.items()
+        )
+        return f"ShardingPlan(plan={{{modules}}})"
 
     def get_plan_for_module(self, module_path: str) -> dict[str, ParameterSharding] | None:
         """The table shardings of the collection at ``module_path`` (``""`` = root), or None."""

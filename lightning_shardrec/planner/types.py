@@ -24,14 +24,29 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from lightning_shardrec.errors import unknown_name
+from lightning_shardrec.errors import UnsupportedFeatureError, unknown_name
+from lightning_shardrec.planner.table_params import CacheParams, KeyValueParams, refuse_key_value
 
 _E = TypeVar("_E", bound=enum.Enum)
 
 
-class ShardingType(str, enum.Enum):
+class TorchRecString(str, enum.Enum):
+    """An enum whose members stand for TorchRec's plain strings: ``==``, ``hash``, ``str``,
+    ``format``, ``repr`` and JSON all act as the string value (TorchRec's plans hold ``"column_wise"``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    def __repr__(self) -> str:
+        return repr(str(self.value))
+
+
+class ShardingType(TorchRecString):
     """How a table is cut across ranks (TorchRec's values)."""
 
     TABLE_WISE = "table_wise"
@@ -42,7 +57,7 @@ class ShardingType(str, enum.Enum):
     DATA_PARALLEL = "data_parallel"
 
 
-class EmbeddingComputeKernel(str, enum.Enum):
+class EmbeddingComputeKernel(TorchRecString):
     """How a shard is trained.
 
     ``FUSED``: the fused optimizer updates rows inside backward. ``DENSE``: a plain
@@ -113,6 +128,9 @@ class ParameterSharding:
         )
         object.__setattr__(self, "shards", shards)
 
+    def __repr__(self) -> str:
+        return torchrec_repr(self)
+
     def to_dict(self) -> dict[str, object]:
         return {
             "sharding_type": self.sharding_type.value,
@@ -157,8 +175,26 @@ class ParameterConstraints:
     num_poolings: list[float] | None = None
     min_partition: int | None = None
     ranks: list[int] | None = None
+    # TorchRec's other fields (issue 43): accepted; what each means here is in TORCHREC_CONSTRAINT_FIELDS
+    batch_sizes: list[int] | None = None
+    is_weighted: bool = False
+    cache_params: CacheParams | None = None
+    enforce_hbm: bool | None = None
+    stochastic_rounding: bool | None = None
+    bounds_check_mode: Any = None
+    feature_names: list[str] | None = None
+    output_dtype: Any = None
+    device_group: str | None = None
+    key_value_params: KeyValueParams | None = None
+    use_virtual_table: bool = False
 
     def __post_init__(self) -> None:
+        refuse_key_value(self.key_value_params, self.use_virtual_table, "ParameterConstraints")
+        if self.output_dtype is not None and getattr(self.output_dtype, "name", self.output_dtype) != "FP32":
+            raise UnsupportedFeatureError(
+                f"ParameterConstraints: output_dtype={self.output_dtype!r} is not supported; the collections' "
+                "outputs are fp32 here (None or DataType.FP32)"
+            )
         if self.sharding_types is not None:
             types = [parse_enum(ShardingType, t, "sharding type") for t in self.sharding_types]
             if not types:
@@ -206,3 +242,55 @@ class ParameterConstraints:
                     f"ParameterConstraints: ranks must be a non-empty list of ints >= 0, got {self.ranks!r}"
                 )
             object.__setattr__(self, "ranks", ranks)
+
+
+#: TorchRec's ParameterConstraints fields with no counterpart in the planner here, and why each is safe to accept
+TORCHREC_CONSTRAINT_FIELDS = {
+    "batch_sizes": "the planner costs one batch size per plan (EmbeddingShardingPlanner(batch_size=...))",
+    "is_weighted": "weighted features are read from the collection itself",
+    "cache_params": "no UVM caches: every table lives whole in device memory",
+    "enforce_hbm": "tables always live in the compute device's memory",
+    "stochastic_rounding": "tables are fp32, so updates need no stochastic rounding",
+    "bounds_check_mode": "ids are always checked, raising on an out-of-range id",
+    "feature_names": "pooling factors apply to the table's features in order",
+    "device_group": "one compute device per plan (Topology(compute_device=...))",
+}
+
+
+# --- TorchRec's printed form of a plan entry (issue 43) ---------------------------------------
+#: the fields TorchRec's ParameterSharding prints after the shards; a plan made here leaves them all None
+TORCHREC_UNSET_FIELDS = (
+    "cache_params",
+    "enforce_hbm",
+    "stochastic_rounding",
+    "bounds_check_mode",
+    "output_dtype",
+    "key_value_params",
+)
+
+
+def placement(compute_device: str, rank: int, local_world_size: int) -> str:
+    """TorchRec's shard placement text: ``rank:1/cuda:1`` on GPUs (the rank's local device), ``rank:1/cpu``."""
+    device = str(compute_device)
+    if device in ("cuda", "mtia"):
+        device = f"{device}:{rank % max(local_world_size, 1)}"
+    return f"rank:{rank}/{device}"
+
+
+def torchrec_repr(ps: ParameterSharding, compute_device: str = "cpu", local_world_size: int = 1) -> str:
+    """``repr`` of ``ps`` as TorchRec prints the same entry (its ``EnumerableShardingSpec`` of shards;
+    none for ``data_parallel``)."""
+    if ps.sharding_type is ShardingType.DATA_PARALLEL:
+        spec = "None"
+    else:
+        shards = ", ".join(
+            f"ShardMetadata(shard_offsets={list(s.shard_offsets)}, shard_sizes={list(s.shard_sizes)}, "
+            f"placement={placement(compute_device, s.rank, local_world_size)})"
+            for s in ps.shards
+        )
+        spec = f"EnumerableShardingSpec(shards=[{shards}])"
+    unset = ", ".join(f"{name}=None" for name in TORCHREC_UNSET_FIELDS)
+    return (
+        f"ParameterSharding(sharding_type={ps.sharding_type!r}, compute_kernel={ps.compute_kernel!r}, "
+        f"ranks={list(ps.ranks)}, sharding_spec={spec}, {unset})"
+    )

@@ -64,10 +64,10 @@ def test_the_same_class_behind_every_path():
 @pytest.mark.parametrize(
     ("path", "name", "match"),
     [
-        ("distributed.types", "LazyAwaitable", "outputs are ready tensors here"),
+        ("distributed.types", "ShardingEnv2D", "2D parallelism is not supported"),
         ("distributed.types", "ShardedTensor", "state_dict"),
         ("distributed.planner.types", "Enumerator", "the planner's stages are built in"),
-        ("modules.embedding_configs", "QuantConfig", "quantize for serving"),
+        ("modules.embedding_configs", "VirtualTableConfig", "tables are not supported; size num_embeddings"),
         ("models.dlrm", "DLRM_DCN", "use lightning_shardrec.models.DCNv2"),
         ("distributed.train_pipeline", "PrefetchTrainPipelineSparseDist", "TrainPipelineSparseDist is the pipeline"),
         ("datasets.criteo", "criteo_kaggle", "read Criteo with lightning_shardrec.data"),
@@ -87,7 +87,9 @@ def test_missing_torchrec_names_are_refused_by_name(path, name, match):
     assert not hasattr(module, "no_such_name_anywhere")  # other names: a plain AttributeError
 
 
-@pytest.mark.parametrize("path", ["fx", "quant", "distributed.fused_embeddingbag", "inference.modules", "metrics.ne"])
+@pytest.mark.parametrize(
+    "path", ["distributed.itep_embeddingbag", "modules.itep_modules", "distributed.fused_embeddingbag", "metrics.ne"]
+)
 def test_torchrec_paths_we_lack_raise_a_named_import_error(path):
     with pytest.raises(MissingTorchRecFeatureError, match=re.escape(f"(TorchRec's torchrec.{path}) is not provided")):
         importlib.import_module(f"lightning_shardrec.{path}")

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from lightning_shardrec.distributed.planner.torchrec_types import (
+    HardwareConfig,
+    KernelConfig,
+    Shard,
+    Storage,
+    TrainerConfig,
+    hash_planner_context_inputs,
+)
 from lightning_shardrec.errors import PlannerError, missing_names
 from lightning_shardrec.planner import ParameterConstraints, Topology
 
@@ -19,12 +27,20 @@ __getattr__ = missing_names(
             "StorageReservation",
             "Stats",
             "ShardingOption",
-            "Shard",
-            "Storage",
             "Perf",
             "PlannerErrorType",
         )
     },
 )
 
-__all__ = ["ParameterConstraints", "PlannerError", "Topology"]
+__all__ = [
+    "HardwareConfig",
+    "KernelConfig",
+    "ParameterConstraints",
+    "PlannerError",
+    "Shard",
+    "Storage",
+    "Topology",
+    "TrainerConfig",
+    "hash_planner_context_inputs",
+]

@@ -1,0 +1,83 @@
+"""TorchRec's sharder methods and awaitables (issue 43, item 1).
+
+Expected values are TorchRec 1.8's answers (``/work/venvs/torchrec``): ``EmbeddingBagCollectionSharder()``
+``.compute_kernels(t, "cpu")`` is ``["dense"]`` for data_parallel, ``["fused"]`` otherwise;
+``.storage_usage(torch.empty(10, 8), "cpu", "fused")`` is ``{"ddr": 320}``, on "cuda" ``{"hbm": 320}``;
+``.shardable_parameters(ebc)`` maps table names to the weights; ``fused_params`` is the dict given.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from lightning_shardrec.distributed.embedding import EmbeddingCollectionSharder
+from lightning_shardrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+from lightning_shardrec.distributed.shard import shard_collection
+from lightning_shardrec.distributed.types import LazyAwaitable, NoWait, ParameterSharding, ShardingEnv
+from lightning_shardrec.errors import UnsupportedFeatureError
+
+
+def _ebc() -> EmbeddingBagCollection:
+    return EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=10, feature_names=["f1"])]
+    )
+
+
+def test_sharder_methods_answer_as_torchrec():
+    s = EmbeddingBagCollectionSharder(fused_params={"learning_rate": 0.1})
+    assert s.fused_params == {"learning_rate": 0.1} and EmbeddingBagCollectionSharder().fused_params is None
+    assert s.module_type is EmbeddingBagCollection and s.sharded_module_type is ShardedEmbeddingBagCollection
+    assert s.sharding_types("cuda")[:3] == ["data_parallel", "table_wise", "column_wise"]
+    assert s.compute_kernels("data_parallel", "cpu") == ["dense"] and s.compute_kernels("row_wise", "cpu") == ["fused"]
+    assert s.storage_usage(torch.empty(10, 8), "cpu", "fused") == {"ddr": 320}
+    assert s.storage_usage(torch.empty(10, 8, device="meta"), "cuda", "fused") == {"hbm": 320}
+    ebc = _ebc()
+    assert list(s.shardable_parameters(ebc)) == ["t1"]
+    assert s.shardable_parameters(ebc)["t1"] is next(ebc.parameters())
+    assert EmbeddingCollectionSharder().module_type is EmbeddingCollection
+
+
+def test_shard_refuses_another_collection_type_and_a_plan_without_the_table():
+    env = ShardingEnv.from_local(1, 0)
+    ec = EmbeddingCollection(
+        tables=[EmbeddingConfig(name="t1", embedding_dim=8, num_embeddings=10, feature_names=["f1"])]
+    )
+    with pytest.raises(TypeError, match="EmbeddingBagCollectionSharder.shard: expects a EmbeddingBagCollection, got"):
+        EmbeddingBagCollectionSharder().shard(ec, {}, env, "cpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"the plan has no entry for table\(s\) 't1' of EmbeddingBagCollection"):
+        EmbeddingBagCollectionSharder().shard(_ebc(), {}, env, "cpu")
+    with pytest.raises(UnsupportedFeatureError, match="shard: cannot shard a Linear; shardable: "):
+        shard_collection(torch.nn.Linear(2, 2), {}, env, "cpu")
+
+
+def test_a_one_rank_shard_equals_the_module():
+    ebc = _ebc()
+    shard = {"shard_offsets": [0, 0], "shard_sizes": [10, 8], "rank": 0}
+    table = ParameterSharding("table_wise", "fused", [0], [shard])
+    sharded = EmbeddingBagCollectionSharder().shard(ebc, {"t1": table}, ShardingEnv.from_local(1, 0), "cpu")
+    from lightning_shardrec import KeyedJaggedTensor
+
+    kjt = KeyedJaggedTensor(keys=["f1"], values=torch.tensor([1, 3, 9]), lengths=torch.tensor([2, 1]))
+    torch.testing.assert_close(sharded(kjt).wait().values(), ebc(kjt).values())
+    assert sharded.fused_optimizer.param_groups[0]["lr"] == 0.01  # the default optimizer: adagrad, lr 0.01
+
+
+class _Ones(LazyAwaitable[torch.Tensor]):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def _wait_impl(self) -> torch.Tensor:
+        self.calls += 1
+        return torch.ones(2, 3)
+
+
+def test_awaitables_wait_once_run_callbacks_and_lazy_ones_wait_when_used():
+    a = _Ones()
+    a.callbacks.append(lambda t: t * 2)
+    assert a.shape == (2, 3)  # an attribute of the result: waits
+    assert torch.equal(torch.add(a, 1), torch.full((2, 3), 3.0))  # a torch function: waits
+    assert torch.equal(a.wait(), torch.full((2, 3), 2.0)) and a.calls == 1
+    assert NoWait(5).wait() == 5
