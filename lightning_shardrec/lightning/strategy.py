@@ -270,8 +270,8 @@ class ShardRecStrategy(RankFailureHandling):
         kernels = [k for s in self.sharded.values() for k in s.kernels()]
         if self.fused_optimizer is None:
             self.fused_optimizer = FusedOptimizer(kernels, self._config)
-        if holder is not None:
-            self.fused_optimizer.link_lr(holder[1])
+        if holder is not None:  # the tables' lr follows the group's schedule (read live: survives a resume)
+            self.fused_optimizer.link_lr(holder[0], [id(g) for g in holder[0].param_groups].index(id(holder[1])))
         for coll in self.sharded.values():  # for a later Trainer's strategy (see _adopt)
             coll.shardrec_origin = (self.plan, self._holder_slot, self._config)  # type: ignore[assignment]
         if self.guard is None and self.sharded:
