@@ -45,7 +45,7 @@ from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
 from lightning_shardrec.lightning.cluster import ranks_per_host
-from lightning_shardrec.lightning.deferred import DeferredGlue, deferral_line, deferral_reason
+from lightning_shardrec.lightning.deferred import DeferredGlue, deferral_line, deferral_reason, watch_repeats
 from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
 from lightning_shardrec.lightning.fused_params import add_anchors, fused_names, fused_params
 from lightning_shardrec.lightning.optimizers import Holder, find_group, group_at, group_slot, remove_params, rule_report
@@ -59,7 +59,7 @@ from lightning_shardrec.lightning.table_memory import has_meta_tables, tables_hi
 from lightning_shardrec.lightning.teardown import destroy_groups
 from lightning_shardrec.modules.plain_embeddings import swap_embedding_modules
 from lightning_shardrec.modules.table_init import tables_on_meta
-from lightning_shardrec.optim import FusedOptimizer, ScaledTableUpdates
+from lightning_shardrec.optim import FusedOptimizer, RepeatedLookups, ScaledTableUpdates
 from lightning_shardrec.planner import ParameterConstraints, ParameterSharding, ShardingPlan, Topology
 from lightning_shardrec.planner.memory import DEFAULT_RESERVE
 
@@ -161,6 +161,7 @@ class ShardRecStrategy(RankFailureHandling):
         self._scaler_glue: ScalerGlue | None = None  # "16-mixed": table updates follow the GradScaler
         self._deferral: str | None = None  # why this fit's table updates wait for the optimizer step
         self._deferred_glue: DeferredGlue | None = None
+        self._repeats: RepeatedLookups | None = None  # a table looked up twice in a step: summed (deferred.py)
 
     # --- model construction -------------------------------------------------------------------
     @contextmanager
@@ -291,6 +292,7 @@ class ShardRecStrategy(RankFailureHandling):
             if scaler is None or deferred
             else ScalerGlue(scaler, ScaledTableUpdates(kernels), group, self.root_device)
         )
+        self._repeats = watch_repeats(self, kernels, holder, group)
         if self.options.check_finite and self._finite is None:
             self._finite = FiniteGuard(kernels)
         if self.options.pipeline and self.sharded and (self.pipeline is None or self.pipeline.closed):
@@ -374,6 +376,8 @@ class ShardRecStrategy(RankFailureHandling):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is not None:
             self.pipeline.before_step(self.lightning_module.trainer, super().batch_to_device)  # type: ignore[union-attr]
+        if self._repeats is not None:
+            self._repeats.new_step()
         return super().training_step(*args, **kwargs)
 
     @override
@@ -385,9 +389,12 @@ class ShardRecStrategy(RankFailureHandling):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self._deferred_glue is not None:
             return self._deferred_glue.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
-        if self._scaler_glue is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        return self._scaler_glue.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
+        if self._scaler_glue is not None:
+            return self._scaler_glue.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._deferred_glue is not None:  # started in this step's closure: a table looked up twice (watch_repeats)
+            self._deferred_glue.updates.apply()
+        return out
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
@@ -444,6 +451,9 @@ class ShardRecStrategy(RankFailureHandling):
             self._scaler_glue.updates.detach()
         if self._deferred_glue is not None:  # kept (skipped_steps) until the next fit replaces it
             self._deferred_glue.updates.detach()
+        if self._repeats is not None:
+            self._repeats.detach()
+            self._repeats = None
         if not self.sharded and not has_meta_tables(self.lightning_module):  # meta: a refused plan, nothing to move
             return super().teardown()
         if isinstance(self.model, DistributedDataParallel):
