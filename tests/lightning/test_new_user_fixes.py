@@ -1,0 +1,42 @@
+"""What a new user bringing a two-tower model over from plain Lightning tripped on (issue 44, item 7)."""
+
+from __future__ import annotations
+
+import torch
+from _models import external_launch
+from test_repeated_lookups import ITEMS, PlainTwoTower, loader, trainer
+
+from lightning_shardrec import ParameterConstraints
+from lightning_shardrec.testing import run_ranks
+
+
+class ScoresAllItems(PlainTwoTower):
+    """``predict_step`` reads the item table whole: ``.weight`` (refused by name), then the recipe."""
+
+    def predict_step(self, batch, i):
+        try:
+            self.item.weight  # noqa: B018
+            message = "no error"
+        except AttributeError as e:
+            message = str(e)
+        return message, self.item(torch.arange(ITEMS))  # the recipe: one collective lookup of every row
+
+
+def fit_then_score(rank, world):
+    from lightning_shardrec import ShardRecStrategy
+
+    external_launch(rank, world)
+    strategy = ShardRecStrategy(constraints={"item": ParameterConstraints(sharding_types=["row_wise"])}, kernel="torch")
+    model = ScoresAllItems()
+    t = trainer(strategy=strategy, devices=world, max_steps=2)
+    t.fit(model, loader(rank, world))
+    ((message, table),) = t.predict(model, torch.utils.data.DataLoader([0], batch_size=None))
+    return message, table, strategy.full_state_dict()["item.weight"]
+
+
+def test_reading_a_sharded_weight_names_its_path_and_the_recipe_that_works():
+    for message, table, want in run_ranks(fit_then_score, 2):
+        assert message.startswith("Embedding 'item'.weight: the table is sharded"), message
+        assert f"self.item(torch.arange({ITEMS})) returns the whole table, exact" in message
+        assert "state_dict()['item.weight']" in message and "<path>" not in message
+        torch.testing.assert_close(table, want, rtol=0, atol=0)
