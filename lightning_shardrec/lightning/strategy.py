@@ -345,7 +345,7 @@ class ShardRecStrategy(RankFailureHandling):
         setup = self.options.kernel_setup(config, self.root_device, deferred=bool(self._deferral))
         self.sharded = shard_modules(module, self.plan, env, setup)
         check_fused(fused_tables, self.sharded)
-        print_plan(self.plan, kernel_labels(self.sharded), self._deferral)
+        print_plan(self.plan, kernel_labels(self.sharded), None)  # the deferral line: once, at fit start
         print_transport(env)  # collective
 
     def _wrap_dense(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -40,3 +40,33 @@ def test_reading_a_sharded_weight_names_its_path_and_the_recipe_that_works():
         assert f"self.item(torch.arange({ITEMS})) returns the whole table, exact" in message
         assert "state_dict()['item.weight']" in message and "<path>" not in message
         torch.testing.assert_close(table, want, rtol=0, atol=0)
+
+
+def fit_accumulating(rank, world):
+    import contextlib
+    import io
+    import logging
+
+    from lightning_shardrec import ShardRecStrategy
+
+    external_launch(rank, world)
+    out, records = io.StringIO(), []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("lightning.pytorch").addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out):
+            strategy = ShardRecStrategy(
+                kernel="torch", constraints={"item": ParameterConstraints(sharding_types=["row_wise"])}
+            )
+            trainer(strategy=strategy, devices=world, max_steps=2, accumulate_grad_batches=2).fit(
+                PlainTwoTower(), loader(rank, world)
+            )
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(handler)
+    return out.getvalue() + "\n".join(records)
+
+
+def test_the_deferred_updates_line_prints_once():
+    (text,) = run_ranks(fit_accumulating, 1)
+    assert text.count("table updates are deferred to the optimizer step") == 1, text
