@@ -41,10 +41,12 @@ from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allr
 from lightning_shardrec.distributed.transport.connect import attach
 from lightning_shardrec.distributed.transport.per_host import HostTransport
 from lightning_shardrec.distributed.transport.shm import ShmTransport
+from lightning_shardrec.errors import IdOutOfRangeError
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
 from lightning_shardrec.lightning.cluster import ranks_per_host
+from lightning_shardrec.lightning.data_errors import explain_bad_id
 from lightning_shardrec.lightning.deferred import DeferredGlue, deferral_line, deferral_reason, watch_repeats
 from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
 from lightning_shardrec.lightning.fused_params import add_anchors, fused_names, fused_params
@@ -378,7 +380,11 @@ class ShardRecStrategy(RankFailureHandling):
             self.pipeline.before_step(self.lightning_module.trainer, super().batch_to_device)  # type: ignore[union-attr]
         if self._repeats is not None:
             self._repeats.new_step()
-        return super().training_step(*args, **kwargs)
+        try:
+            return super().training_step(*args, **kwargs)
+        except IdOutOfRangeError as err:  # name the step and the batch key, and how to get past it
+            step = self.lightning_module.trainer.global_step  # type: ignore[union-attr]
+            raise explain_bad_id(err, args[0] if args else None, step, args[1] if len(args) > 1 else -1) from None
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:

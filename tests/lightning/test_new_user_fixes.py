@@ -70,3 +70,28 @@ def fit_accumulating(rank, world):
 def test_the_deferred_updates_line_prints_once():
     (text,) = run_ranks(fit_accumulating, 1)
     assert text.count("table updates are deferred to the optimizer step") == 1, text
+
+
+def test_the_advice_after_a_rank_failed_on_data_is_to_fix_the_data():
+    from lightning_shardrec.lightning.rank_failures import advice
+
+    data = advice("rank 1 failed with IdOutOfRangeError: feature 'big' (table 't_big'): id 7 outside [0, 3)")
+    assert data.startswith("This is a data error: fix the ids") and "ckpt_path" not in data
+    assert "would replay the same batch" in data
+    assert advice("rank 1 is dead (no heartbeat for 60 s)") == (
+        "Restart the job and resume with trainer.fit(model, ckpt_path='last')"
+    )
+
+
+def test_where_in_batch_names_the_keys_holding_an_id():
+    from lightning_shardrec.lightning.data_errors import where_in_batch
+    from lightning_shardrec.sparse import KeyedJaggedTensor
+
+    kjt = KeyedJaggedTensor(keys=["u", "i"], values=torch.tensor([1, 9, 2]), lengths=torch.tensor([1, 1, 1, 0]))
+    batch = {
+        "user_ids": torch.tensor([3, 9]),
+        "score": torch.tensor([9.0]),
+        "sparse": kjt,
+        "rest": (torch.tensor([9]),),
+    }
+    assert where_in_batch(batch, 9) == ["batch['user_ids']", "batch['sparse']['u']", "batch['rest'][0]"]
