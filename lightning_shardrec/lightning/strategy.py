@@ -52,7 +52,7 @@ from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
 from lightning_shardrec.lightning.fused_params import add_anchors, fused_names, fused_params
 from lightning_shardrec.lightning.optimizers import Holder, find_group, group_at, group_slot, remove_params, rule_report
 from lightning_shardrec.lightning.options import ShardRecOptions
-from lightning_shardrec.lightning.pipeline import TrainPipeline
+from lightning_shardrec.lightning.pipeline import TrainPipeline, prefetch_line
 from lightning_shardrec.lightning.plan_report import print_plan, print_transport, save_plan
 from lightning_shardrec.lightning.precision import ScalerGlue, convert_dense
 from lightning_shardrec.lightning.rank_failures import RankFailureHandling
@@ -301,6 +301,7 @@ class ShardRecStrategy(RankFailureHandling):
             env = new_group_like(next(iter(self.sharded.values())).env, self._timeout)  # collective
             self._own_groups.append(env.pg)  # type: ignore[arg-type]
             self.pipeline = TrainPipeline(self.sharded, env, self.root_device)
+            rank_zero_info(prefetch_line(self.sharded))
 
     def _fit_guards(self, trainer: Any, holder: Holder | None) -> None:
         """At every fit: report (or, strict, refuse) each table's rule; clip fused rows by value or refuse norm."""

@@ -95,3 +95,42 @@ def test_where_in_batch_names_the_keys_holding_an_id():
         "rest": (torch.tensor([9]),),
     }
     assert where_in_batch(batch, 9) == ["batch['user_ids']", "batch['sparse']['u']", "batch['rest'][0]"]
+
+
+def fit_pipelined_collections_and_plain_modules(rank, world):
+    import logging
+
+    from lightning_shardrec import ShardRecStrategy
+
+    external_launch(rank, world)
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("lightning.pytorch").addHandler(handler)
+    try:
+        row_wise = {t: ParameterConstraints(sharding_types=["row_wise"]) for t in ("user", "item")}
+        strategy = ShardRecStrategy(kernel="torch", pipeline=True, constraints=row_wise)
+        trainer(strategy=strategy, devices=world, max_steps=2).fit(PlainTwoTower(), loader(rank, world))
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(handler)
+    return [r for r in records if "pipeline=True" in r]
+
+
+def test_pipeline_on_plain_modules_says_what_it_prefetches():
+    from lightning_shardrec.lightning.pipeline import prefetch_line
+
+    ((line,),) = run_ranks(fit_pipelined_collections_and_plain_modules, 1)
+    assert line == (
+        "ShardRecStrategy(pipeline=True): plain modules ['item', 'user'] build their KJT from their call's ids "
+        "inside forward, so their input distribution runs in the step as without the pipeline (same results, "
+        "no overlap)"
+    )
+
+    class Plain:
+        spec = None
+
+    assert prefetch_line({"ebc": object(), "item": Plain()}) == (
+        "ShardRecStrategy(pipeline=True): the next batch's input distribution is prefetched for ['ebc'] (the KJTs "
+        "in the batch); plain modules ['item'] build their KJT from their call's ids inside forward, so their "
+        "input distribution runs in the step as without the pipeline (same results, no overlap)"
+    )
