@@ -108,6 +108,8 @@ def run_cli(args: list[str] | None = None, run: bool = True) -> ShardRecCLI:
 def main(args: list[str] | None = None) -> None:
     """The ``shardrec`` console script: LightningCLI subcommands, plus ``shardrec export``."""
     given = sys.argv[1:] if args is None else args
+    if os.getcwd() not in sys.path and "" not in sys.path:  # a console script's path lacks the working directory:
+        sys.path.insert(0, os.getcwd())  # a class_path of a module here imports, as under ``python -m``
     if given[:1] == ["export"]:  # quantized serving artifact: see lightning_shardrec.inference.export
         from lightning_shardrec.inference.export import main as export_main
 

@@ -56,6 +56,19 @@ class ShardedWeightError(ShardedStateError, AttributeError):
     """``.weight`` of a sharded plain ``nn.Embedding``/``nn.EmbeddingBag``: no rank holds the whole table."""
 
 
+class IdOutOfRangeError(ShardRecError, ValueError):
+    """An id outside its table's ``[0, num_embeddings)``: a data error (the message names feature, table, id, range)."""
+
+    def __init__(self, message: str, *, feature: str = "", value: int = 0) -> None:
+        super().__init__(message)
+        self.feature, self.value = feature, value
+
+
+class RepeatedLookupError(ShardRecError):
+    """A fused table was looked up more than once in one training step where the step's row gradients
+    cannot be summed before its one update; the message names the tables and the way out."""
+
+
 class DynamicTableFullWarning(UserWarning):
     """A dynamic table missed more of its lookups than the threshold over a window: it is too small."""
 

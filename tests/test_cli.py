@@ -46,8 +46,14 @@ def _cli_two_ranks(rank, world, root):
     from lightning_shardrec.cli import run_cli
 
     sys.argv = ["shardrec"]
-    os.environ.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
-                      NODE_RANK="0", LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        LOCAL_WORLD_SIZE=str(world),
+    )
     common = ["--config", CONFIG, *TINY, f"--trainer.default_root_dir={root}"]
     fit = run_cli(["fit", *common])
     fit_metrics = {k: float(v) for k, v in fit.trainer.callback_metrics.items()}
@@ -74,9 +80,21 @@ def test_console_script_on_one_device(tmp_path):
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_shardrec.cli"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [*cmd, "fit", "--config", CONFIG, *TINY, "--trainer.devices=1", f"--trainer.default_root_dir={tmp_path}",
-         "--model.init_args.arch=dcn"],
-        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+        [
+            *cmd,
+            "fit",
+            "--config",
+            CONFIG,
+            *TINY,
+            "--trainer.devices=1",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--model.init_args.arch=dcn",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "sharding plan" in out.stdout and "final validation: val_loss=" in out.stdout
@@ -146,12 +164,24 @@ def _cli_class_path_fit(rank, world, root, name):
     from lightning_shardrec.cli import run_cli
 
     sys.argv = ["shardrec"]
-    os.environ.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
-                      NODE_RANK="0", LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        LOCAL_WORLD_SIZE=str(world),
+    )
     args = [
-        "fit", "--config", str(ROOT / "examples" / "dlrm" / name), *CLASS_PATH_RUNS[name],
-        "--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2",
-        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "fit",
+        "--config",
+        str(ROOT / "examples" / "dlrm" / name),
+        *CLASS_PATH_RUNS[name],
+        "--trainer.max_steps=2",
+        "--trainer.limit_val_batches=1",
+        "--trainer.val_check_interval=2",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
         f"--trainer.default_root_dir={root}",
     ]
     if name.startswith("criteo"):
@@ -221,3 +251,73 @@ def test_criteo_dynamic_config_trains_unsharded_on_raw_ids(tmp_path, monkeypatch
     specs = cli.model.hparams["embedding_tables"]
     assert specs[0]["dynamic"] == {"eviction": "lru", "ttl_steps": 20000, "min_count": 2, "num_buckets": None,
                                    "candidates_per_bucket": None, "seed": 0}  # fmt: skip
+
+
+# --- issue 44 (item 7): a module of the working directory; one tower of a two-tower model ---------------------
+TOWERS = """
+from torch import nn
+
+
+class ItemTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.item = nn.EmbeddingBag(50, 8, mode="sum")
+        self.proj = nn.Linear(8, 4)
+
+
+class UserTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.user = nn.EmbeddingBag(30, 8, mode="sum")
+
+
+class TwoTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.user_tower, self.item_tower, self.other_items = UserTower(), ItemTower(), ItemTower()
+"""
+
+
+def _towers(tmp_path, monkeypatch):
+    import torch
+
+    (tmp_path / "towers.py").write_text(TOWERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import towers
+
+    model = towers.TwoTower()
+    torch.save(model.state_dict(), tmp_path / "full.pt")
+    return model
+
+
+def test_export_of_one_tower_from_a_module_in_the_working_directory(tmp_path, monkeypatch):
+    """``shardrec export`` from the directory holding the model's module (no PYTHONPATH=.), of one tower."""
+    import torch
+
+    model = _towers(tmp_path, monkeypatch)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}  # this checkout, not the cwd
+    run = ["-c", "from lightning_shardrec.cli import main; main()", "export", "--ckpt", "full.pt"]
+    run += ["--model", "towers:ItemTower", "--submodule", "item_tower", "--out", "item.pt"]
+    done = subprocess.run([sys.executable, "-P", *run], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    artifact = torch.load(tmp_path / "item.pt", weights_only=True)
+    assert artifact["factory"] == "towers:ItemTower"
+    torch.testing.assert_close(artifact["state_dict"]["proj.weight"], model.item_tower.proj.weight)
+
+
+def test_export_of_a_sub_module_finds_its_prefix_or_asks_for_it(tmp_path, monkeypatch):
+    from lightning_shardrec.errors import CheckpointError
+    from lightning_shardrec.inference.export import export
+
+    _towers(tmp_path, monkeypatch)
+    user = export(tmp_path / "full.pt", "towers:UserTower", "int8", tmp_path / "user.pt")  # one prefix fits
+    assert [n for n, _ in user.named_children()] == ["user"]
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds more than towers:ItemTower .* name the part with --submodule "
+        r"\(shardrec export\) or submodule= \(export\(\)\): candidates \['item_tower', 'other_items'\]",
+    ):
+        export(tmp_path / "full.pt", "towers:ItemTower", "int8", tmp_path / "item.pt")
+    with pytest.raises(CheckpointError, match=r"has no entries under 'items\.'; its top-level modules: \['item_tower'"):
+        export(tmp_path / "full.pt", "towers:ItemTower", "int8", tmp_path / "item.pt", submodule="items")
+    export(tmp_path / "full.pt", "towers:ItemTower", "int8", tmp_path / "item.pt", submodule="other_items")

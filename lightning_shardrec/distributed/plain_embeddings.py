@@ -24,6 +24,14 @@ from lightning_shardrec.modules.plain_embeddings import (
 from lightning_shardrec.planner import ParameterSharding
 
 
+def _rows_of(module: Any) -> int | str:
+    """The table's rows (its config), or ``N`` when the module cannot tell yet."""
+    try:
+        return int(module.table_configs()[0].num_embeddings)
+    except (AttributeError, IndexError):
+        return "N"
+
+
 class _NoFullWeight:
     """``.weight`` of a sharded plain module: a named error (this rank holds only shards of the table).
 
@@ -32,10 +40,17 @@ class _NoFullWeight:
 
     def __getattr__(self, name: str) -> Any:
         if name == "weight":
+            spec = self.spec  # type: ignore[attr-defined]
+            path, rows = spec.path, _rows_of(self)
+            every_row = f"self.{path}(torch.arange({rows}))"
+            if spec.kind == "EmbeddingBag":  # one bag per row: offsets = arange too
+                every_row = f"self.{path}(torch.arange({rows}), torch.arange({rows}))"
             raise ShardedWeightError(
-                f"{type(self).__name__}.weight: the table is sharded, so no rank holds it whole. Read it with "
-                "DistributedModelParallel.state_dict()['<path>.weight'] (a ShardedTensor of this rank's shards), "
-                ".full_state_dict() (collective, the whole table) or .local_shards(); under the Trainer, "
+                f"{spec.where}.weight: the table is sharded, so no rank holds it whole. To score every row "
+                f"(e.g. all items in predict_step), look them all up in one call on every rank: {every_row} "
+                "returns the whole table, exact (docs/existing-models.md, 'Reading a whole table'). To read the "
+                f"weights: DistributedModelParallel.state_dict()['{path}.weight'] (a ShardedTensor of this rank's "
+                "shards), .full_state_dict() (collective, the whole table) or .local_shards(); under the Trainer, "
                 "trainer.strategy.full_state_dict()"
             )
         return super().__getattr__(name)  # type: ignore[misc]

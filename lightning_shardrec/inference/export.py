@@ -81,6 +81,7 @@ def export(
     format: str = "state",
     example_inputs: Sequence[Any] | None = None,
     device: str = "cpu",
+    submodule: str | None = None,
 ) -> nn.Module:
     """Quantize a trained model and write the serving artifact to ``out``; returns the quantized model.
 
@@ -99,6 +100,11 @@ def export(
     inputs; built for DLRM, DCNv2 and DLRMTask when ``None``), serve a dynamic batch size and id
     count, and load with torch alone. ``device`` (``"cpu"``, ``"cuda"``): where the program's
     weights and inputs live (an ``aoti`` package is compiled for it).
+
+    ``submodule``: export one part of the trained model (e.g. ``"item_tower"`` for an item index):
+    the checkpoint's entries under ``"<submodule>."``, the prefix removed, load into the model
+    (``model_factory_or_module`` builds that part). ``None``: the whole checkpoint, or, when the
+    model's keys are exactly those under one prefix of it, that prefix.
     """
     qdtype, fmt = QuantDType.parse(dtype), str(format).lower()
     if fmt not in FORMATS:
@@ -114,7 +120,7 @@ def export(
     given = isinstance(model_factory_or_module, nn.Module)
     model = model_factory_or_module if isinstance(model_factory_or_module, nn.Module) else factory(**kwargs)
     if checkpoint_path is not None:
-        state = checkpoint.get("state_dict", checkpoint)
+        state = _part(checkpoint.get("state_dict", checkpoint), model, submodule, f"{str(checkpoint_path)!r}", target)
         try:
             model.load_state_dict(state, strict=True)
         except RuntimeError as err:
@@ -182,6 +188,33 @@ def load(path: str | Path, *, backend: str | QuantBackend = QuantBackend.AUTO) -
         model = quantize_dense(model)
     model.load_state_dict(artifact["state_dict"], strict=True)
     return model.eval()
+
+
+def _part(state: Mapping[str, Any], model: nn.Module, submodule: str | None, where: str, target: str) -> dict[str, Any]:
+    """``state``'s entries under ``submodule.`` (prefix removed); without one, the prefix whose entries are
+    exactly ``model``'s keys when the whole ``state`` is not (a sub-module exported: one tower)."""
+    if submodule is not None:
+        prefix = submodule.rstrip(".") + "."
+        part = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        if not part:
+            tops = sorted({k.split(".")[0] for k in state})
+            raise CheckpointError(f"export: checkpoint {where} has no entries under '{prefix}'; its top-level "
+                                  f"modules: {tops}")  # fmt: skip
+        return part
+    wanted = set(model.state_dict())
+    if set(state) == wanted or not wanted:
+        return dict(state)
+    prefixes = {k[: len(k) - len(w)] for k in state for w in wanted if k.endswith("." + w)}
+    fits = sorted(p for p in prefixes if {k[len(p) :] for k in state if k.startswith(p)} == wanted)
+    if len(fits) == 1:
+        return {k[len(fits[0]) :]: v for k, v in state.items() if k.startswith(fits[0])}
+    if fits or prefixes:
+        raise CheckpointError(
+            f"export: checkpoint {where} holds more than {target} (e.g. a whole model, {target} one part of it); "
+            f"name the part with --submodule (shardrec export) or submodule= (export()): candidates "
+            f"{sorted(p.rstrip('.') for p in (fits or prefixes))}"
+        )
+    return dict(state)
 
 
 def _read_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -315,12 +348,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--example", default=None, help="pt2/aoti: 'pkg.module:fn' returning the model's "
                         "positional inputs to trace on (default: built for DLRM, DCNv2, DLRMTask)")
     parser.add_argument("--device", default="cpu", help="pt2/aoti: device of the program, cpu or cuda")
+    parser.add_argument("--submodule", default=None, help="export one part of the checkpoint's model, e.g. "
+                        "'item_tower' (its entries, prefix removed; --model builds that part)")
     args = parser.parse_args(argv)
     try:
         kwargs = None if args.model_kwargs is None else json.loads(args.model_kwargs)
         example = None if args.example is None else resolve_example(args.example)
         model = export(args.ckpt, args.model, args.dtype, args.out, factory_kwargs=kwargs, dense=args.dense,
-                       format=args.format, example_inputs=example, device=args.device)
+                       format=args.format, example_inputs=example, device=args.device, submodule=args.submodule)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as err:
         parser.error(str(err))
     size = Path(args.out).stat().st_size

@@ -15,7 +15,9 @@ rows in place. The hyper-parameters live in ``hparams``, a dict the
 While ``deferred`` is set (a :class:`~lightning_shardrec.optim.ScaledTableUpdates`, under
 a loss scaler), a lookup with grad enabled keeps its gradient for later instead; while
 ``row_sink`` is set (a :class:`~lightning_shardrec.optim.DeferredTableUpdates`: accumulation,
-norm clipping), the torch kernel's backward hands its summed row gradients to it instead.
+norm clipping), the torch kernel's backward hands its summed row gradients to it instead;
+while ``lookups`` is set (a :class:`~lightning_shardrec.optim.RepeatedLookups`), each lookup
+with grad enabled is counted, so a second one in the same step can be summed with the first.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class BatchedEmbeddingKernel(nn.Module):
     #: set by ``DeferredTableUpdates`` (torch kernel): backward hands each group's summed row
     #: gradients to its ``keep`` instead of applying the rule
     row_sink: Any = None
+    #: set by ``RepeatedLookups``: counts this kernel's lookups with grad enabled, per training step
+    lookups: Any = None
 
     def __init__(
         self,
@@ -112,6 +116,8 @@ class BatchedEmbeddingKernel(nn.Module):
 
     # --- shared ---------------------------------------------------------------------
     def __call__(self, kjt: KeyedJaggedTensor) -> Tensor:
+        if self.lookups is not None and torch.is_grad_enabled():
+            self.lookups.seen(self)
         if self.deferred is not None and torch.is_grad_enabled():
             return self.deferred.lookup(self, kjt)  # type: ignore[no-any-return]
         return super().__call__(kjt)  # type: ignore[no-any-return]

@@ -15,6 +15,10 @@ what one process does to their ``.grad``:
   are dense parameters with DDP's gradient), and its coefficient scales dense grads and kept rows;
 * after the step: the rule once per table group with the window's gradient, or nothing when the
   scaler skipped the step.
+
+:func:`watch_repeats` starts the same deferral in the middle of a fit that did not need it, at the
+first step that looks a table up twice (positives, then negatives): from then on the step's
+lookups are summed before the one update, as ``.grad`` sums them in one process.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.lightning.precision import poison_one_grad
-from lightning_shardrec.optim import DeferredTableUpdates
+from lightning_shardrec.optim import DeferredTableUpdates, RepeatedLookups
 
 
 def deferral_reason(trainer: Any, module: Any) -> str | None:
@@ -55,6 +61,22 @@ def deferral_line(reason: str) -> str:
         f"ShardRecStrategy: table updates are deferred to the optimizer step ({reason}); fused tables run on the "
         "torch kernel and each rank keeps the window's unique rows x dim of gradient until the step"
     )
+
+
+REPEATED = "a table is looked up more than once per step: its row gradients of the step's lookups are summed"
+
+
+def watch_repeats(strategy: Any, kernels: list[Any], holder: Any, group: Any) -> RepeatedLookups:
+    """Count ``kernels``' lookups per step (``strategy`` calls ``new_step``); at a table's second lookup in a
+    step whose updates run in backward, this fit's updates wait for the optimizer step from then on
+    (``strategy._deferred_glue``, on the torch kernels), where the step's lookups are summed."""
+
+    def defer() -> None:
+        torch_kernels = [k for k in kernels if k.backend is KernelBackend.TORCH]
+        strategy._deferred_glue = DeferredGlue.attach(strategy, torch_kernels, holder, group, None)
+        rank_zero_info(deferral_line(REPEATED))
+
+    return RepeatedLookups(kernels, defer)
 
 
 class DeferredGlue:
@@ -157,4 +179,4 @@ class DeferredGlue:
         return None
 
 
-__all__ = ["DeferredGlue", "deferral_line", "deferral_reason"]
+__all__ = ["DeferredGlue", "deferral_line", "deferral_reason", "watch_repeats"]

@@ -135,7 +135,9 @@ def rule_gap(holder: Holder | None, config: FusedOptimConfig, explicit: bool) ->
     opt, group = holder
     name = type(opt).__name__
     try:
-        derived: FusedOptimConfig | None = derive_fused_config(opt, group)
+        derived: FusedOptimConfig | None = derive_fused_config(
+            opt, {**group, "lr": group.get("initial_lr", group["lr"])}
+        )
     except ValueError:
         derived = None
     if explicit and config != derived:

@@ -162,13 +162,16 @@ class ShardRecOptions:
 
     def fused_config(self, holder: Holder | None, migrated: FusedOptimConfig | None) -> FusedOptimConfig:
         """The tables' fused rule: TorchRec's (``migrated``), else ``embedding_optimizer``, else derived
-        from the holder's param group, else the default; ``embedding_lr`` replaces its lr."""
+        from the holder's param group (its lr as configured), else the default; ``embedding_lr`` replaces
+        its lr. That lr is the tables' base lr, which the fused optimizer scales as the holder's group
+        is scheduled (``FusedOptimizer.link_lr``)."""
         if migrated is not None:
             config = migrated
         elif self.embedding_optimizer is not None:
             config = self.embedding_optimizer
-        elif holder is not None:
-            config = derive_fused_config(*holder)
+        elif holder is not None:  # the group's lr as configured: a scheduler may have scaled it already
+            opt, group = holder
+            config = derive_fused_config(opt, {**group, "lr": group.get("initial_lr", group["lr"])})
         else:
             config = FusedOptimConfig()
         if self.embedding_lr is not None:

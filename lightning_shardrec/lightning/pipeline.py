@@ -221,3 +221,19 @@ def _input_of(coll: ShardedCollection, kjts: list[KeyedJaggedTensor]) -> KeyedJa
     need = set(coll.feature_names())
     found = [k for k in kjts if need <= set(k.keys())]
     return found[0] if len(found) == 1 else None
+
+
+def prefetch_line(sharded: dict[str, ShardedCollection]) -> str:
+    """What ``pipeline=True`` prefetches for this model (the fit-start line): the collections fed a KJT of the
+    batch; plain ``nn.Embedding``/``nn.EmbeddingBag`` modules build theirs in forward, so theirs is not."""
+    plain = sorted(n for n, m in sharded.items() if hasattr(m, "spec"))
+    kjt = sorted(n for n in sharded if n not in plain)
+    parts = []
+    if kjt:
+        parts.append(f"the next batch's input distribution is prefetched for {kjt} (the KJTs in the batch)")
+    if plain:
+        parts.append(
+            f"plain modules {plain} build their KJT from their call's ids inside forward, so their input "
+            "distribution runs in the step as without the pipeline (same results, no overlap)"
+        )
+    return "ShardRecStrategy(pipeline=True): " + "; ".join(parts)

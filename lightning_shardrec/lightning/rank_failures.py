@@ -19,11 +19,17 @@ from typing_extensions import override
 from lightning_shardrec.distributed.health import RankMonitor, default_store, is_comm_failure
 from lightning_shardrec.lightning.checkpointing import ShardedCheckpointing
 from lightning_shardrec.lightning.cluster import ranks_per_host
+from lightning_shardrec.lightning.data_errors import DATA_ADVICE
 from lightning_shardrec.lightning.options import ShardRecOptions
 from lightning_shardrec.lightning.teardown import destroy_default_group_at_exit
 
 _GRACE_S = 10.0  # seconds the main thread's failure report may take before the watchdog exits anyway
 _RESUME = "Restart the job and resume with trainer.fit(model, ckpt_path='last')"
+
+
+def advice(what: str) -> str:
+    """What to do after ``what`` (a rank's failure): a data error's fix, else resume from the last checkpoint."""
+    return DATA_ADVICE if "IdOutOfRangeError" in what else _RESUME
 
 
 class RankFailureHandling(ShardedCheckpointing):
@@ -66,7 +72,7 @@ class RankFailureHandling(ShardedCheckpointing):
             self._exit(rank, what)
 
     def _exit(self, rank: int, what: str) -> None:
-        print(f"lightning_shardrec: rank {rank} {what}. Rank {self.global_rank} exits. {_RESUME}", flush=True)
+        print(f"lightning_shardrec: rank {rank} {what}. Rank {self.global_rank} exits. {advice(what)}", flush=True)
         if self.launcher is not None:  # the ranks this process launched (Lightning's subprocess launcher)
             self.launcher.kill(signal.SIGKILL)
         os._exit(1)
@@ -82,7 +88,7 @@ class RankFailureHandling(ShardedCheckpointing):
             return
         lost = self.monitor.explain()
         if lost is not None:
-            message = f"lightning_shardrec: {lost}. Rank {self.global_rank} stops too. {_RESUME}"
+            message = f"lightning_shardrec: {lost}. Rank {self.global_rank} stops too. {advice(lost)}"
             print(message, flush=True)  # before anything can kill this process
             exception.args = (f"{message}\n{exception.args[0] if exception.args else ''}", *exception.args[1:])
 

@@ -41,16 +41,18 @@ from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allr
 from lightning_shardrec.distributed.transport.connect import attach
 from lightning_shardrec.distributed.transport.per_host import HostTransport
 from lightning_shardrec.distributed.transport.shm import ShmTransport
+from lightning_shardrec.errors import IdOutOfRangeError
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
 from lightning_shardrec.lightning.cluster import ranks_per_host
-from lightning_shardrec.lightning.deferred import DeferredGlue, deferral_line, deferral_reason
+from lightning_shardrec.lightning.data_errors import explain_bad_id
+from lightning_shardrec.lightning.deferred import DeferredGlue, deferral_line, deferral_reason, watch_repeats
 from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
 from lightning_shardrec.lightning.fused_params import add_anchors, fused_names, fused_params
 from lightning_shardrec.lightning.optimizers import Holder, find_group, group_at, group_slot, remove_params, rule_report
 from lightning_shardrec.lightning.options import ShardRecOptions
-from lightning_shardrec.lightning.pipeline import TrainPipeline
+from lightning_shardrec.lightning.pipeline import TrainPipeline, prefetch_line
 from lightning_shardrec.lightning.plan_report import print_plan, print_transport, save_plan
 from lightning_shardrec.lightning.precision import ScalerGlue, convert_dense
 from lightning_shardrec.lightning.rank_failures import RankFailureHandling
@@ -59,7 +61,7 @@ from lightning_shardrec.lightning.table_memory import has_meta_tables, tables_hi
 from lightning_shardrec.lightning.teardown import destroy_groups
 from lightning_shardrec.modules.plain_embeddings import swap_embedding_modules
 from lightning_shardrec.modules.table_init import tables_on_meta
-from lightning_shardrec.optim import FusedOptimizer, ScaledTableUpdates
+from lightning_shardrec.optim import FusedOptimizer, RepeatedLookups, ScaledTableUpdates
 from lightning_shardrec.planner import ParameterConstraints, ParameterSharding, ShardingPlan, Topology
 from lightning_shardrec.planner.memory import DEFAULT_RESERVE
 
@@ -161,6 +163,7 @@ class ShardRecStrategy(RankFailureHandling):
         self._scaler_glue: ScalerGlue | None = None  # "16-mixed": table updates follow the GradScaler
         self._deferral: str | None = None  # why this fit's table updates wait for the optimizer step
         self._deferred_glue: DeferredGlue | None = None
+        self._repeats: RepeatedLookups | None = None  # a table looked up twice in a step: summed (deferred.py)
 
     # --- model construction -------------------------------------------------------------------
     @contextmanager
@@ -270,8 +273,8 @@ class ShardRecStrategy(RankFailureHandling):
         kernels = [k for s in self.sharded.values() for k in s.kernels()]
         if self.fused_optimizer is None:
             self.fused_optimizer = FusedOptimizer(kernels, self._config)
-        if holder is not None:
-            self.fused_optimizer.link_lr(holder[1])
+        if holder is not None:  # the tables' lr follows the group's schedule (read live: survives a resume)
+            self.fused_optimizer.link_lr(holder[0], [id(g) for g in holder[0].param_groups].index(id(holder[1])))
         for coll in self.sharded.values():  # for a later Trainer's strategy (see _adopt)
             coll.shardrec_origin = (self.plan, self._holder_slot, self._config)  # type: ignore[assignment]
         if self.guard is None and self.sharded:
@@ -291,12 +294,14 @@ class ShardRecStrategy(RankFailureHandling):
             if scaler is None or deferred
             else ScalerGlue(scaler, ScaledTableUpdates(kernels), group, self.root_device)
         )
+        self._repeats = watch_repeats(self, kernels, holder, group)
         if self.options.check_finite and self._finite is None:
             self._finite = FiniteGuard(kernels)
         if self.options.pipeline and self.sharded and (self.pipeline is None or self.pipeline.closed):
             env = new_group_like(next(iter(self.sharded.values())).env, self._timeout)  # collective
             self._own_groups.append(env.pg)  # type: ignore[arg-type]
             self.pipeline = TrainPipeline(self.sharded, env, self.root_device)
+            rank_zero_info(prefetch_line(self.sharded))
 
     def _fit_guards(self, trainer: Any, holder: Holder | None) -> None:
         """At every fit: report (or, strict, refuse) each table's rule; clip fused rows by value or refuse norm."""
@@ -343,7 +348,7 @@ class ShardRecStrategy(RankFailureHandling):
         setup = self.options.kernel_setup(config, self.root_device, deferred=bool(self._deferral))
         self.sharded = shard_modules(module, self.plan, env, setup)
         check_fused(fused_tables, self.sharded)
-        print_plan(self.plan, kernel_labels(self.sharded), self._deferral)
+        print_plan(self.plan, kernel_labels(self.sharded), None)  # the deferral line: once, at fit start
         print_transport(env)  # collective
 
     def _wrap_dense(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -374,7 +379,13 @@ class ShardRecStrategy(RankFailureHandling):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is not None:
             self.pipeline.before_step(self.lightning_module.trainer, super().batch_to_device)  # type: ignore[union-attr]
-        return super().training_step(*args, **kwargs)
+        if self._repeats is not None:
+            self._repeats.new_step()
+        try:
+            return super().training_step(*args, **kwargs)
+        except IdOutOfRangeError as err:  # name the step and the batch key, and how to get past it
+            step = self.lightning_module.trainer.global_step  # type: ignore[union-attr]
+            raise explain_bad_id(err, args[0] if args else None, step, args[1] if len(args) > 1 else -1) from None
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -385,9 +396,12 @@ class ShardRecStrategy(RankFailureHandling):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self._deferred_glue is not None:
             return self._deferred_glue.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
-        if self._scaler_glue is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        return self._scaler_glue.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
+        if self._scaler_glue is not None:
+            return self._scaler_glue.optimizer_step(super().optimizer_step, optimizer, closure, model, **kwargs)
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._deferred_glue is not None:  # started in this step's closure: a table looked up twice (watch_repeats)
+            self._deferred_glue.updates.apply()
+        return out
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
@@ -444,6 +458,9 @@ class ShardRecStrategy(RankFailureHandling):
             self._scaler_glue.updates.detach()
         if self._deferred_glue is not None:  # kept (skipped_steps) until the next fit replaces it
             self._deferred_glue.updates.detach()
+        if self._repeats is not None:
+            self._repeats.detach()
+            self._repeats = None
         if not self.sharded and not has_meta_tables(self.lightning_module):  # meta: a refused plan, nothing to move
             return super().teardown()
         if isinstance(self.model, DistributedDataParallel):

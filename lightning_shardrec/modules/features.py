@@ -23,6 +23,7 @@ from typing import TypeVar
 import torch
 
 from lightning_shardrec.configs import BaseEmbeddingConfig
+from lightning_shardrec.errors import IdOutOfRangeError
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 _C = TypeVar("_C", bound=BaseEmbeddingConfig)
@@ -160,7 +161,9 @@ def check_ids(features: KeyedJaggedTensor, num_embeddings: list[int], table_name
         return
     i = int(bad.nonzero()[0])
     f = bisect_right(features.offset_per_key(), i) - 1
-    raise ValueError(
+    raise IdOutOfRangeError(
         f"feature '{features.keys()[f]}' (table '{table_names[f]}'): id {int(values[i])} "
-        f"outside [0, {num_embeddings[f]})"
+        f"outside [0, {num_embeddings[f]})",
+        feature=features.keys()[f],
+        value=int(values[i]),
     )

@@ -2,7 +2,8 @@
 
 The rows were already updated inside backward, so ``step()`` only runs the
 closure. What the object adds is the *interface*: ``param_groups`` (an LR
-scheduler that edits ``lr`` reaches the kernels, which read this very dict),
+scheduler that edits ``lr`` reaches the kernels, which read this very dict; or, linked with
+:meth:`FusedOptimizer.link_lr`, the tables' lr follows another optimizer's param group),
 ``state`` (views of the kernels' momentum / adagrad sums) and
 ``state_dict()``/``load_state_dict()`` for checkpoints.
 """
@@ -10,6 +11,7 @@ scheduler that edits ``lr`` reaches the kernels, which read this very dict),
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,18 +33,31 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not params:  # a rank that owns no table still has a group for schedulers
             params = [torch.empty(0)]
         super().__init__(params, hparams_from(config))
-        self._lr_source: dict[str, Any] | None = None
+        self._lr_source: _LrSource | None = None
         self._bind()
 
-    def link_lr(self, group: dict[str, Any]) -> None:
-        """Make the tables' lr follow another optimizer's param ``group`` (its LR scheduler).
+    def link_lr(self, optimizer: torch.optim.Optimizer, index: int) -> None:
+        """Make the tables' lr follow param group ``index`` of ``optimizer`` (its LR scheduler).
 
-        The fused lr keeps its ratio to ``group['lr']`` as of now: a scheduler that
-        halves the dense lr halves the embedding lr too.
+        At every read: ``lr = base x group['lr'] / group['initial_lr']``, where ``base`` is this
+        optimizer's configured lr (``embedding_lr``, else the group's lr as configured) and
+        ``initial_lr`` is what LR schedulers record in the group (without one, e.g. under
+        ``ReduceLROnPlateau``, the group's lr as of now). The group is looked up in
+        ``optimizer.param_groups`` at each read, so it survives ``optimizer.load_state_dict``
+        (which replaces the group dicts), e.g. on ``fit(ckpt_path=...)``.
         """
-        self._lr_source = group
-        self._lr_ratio = self.param_groups[0]["lr"] / group["lr"] if group["lr"] else 1.0
+        group = optimizer.param_groups[index]
+        self._lr_source = _LrSource(optimizer, index, float(group.get("initial_lr", group["lr"])))
         self._bind()
+
+    def _linked_lr(self, base: float) -> float:
+        """The tables' lr now: ``base`` scaled as the linked group's lr is (see :meth:`link_lr`)."""
+        source = self._lr_source
+        if source is None:
+            return base
+        group = source.optimizer.param_groups[source.index]
+        initial = float(group.get("initial_lr", source.configured))
+        return base * float(group["lr"]) / initial if initial else base
 
     def _views(self) -> list[dict[str, Tensor]]:
         return [s for k in self.kernels for s in k.split_states()]
@@ -99,16 +114,27 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._bind()
 
 
+@dataclass(frozen=True)
+class _LrSource:
+    """The param group the tables' lr follows: ``optimizer.param_groups[index]``, read live."""
+
+    optimizer: torch.optim.Optimizer
+    index: int
+    #: the group's lr when linked, for schedulers that record no ``initial_lr``
+    configured: float
+
+
 class _LinkedLr(dict):  # type: ignore[type-arg]
-    """The fused param group, but ``lr`` read live from the linked group (scaled)."""
+    """The fused param group, but ``lr`` scaled live as the linked group's (see ``link_lr``)."""
 
     def __init__(self, owner: FusedOptimizer, group: dict[str, Any]) -> None:
         super().__init__(group)
         self._owner = owner
+        self._base = float(owner.config.lr)
 
     def __getitem__(self, key: str) -> Any:
         if key == "lr":
-            lr = self._owner._lr_source["lr"] * self._owner._lr_ratio  # type: ignore[index]
+            lr = self._owner._linked_lr(self._base)
             self._owner.param_groups[0]["lr"] = lr  # keep the visible group (and checkpoints) in step
             return lr
         return super().__getitem__(key)

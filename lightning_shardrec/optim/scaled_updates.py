@@ -12,7 +12,8 @@ graph, and backward keeps the gradient that reaches the kernel (``[B, sum D]`` p
    with the dense gradients' check (see :class:`~lightning_shardrec.lightning.precision.ScalerGlue`);
 2. :meth:`apply` with the scale of that backward: each kept lookup is replayed (one extra
    lookup) and its gradient divided by the scale reaches the kernel, which updates as
-   in an unscaled run; or :meth:`discard` (counted in ``skipped_steps``) when the
+   in an unscaled run (a kernel looked up several times in the step: its replays' row
+   gradients are summed first, then one update); or :meth:`discard` (counted in ``skipped_steps``) when the
    scaler skips the step: the tables do not move, as the dense layers do not.
 
 Plain PyTorch::
@@ -33,7 +34,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_shardrec.kernels import BatchedEmbeddingKernel
+from lightning_shardrec.kernels import BatchedEmbeddingKernel, KernelBackend
+from lightning_shardrec.optim.deferred_updates import DeferredTableUpdates
+from lightning_shardrec.optim.repeated_lookups import repeated_lookup_error
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 
@@ -51,6 +54,19 @@ class _Deferred(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:  # type: ignore[override]
         ctx.owner._pending.append((ctx.kernel, ctx.kjt, grad))
         return (None,) * 4
+
+
+def _repeated(kernels: list[BatchedEmbeddingKernel]) -> dict[int, BatchedEmbeddingKernel]:
+    """The kernels that occur more than once in ``kernels`` (by id); an fbgemm one cannot be summed."""
+    seen: set[int] = set()
+    out: dict[int, BatchedEmbeddingKernel] = {}
+    for k in kernels:
+        if id(k) in seen:
+            if k.backend is not KernelBackend.TORCH:
+                raise repeated_lookup_error(k, f"the {k.backend.value} kernel cannot sum its replays")
+            out[id(k)] = k
+        seen.add(id(k))
+    return out
 
 
 class ScaledTableUpdates:
@@ -86,10 +102,19 @@ class ScaledTableUpdates:
         """Replay the kept lookups with their gradients divided by ``scale`` (the scale of the
         backward that produced them); the kernels update as in an unscaled run."""
         pending, self._pending = self._pending, []
+        repeated = _repeated([k for k, _, _ in pending])
+        # a kernel looked up more than once this step: its replays' row gradients summed, then one update
+        sums = DeferredTableUpdates(list(repeated.values())) if repeated else None
         for kernel, kjt, grad in pending:
             with torch.enable_grad():
                 out = nn.Module.__call__(kernel, kjt)
             torch.autograd.backward(out, grad / scale)
+        if sums is not None:
+            clip = next(iter(repeated.values())).grad_clip_value
+            if clip is not None:
+                sums.clamp_(clip)
+            sums.apply()
+            sums.detach()
 
     def discard(self) -> None:
         """Drop the kept gradients: the step was skipped, the tables stay as they are."""

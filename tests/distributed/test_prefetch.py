@@ -153,5 +153,5 @@ def test_bad_prefetched_batch_raises_on_every_rank_at_its_forward():
     assert "ShardedEmbeddingBagCollection.prefetch: prefetch is off; call enable_prefetch(env)" in m0[0]
     assert "the prefetch group has rank 0 of 3, the collection's group rank 0 of 2" in m0[1]
     assert "ShardingError: rank 0: ranks [1] rejected their batch" in m0[2]
-    assert "ValueError: feature 'f2' (table 't_small'): id 5 outside [0, 2)" in m1[2]
+    assert "IdOutOfRangeError: feature 'f2' (table 't_small'): id 5 outside [0, 2)" in m1[2]
     assert n0 == n1 == 2 and left0 == left1 == 0

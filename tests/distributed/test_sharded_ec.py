@@ -229,7 +229,7 @@ def bad_batches(rank, world):
 def test_bad_batch_on_one_rank_raises_everywhere():
     (key0, id0), (key1, id1) = run_ranks(bad_batches, 2)
     assert key0.startswith("KeyError") and "ShardedEmbeddingCollection" in key0 and "['f1', 'f2', 'f3']" in key0
-    assert id0.startswith("ValueError") and "feature 'f3' (table 't_mid'): id 10 outside [0, 10)" in id0
+    assert id0.startswith("IdOutOfRangeError") and "feature 'f3' (table 't_mid'): id 10 outside [0, 10)" in id0
     for msg in (key1, id1):
         assert msg.startswith("ShardingError") and "ranks [0] rejected their batch" in msg
 

@@ -53,7 +53,10 @@ def bad_id_run(rank, world):
 
 def test_bad_id_on_one_rank_stops_the_run():
     r0, r1 = run_ranks(bad_id_run, 2, timeout=90)
-    assert r1.startswith("ValueError: feature 'big' (table 't_big'): id 1000000 outside [0, 120)")
+    assert r1.startswith("IdOutOfRangeError: feature 'big' (table 't_big'): id 1000000 outside [0, 120)")
+    # the step and the batch key, and how to get past a data error (not a resume, which replays the batch)
+    assert ", at training step 1 (batch_idx 1); the id is in batch.sparse['big']. This is a data error" in r1
+    assert "ckpt_path='last'" not in r1
     assert r0.startswith("ShardingError: rank 0: ranks [1] rejected their batch")
 
 

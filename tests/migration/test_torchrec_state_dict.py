@@ -80,7 +80,8 @@ def test_state_dict_has_the_model_keys_and_round_trips(world):
         assert kinds["top.weight"] == "Tensor"
         assert same and loaded and restored
         assert size == (12, 4)
-        assert "ShardedPlainEmbeddingBag.weight: the table is sharded" in weight
+        assert "EmbeddingBag 'bag'.weight: the table is sharded" in weight
+        assert "self.bag(torch.arange(10), torch.arange(10)) returns the whole table" in weight
 
 
 def _bad_loads(rank, world):
