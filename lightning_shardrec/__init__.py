@@ -1,44 +1,103 @@
 """lightning_shardrec: TorchRec-style embedding sharding as a PyTorch Lightning strategy.
 
-Importing the package registers ``Trainer(strategy="shardrec")``.
+``import lightning_shardrec`` registers ``Trainer(strategy="shardrec")`` and does nothing else:
+the public names below load their submodule on first access (PEP 562), and nothing of torch's
+or Lightning's changes until a strategy is set up. Importing a submodule alone
+(``import lightning_shardrec.sparse``, ``lightning_shardrec.inference``) imports no Lightning;
+it registers the strategy only where Lightning is imported already.
 """
 
-from lightning_shardrec.configs import (
-    DataType,
-    DynamicConfig,
-    EmbeddingBagConfig,
-    EmbeddingConfig,
-    EmbOptimType,
-    FusedOptimConfig,
-    PoolingType,
-)
-from lightning_shardrec.data import RecBatch
-from lightning_shardrec.distributed import DistributedModelParallel
-from lightning_shardrec.lightning import ShardRecStrategy  # registers strategy="shardrec"
-from lightning_shardrec.metrics import Calibration, NormalizedEntropy
-from lightning_shardrec.models import DLRM, DCNv2, DLRMTask
-from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
-from lightning_shardrec.planner import (
-    EmbeddingShardingPlanner,
-    ParameterConstraints,
-    ParameterSharding,
-    ShardingPlan,
-    ShardingType,
-    Topology,
-)
-from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import TYPE_CHECKING
+
+from lightning_shardrec import torchrec_paths as _torchrec_paths
+
+if TYPE_CHECKING:
+    from lightning_shardrec.configs import (
+        DataType,
+        DynamicConfig,
+        EmbeddingBagConfig,
+        EmbeddingConfig,
+        EmbOptimType,
+        FusedOptimConfig,
+        PoolingType,
+    )
+    from lightning_shardrec.data import RecBatch
+    from lightning_shardrec.data.datamodule import CriteoDataModule, SyntheticRecDataModule
+    from lightning_shardrec.distributed import DistributedModelParallel
+    from lightning_shardrec.lightning import ShardRecStrategy
+    from lightning_shardrec.metrics import Calibration, NormalizedEntropy
+    from lightning_shardrec.models import DLRM, DCNv2, DLRMTask
+    from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
+    from lightning_shardrec.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        ParameterSharding,
+        ShardingPlan,
+        ShardingType,
+        Topology,
+    )
+    from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 __version__ = "0.1.0"
 
-_LAZY_DATA = ("CriteoDataModule", "SyntheticRecDataModule")
+#: each public name -> the submodule it is loaded from on first access
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "DataType",
+            "DynamicConfig",
+            "EmbeddingBagConfig",
+            "EmbeddingConfig",
+            "EmbOptimType",
+            "FusedOptimConfig",
+            "PoolingType",
+        ),
+        "lightning_shardrec.configs",
+    ),
+    "RecBatch": "lightning_shardrec.data",
+    "CriteoDataModule": "lightning_shardrec.data.datamodule",
+    "SyntheticRecDataModule": "lightning_shardrec.data.datamodule",
+    "DistributedModelParallel": "lightning_shardrec.distributed",
+    "ShardRecStrategy": "lightning_shardrec.lightning",
+    "Calibration": "lightning_shardrec.metrics",
+    "NormalizedEntropy": "lightning_shardrec.metrics",
+    "DLRM": "lightning_shardrec.models",
+    "DCNv2": "lightning_shardrec.models",
+    "DLRMTask": "lightning_shardrec.models",
+    "EmbeddingBagCollection": "lightning_shardrec.modules",
+    "EmbeddingCollection": "lightning_shardrec.modules",
+    **dict.fromkeys(
+        (
+            "EmbeddingShardingPlanner",
+            "ParameterConstraints",
+            "ParameterSharding",
+            "ShardingPlan",
+            "ShardingType",
+            "Topology",
+        ),
+        "lightning_shardrec.planner",
+    ),
+    "JaggedTensor": "lightning_shardrec.sparse",
+    "KeyedJaggedTensor": "lightning_shardrec.sparse",
+    "KeyedTensor": "lightning_shardrec.sparse",
+}
 
 
 def __getattr__(name: str) -> object:
-    if name in _LAZY_DATA:
-        from lightning_shardrec.data import datamodule
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_shardrec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-        return getattr(datamodule, name)
-    raise AttributeError(f"module 'lightning_shardrec' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 __all__ = [
@@ -73,6 +132,31 @@ __all__ = [
     "__version__",
 ]
 
-from lightning_shardrec import torchrec_paths as _torchrec_paths  # noqa: E402
 
-_torchrec_paths.install()  # TorchRec paths we lack raise a named error, not ModuleNotFoundError
+def _imported_for_a_submodule() -> bool:
+    """Whether this package is being imported only as the parent of one of its submodules.
+
+    ``import lightning_shardrec.sparse`` runs this ``__init__`` first, from inside the import of
+    ``lightning_shardrec.sparse``: a frame of ``importlib._bootstrap._find_and_load_unlocked``
+    (CPython 3.3 to 3.14) further up holds that name. Where the frames cannot be read the answer
+    is False (the strategy is registered: the safe side).
+    """
+    frame = sys._getframe(1) if hasattr(sys, "_getframe") else None
+    while frame is not None:
+        if frame.f_code.co_name == "_find_and_load_unlocked":
+            name = frame.f_locals.get("name")
+            if isinstance(name, str) and name.startswith(f"{__name__}."):
+                return True
+        frame = frame.f_back
+    return False
+
+
+# The one thing importing the package does: strategy="shardrec" is registered with Lightning. A submodule
+# imported alone (serving, data, planning) imports no Lightning for it; where Lightning is already imported,
+# it registers too. ShardRecStrategy's module registers whenever it is imported.
+if not _imported_for_a_submodule() or "lightning.pytorch" in sys.modules:
+    importlib.import_module("lightning_shardrec.lightning.strategy")
+
+# Our own TorchRec-style module paths (lightning_shardrec.<torchrec path>) we lack raise a named error
+# instead of ModuleNotFoundError; the finder answers for lightning_shardrec.* names only.
+_torchrec_paths.install()

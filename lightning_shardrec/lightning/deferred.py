@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from lightning_shardrec.lightning.precision import poison_one_grad
@@ -89,7 +90,7 @@ class DeferredGlue:
         return glue
 
     def _trains_tables(self, optimizer: Any) -> bool:
-        return self.holder is None or getattr(optimizer, "_optimizer", optimizer) is self.holder
+        return self.holder is None or _unwrapped(optimizer) is self.holder
 
     def _distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
@@ -141,7 +142,7 @@ class DeferredGlue:
             original(optimizer, clip_val, algorithm)
             self.updates.clamp_(float(clip_val))
             return None
-        opt = getattr(optimizer, "_optimizer", optimizer)
+        opt = _unwrapped(optimizer)
         params = [p for p in precision.main_params(opt) if p.grad is not None]
         total = self.updates.sum_squares(self.device)
         if self._distributed():
@@ -158,3 +159,8 @@ class DeferredGlue:
 
 
 __all__ = ["DeferredGlue", "deferral_line", "deferral_reason"]
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The torch optimizer behind a ``LightningOptimizer`` (its public ``optimizer``), else ``optimizer``."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
