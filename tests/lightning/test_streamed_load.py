@@ -133,3 +133,24 @@ def test_a_piece_that_vanished_names_the_weight(saved, tmp_path):
         f.write_bytes(b"")  # emptied after the directory was opened
     with pytest.raises(CheckpointError, match=rf"reading '{TABLE}' from checkpoint '{broken}' failed"):
         torch.empty(lazy[TABLE].shape).copy_(lazy[TABLE])
+
+
+def test_load_from_checkpoint_takes_lightnings_arguments(saved, tmp_path):
+    path, want = saved
+    loaded = load_from_checkpoint(Rec, path, map_location="cpu", strict=True, lr=0.5)  # kwargs win over hparams
+    assert loaded.lr == 0.5
+    assert_same(loaded.state_dict(), want, "load_from_checkpoint with arguments")
+    hparams = tmp_path / "hparams.yaml"
+    hparams.write_text("optimizer: sgd\n")
+    assert load_from_checkpoint(Rec, path, hparams_file=hparams).optimizer == "sgd"
+    with pytest.raises(ValueError, match=r"hparams_file must end in \.csv, \.yml or \.yaml, got '.*hparams\.txt'"):
+        load_from_checkpoint(Rec, path, hparams_file=tmp_path / "hparams.txt")
+
+
+def test_the_fallback_for_a_lightning_without_load_state_builds_the_same_model(saved):
+    from lightning_shardrec._compat.lightning import _load_state_fallback
+
+    path, want = saved
+    loaded = _load_state_fallback(Rec, read_full(path, lazy=True), None, lr=0.25)
+    assert loaded.lr == 0.25
+    assert_same(loaded.state_dict(), want, "fallback")
