@@ -2,9 +2,10 @@
 
 ``import lightning_shardrec`` registers ``Trainer(strategy="shardrec")`` and does nothing else:
 the public names below load their submodule on first access (PEP 562), and nothing of torch's
-or Lightning's changes until a strategy is set up. Importing a submodule alone
-(``import lightning_shardrec.sparse``, ``lightning_shardrec.inference``) imports no Lightning;
-it registers the strategy only where Lightning is imported already.
+or Lightning's changes until a strategy is set up. Importing a Lightning-free submodule alone
+(``import lightning_shardrec.sparse``, ``lightning_shardrec.inference``, ``.data``, ``.planner``...)
+imports no Lightning, and registers the strategy only where Lightning is imported already
+(``import lightning`` first, or pass ``strategy=ShardRecStrategy()``).
 """
 
 from __future__ import annotations
@@ -133,28 +134,58 @@ __all__ = [
 ]
 
 
-def _imported_for_a_submodule() -> bool:
-    """Whether this package is being imported only as the parent of one of its submodules.
+#: the subpackages that never import Lightning (serving, data loading, planning, the layers below the strategy)
+_LIGHTNING_FREE = frozenset(
+    (
+        "_compat",
+        "_fbgemm",
+        "checkpoint",
+        "configs",
+        "data",
+        "datasets",
+        "distributed",
+        "errors",
+        "inference",
+        "kernels",
+        "metrics",
+        "modules",
+        "optim",
+        "plan",
+        "planner",
+        "sparse",
+        "testing",
+        "torchrec_paths",
+        "user_cache",
+    )
+)
 
-    ``import lightning_shardrec.sparse`` runs this ``__init__`` first, from inside the import of
-    ``lightning_shardrec.sparse``: a frame of ``importlib._bootstrap._find_and_load_unlocked``
-    (CPython 3.3 to 3.14) further up holds that name. Where the frames cannot be read the answer
-    is False (the strategy is registered: the safe side).
+
+def _imported_for_a_lightning_free_submodule() -> bool:
+    """Whether this package is being imported only as the parent of a submodule that imports no Lightning.
+
+    ``import lightning_shardrec.sparse`` (or ``python -m lightning_shardrec.inference...``) runs this
+    ``__init__`` first, from inside the import of that submodule: a frame of
+    ``importlib._bootstrap._find_and_load_unlocked`` (or ``runpy._get_module_details``) further up
+    holds its name (CPython 3.3 to 3.14). Where no such frame is found the answer is False: the
+    strategy is registered, the safe side.
     """
     frame = sys._getframe(1) if hasattr(sys, "_getframe") else None
     while frame is not None:
+        name = None
         if frame.f_code.co_name == "_find_and_load_unlocked":
             name = frame.f_locals.get("name")
-            if isinstance(name, str) and name.startswith(f"{__name__}."):
-                return True
+        elif frame.f_code.co_name == "_get_module_details":
+            name = frame.f_locals.get("mod_name")
+        if isinstance(name, str) and name.startswith(f"{__name__}."):
+            return name.split(".")[1] in _LIGHTNING_FREE
         frame = frame.f_back
     return False
 
 
-# The one thing importing the package does: strategy="shardrec" is registered with Lightning. A submodule
-# imported alone (serving, data, planning) imports no Lightning for it; where Lightning is already imported,
-# it registers too. ShardRecStrategy's module registers whenever it is imported.
-if not _imported_for_a_submodule() or "lightning.pytorch" in sys.modules:
+# The one thing importing the package does: strategy="shardrec" is registered with Lightning. A Lightning-free
+# submodule imported alone (serving, data, planning) imports no Lightning for it, and registers only where
+# Lightning is imported already; every module of the Lightning layer registers when imported.
+if not _imported_for_a_lightning_free_submodule() or "lightning.pytorch" in sys.modules:
     importlib.import_module("lightning_shardrec.lightning.strategy")
 
 # Our own TorchRec-style module paths (lightning_shardrec.<torchrec path>) we lack raise a named error

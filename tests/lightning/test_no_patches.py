@@ -123,6 +123,26 @@ print(json.dumps({{"lightning": sorted(m for m in sys.modules if m == "lightning
     assert got == {"lightning": [], "dtype": True}
 
 
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import lightning_shardrec.models",
+        "import lightning; import lightning_shardrec.sparse",
+        "import lightning_shardrec",
+    ],
+)
+def test_every_import_that_brings_lightning_registers_the_strategy(imports):
+    got = _run(
+        f"""
+import json
+{imports}
+from lightning.pytorch.strategies import StrategyRegistry
+print(json.dumps("shardrec" in StrategyRegistry))
+"""
+    )
+    assert got is True
+
+
 def fit_and_inspect(rank: int, world: int) -> dict[str, object]:
     """Fit with the pipeline on 2 ranks; what was installed on Lightning's objects during and after training."""
     import lightning as L
