@@ -4,8 +4,9 @@
 the public names below load their submodule on first access (PEP 562), and nothing of torch's
 or Lightning's changes until a strategy is set up. Importing a Lightning-free submodule alone
 (``import lightning_shardrec.sparse``, ``lightning_shardrec.inference``, ``.data``, ``.planner``...)
-imports no Lightning, and registers the strategy only where Lightning is imported already
-(``import lightning`` first, or pass ``strategy=ShardRecStrategy()``).
+imports no Lightning; it registers the strategy where Lightning is imported already, or at the
+first public name used (``from lightning_shardrec import ...``) once it is. To be explicit, pass
+``strategy=ShardRecStrategy()``.
 """
 
 from __future__ import annotations
@@ -88,12 +89,26 @@ _LAZY: dict[str, str] = {
 }
 
 
+_STRATEGY = "lightning_shardrec.lightning.strategy"  # importing it registers strategy="shardrec"
+
+
+def _register_if_lightning_is_loaded() -> bool:
+    """Register ``strategy="shardrec"`` where Lightning is imported (a cheap check); whether it is registered."""
+    if _STRATEGY not in sys.modules and "lightning.pytorch" in sys.modules:
+        importlib.import_module(_STRATEGY)
+    return _STRATEGY in sys.modules
+
+
 def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'lightning_shardrec' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
+    # A Lightning-free submodule imported the package before Lightning was: register on the next use of a
+    # public name once Lightning is loaded (`import lightning_shardrec.testing; import lightning;
+    # from lightning_shardrec import EmbeddingBagCollection`). Cached once registered.
+    if _register_if_lightning_is_loaded():
+        globals()[name] = value  # later lookups skip this function
     return value
 
 
@@ -183,10 +198,12 @@ def _imported_for_a_lightning_free_submodule() -> bool:
 
 
 # The one thing importing the package does: strategy="shardrec" is registered with Lightning. A Lightning-free
-# submodule imported alone (serving, data, planning) imports no Lightning for it, and registers only where
-# Lightning is imported already; every module of the Lightning layer registers when imported.
-if not _imported_for_a_lightning_free_submodule() or "lightning.pytorch" in sys.modules:
-    importlib.import_module("lightning_shardrec.lightning.strategy")
+# submodule imported alone (serving, data, planning) imports no Lightning for it, and registers where Lightning
+# is imported already, or at the first public name used once it is; the Lightning layer registers when imported.
+if not _imported_for_a_lightning_free_submodule():
+    importlib.import_module(_STRATEGY)
+else:
+    _register_if_lightning_is_loaded()
 
 # Our own TorchRec-style module paths (lightning_shardrec.<torchrec path>) we lack raise a named error
 # instead of ModuleNotFoundError; the finder answers for lightning_shardrec.* names only.

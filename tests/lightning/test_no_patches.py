@@ -129,6 +129,8 @@ print(json.dumps({{"lightning": sorted(m for m in sys.modules if m == "lightning
         "import lightning_shardrec.models",
         "import lightning; import lightning_shardrec.sparse",
         "import lightning_shardrec",
+        # a Lightning-free submodule first, Lightning later: the first public name used registers
+        "import lightning_shardrec.testing; import lightning; from lightning_shardrec import EmbeddingBagCollection",
     ],
 )
 def test_every_import_that_brings_lightning_registers_the_strategy(imports):
