@@ -4,6 +4,11 @@ Checked against Lightning 2.5 and 2.6 (the declared range). Every use here acts 
 trainer's own objects, from the strategy's setup to its teardown; importing this module
 changes nothing. Where a name is missing the feature it serves degrades as stated, or the
 caller gets a clear error; nothing here raises ``AttributeError`` from Lightning's internals.
+
+Not here, because they are members of the class the strategy extends rather than names it
+imports: ``DDPStrategy._timeout``, ``_ddp_kwargs``, ``_get_process_group_backend()`` and
+``_register_ddp_hooks()`` (2.0 to 2.6), used by ``lightning/strategy.py`` as Lightning's own
+subclasses use them. No fallback: a release that renames them fails the strategy's tests at setup.
 """
 
 from __future__ import annotations
