@@ -15,12 +15,14 @@ Trainer cannot continue the same training: :class:`ShardRecCheckpointIO` refuses
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import LightningModule
 from lightning.pytorch.core.saving import load_hparams_from_tags_csv, load_hparams_from_yaml
 from typing_extensions import override
@@ -41,6 +43,19 @@ PLAIN_RESUME = (
 def is_shardrec_checkpoint(checkpoint: Any) -> bool:
     """Whether a loaded checkpoint dict was written by ShardRecStrategy with sharded tables."""
     return isinstance(checkpoint, dict) and "shardrec_plan" in checkpoint
+
+
+#: Lightning 2.6's ``TorchCheckpointIO.load_checkpoint`` takes ``weights_only``; 2.5's does not
+_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(TorchCheckpointIO.load_checkpoint).parameters
+
+
+def _torch_load(path: Any, map_location: Any, weights_only: bool | None) -> Any:
+    """``TorchCheckpointIO.load_checkpoint`` as Lightning 2.6 does it (local or ``fsspec`` path), on 2.5."""
+    fs = get_filesystem(path)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"Checkpoint file not found: {path}")
+    with fs.open(path, "rb") as f:
+        return torch.load(f, map_location=map_location, weights_only=weights_only)
 
 
 def _sharded_dir(path: Any) -> bool:
@@ -85,8 +100,10 @@ class ShardRecCheckpointIO(TorchCheckpointIO):
     ) -> dict[str, Any]:
         if _sharded_dir(path):  # a full checkpoint, large weights read when copied (read_full, lazy)
             checkpoint = read_full(path, lazy=True)
-        else:
+        elif _TAKES_WEIGHTS_ONLY:
             checkpoint = super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        else:  # Lightning 2.5: its loader has no weights_only (and reads with weights_only=False)
+            checkpoint = _torch_load(path, map_location, weights_only)
         states = checkpoint.get("optimizer_states") if isinstance(checkpoint, dict) else None
         if self.refuse_resume and is_shardrec_checkpoint(checkpoint) and isinstance(states, list):
             checkpoint["optimizer_states"] = _RefusedOptimizerStates(states, path)

@@ -13,6 +13,7 @@ import logging
 import pickle
 from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
+from inspect import signature
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +192,9 @@ class ShardedCheckpointing(DDPStrategy):
                 checkpoint, self._mapped = load_mapped(checkpoint_path, weights_only)
                 streamed = ("state_dict", "optimizer_states", _FUSED_KEY)  # copied out, or sliced, when restored
                 return {k: v if k in streamed else self._mapped.owned(v) for k, v in checkpoint.items()}
-            return resumable(super().load_checkpoint(checkpoint_path, weights_only=weights_only))
+            if isinstance(self.checkpoint_io, ShardRecCheckpointIO):  # takes weights_only on Lightning 2.5 too
+                return resumable(self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only))
+            return resumable(super().load_checkpoint(checkpoint_path, **_weights_only(weights_only)))
         except pickle.UnpicklingError as e:
             raise CheckpointError(
                 f"checkpoint '{checkpoint_path}' holds objects other than tensors and plain containers; refusing to "
@@ -265,6 +268,11 @@ def _fill(stream: StreamedFile, bands: Iterator[tuple[int, int, torch.Tensor]], 
     for index, first, rows in bands:
         stream.fill(stored[index], first, rows)
         del rows
+
+
+def _weights_only(weights_only: bool) -> dict[str, bool]:
+    """``weights_only`` for ``Strategy.load_checkpoint`` where it takes one (Lightning 2.6; 2.5's does not)."""
+    return {"weights_only": weights_only} if "weights_only" in signature(DDPStrategy.load_checkpoint).parameters else {}
 
 
 def _default_io(io: CheckpointIO) -> bool:
