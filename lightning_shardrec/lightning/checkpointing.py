@@ -13,11 +13,12 @@ import logging
 import pickle
 from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
+from inspect import signature
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
@@ -40,14 +41,13 @@ from lightning_shardrec.checkpoint.mapped_file import MappedFile, load_mapped, m
 from lightning_shardrec.checkpoint.streamed_file import Stored
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
+from lightning_shardrec.lightning.checkpoint_io import ShardRecCheckpointIO, resumable
 from lightning_shardrec.lightning.options import ShardRecOptions
 from lightning_shardrec.lightning.pipeline import TrainPipeline
-from lightning_shardrec.lightning.plain_load import install, own_load
 from lightning_shardrec.optim import FusedOptimizer
 from lightning_shardrec.planner import ShardingPlan
 
 log = logging.getLogger(__name__)
-install()  # Model.load_from_checkpoint reads sharded directories; a plain Trainer refuses to resume by name
 _FUSED_KEY = "shardrec_fused_optimizer"
 
 
@@ -64,6 +64,11 @@ class ShardedCheckpointing(DDPStrategy):
     _groups_before: list[list[list[torch.nn.Parameter | str]]] | None = None
     #: the plain checkpoint file being restored, when it was memory-mapped (see ``_load_file``)
     _mapped: MappedFile | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Lightning's public seam for checkpoint I/O; a plugin given to the Trainer replaces it
+        self.checkpoint_io = ShardRecCheckpointIO(refuse_resume=False)
 
     @property
     @override
@@ -119,7 +124,7 @@ class ShardedCheckpointing(DDPStrategy):
         band. A failure raises on every rank. A custom or remote writer takes the whole
         checkpoint at once: rank 0 then holds every table.
         """
-        if type(self.checkpoint_io) is not TorchCheckpointIO or storage_options is not None or _remote(filepath):
+        if not _default_io(self.checkpoint_io) or storage_options is not None or _remote(filepath):
             weights, states = gather_full_state(self.sharded, dst=0)
             checkpoint["state_dict"].update(weights)
             checkpoint[_FUSED_KEY]["states"] = states
@@ -183,12 +188,13 @@ class ShardedCheckpointing(DDPStrategy):
         keeps (dense optimizer state, callbacks' state) is copied out of the file.
         """
         try:
-            if self.sharded and type(self.checkpoint_io) is TorchCheckpointIO and mappable(checkpoint_path):
+            if self.sharded and _default_io(self.checkpoint_io) and mappable(checkpoint_path):
                 checkpoint, self._mapped = load_mapped(checkpoint_path, weights_only)
                 streamed = ("state_dict", "optimizer_states", _FUSED_KEY)  # copied out, or sliced, when restored
                 return {k: v if k in streamed else self._mapped.owned(v) for k, v in checkpoint.items()}
-            with own_load():
-                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            if isinstance(self.checkpoint_io, ShardRecCheckpointIO):  # takes weights_only on Lightning 2.5 too
+                return resumable(self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only))
+            return resumable(super().load_checkpoint(checkpoint_path, **_weights_only(weights_only)))
         except pickle.UnpicklingError as e:
             raise CheckpointError(
                 f"checkpoint '{checkpoint_path}' holds objects other than tensors and plain containers; refusing to "
@@ -262,6 +268,16 @@ def _fill(stream: StreamedFile, bands: Iterator[tuple[int, int, torch.Tensor]], 
     for index, first, rows in bands:
         stream.fill(stored[index], first, rows)
         del rows
+
+
+def _weights_only(weights_only: bool) -> dict[str, bool]:
+    """``weights_only`` for ``Strategy.load_checkpoint`` where it takes one (Lightning 2.6; 2.5's does not)."""
+    return {"weights_only": weights_only} if "weights_only" in signature(DDPStrategy.load_checkpoint).parameters else {}
+
+
+def _default_io(io: CheckpointIO) -> bool:
+    """The strategy's own plugin, or Lightning's plain one: local files are written and read in pieces."""
+    return type(io) is TorchCheckpointIO or isinstance(io, ShardRecCheckpointIO)
 
 
 def _remote(path: Any) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -111,7 +112,7 @@ class DeferredGlue:
         return glue
 
     def _trains_tables(self, optimizer: Any) -> bool:
-        return self.holder is None or getattr(optimizer, "_optimizer", optimizer) is self.holder
+        return self.holder is None or _unwrapped(optimizer) is self.holder
 
     def _distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
@@ -163,7 +164,7 @@ class DeferredGlue:
             original(optimizer, clip_val, algorithm)
             self.updates.clamp_(float(clip_val))
             return None
-        opt = getattr(optimizer, "_optimizer", optimizer)
+        opt = _unwrapped(optimizer)
         params = [p for p in precision.main_params(opt) if p.grad is not None]
         total = self.updates.sum_squares(self.device)
         if self._distributed():
@@ -180,3 +181,8 @@ class DeferredGlue:
 
 
 __all__ = ["DeferredGlue", "deferral_line", "deferral_reason", "watch_repeats"]
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The torch optimizer behind a ``LightningOptimizer`` (its public ``optimizer``), else ``optimizer``."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -173,7 +173,7 @@ class ShardedGuard:
             ends = 2 if ended else 0 if ahead else int(bool(loop.batch_progress.is_last_batch))
             return [1, trainer.current_epoch, loop.batch_idx + int(ahead), ends, int(stops and not ahead)]
         phase = 3 if trainer.testing else 4 if trainer.predicting else 2
-        loop = trainer.predict_loop if trainer.predicting else trainer._evaluation_loop
+        loop = _evaluation_loop(trainer)
         if loop is None:
             return [0] * self.width
         progress = loop.batch_progress
@@ -202,6 +202,20 @@ class ShardedGuard:
                 "batches: deal each rank an equal count (drop or pad the remainder), or use a sized dataset and "
                 "Lightning's DistributedSampler; stopping all ranks"
             )
+
+
+def _evaluation_loop(trainer: Any) -> Any:
+    """The loop running an evaluation or prediction, from the Trainer's public loops."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    if trainer.predicting:
+        return trainer.predict_loop
+    fn = trainer.state.fn
+    if fn == TrainerFn.FITTING:
+        return trainer.fit_loop.epoch_loop.val_loop
+    if fn == TrainerFn.TESTING:
+        return trainer.test_loop
+    return trainer.validate_loop if fn == TrainerFn.VALIDATING else None
 
 
 def _running(trainer: Any) -> bool:

@@ -15,8 +15,9 @@ TorchRec's ``TrainPipelineSparseDist`` without a user-written loop. Per training
 Only communication is cached; the batch itself flows through Lightning's loop, so
 validation in between, the last (partial) batch, ``max_steps`` and resume behave as
 without the pipeline. Lightning's fetcher does not look ahead when the loader has a
-length, so the fit loop's fetcher is made to (:class:`LookaheadFetcher`); the
-checkpointed loader state is the one from before the look-ahead batch was pulled.
+length, so the fit loop's fetcher is made to (:class:`LookaheadFetcher`, on that trainer's
+fetcher only, from the first training step until training ends, when its class is Lightning's
+again); the checkpointed loader state is the one from before the look-ahead batch was pulled.
 
 Rank agreement: prefetching and matching depend only on the batch structure and on
 object identity, which every rank shares when every rank runs the same code. A
@@ -33,9 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_shardrec._compat.lightning import DataFetcher, PrefetchDataFetcher, fit_data_fetcher
 from lightning_shardrec.distributed.batch_dist import EndOfData, PrefetchHandle
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.distributed.comm import ShardingEnv, on_stream
@@ -43,7 +44,7 @@ from lightning_shardrec.lightning.handover import hand_over, tensors_in
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 
-class LookaheadFetcher(_PrefetchDataFetcher):
+class LookaheadFetcher(PrefetchDataFetcher):
     """Lightning's training fetcher, always holding the next batch (also for loaders with a length).
 
     ``done`` is true exactly when no batch is left after the one just returned.
@@ -52,18 +53,29 @@ class LookaheadFetcher(_PrefetchDataFetcher):
     """
 
     loader_states: list[dict[str, Any]] | None = None
+    #: the class Lightning made the fetcher with (restored by :meth:`release`)
+    original: type[PrefetchDataFetcher] = PrefetchDataFetcher
 
     @classmethod
-    def adopt(cls, fetcher: _PrefetchDataFetcher) -> LookaheadFetcher:
-        """Turn Lightning's fetcher (which the running epoch loop holds) into one, in place."""
+    def adopt(cls, fetcher: PrefetchDataFetcher) -> LookaheadFetcher:
+        """Turn Lightning's fetcher (which the running epoch loop holds) into one, in place (:meth:`release` undoes)."""
+        original = type(fetcher)
         fetcher.__class__ = cls
         assert isinstance(fetcher, LookaheadFetcher)
+        fetcher.original = original
         if fetcher.iterator is not None and not fetcher.done:
             fetcher._fill()
         return fetcher
 
+    def release(self) -> None:
+        """Lightning's class again (end of training); a held batch stays where Lightning's fetcher keeps it."""
+        original = self.original
+        vars(self).pop("original", None)
+        vars(self).pop("loader_states", None)
+        self.__class__ = original  # type: ignore[assignment]
+
     def __iter__(self) -> LookaheadFetcher:
-        _DataFetcher.__iter__(self)  # a new iterator; reset() empties ``batches``
+        DataFetcher.__iter__(self)  # a new iterator; reset() empties ``batches``
         self._fill()
         return self
 
@@ -78,9 +90,9 @@ class LookaheadFetcher(_PrefetchDataFetcher):
     def _fill(self) -> None:
         if self.batches:
             return
-        self.loader_states = self.combined_loader._state_dicts()
+        self.loader_states = loader_states(self.combined_loader)
         with contextlib.suppress(StopIteration):
-            self.batches.append(_DataFetcher.__next__(self))
+            self.batches.append(DataFetcher.__next__(self))
         self.done = not self.batches
 
     def peek(self) -> Any:
@@ -110,7 +122,8 @@ class TrainPipeline:
         self._current: list[tuple[ShardedCollection, PrefetchHandle]] = []  # for the batch being trained
         self._ahead: list[tuple[ShardedCollection, PrefetchHandle]] = []  # for the next batch
         self._warned = False
-        self._fetcher: LookaheadFetcher | None = None  # the fit loop's, kept past its teardown
+        self._fetcher: Any = None  # the fit loop's (a LookaheadFetcher while training), kept past its teardown
+        self._loader_states: list[dict[str, Any]] | None = None  # its last, once training ended
         self._ended: list[EndOfData] = []  # this rank's "no next batch" headers, checked after backward
         self._closed = False
 
@@ -163,7 +176,11 @@ class TrainPipeline:
             coll.progress_prefetched()
 
     def drain(self) -> None:
-        """End of training: finish and drop whatever was started and not consumed (every rank)."""
+        """End of training: finish and drop whatever was started and not consumed (every rank); the fit loop's
+        fetcher is Lightning's again (:meth:`LookaheadFetcher.release`)."""
+        if isinstance(self._fetcher, LookaheadFetcher):
+            self._loader_states = self._fetcher.loader_states  # what a checkpoint saved after fit records
+            self._fetcher.release()
         self._retire(self._current)  # the last step's: consumed unless its forward missed them
         self._current, self._ahead, self._next = [], [], None  # the next batch's: never trained, not a miss
         for coll in self.sharded.values():
@@ -201,17 +218,28 @@ class TrainPipeline:
 
     def patch_loader_states(self, checkpoint: dict[str, Any]) -> None:
         """Record the loader states from before the look-ahead batch was pulled (in place)."""
-        states = None if self._fetcher is None else self._fetcher.loader_states
+        fetcher = self._fetcher
+        states = fetcher.loader_states if isinstance(fetcher, LookaheadFetcher) else self._loader_states
         state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
         if states is not None and state is not None and "combined_loader" in state:
             state["combined_loader"] = states
 
 
+def loader_states(combined_loader: Any) -> list[dict[str, Any]]:
+    """The states of the stateful loaders of a ``CombinedLoader`` (``flattened``), in order, as
+    Lightning's fit loop records them in a checkpoint (``CombinedLoader._state_dicts``)."""
+    return [
+        loader.state_dict()
+        for loader in combined_loader.flattened
+        if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+    ]
+
+
 def _lookahead(trainer: Any) -> LookaheadFetcher | None:
-    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    fetcher = fit_data_fetcher(trainer)
     if isinstance(fetcher, LookaheadFetcher):
         return fetcher
-    if type(fetcher) is _PrefetchDataFetcher:  # not dataloader_iter: the user fetches the batches then
+    if type(fetcher) is PrefetchDataFetcher:  # not dataloader_iter: the user fetches the batches then
         return LookaheadFetcher.adopt(fetcher)
     return None
 

@@ -74,7 +74,7 @@ def cast_outputs(collections: Any) -> list[RemovableHandle]:
             continue
         c.__dict__["_casts_outputs"] = True
         handles.append(c.register_forward_pre_hook(_enter_fp32))
-        handles.append(c.register_forward_hook(_cast_back))
+        handles.append(c.register_forward_hook(_cast_back, always_call=True))  # a raising forward too
     return handles
 
 
@@ -84,6 +84,7 @@ def _enter_fp32(module: nn.Module, args: Any) -> None:
 
 
 def _cast_back(module: nn.Module, args: Any, out: Any) -> Any:
+    """The caller's default dtype back (after a forward that raised too: ``out`` is None then); outputs cast."""
     dtype = module.__dict__["_caller_dtypes"].pop()
     torch.set_default_dtype(dtype)
     if isinstance(out, KeyedTensor):

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-_LOOP_CHECK = "_broadcast_sigterm_tensor"
+from lightning_shardrec._compat.lightning import SIGTERM_LOOP_CHECK as _LOOP_CHECK
+from lightning_shardrec._compat.lightning import signal_connector, sigterm_notifier
 
 
 class LaggedSigterm:
@@ -139,6 +140,7 @@ class SigtermDeadline:
         self._done = threading.Event()
         self._trainer: Any = None
         self._thread: threading.Thread | None = None
+        self._handlers: tuple[list[Any], list[Any]] | None = None  # Lightning's SIGTERM handler list, as it was
 
     def install(self, trainer: Any) -> bool:
         """From the main thread, after Lightning registered its handlers (``on_train_start``); False where
@@ -147,9 +149,10 @@ class SigtermDeadline:
         if not callable(handler) or threading.current_thread() is not threading.main_thread():
             return False
         handlers = getattr(handler, "signal_handlers", None)
-        connector = getattr(trainer, "_signal_connector", None)
+        connector = signal_connector(trainer)
         if isinstance(handlers, list) and connector is not None:  # Lightning's composition: drop the broadcast
-            own = getattr(connector, "_sigterm_notifier_fn", None)
+            own = sigterm_notifier(connector)
+            self._handlers = (handlers, list(handlers))  # restored by remove()
             handlers[:] = [_mark(connector) if h == own else h for h in handlers]
         self._trainer = trainer
         self._old_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
@@ -160,6 +163,10 @@ class SigtermDeadline:
     def remove(self) -> None:
         """The rank left ``fit`` (normally or by an exception): no deadline; the wakeup fd restored."""
         self._done.set()
+        if self._handlers is not None:  # Lightning's composed handler list as it made it
+            handlers, original = self._handlers
+            handlers[:] = original
+            self._handlers = None
         if self._thread is None:
             return
         with contextlib.suppress(ValueError):  # not the main thread: leave the fd to the interpreter's exit
@@ -187,7 +194,7 @@ class SigtermDeadline:
     def _on_sigterm(self) -> None:
         trainer = self._trainer
         launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
-        connector = getattr(trainer, "_signal_connector", None)
+        connector = signal_connector(trainer)
         if launcher is not None and connector is not None and not connector.received_sigterm:
             launcher.kill(signal.SIGTERM)  # as Lightning's handler would, without waiting for the main thread
         if connector is not None:

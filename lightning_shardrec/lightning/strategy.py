@@ -21,7 +21,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -29,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_shardrec._compat.lightning import attached_trainer, optimizers_to_device
 from lightning_shardrec.checkpoint import param_layout, table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.collection import ShardedCollection
@@ -278,12 +278,12 @@ class ShardRecStrategy(RankFailureHandling):
         for coll in self.sharded.values():  # for a later Trainer's strategy (see _adopt)
             coll.shardrec_origin = (self.plan, self._holder_slot, self._config)  # type: ignore[assignment]
         if self.guard is None and self.sharded:
-            self.guard = guards.ShardedGuard(self.sharded, lambda: getattr(self.lightning_module, "_trainer", None))
+            self.guard = guards.ShardedGuard(self.sharded, lambda: attached_trainer(self.lightning_module))
         return kernels
 
     def _fit_helpers(self, kernels: list[Any], holder: Holder | None) -> None:
         """Fit, after precision: optimizers on the device, the GradScaler glue, the finite guard, the pipeline."""
-        _optimizers_to_device(self.optimizers, self.root_device)
+        optimizers_to_device(self.optimizers, self.root_device)
         scaler = ScalerGlue.wanted(self.precision_plugin)
         group = next(iter(self.sharded.values())).env.pg
         deferred = self._deferral is not None and any(g.fused for s in self.sharded.values() for g in s._groups())

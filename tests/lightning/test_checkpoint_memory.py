@@ -9,7 +9,7 @@ whole saved shard, two at once). Results are identical with pieces of any size.
 A full-format save reserves each tensor's room in the file, then gathers its rows on rank 0 in
 bands written in place: rank 0 holds its share and one band, the other ranks nothing more.
 
-Loads that stream: ``Model.load_from_checkpoint(sharded_dir)`` in one process copies each weight
+Loads that stream: ``load_from_checkpoint(Model, sharded_dir)`` in one process copies each weight
 from the files into the model a piece at a time (peak: the model, not twice the model), and a
 resume on 2 ranks from a plain ``torch.save`` file memory-maps it, each rank copying only its rows
 (peak: the share, not the share and the whole file). Each test measures the old path beside the new.
@@ -164,7 +164,7 @@ def test_save_and_resume_on_another_world_size_stay_near_the_share(tmp_path):
         assert f["save_peak_over_fit"] < ALLOWANCE, msg  # before: + the share (every shard cloned)
     reset_peak()
     before = rss()
-    weights = read_full(path)["state_dict"]  # what Model.load_from_checkpoint(path) reads in one process
+    weights = read_full(path)["state_dict"]  # what load_from_checkpoint(Model, path) reads in one process
     read = peak() - before
     assert sum(v.numel() * v.element_size() for v in weights.values()) >= T
     del weights
@@ -301,11 +301,11 @@ def test_dcp_host_copies_stay_one_piece_with_one_file_per_item(tmp_path):
 
 
 def load_into_the_plain_model(rank: int, world: int, path: str) -> dict[str, object]:
-    """``Big.load_from_checkpoint(path)`` in a process of its own, streamed (today) then with every weight
+    """``load_from_checkpoint(Big, path)`` in a process of its own, streamed (today) then with every weight
     read first (before): peaks over the process's baseline (imports paid), and whether the weights equal
     the checkpoint's read whole (after measuring)."""
-    import lightning_shardrec.lightning  # noqa: F401  (installs the loader)
     from lightning_shardrec.checkpoint import sharded_state
+    from lightning_shardrec.lightning import load_from_checkpoint
 
     out: dict[str, object] = {}
     default = sharded_state.LAZY_BYTES
@@ -314,7 +314,7 @@ def load_into_the_plain_model(rank: int, world: int, path: str) -> dict[str, obj
             sharded_state.LAZY_BYTES = lazy_bytes
             reset_peak()
             base = rss()
-            model = Big.load_from_checkpoint(path, rows=ROWS, tables=TABLES)
+            model = load_from_checkpoint(Big, path, rows=ROWS, tables=TABLES)
             out[f"peak {how}"], out["model"] = peak() - base, sum(p.nbytes for p in model.parameters())
             if how == "streamed":
                 want = read_full(path)["state_dict"]

@@ -1,5 +1,5 @@
 """Dynamic tables through the Lightning strategy: save in ``fit``, resume with ``ckpt_path=`` on
-other devices, and read the checkpoint into the plain model (``load_from_checkpoint``)."""
+other devices, and read the checkpoint into the plain model (``lightning_shardrec.lightning.load_from_checkpoint``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from _models import external_launch, trainer
 
 from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingBagConfig, SyntheticRecDataModule
+from lightning_shardrec.lightning import load_from_checkpoint
 from lightning_shardrec.testing import run_ranks
 
 GLOBAL_BATCH, STEPS, ROWS, RAW_IDS = 12, 8, 16, 60  # raw ids in [0, 60) for a 16-row table: it evicts
@@ -87,7 +88,7 @@ def _resume(tmp_path: Path, fmt: str, world: int) -> None:
             assert torch.equal(resumed[k], v), (fmt, k)
         else:
             torch.testing.assert_close(resumed[k], v, **TOL, msg=f"{fmt}: {k}")
-    plain = DynRec.load_from_checkpoint(half)  # the unsharded model, strict keys
+    plain = load_from_checkpoint(DynRec, half)  # the unsharded model, strict keys
     for k, v in plain.state_dict().items():
         assert torch.equal(v, saved[k]), (fmt, k)
 

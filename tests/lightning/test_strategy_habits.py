@@ -368,18 +368,26 @@ def fit_and_save(rank, world, path, fmt):
 
 def test_shardrec_checkpoints_without_the_strategy(tmp_path):
     from lightning_shardrec.errors import CheckpointError
+    from lightning_shardrec.lightning import ShardRecCheckpointIO, load_from_checkpoint
 
     for fmt in ("sharded", "full"):
         path = str(tmp_path / f"{fmt}.ckpt")
         want = run_ranks(fit_and_save, 2, path, fmt)[0]
-        loaded = Rec.load_from_checkpoint(path)  # the default format is a directory: read as a full checkpoint
+        loaded = load_from_checkpoint(Rec, path)  # the default format is a directory: read as a full checkpoint
         assert_same(loaded.state_dict(), want, f"load_from_checkpoint ({fmt})")
-        plain = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, max_steps=4)
+        plain = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            max_steps=4,
+            plugins=[ShardRecCheckpointIO()],
+        )
         plain.validate(Rec(), data(8, 2, val_batches=1), ckpt_path=path, verbose=False)  # weights only: works
         with pytest.raises(
             CheckpointError,
             match="was written by ShardRecStrategy: its embedding tables train in a "
             r"fused optimizer .* Resume with Trainer\(strategy='shardrec'\) on any number of devices "
-            r"\(devices=1 too\); .*convert_to_full",
+            r"\(devices=1 too\); .*load_from_checkpoint\(Model, path\).*convert_to_full",
         ):
             plain.fit(Rec(), data(8, 4), ckpt_path=path)

@@ -1,4 +1,4 @@
-"""``Model.load_from_checkpoint(sharded_dir)`` streams each weight into the model (issue 29 item 2).
+"""``load_from_checkpoint(Model, sharded_dir)`` streams each weight into the model (issue 29 item 2).
 
 The checkpoint's weights arrive as :class:`StoredTensor` stand-ins; ``load_state_dict`` copies each
 from the files into the model one saved piece at a time. Every other use reads the weight once
@@ -20,6 +20,7 @@ from test_strategy_habits import assert_same, fit_and_save
 from lightning_shardrec.checkpoint import read_full, sharded_state
 from lightning_shardrec.checkpoint.stored_tensor import StoredTensor
 from lightning_shardrec.errors import CheckpointError
+from lightning_shardrec.lightning import ShardRecCheckpointIO, load_from_checkpoint
 from lightning_shardrec.testing import run_ranks
 
 TABLE = "ebc.embedding_bags.t_big.weight"
@@ -54,8 +55,8 @@ def test_load_from_checkpoint_copies_every_weight_from_the_files(saved, monkeypa
         return checkpoint
 
     monkeypatch.setattr(StoredTensor, "read_into", spy_read)
-    monkeypatch.setattr("lightning_shardrec.lightning.plain_load.read_full", spy_full)
-    loaded = Rec.load_from_checkpoint(path)
+    monkeypatch.setattr("lightning_shardrec.lightning.checkpoint_io.read_full", spy_full)
+    loaded = load_from_checkpoint(Rec, path)
     assert_same(loaded.state_dict(), want, "load_from_checkpoint, streamed")
     assert sorted(read) == sorted(want)  # each weight read once, straight into the model's own tensor
     assert len(stand_ins) == len(want) and all(t._value is None for t in stand_ins)  # none read into a copy
@@ -70,7 +71,7 @@ class EditsOnLoad(Rec):
 
 def test_hooks_that_touch_the_values_see_and_keep_them(saved):
     path, want = saved
-    loaded = EditsOnLoad.load_from_checkpoint(path)
+    loaded = load_from_checkpoint(EditsOnLoad, path)
     got = loaded.state_dict()
     torch.testing.assert_close(got[TABLE], 2 * want[TABLE])
     assert_same({k: v for k, v in got.items() if k != TABLE}, {k: v for k, v in want.items() if k != TABLE}, "rest")
@@ -103,12 +104,19 @@ def test_a_mismatched_model_is_refused_as_before(saved):
             self.mlp = torch.nn.Linear(99, 1)
 
     with pytest.raises(RuntimeError, match=r"size mismatch for mlp\.weight: copying a param with shape"):
-        Wider.load_from_checkpoint(path)
+        load_from_checkpoint(Wider, path)
 
 
 def test_a_plain_trainer_validates_from_stand_ins(saved):
     path, _ = saved
-    plain = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, max_steps=4)
+    plain = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        max_steps=4,
+        plugins=[ShardRecCheckpointIO()],
+    )
     plain.validate(Rec(), data(8, 2, val_batches=1), ckpt_path=path, verbose=False)
     with pytest.raises(CheckpointError, match="was written by ShardRecStrategy: its embedding tables train"):
         plain.fit(Rec(), data(8, 4), ckpt_path=path)
@@ -125,3 +133,24 @@ def test_a_piece_that_vanished_names_the_weight(saved, tmp_path):
         f.write_bytes(b"")  # emptied after the directory was opened
     with pytest.raises(CheckpointError, match=rf"reading '{TABLE}' from checkpoint '{broken}' failed"):
         torch.empty(lazy[TABLE].shape).copy_(lazy[TABLE])
+
+
+def test_load_from_checkpoint_takes_lightnings_arguments(saved, tmp_path):
+    path, want = saved
+    loaded = load_from_checkpoint(Rec, path, map_location="cpu", strict=True, lr=0.5)  # kwargs win over hparams
+    assert loaded.lr == 0.5
+    assert_same(loaded.state_dict(), want, "load_from_checkpoint with arguments")
+    hparams = tmp_path / "hparams.yaml"
+    hparams.write_text("optimizer: sgd\n")
+    assert load_from_checkpoint(Rec, path, hparams_file=hparams).optimizer == "sgd"
+    with pytest.raises(ValueError, match=r"hparams_file must end in \.csv, \.yml or \.yaml, got '.*hparams\.txt'"):
+        load_from_checkpoint(Rec, path, hparams_file=tmp_path / "hparams.txt")
+
+
+def test_the_fallback_for_a_lightning_without_load_state_builds_the_same_model(saved):
+    from lightning_shardrec._compat.lightning import _load_state_fallback
+
+    path, want = saved
+    loaded = _load_state_fallback(Rec, read_full(path, lazy=True), None, lr=0.25)
+    assert loaded.lr == 0.25
+    assert_same(loaded.state_dict(), want, "fallback")
