@@ -115,9 +115,8 @@ def main() -> None:
         )
     for w, seconds in kills.items():
         print(f"detection at {w} ranks: every survivor named the killed rank and exited {seconds:.1f} s after the kill")
-    print(
-        f"finished at load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}, {time.strftime('%H:%M UTC', time.gmtime())}"
-    )
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"finished at load average {load}, {time.strftime('%H:%M UTC', time.gmtime())}")
 
 
 if __name__ == "__main__":
