@@ -93,28 +93,28 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, nargs="*", default=[8])
     args = parser.parse_args()
     print(f"machine: {_machine()} (shared with other engineers: figures under load)")
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in args.worlds:
-            rows[world] = measure(world, args.steps, Path(tmp))
-            print(f"  {world} ranks done at load {os.getloadavg()[0]:.1f}", flush=True)
-        kills = {w: detection(w, Path(tmp)) for w in args.kill_at}
-    base = rows[min(rows)]["step"]
-    print(
+    header = (
         "| ranks | launch to 1st step (s) | interpreter / imports / setup / 1st step (s) | step (ms) | "
-        "over the 2-rank step (ms) | RSS peak per rank, median / max (MiB) | store ops/s per rank / all | "
-        "beat (s) |"
+        "over the 2-rank step (ms) | RSS peak per rank, median / max (MiB) | store ops/s per rank / all | beat (s) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for w, r in rows.items():
-        print(
-            f"| {w} | {r['to_first']:.1f} | {r['start']:.1f} / {r['imports']:.1f} / {r['setup']:.1f} / "
-            f"{r['first']:.1f} | {1e3 * r['step']:.1f} | {1e3 * (r['step'] - base):+.1f} | "
-            f"{r['rss_median']:.0f} / {r['rss_max']:.0f} | {r['ops_rank']:.1f} / {r['ops_total']:.0f} | "
-            f"{r['interval']:.2f} |"
-        )
-    for w, seconds in kills.items():
-        print(f"detection at {w} ranks: every survivor named the killed rank and exited {seconds:.1f} s after the kill")
+    print(header + "\n|---|---|---|---|---|---|---|---|", flush=True)
+    base: float | None = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in args.worlds:  # each row as it is measured (a long run keeps what it has)
+            r = measure(world, args.steps, Path(tmp))
+            base = r["step"] if base is None else base
+            print(
+                f"| {world} | {r['to_first']:.1f} | {r['start']:.1f} / {r['imports']:.1f} / {r['setup']:.1f} / "
+                f"{r['first']:.1f} | {1e3 * r['step']:.1f} | {1e3 * (r['step'] - base):+.1f} | "
+                f"{r['rss_median']:.0f} / {r['rss_max']:.0f} | {r['ops_rank']:.1f} / {r['ops_total']:.0f} | "
+                f"{r['interval']:.2f} | (load {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
+        for w in args.kill_at:
+            seconds = detection(w, Path(tmp))
+            print(
+                f"detection at {w} ranks: every survivor named the killed rank, all exited {seconds:.1f} s after the kill"
+            )
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"finished at load average {load}, {time.strftime('%H:%M UTC', time.gmtime())}")
 
