@@ -113,7 +113,7 @@ def main() -> None:
         for w in args.kill_at:
             seconds = detection(w, Path(tmp))
             print(
-                f"detection at {w} ranks: every survivor named the killed rank, all exited {seconds:.1f} s after the kill"
+                f"detection at {w} ranks: every survivor named the killed rank; all gone {seconds:.1f} s after the kill"
             )
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"finished at load average {load}, {time.strftime('%H:%M UTC', time.gmtime())}")
