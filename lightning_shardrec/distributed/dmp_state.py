@@ -11,7 +11,7 @@
 :func:`state_dict` is collective (building a ShardedTensor exchanges metadata); every rank calls it.
 :func:`load_state_dict` takes that layout back, or full ``[rows, dim]`` tensors (each rank copies
 its slices), so a plain model's state dict loads into the sharded one. :func:`full_state_dict`
-(collective) gathers every table whole, on every rank: for tests and small tables.
+(collective) gathers every table whole, on one rank or every rank, in bands by tensor collectives.
 Dynamic tables are refused by name: their rows are slots, saved with their id map by
 ``lightning_shardrec.checkpoint``.
 """
@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor import ShardMetadata as TorchShardMetadata
 
+from lightning_shardrec.distributed.band_gather import BandGather, LocalTensor
 from lightning_shardrec.errors import ShardedStateError
 from lightning_shardrec.planner import ShardingPlan, ShardingType
 
@@ -150,21 +151,34 @@ def _load_table(key: str, cfg: Any, shards: list[tuple[Any, Tensor]], value: Any
         w.copy_(value[r : r + h, c : c + d])
 
 
-def full_state_dict(dmp: DistributedModelParallel) -> dict[str, Tensor]:
-    """Collective: the unsharded model's state dict, every table gathered whole, on every rank (host memory)."""
-    out = {k: v.detach().clone() for k, v in _dense_keys(dmp).items()}
+def full_state_dict(dmp: DistributedModelParallel, dst: int | None = None) -> dict[str, Tensor]:
+    """Collective: the unsharded model's state dict, every table gathered whole, in host memory.
+
+    On rank ``dst`` of the model's process group (``None``: on every rank; other ranks get
+    ``{}``). Tables travel in bands by tensor collectives
+    (:class:`~lightning_shardrec.distributed.band_gather.BandGather`): rank ``dst`` holds the
+    result and one band, the other ranks their own shards only.
+    """
     pg = dmp.env.pg
-    world = dist.get_world_size(pg)
-    for key, cfg, sharding, shards in _tables(dmp):
-        mine = [(tuple(m.shard_offsets), w.detach().cpu()) for m, w in shards]
+    tables = _tables(dmp)
+    local = [
+        LocalTensor(
+            group=i,
+            name=key,
+            shape=(cfg.num_embeddings, cfg.embedding_dim),
+            dtype=shards[0][1].dtype if shards else torch.float32,
+            pieces=[((m.shard_offsets[0], m.shard_offsets[1]), w.detach()) for m, w in shards],
+        )
+        for i, (key, cfg, sharding, shards) in enumerate(tables)
+        if sharding.sharding_type is not ShardingType.DATA_PARALLEL
+    ]
+    gathered = {layout.name: full for layout, full in BandGather(local, dst, group=pg).whole()}
+    if dst is not None and dist.get_rank(pg) != dst:
+        return {}
+    out = {k: v.detach().clone() for k, v in _dense_keys(dmp).items()}
+    for key, _, sharding, shards in tables:
         if sharding.sharding_type is ShardingType.DATA_PARALLEL:
-            out[key] = mine[0][1].clone()
-            continue
-        every: list[Any] = [None] * world
-        dist.all_gather_object(every, mine, group=pg)
-        full = torch.empty(cfg.num_embeddings, cfg.embedding_dim, dtype=shards[0][1].dtype if shards else torch.float32)
-        for rank_shards in every:
-            for (r, c), w in rank_shards:
-                full[r : r + w.shape[0], c : c + w.shape[1]] = w
-        out[key] = full
+            out[key] = shards[0][1].detach().cpu().clone()
+        else:
+            out[key] = gathered.pop(key)
     return out

@@ -6,7 +6,7 @@ peer", NCCL: a timeout) without saying which rank went away, and a rank that han
 ``RankMonitor`` runs a daemon thread per rank that
 
 * writes a heartbeat counter to the rendezvous store every ``interval`` seconds, and
-* watches one neighbour ((rank + 1) % W, so the store sees O(W) traffic): a neighbour
+* watches one neighbour ((rank + 1) % W): a neighbour
   in this PID namespace whose process is gone, or a counter that has not moved for
   ``dead_after`` seconds, calls ``on_dead(rank, what)`` (``what``: "died (...)").
 
@@ -24,18 +24,38 @@ about a second: a rank that raised says so itself (:meth:`report_failure`), a ki
 rank whose pid this process can see (:mod:`.whereabouts`: same host *and* PID namespace,
 same start time) is found by its pid, any other by a heartbeat that stopped.
 Only ``torch.distributed`` is used; the monitor works with gloo and NCCL alike.
+
+**Store traffic stays flat.** A beat is three store operations (the ``add``, and the
+neighbour's counter: ``check``, ``get``). The default interval (:func:`beat_interval`) grows with
+the world so that all ranks together send the store at most :data:`STORE_OPS_PER_S` operations a
+second (0.25 s up to 8 ranks, 0.5 s at 16, 16 s at 512); each rank sends at most 12 a second
+whatever W is. Who failed is one read: a rank that raises appends ``rank|error`` to one key,
+a watchdog that declares a rank sets one key (``lost``), and :meth:`RankMonitor.explain` reads
+those two before it looks at heartbeats. :attr:`RankMonitor.store_ops` counts what this rank sent.
+
+**Failures are classified by type** (:func:`is_comm_failure`): torch's ``DistError`` family
+(``DistBackendError``, ``DistNetworkError``, ``DistStoreError``). gloo's transport still raises a
+plain ``RuntimeError`` (torch 2.13: "[.../gloo/transport/tcp/pair.cc] Connection closed by peer"),
+as older torch did everywhere: only then is the message read, for a transport's markers.
+
+**Under torchrun or NCCL** (:func:`deferred_to`) the elastic agent tears the job down when a worker
+dies and NCCL's watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, its heartbeat) ends a hung
+collective: the strategy then runs the monitor without a watchdog of its own (``dead_after=None``):
+it only names the lost rank after a failed collective (docs/reliability.md, "What catches what").
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch.distributed as dist
 
+from lightning_shardrec.distributed.comm import backend_uses_cuda
 from lightning_shardrec.distributed.whereabouts import Whereabouts
 
 log = logging.getLogger(__name__)
@@ -45,26 +65,76 @@ _PREFIX = "shardrec/health"
 STORE_GRACE_S = 10.0
 _DONE = "done"
 _GONE = "died (its process is gone: killed or crashed)"
-# Messages of collectives that lost a peer (gloo, NCCL, the TCP store).
-_COMM_FAILURES = (
+#: the most store operations a second all ranks' heartbeats send together (the default interval keeps to it)
+STORE_OPS_PER_S = 96.0
+#: the shortest default heartbeat interval, seconds (small worlds)
+MIN_INTERVAL_S = 0.25
+_OPS_PER_BEAT = 3  # add; the neighbour's check and get
+# Markers of a transport that lost a peer, for errors raised untyped (gloo's transport, torch before DistError).
+_TRANSPORT_MARKERS = (
     "connection closed by peer",
     "connection reset by peer",
     "broken pipe",
-    "timed out",
-    "timeout",
-    "nccl",
-    "gloo",
-    "socket",
+    "timed out waiting",
     "connection refused",
+    "/gloo/transport/",
 )
 
 
+def beat_interval(world_size: int, dead_after: float | None = None) -> float:
+    """The default heartbeat interval: all ranks together send at most ``STORE_OPS_PER_S`` store operations a second.
+
+    ``max(0.25, W * 3 / 96)`` seconds, and at most a quarter of ``dead_after`` (a rank is declared
+    only after several missed beats).
+    """
+    interval = max(MIN_INTERVAL_S, world_size * _OPS_PER_BEAT / STORE_OPS_PER_S)
+    return interval if dead_after is None else min(interval, dead_after / 4)
+
+
 def is_comm_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` looks like a collective or store call that lost a peer."""
-    if isinstance(exc, dist.DistError):
+    """Whether ``exc`` is a collective or store call that lost a peer: by type (torch's ``DistError`` family).
+
+    A plain ``RuntimeError`` (gloo's transport, torch before the typed errors) counts only when its
+    message names a transport failure.
+    """
+    if isinstance(exc, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
         return True
+    if type(exc) is not RuntimeError:
+        return False
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(marker in text for marker in _COMM_FAILURES)
+    return any(marker in text for marker in _TRANSPORT_MARKERS)
+
+
+def deferred_to(backend: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """What already tears the job down when a rank dies (then the monitor runs without a watchdog), or None.
+
+    torchrun (``TORCHELASTIC_RUN_ID`` set): its elastic agent; a backend that takes CUDA tensors:
+    NCCL's watchdog.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("TORCHELASTIC_RUN_ID"):
+        return "torchrun's elastic agent"
+    if backend_uses_cuda(backend):
+        return "NCCL's watchdog"
+    return None
+
+
+class _CountingStore:
+    """The store, with every operation this monitor sends counted (:attr:`RankMonitor.store_ops`)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.inner, self.ops = store, 0
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Callable[..., object]:
+        call = getattr(self.inner, name)
+
+        def counted(*args: object, **kwargs: object) -> object:
+            with self._lock:
+                self.ops += 1
+            return call(*args, **kwargs)
+
+        return counted
 
 
 class RankMonitor:
@@ -73,8 +143,9 @@ class RankMonitor:
     Args:
         store: the rendezvous store every rank shares (``default_store()``).
         rank, world_size: this rank and the number of ranks.
-        interval: seconds between heartbeats (0.25: a killed rank is named within ~0.6 s, before
-            Lightning's launcher tears the job down; 8 store operations per rank and second).
+        interval: seconds between heartbeats; None: :func:`beat_interval` (0.25 up to 8 ranks: a killed
+            rank is named within ~0.6 s, before Lightning's launcher tears the job down; then growing
+            with W so the store sees a fixed total rate).
         dead_after: seconds without a neighbour heartbeat (or without a heartbeat write that reached
             the store) before ``on_dead`` runs; ``None`` only records heartbeats (for :meth:`explain`)
             and never acts on its own.
@@ -88,11 +159,13 @@ class RankMonitor:
         rank: int,
         world_size: int,
         *,
-        interval: float = 0.25,
+        interval: float | None = None,
         dead_after: float | None = 60.0,
         on_dead: Callable[[int, str], None] | None = None,
         local_world_size: int = 1,
     ) -> None:
+        if interval is None:
+            interval = beat_interval(world_size, dead_after)
         if interval <= 0:
             raise ValueError(f"heartbeat interval must be > 0 seconds, got {interval}")
         if dead_after is not None and dead_after <= interval:
@@ -102,16 +175,17 @@ class RankMonitor:
                 f"local_world_size (ranks per host) must be a positive divisor of world_size {world_size}, "
                 f"got {local_world_size}"
             )
-        self.store = store
+        self._counted = _CountingStore(store)
+        self.store: dist.Store = self._counted  # type: ignore[assignment]
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
         self.interval, self.dead_after, self.on_dead = interval, dead_after, on_dead
         self._stop = threading.Event()
         self._declared = threading.Lock()  # held by the first declaration: on_dead runs once
         self._where: dict[int, Whereabouts] = {}  # published records read so far (hosts, for names)
-        for key in ("failed", "beat"):  # a store can outlive a run (several fits, one group)
-            self.store.delete_key(f"{_PREFIX}/{key}/{rank}")
+        self.store.delete_key(f"{_PREFIX}/beat/{rank}")  # a store can outlive a run (several fits, one group)
         if rank == 0:
             self.store.delete_key(f"{_PREFIX}/lost")
+            self.store.delete_key(f"{_PREFIX}/failed")
         self.store.set(f"{_PREFIX}/where/{rank}", Whereabouts.of().encode())
         self._beat()
         self._thread = threading.Thread(target=self._run, name=f"shardrec-heartbeat-{rank}", daemon=True)
@@ -120,6 +194,11 @@ class RankMonitor:
         if dead_after is not None:
             self._timer = threading.Thread(target=self._time_store, name=f"shardrec-store-timer-{rank}", daemon=True)
             self._timer.start()
+
+    @property
+    def store_ops(self) -> int:
+        """Store operations this monitor has sent (heartbeats, reads, reports)."""
+        return self._counted.ops
 
     # --- the threads ----------------------------------------------------------------------
     def _beat(self) -> None:
@@ -216,7 +295,8 @@ class RankMonitor:
     def report_failure(self, exc: BaseException) -> None:
         """Tell the other ranks this rank is going down with ``exc`` (not a lost peer)."""
         with contextlib.suppress(Exception):
-            self.store.set(f"{_PREFIX}/failed/{self.rank}", f"{type(exc).__name__}: {exc}"[:500])
+            text = f"{type(exc).__name__}: {exc}"[:500].replace("\n", " ")
+            self.store.append(f"{_PREFIX}/failed", f"{self.rank}|{text}\n")  # one key: one read names them all
 
     def explain(self, wait: float | None = None) -> str | None:
         """Which rank went away, after a failed collective: ``"rank 1 ..."``, or None if all look alive.
@@ -242,8 +322,8 @@ class RankMonitor:
 
     def _explain(self, wait: float) -> str | None:
         others = [r for r in range(self.world_size) if r != self.rank]
-        failed = {r: self._read(f"failed/{r}") for r in others}
-        raised = [f"rank {r} failed with {msg}" for r, msg in failed.items() if msg]
+        reports = [line.split("|", 1) for line in (self._read("failed") or "").splitlines() if "|" in line]
+        raised = [f"rank {r} failed with {msg}" for r, msg in reports if int(r) != self.rank]
         if raised:
             return "; ".join(raised)
         lost = self._read("lost")

@@ -299,9 +299,12 @@ class DistributedModelParallel(nn.Module):
             raise UnsupportedFeatureError("DistributedModelParallel.load_state_dict(assign=True) is not supported")
         return dmp_state.load_state_dict(self, state_dict, strict)
 
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """Collective: the unsharded model's state dict (every table whole) on every rank; small models."""
-        return dmp_state.full_state_dict(self)
+    def full_state_dict(self, dst: int | None = None) -> dict[str, Tensor]:
+        """Collective: the unsharded model's state dict (every table whole) on rank ``dst`` (None: every rank).
+
+        Tables travel in bands by tensor collectives; ranks other than ``dst`` get ``{}``.
+        """
+        return dmp_state.full_state_dict(self, dst)
 
     def dynamic_stats(self, new_window: bool = False) -> dict[str, dict[str, float]]:
         """Collective: per dynamic table, occupancy, capacity, admissions, ..., the window's miss rate and

@@ -82,11 +82,18 @@ class ShardedCheckpointing(DDPStrategy):
             state = self.lightning_module.state_dict()  # type: ignore[union-attr]
         return {k: v for k, v in state.items() if not k.startswith(prefixes)}
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the unsharded model's state dict (tables gathered), on every rank (tests, small models)."""
+    def full_state_dict(self, dst: int | None = None) -> dict[str, torch.Tensor]:
+        """Collective: the unsharded model's state dict (tables gathered) on global rank ``dst``.
+
+        ``None``: on every rank (tests, small models). Tables travel in bands by tensor collectives
+        (:class:`~lightning_shardrec.distributed.band_gather.BandGather`): rank ``dst`` holds the
+        result and one band, the other ranks their shards only, and get ``{}``.
+        """
         if not self.sharded:
             return self.lightning_module.state_dict()  # type: ignore[union-attr]
-        weights, _ = gather_full_state(self.sharded)
+        weights, _ = gather_full_state(self.sharded, dst)
+        if dst is not None and self.global_rank != dst:
+            return {}
         return {**self._dense_state(), **weights}
 
     @override

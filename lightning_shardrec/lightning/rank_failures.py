@@ -16,7 +16,7 @@ import threading
 import torch.distributed as dist
 from typing_extensions import override
 
-from lightning_shardrec.distributed.health import RankMonitor, default_store, is_comm_failure
+from lightning_shardrec.distributed.health import RankMonitor, default_store, deferred_to, is_comm_failure
 from lightning_shardrec.lightning.checkpointing import ShardedCheckpointing
 from lightning_shardrec.lightning.cluster import ranks_per_host
 from lightning_shardrec.lightning.data_errors import DATA_ADVICE
@@ -47,11 +47,13 @@ class RankFailureHandling(ShardedCheckpointing):
             destroy_default_group_at_exit()
         store = default_store()
         if self.monitor is None and store is not None and self.world_size > 1:
+            # under torchrun or NCCL their own watchdogs tear the job down: ours only names the lost rank
+            deferred = deferred_to(dist.get_backend())
             self.monitor = RankMonitor(
                 store,
                 self.global_rank,
                 self.world_size,
-                dead_after=self.options.heartbeat_timeout,
+                dead_after=None if deferred else self.options.heartbeat_timeout,
                 on_dead=self._on_dead_rank,
                 local_world_size=ranks_per_host(self.world_size, self.num_nodes, self.num_processes),
             )

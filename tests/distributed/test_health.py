@@ -258,3 +258,59 @@ def test_bad_local_world_size_is_refused():
         ValueError, match=r"local_world_size \(ranks per host\) must be a positive divisor of world_size 4, got 3"
     ):
         RankMonitor(dist.HashStore(), 0, 4, dead_after=None, local_world_size=3)
+
+
+# --- flat store traffic, one read, typed classification, deferring (#41.2) ----------------------
+@pytest.mark.parametrize(("world", "interval"), [(2, 0.25), (8, 0.25), (16, 0.5), (24, 0.75), (512, 16.0)])
+def test_default_interval_keeps_the_store_rate_flat(world, interval):
+    assert health.beat_interval(world) == interval
+    per_rank = 3 / interval  # a beat: add, then the neighbour's check and get
+    assert per_rank <= 12 and world * per_rank <= max(health.STORE_OPS_PER_S, 2 * 12)
+
+
+def test_default_interval_leaves_several_beats_before_dead_after():
+    assert health.beat_interval(512, dead_after=8.0) == 2.0
+    monitor = RankMonitor(dist.HashStore(), 1, 512, dead_after=None)
+    monitor._stop.set()
+    assert monitor.interval == 16.0
+
+
+@pytest.mark.parametrize("world", [3, 64])
+def test_one_read_names_every_rank_that_reported(world):
+    store = dist.HashStore()
+    monitor = RankMonitor(store, 0, world, interval=30.0, dead_after=None)
+    try:
+        for rank in (1, 2):
+            RankMonitor(store, rank, world, interval=30.0, dead_after=None).report_failure(ValueError(f"bad {rank}"))
+        before = monitor.store_ops
+        assert monitor.explain(wait=0.1) == "rank 1 failed with ValueError: bad 1; rank 2 failed with ValueError: bad 2"
+        assert monitor.store_ops - before == 2  # check and get of one key, whatever the world size
+    finally:
+        monitor._stop.set()
+
+
+@pytest.mark.parametrize(
+    ("exc", "comm"),
+    [
+        (dist.DistNetworkError("connect() failed"), True),
+        (dist.DistStoreError("wait timeout"), True),
+        (RuntimeError("NCCL tensor shape mismatch in the user's code"), False),  # text alone no longer counts
+        (ValueError("socket timeout setting out of range"), False),
+        (TimeoutError("timed out waiting"), False),
+    ],
+)
+def test_failures_are_classified_by_type(exc, comm):
+    assert is_comm_failure(exc) is comm
+
+
+@pytest.mark.parametrize(
+    ("backend", "environ", "deferred"),
+    [
+        ("gloo", {}, None),
+        ("nccl", {}, "NCCL's watchdog"),
+        ("cpu:gloo,cuda:nccl", {}, "NCCL's watchdog"),
+        ("gloo", {"TORCHELASTIC_RUN_ID": "job-7"}, "torchrun's elastic agent"),
+    ],
+)
+def test_torchrun_and_nccl_have_their_own_watchdogs(backend, environ, deferred):
+    assert health.deferred_to(backend, environ) == deferred
