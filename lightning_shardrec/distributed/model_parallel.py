@@ -288,7 +288,7 @@ class DistributedModelParallel(nn.Module):
         return (p for p in self.module.parameters() if id(p) not in fused)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """Collective: the model's own keys, sharded tables as ShardedTensors (:mod:`.dmp_state`)."""
+        """The model's own keys, sharded tables as ShardedTensors (:mod:`.dmp_state`); not collective."""
         if args or destination is not None:
             raise TypeError("DistributedModelParallel.state_dict takes only prefix= and keep_vars=")
         return dmp_state.state_dict(self, prefix, keep_vars)
