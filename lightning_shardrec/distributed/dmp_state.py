@@ -97,7 +97,7 @@ def _sharded_tensor(
         return TorchShardMetadata(list(m.shard_offsets), list(m.shard_sizes), f"rank:{rank}/{where}")
 
     local = [Shard(w.detach() if w.is_contiguous() else w.detach().contiguous(), place(m, w)) for m, w in shards]
-    mine = {(tuple(m.shard_offsets), tuple(m.shard_sizes)): s.metadata for (m, _), s in zip(shards, local)}
+    mine = {(tuple(m.shard_offsets), tuple(m.shard_sizes)): s.metadata for (m, _), s in zip(shards, local, strict=True)}
     metadata = ShardedTensorMetadata(
         shards_metadata=[mine.get((tuple(m.shard_offsets), tuple(m.shard_sizes))) or place(m, None) for m in layout],
         size=torch.Size([cfg.num_embeddings, cfg.embedding_dim]),
