@@ -69,10 +69,15 @@ def test_unsharded_module_steps_in_backward_as_torch():
 
 def test_optimizer_classes_map_to_fused_rules():
     assert config_of_optimizer(torch.optim.SGD, {"lr": 0.5}, "t") == FusedOptimConfig(optimizer="sgd", lr=0.5)
-    assert config_of_optimizer(torch.optim.Adagrad, {}, "t") == FusedOptimConfig(optimizer="adagrad", eps=1e-10)
-    assert config_of_optimizer(RowWiseAdagrad, {"lr": 0.1}, "t") == FusedOptimConfig(
-        optimizer="rowwise_adagrad", lr=0.1, eps=1e-10
+    # only the given arguments pass on (TorchRec's fused_params): fbgemm's eps 1e-8, not torch's 1e-10
+    assert config_of_optimizer(torch.optim.Adagrad, {}, "t") == FusedOptimConfig(optimizer="adagrad", eps=1e-8)
+    assert config_of_optimizer(torch.optim.Adagrad, {"lr": 0.1}, "t") == FusedOptimConfig(
+        optimizer="adagrad", lr=0.1, eps=1e-8
     )
+    assert config_of_optimizer(RowWiseAdagrad, {"lr": 0.1}, "t") == FusedOptimConfig(
+        optimizer="rowwise_adagrad", lr=0.1, eps=1e-8
+    )
+    assert config_of_optimizer(torch.optim.AdamW, {"lr": 0.1}, "t").weight_decay == 0.0  # torch's 0.01 not passed on
     adam = config_of_optimizer(torch.optim.Adam, {"lr": 0.1, "betas": (0.8, 0.9), "weight_decay": 0.1}, "t")
     assert adam == FusedOptimConfig(optimizer="adam", lr=0.1, beta1=0.8, beta2=0.9, weight_decay=0.1)
     assert config_of_optimizer(torch.optim.AdamW, {}, "t").optimizer is EmbOptimType.ADAMW
