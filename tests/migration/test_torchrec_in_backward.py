@@ -131,6 +131,10 @@ def _conflict(rank, world, case):
         if case == "two_tables":
             apply_optimizer_in_backward(torch.optim.SGD, [ebc.embedding_bags["t"].weight], {"lr": 0.5})
             DistributedModelParallel(ebc, device="cpu")
+        elif case == "two_rules":
+            apply_optimizer_in_backward(torch.optim.SGD, [ebc.embedding_bags["t"].weight], {"lr": 0.5})
+            apply_optimizer_in_backward(torch.optim.SGD, [ebc.embedding_bags["u"].weight], {"lr": 0.1})
+            DistributedModelParallel(ebc, device="cpu")
         elif case == "explicit":
             apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
             DistributedModelParallel(ebc, device="cpu", embedding_optimizer="adagrad")
@@ -161,7 +165,8 @@ def _conflict(rank, world, case):
 @pytest.mark.parametrize(
     ("case", "match"),
     [
-        ("two_tables", "the tables would train with different fused optimizers; one per model"),
+        ("two_tables", r"tables \['u'\] have no in-backward optimizer while other tables do; TorchRec would train"),
+        ("two_rules", "the tables would train with different fused optimizers; one per model"),
         ("explicit", re.escape("embedding_optimizer=adagrad(lr=0.01, eps=1e-08, weight_decay=0.0) conflicts")),
         ("wrapper", "data_parallel_wrapper=object.* is not supported"),
         ("sharder_override", r"Mine.sharding_types\(\) is overridden; .* ParameterConstraints"),
