@@ -3,7 +3,8 @@
 * the fused optimizer of the tables: ``embedding_optimizer=``, else each table's
   ``apply_optimizer_in_backward`` class and kwargs, else its sharder's ``fused_params``,
   else adagrad (lr 0.01); tables that would train differently are refused by name
-  (one fused optimizer per model);
+  (one fused optimizer per model); a table with none of these takes the others' (or is
+  ``data_parallel``, stepped by the dense optimizer, as under TorchRec);
 * the wire precision: ``comm_precision=``, else the sharders' ``qcomm_codecs_registry``;
 * ``env=``: its process group (a ``ShardingEnv.from_local`` env uses the default group when
   one is initialised with that world size);
@@ -83,15 +84,21 @@ def _table_configs(module: nn.Module) -> list[tuple[str, type, FusedOptimConfig 
 
 def in_backward_tables(module: nn.Module, sharders: Sequence[ModuleSharder[Any]] = ()) -> set[str]:
     """Names of the tables ``apply_optimizer_in_backward`` (or a sharder's ``fused_params``) gave an optimizer:
-    they must be fused, not ``data_parallel`` (plain weights, all-reduced by DDP, stepped by the dense optimizer)."""
+    they must be fused, not ``data_parallel`` (plain weights, all-reduced by DDP, stepped by the dense optimizer).
+    A table of a collection whose other tables have one but not itself is free to be ``data_parallel`` (TorchRec)."""
     with_params = {s.module_type for s in sharders if getattr(s, "fused_params", None)}
     out: set[str] = set()
     for coll in module.modules():
         if type(coll) not in _COLLECTIONS:
             continue
-        if type(coll) in with_params or any(getattr(p, "_optimizer_classes", None) for p in coll.parameters()):
-            method = "embedding_configs" if isinstance(coll, EmbeddingCollection) else "embedding_bag_configs"
-            out |= {c.name for c in getattr(coll, method)()}
+        method = "embedding_configs" if isinstance(coll, EmbeddingCollection) else "embedding_bag_configs"
+        names = [c.name for c in getattr(coll, method)()]
+        if type(coll) in with_params:
+            out |= set(names)
+            continue
+        for name, p in coll.named_parameters():
+            if getattr(p, "_optimizer_classes", None):
+                out.add(name.split(".")[-2] if "." in name else names[0])
     return out
 
 
@@ -104,16 +111,13 @@ def fused_only(tables: set[str], constraints: Mapping[str, ParameterConstraints]
     return out
 
 
-def check_fused(tables: set[str], sharded: Mapping[str, nn.Module]) -> None:
-    """Refuse, by name, a table with an in-backward optimizer that a given plan made ``data_parallel``."""
-    dense = sorted(
-        t.config.name
-        for coll in sharded.values()
-        for g in getattr(coll, "groups", [])
-        if not g.fused
-        for t in g.tables
-        if t.config.name in tables
-    )
+def check_fused(
+    tables: set[str], sharded: Mapping[str, nn.Module], undecided: set[str] | frozenset[str] = frozenset()
+) -> None:
+    """Refuse, by name, a table with an in-backward optimizer that a given plan made ``data_parallel``, and
+    one of ``undecided`` (no optimizer of its own, while other tables have one) that the plan did not."""
+    groups = [g for coll in sharded.values() for g in getattr(coll, "groups", [])]
+    dense = sorted(t.config.name for g in groups if not g.fused for t in g.tables if t.config.name in tables)
     if dense:
         raise UnsupportedFeatureError(
             f"DistributedModelParallel: tables {dense} have a fused optimizer (apply_optimizer_in_backward or a "
@@ -121,6 +125,26 @@ def check_fused(tables: set[str], sharded: Mapping[str, nn.Module]) -> None:
             "makes them data_parallel, where it would not run; plan them with ParameterConstraints("
             "compute_kernels=['fused']) or another sharding type (see docs/migrating.md, 'Optimizers')"
         )
+    sharded_plain = sorted({t.config.name for g in groups if g.fused for t in g.tables if t.config.name in undecided})
+    if sharded_plain:
+        raise UnsupportedFeatureError(
+            f"DistributedModelParallel: tables {sharded_plain} have no in-backward optimizer while other tables "
+            "do; TorchRec would train them sharded with the dense optimizer, which has no kernel here: plan them "
+            "data_parallel (ParameterConstraints(sharding_types=['data_parallel'])) or give them the others' "
+            "optimizer with apply_optimizer_in_backward (see docs/migrating.md, 'Optimizers')"
+        )
+
+
+def undecided_tables(module: nn.Module, in_backward: set[str], explicit: object) -> set[str]:
+    """Tables with no fused optimizer of their own while others have one (none when ``explicit`` is given)."""
+    if explicit is not None or not in_backward:
+        return set()
+    every = set()
+    for coll in module.modules():
+        if type(coll) in _COLLECTIONS:
+            method = "embedding_configs" if isinstance(coll, EmbeddingCollection) else "embedding_bag_configs"
+            every |= {c.name for c in getattr(coll, method)()}
+    return every - in_backward
 
 
 def resolve_fused_config(
@@ -134,8 +158,9 @@ def resolve_fused_config(
     by_type = sharder_optim(sharders, base or FusedOptimConfig(), where)
     chosen: dict[FusedOptimConfig, list[str]] = {}
     for table, kind, own in _table_configs(module):
-        config = own or by_type.get(kind) or base or FusedOptimConfig()
-        chosen.setdefault(config, []).append(table)
+        config = own or by_type.get(kind) or base
+        if config is not None:  # else: data_parallel (the dense optimizer), or the one fused optimizer
+            chosen.setdefault(config, []).append(table)
     if base is not None and chosen and set(chosen) != {base}:
         other = [f"{tables[0]}: {_describe(c)}" for c, tables in chosen.items() if c != base]
         raise UnsupportedFeatureError(

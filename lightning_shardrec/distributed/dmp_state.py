@@ -8,7 +8,8 @@
                                     "<emb>.weight" for nn.Embedding)    type; torch.distributed.checkpoint saves it)
     a data_parallel table          same key                         the full (replicated) tensor
 
-:func:`state_dict` is collective (building a ShardedTensor exchanges metadata); every rank calls it.
+:func:`state_dict` is not collective: every rank knows the whole layout from the plan (as under TorchRec,
+where a program may read ``dmp.state_dict()`` on one rank while the others wait in a barrier).
 :func:`load_state_dict` takes that layout back, or full ``[rows, dim]`` tensors (each rank copies
 its slices), so a plain model's state dict loads into the sharded one. :func:`full_state_dict`
 (collective) gathers every table whole, on one rank or every rank, in bands by tensor collectives.
@@ -18,7 +19,7 @@ Dynamic tables are refused by name: their rows are slots, saved with their id ma
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor import ShardMetadata as TorchShardMetadata
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from lightning_shardrec.distributed.band_gather import BandGather, LocalTensor
 from lightning_shardrec.errors import ShardedStateError
@@ -68,27 +70,41 @@ def _dense_keys(dmp: DistributedModelParallel) -> dict[str, Tensor]:
 
 
 def state_dict(dmp: DistributedModelParallel, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
-    """Collective: the model's keys; sharded tables as ShardedTensors of this rank's shards."""
+    """The model's keys; sharded tables as ShardedTensors of this rank's shards. Not collective: the
+    global layout comes from the plan every rank holds (as TorchRec's), so one rank may call it alone."""
     out: dict[str, Any] = {}
     for k, v in _dense_keys(dmp).items():
         out[prefix + k] = v if keep_vars else v.detach()
     pg = dmp.env.pg
-    rank = dist.get_rank(pg)
-    for key, cfg, sharding, shards in _tables(dmp):
+    tables = _tables(dmp)
+    dtypes = [w.dtype for *_, shards in tables for _, w in shards]
+    for key, cfg, sharding, shards in tables:
         if sharding.sharding_type is ShardingType.DATA_PARALLEL:
             out[prefix + key] = shards[0][1].detach()
             continue
-        local = [
-            Shard(
-                w.detach() if w.is_contiguous() else w.detach().contiguous(),
-                TorchShardMetadata(list(m.shard_offsets), list(m.shard_sizes), f"rank:{rank}/{w.device}"),
-            )
-            for m, w in shards
-        ]
-        out[prefix + key] = ShardedTensor._init_from_local_shards(
-            local, cfg.num_embeddings, cfg.embedding_dim, process_group=pg
-        )
+        dtype = shards[0][1].dtype if shards else (dtypes[0] if dtypes else torch.get_default_dtype())
+        out[prefix + key] = _sharded_tensor(pg, cfg, sharding.shards, shards, dtype, dmp.device)
     return out
+
+
+def _sharded_tensor(
+    pg: Any, cfg: Any, layout: Sequence[Any], shards: list[tuple[Any, Tensor]], dtype: torch.dtype, device: Any
+) -> ShardedTensor:
+    """This rank's ``shards`` in a ShardedTensor whose global metadata is the plan's ``layout`` (no collective)."""
+
+    def place(m: Any, w: Tensor | None) -> TorchShardMetadata:
+        rank = dist.get_global_rank(pg, m.rank) if pg is not None else m.rank
+        where = w.device if w is not None else torch.device(device)
+        return TorchShardMetadata(list(m.shard_offsets), list(m.shard_sizes), f"rank:{rank}/{where}")
+
+    local = [Shard(w.detach() if w.is_contiguous() else w.detach().contiguous(), place(m, w)) for m, w in shards]
+    mine = {(tuple(m.shard_offsets), tuple(m.shard_sizes)): s.metadata for (m, _), s in zip(shards, local, strict=True)}
+    metadata = ShardedTensorMetadata(
+        shards_metadata=[mine.get((tuple(m.shard_offsets), tuple(m.shard_sizes))) or place(m, None) for m in layout],
+        size=torch.Size([cfg.num_embeddings, cfg.embedding_dim]),
+        tensor_properties=TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False),
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=pg)
 
 
 def load_state_dict(dmp: DistributedModelParallel, state: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:

@@ -33,6 +33,7 @@ from lightning_shardrec.distributed.dmp_settings import (
     materialize_meta,
     resolve_comm_precision,
     resolve_fused_config,
+    undecided_tables,
 )
 from lightning_shardrec.distributed.dynamic_stats import dynamic_stats
 from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
@@ -206,6 +207,7 @@ class DistributedModelParallel(nn.Module):
         precision = resolve_comm_precision(comm_precision, sharders)
         optim = resolve_fused_config(module, embedding_optimizer, sharders, "DistributedModelParallel")
         in_backward = in_backward_tables(module, sharders)
+        undecided = undecided_tables(module, in_backward, embedding_optimizer)
         # ranks per host: the planner's topology when given, so plan and execution see the same hosts
         env = ShardingEnv.from_process_group(pg, planner.topology.local_world_size if planner else 0)  # type: ignore[arg-type]
         self.env = attach(env, comm_transport)  # collective: shared-memory all-to-alls when every rank can
@@ -238,7 +240,7 @@ class DistributedModelParallel(nn.Module):
         module.to(self.device)
         self.fused_optimizer = FusedOptimizer([k for s in self.sharded.values() for k in s.kernels()], optim)
         mark_in_backward(self.sharded, self.fused_optimizer)
-        check_fused(in_backward, self.sharded)
+        check_fused(in_backward, self.sharded, undecided)
         self._dmp_wrapped_module = self._wrap_dense(module) if init_data_parallel else module
 
     def init_data_parallel(self) -> None:
@@ -281,6 +283,30 @@ class DistributedModelParallel(nn.Module):
         out = self._dmp_wrapped_module(*args, **kwargs)
         return WaitableDict(out) if type(out) is dict else out  # a sharded EmbeddingCollection's output
 
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's own names, as TorchRec's (no ``_dmp_wrapped_module.module.`` prefix): optimizer and
+        checkpoint keys by name match an unwrapped model's; a data_parallel table is
+        ``<collection>.embedding_bags.<table>.weight``. The fused tables are not parameters here."""
+        keys = {}
+        for path, coll in self.sharded.items():
+            for g in coll.groups:
+                if not g.fused:  # data_parallel: plain parameters, one per table
+                    for t, p in zip(g.tables, getattr(g, "weights", ()), strict=False):
+                        keys[id(p)] = (
+                            f"{path}.{coll.state_key(t.config.name)}" if path else coll.state_key(t.config.name)
+                        )
+        dot = f"{prefix}." if prefix else ""
+        for name, p in self.module.named_parameters(recurse=recurse, remove_duplicate=remove_duplicate):
+            yield dot + keys.get(id(p), name), p
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, Tensor]]:
+        """The model's own names (TorchRec's), as :meth:`named_parameters`."""
+        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
     def dense_parameters(self) -> Iterator[nn.Parameter]:
         """Parameters the user's optimizer should train: all but the fused tables."""
         fused = {id(t) for s in self.sharded.values() for g in s.groups if g.fused for t in g.parameters()}
@@ -288,7 +314,7 @@ class DistributedModelParallel(nn.Module):
         return (p for p in self.module.parameters() if id(p) not in fused)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """Collective: the model's own keys, sharded tables as ShardedTensors (:mod:`.dmp_state`)."""
+        """The model's own keys, sharded tables as ShardedTensors (:mod:`.dmp_state`); not collective."""
         if args or destination is not None:
             raise TypeError("DistributedModelParallel.state_dict takes only prefix= and keep_vars=")
         return dmp_state.state_dict(self, prefix, keep_vars)

@@ -253,6 +253,8 @@ class QuantEmbeddingBagCollection(nn.Module):
 
     def _current_lookup(self) -> QuantLookup:
         """The lookup for the current buffers, rebuilt when they were replaced (``.to``, ``_apply``)."""
+        if self._lookup is not None and torch.compiler.is_compiling():
+            return self._lookup  # traced buffers have no data pointer; torch.export traces the lookup built eagerly
         key = self._buffers_key()
         if self._lookup is None or key != self._lookup_key:
             names = [t.name for t in self._tables]

@@ -33,7 +33,7 @@ from lightning_shardrec.checkpoint import param_layout, table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.dmp_settings import check_fused, in_backward_tables
+from lightning_shardrec.distributed.dmp_settings import check_fused, in_backward_tables, undecided_tables
 from lightning_shardrec.distributed.groups import live_group, new_group_like
 from lightning_shardrec.distributed.model_parallel import find_collections, kernel_labels, shard_modules
 from lightning_shardrec.distributed.sharders import ModuleSharder
@@ -339,6 +339,7 @@ class ShardRecStrategy(RankFailureHandling):
     def _shard(self, module: torch.nn.Module, config: FusedOptimConfig) -> None:
         self._config = config
         fused_tables = in_backward_tables(module, self.options.sharders)  # TorchRec's optimizer settings: fused
+        undecided = undecided_tables(module, fused_tables, self.options.embedding_optimizer)
         local = ranks_per_host(dist.get_world_size(), self.num_nodes, self.num_processes)  # Lightning's hosts
         env = ShardingEnv.from_process_group(local_world_size=local)
         env = attach(env, self.options.comm_transport)  # collective; waits as long as the group's timeout
@@ -347,7 +348,7 @@ class ShardRecStrategy(RankFailureHandling):
         self.plan = planner.collective_plan(module, fixed=self.options.plan)  # type: ignore[arg-type]
         setup = self.options.kernel_setup(config, self.root_device, deferred=bool(self._deferral))
         self.sharded = shard_modules(module, self.plan, env, setup)
-        check_fused(fused_tables, self.sharded)
+        check_fused(fused_tables, self.sharded, undecided)
         print_plan(self.plan, kernel_labels(self.sharded), None)  # the deferral line: once, at fit start
         print_transport(env)  # collective
 

@@ -145,7 +145,7 @@ class EmbeddingBagCollection(SeededTables, HasDynamicTables, nn.Module):
                 per_sample_weights=weights,
                 include_last_offset=True,
             )
-            pooled.append(pool(rows, sub.lengths(), t.num_features, t.pooling is PoolingType.MEAN))
+            pooled.append(pool(rows, sub.lengths(), int(t.num_features), t.pooling is PoolingType.MEAN))
         return KeyedTensor(self._embedding_names, self._dims, torch.cat(pooled, dim=1))
 
     def _vbe_forward(self, features: KeyedJaggedTensor, kjt: KeyedJaggedTensor) -> KeyedTensor:

@@ -25,6 +25,7 @@ import torch
 from lightning_shardrec.configs import BaseEmbeddingConfig
 from lightning_shardrec.errors import IdOutOfRangeError
 from lightning_shardrec.sparse import KeyedJaggedTensor
+from lightning_shardrec.sparse.pytree import _tracing
 
 _C = TypeVar("_C", bound=BaseEmbeddingConfig)
 
@@ -118,6 +119,9 @@ def check_id_tensor(features: KeyedJaggedTensor, owner: str, is_weighted: bool =
     if values.device.type == "meta":
         return features
     total = features.offset_per_key()[-1] if keys else 0
+    if _tracing(values):  # torch.export: a hint, not a branch on data (the program takes KJTs without a tail)
+        torch._check(values.shape[0] == total, lambda: f"{owner}: the ids must be exactly sum(lengths)")
+        return features
     if values.shape[0] == total and (weights is None or weights.shape[0] == total):
         return features
     return KeyedJaggedTensor._trusted(  # the tail past the last bag is no id of any feature
@@ -138,6 +142,9 @@ def check_ids(features: KeyedJaggedTensor, num_embeddings: list[int], table_name
     ``features`` is already in collection order; entry ``f`` of the lists belongs to
     key ``f``.
     """
+    if _tracing(features.values()) and not features.variable_stride_per_key():
+        _assert_ids(features, num_embeddings, table_names)
+        return
     values = features.values()[: features.offset_per_key()[-1]]  # a tail past the last bag is no id
     if values.numel() == 0:
         return
@@ -167,3 +174,13 @@ def check_ids(features: KeyedJaggedTensor, num_embeddings: list[int], table_name
         feature=features.keys()[f],
         value=int(values[i]),
     )
+
+
+def _assert_ids(features: KeyedJaggedTensor, num_embeddings: list[int], table_names: list[str]) -> None:
+    """:func:`check_ids` inside ``torch.export``: no branch on the data, a runtime assert in the program."""
+    values = features.values()
+    counts = features.lengths().view(len(num_embeddings), -1).sum(1)
+    limits = torch.tensor(num_embeddings, device=values.device).repeat_interleave(counts, output_size=values.shape[0])
+    ok = ((values >= 0) & (values < limits)).all()
+    tables = ", ".join(f"'{t}' [0, {n})" for t, n in zip(table_names, num_embeddings, strict=True))
+    torch._assert_async(ok, f"an id is outside its table's range ({tables})")

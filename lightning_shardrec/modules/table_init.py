@@ -1,9 +1,10 @@
 """Seeded, block-independent table init: every block of a table is a function of (seed, row, col).
 
-A collection draws one seed per table from torch's global CPU generator when it
-creates the table (:func:`draw_seed`: the only random numbers a table's init takes, so
-the dense layers built after it see the same RNG stream whether the table is real or
-on ``meta``), and keeps it (:class:`SeededTables`). Rows ``[r0, r0 + n)`` x columns
+A collection takes one seed per table from torch's global CPU generator when it
+creates the table (:func:`table_seeds`: read from a fork of the generator and mixed with the
+table's name, so the global stream is left untouched, on ``meta`` as under TorchRec, and the
+dense layers built after it see the same stream whether the table is real or on ``meta``),
+and keeps it (:class:`SeededTables`). Rows ``[r0, r0 + n)`` x columns
 ``[c0, c0 + m)`` of the default uniform init are a counter-based hash of
 ``(seed, row, col)`` (:func:`init_block`), so a shard initialised on its own on any
 rank and device equals the same block of the whole table, bit for bit::
@@ -22,6 +23,7 @@ their tables on ``meta`` (``ShardRecStrategy.tensor_init_context`` enters it).
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -62,6 +64,16 @@ def table_device(device: torch.device | str | None) -> torch.device | str | None
 def draw_seed() -> int:
     """A table seed in ``[0, 2**62)``: one draw from torch's global CPU generator."""
     return int(torch.randint(0, _SEEDS, (1,), device="cpu").item())
+
+
+def table_seeds(names: Sequence[str]) -> dict[str, int]:
+    """A seed in ``[0, 2**62)`` per table: the next draws of torch's global CPU generator, read from a fork
+    of it (the global stream does not move), each mixed with its table's name (two tables of one
+    collection never share a seed). Collections built one after the other with no draw in between
+    give same-named tables the same rows."""
+    with torch.random.fork_rng(devices=[]):
+        draws = [draw_seed() for _ in names]
+    return {n: (d ^ (zlib.crc32(n.encode()) * 0x9E3779B97F4A7C15)) % _SEEDS for n, d in zip(names, draws, strict=True)}
 
 
 def unit_uniform(row_seeds: Tensor, c0: int, cols: int) -> Tensor:
@@ -295,7 +307,7 @@ class SeededTables:
     _init_seeds: dict[str, int]
 
     def _draw_seeds(self, tables: Sequence[BaseEmbeddingConfig]) -> None:
-        self._init_seeds = {t.name: draw_seed() for t in tables}
+        self._init_seeds = table_seeds([t.name for t in tables])
 
     def init_seed(self, table: str) -> int | None:
         """The seed table ``table``'s rows are drawn from (None: a collection unpickled from before seeds)."""

@@ -80,12 +80,15 @@ def config_of_optimizer(optimizer_class: type, optimizer_kwargs: Mapping[str, An
                 f"{where}: {optimizer_class.__qualname__}({name}={args[name]!r}) is not supported; "
                 f"the fused rule picks its own implementation ({_SECTION})"
             )
-    fields: dict[str, Any] = {"optimizer": rule, "lr": float(args["lr"])}
-    for name in ("eps", "weight_decay"):
-        if args.get(name) is not None:
-            fields[name] = float(args[name])
-    if "betas" in args:
-        fields["beta1"], fields["beta2"] = (float(b) for b in args["betas"])
+    # only the arguments given pass on (as TorchRec's fused_params): fbgemm's defaults for the rest
+    # (FusedOptimConfig's: Adagrad's eps is 1e-8 there, 1e-10 in torch.optim.Adagrad; lr 0.01)
+    given = {k: v for k, v in optimizer_kwargs.items() if v is not None}
+    fields: dict[str, Any] = {"optimizer": rule}
+    for name in ("lr", "eps", "weight_decay"):
+        if name in given:
+            fields[name] = float(given[name])
+    if "betas" in given:
+        fields["beta1"], fields["beta2"] = (float(b) for b in given["betas"])
     return FusedOptimConfig(**fields)
 
 

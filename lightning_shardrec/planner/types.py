@@ -157,6 +157,29 @@ class ParameterSharding:
             shards=shards,
         )
 
+    # --- h43b: TorchRec's ParameterSharding.sharding_spec (issue 43, item 6) ---
+    @property
+    def sharding_spec(self) -> object | None:
+        """TorchRec's field: None for ``data_parallel``, else torch's ``EnumerableShardingSpec`` of the shards,
+        placed ``"rank:<r>/cuda:<r mod GPUs>"`` when CUDA is available, else ``"rank:<r>/cpu"``."""
+        if self.sharding_type is ShardingType.DATA_PARALLEL:
+            return None
+        import torch  # here: the planner's types import no torch
+        from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
+        from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return EnumerableShardingSpec(
+            [
+                TorchShardMetadata(
+                    list(s.shard_offsets),
+                    list(s.shard_sizes),
+                    f"rank:{s.rank}/cuda:{s.rank % gpus}" if gpus else f"rank:{s.rank}/cpu",
+                )
+                for s in self.shards
+            ]
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParameterConstraints:

@@ -51,7 +51,7 @@ class JaggedTensor:
         self._weights = weights
         self._lengths = lengths
         self._offsets = offsets
-        if values.device.type == "cpu":  # host data: the full check is one cheap pass
+        if values.device.type == "cpu" and not torch.compiler.is_compiling():  # host data: one cheap pass
             _check_data(self.lengths(), offsets, values.shape[0], keys=None, stride=None, where="JaggedTensor")
 
     # --- construction -------------------------------------------------------------
@@ -243,8 +243,10 @@ def _check_shapes(
             )
     if weights is not None and weights.dim() == 0:
         raise ValueError(f"{where}: weights must have one entry per value, got a 0-d tensor")
-    if values.device.type != "cpu":
-        return lengths, offsets  # reading lengths would sync with the device; validate() checks them
+    if values.device.type != "cpu" or torch.compiler.is_compiling():
+        # reading lengths would sync with the device (validate() checks them) or, under torch.export /
+        # torch.compile, branch on data the traced program does not have
+        return lengths, offsets
     if lengths is not None:
         total = int(lengths.sum()) if lengths.numel() else 0
         if total > values.shape[0]:

@@ -13,7 +13,8 @@ from lightning_shardrec._fbgemm import fbgemm_ops_on
 
 
 def _fbgemm_for(t: Tensor) -> bool:
-    return fbgemm_ops_on(t.device.type)
+    # traced (torch.export / torch.compile): torch's ops, so a saved program loads where fbgemm is absent
+    return fbgemm_ops_on(t.device.type) and not torch.compiler.is_compiling()
 
 
 def complete_cumsum(lengths: Tensor, *, use_fbgemm: bool | None = None) -> Tensor:

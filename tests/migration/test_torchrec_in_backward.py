@@ -69,10 +69,15 @@ def test_unsharded_module_steps_in_backward_as_torch():
 
 def test_optimizer_classes_map_to_fused_rules():
     assert config_of_optimizer(torch.optim.SGD, {"lr": 0.5}, "t") == FusedOptimConfig(optimizer="sgd", lr=0.5)
-    assert config_of_optimizer(torch.optim.Adagrad, {}, "t") == FusedOptimConfig(optimizer="adagrad", eps=1e-10)
-    assert config_of_optimizer(RowWiseAdagrad, {"lr": 0.1}, "t") == FusedOptimConfig(
-        optimizer="rowwise_adagrad", lr=0.1, eps=1e-10
+    # only the given arguments pass on (TorchRec's fused_params): fbgemm's eps 1e-8, not torch's 1e-10
+    assert config_of_optimizer(torch.optim.Adagrad, {}, "t") == FusedOptimConfig(optimizer="adagrad", eps=1e-8)
+    assert config_of_optimizer(torch.optim.Adagrad, {"lr": 0.1}, "t") == FusedOptimConfig(
+        optimizer="adagrad", lr=0.1, eps=1e-8
     )
+    assert config_of_optimizer(RowWiseAdagrad, {"lr": 0.1}, "t") == FusedOptimConfig(
+        optimizer="rowwise_adagrad", lr=0.1, eps=1e-8
+    )
+    assert config_of_optimizer(torch.optim.AdamW, {"lr": 0.1}, "t").weight_decay == 0.0  # torch's 0.01 not passed on
     adam = config_of_optimizer(torch.optim.Adam, {"lr": 0.1, "betas": (0.8, 0.9), "weight_decay": 0.1}, "t")
     assert adam == FusedOptimConfig(optimizer="adam", lr=0.1, beta1=0.8, beta2=0.9, weight_decay=0.1)
     assert config_of_optimizer(torch.optim.AdamW, {}, "t").optimizer is EmbOptimType.ADAMW
@@ -126,6 +131,10 @@ def _conflict(rank, world, case):
         if case == "two_tables":
             apply_optimizer_in_backward(torch.optim.SGD, [ebc.embedding_bags["t"].weight], {"lr": 0.5})
             DistributedModelParallel(ebc, device="cpu")
+        elif case == "two_rules":
+            apply_optimizer_in_backward(torch.optim.SGD, [ebc.embedding_bags["t"].weight], {"lr": 0.5})
+            apply_optimizer_in_backward(torch.optim.SGD, [ebc.embedding_bags["u"].weight], {"lr": 0.1})
+            DistributedModelParallel(ebc, device="cpu")
         elif case == "explicit":
             apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
             DistributedModelParallel(ebc, device="cpu", embedding_optimizer="adagrad")
@@ -156,7 +165,8 @@ def _conflict(rank, world, case):
 @pytest.mark.parametrize(
     ("case", "match"),
     [
-        ("two_tables", "the tables would train with different fused optimizers; one per model"),
+        ("two_tables", r"tables \['u'\] have no in-backward optimizer while other tables do; TorchRec would train"),
+        ("two_rules", "the tables would train with different fused optimizers; one per model"),
         ("explicit", re.escape("embedding_optimizer=adagrad(lr=0.01, eps=1e-08, weight_decay=0.0) conflicts")),
         ("wrapper", "data_parallel_wrapper=object.* is not supported"),
         ("sharder_override", r"Mine.sharding_types\(\) is overridden; .* ParameterConstraints"),

@@ -171,3 +171,28 @@ def test_intro_tutorial_runs_with_fp16_forward_and_bf16_backward_comms(world):
             want, other = (bf16, exact) if wire else (exact, bf16)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-8, msg=f"{f}: wire {wire}")
             assert not torch.allclose(got, other, rtol=1e-5, atol=1e-8), f"{f}: wire {wire}, other rounding"
+
+
+def _transfer_learning(rank, world, sharding_type):
+    pytest.importorskip("fbgemm_gpu")  # the program imports fbgemm's EmbOptimType itself
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    try:  # rank 0 reads dmp.state_dict() alone while rank 1 waits in dist.barrier(): a collective there hangs
+        return load("transfer_learning").main(64, 16, sharding_type)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
+
+
+@pytest.mark.parametrize("sharding_type", ["row_wise", "column_wise", "table_wise"])
+def test_transfer_learning_loads_a_shared_memory_table_into_the_sharded_model(sharding_type):
+    got = run_ranks(_transfer_learning, 2, sharding_type, timeout=60)
+    emb = got[0][0]
+    offsets = []
+    for table, pooled, shards in got:
+        assert torch.equal(table, emb)  # rank 1 reads rank 0's tensor through shared memory
+        assert torch.equal(pooled, emb)  # one id per bag: the pooled rows are the pretrained rows
+        for offset, shard in shards:
+            rows, cols = shard.shape
+            assert torch.equal(shard, emb[offset[0] : offset[0] + rows, offset[1] : offset[1] + cols])
+            offsets.append(offset)
+    # TorchRec 1.8 (column_wise; its CPU sharder offers no row_wise): one shard [0, 0] on rank 0
+    assert len(offsets) == (2 if sharding_type == "row_wise" else 1), offsets

@@ -1,6 +1,9 @@
 """Training pipelines at TorchRec's path (``torchrec.distributed.train_pipeline``)."""
 
-from lightning_shardrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
+from lightning_shardrec.distributed.train_pipeline.train_pipelines import (
+    EvalPipelineSparseDist,
+    TrainPipelineSparseDist,
+)
 from lightning_shardrec.errors import missing_names
 
 _ONE = "TrainPipelineSparseDist is the pipeline here (or Trainer(strategy=ShardRecStrategy(pipeline=True)))"
@@ -12,7 +15,6 @@ __getattr__ = missing_names(
             "TrainPipeline",
             "TrainPipelineBase",
             "PrefetchTrainPipelineSparseDist",
-            "EvalPipelineSparseDist",
             "StagedTrainPipeline",
             "TrainPipelineSemiSync",
             "DataLoadingThread",
@@ -20,4 +22,4 @@ __getattr__ = missing_names(
     },
 )
 
-__all__ = ["TrainPipelineSparseDist"]
+__all__ = ["EvalPipelineSparseDist", "TrainPipelineSparseDist"]

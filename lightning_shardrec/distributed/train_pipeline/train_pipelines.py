@@ -9,8 +9,11 @@ Per ``progress(dataloader_iter)`` call::
     return output
 
 The first call takes two batches; once the iterator is exhausted the calls run the
-batches still held, then raise ``StopIteration``. In ``model.eval()`` mode only the forward
-runs. Every rank must call it the same number of times (as TorchRec's).
+batches still held, then raise ``StopIteration``. A call with another iterator (the next
+epoch's ``iter(loader)``) starts over from it, as TorchRec's. In ``model.eval()`` mode only the
+forward runs; :class:`EvalPipelineSparseDist` never trains. ``detach()`` hands the model back
+for other use (the batches in flight stay, ``progress`` resumes them); ``attach(model)`` or the
+next ``progress`` takes it back. Every rank must call it the same number of times (as TorchRec's).
 """
 
 from __future__ import annotations
@@ -68,19 +71,23 @@ class TrainPipelineSparseDist:
             for coll in self._sharded:
                 coll.enable_prefetch(env)
         self._held: list[Held] = []
-        self._started = False
+        self._iter: Iterator[Any] | None = None
+        self._exhausted = False
+        self._attached = True
+        self._trains = True
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """Train one batch and return the model's ``output``; ``StopIteration`` when none is left."""
-        if not self._started:
-            self._started = True
+        if not self._attached:
+            self.attach()
+        if not self._held:  # the first call, or the first of a new iterator (the next epoch)
             self._take(dataloader_iter)
         if not self._held:
             self._drop()
             raise StopIteration
         self._take(dataloader_iter)  # batch i + 1: moved and its input distribution started
         batch, handles = self._held.pop(0)
-        training = self._model.training
+        training = self._trains and self._model.training
         if training:
             self._optimizer.zero_grad()
         losses, output = self._forward(batch)
@@ -94,10 +101,47 @@ class TrainPipelineSparseDist:
                 coll.drop_prefetched(handle)
         return output
 
+    def detach(self) -> nn.Module:
+        """The model, for use outside the pipeline; the batches in flight stay for the next ``progress``."""
+        self._attached = False
+        return self._model
+
+    def attach(self, model: nn.Module | None = None, sparse_dist: bool = True) -> None:
+        """Take the model back (``model``: the same one, or the model to pipeline from now on).
+
+        ``sparse_dist`` is TorchRec's flag; prefetched batches keep their input distribution either way.
+        """
+        del sparse_dist
+        if model is not None and model is not self._model:
+            if self._held:
+                raise UnsupportedFeatureError(
+                    f"TrainPipelineSparseDist.attach: {len(self._held)} batch(es) of the previous model are in "
+                    "flight; run them (progress until StopIteration) or reset() before attaching another model"
+                )
+            self._forward = model if self._forward is self._model else self._forward
+            self._model = model
+            self._sharded = [m for m in model.modules() if isinstance(m, ShardedCollection)]
+            if self._sharded and self._sharded[0]._prefetch_env is None:
+                env = new_group_like(self._sharded[0].env)  # collective: the prefetch's own group
+                for coll in self._sharded:
+                    coll.enable_prefetch(env)
+        self._attached = True
+
+    def reset(self) -> None:
+        """Forget the batches in flight (their input distributions drained) and the iterator."""
+        self._held.clear()
+        self._drop()
+        self._iter, self._exhausted = None, False
+
     def _take(self, dataloader_iter: Iterator[Any]) -> None:
+        if dataloader_iter is not self._iter:  # never next() an exhausted iterator again (it may block)
+            self._iter, self._exhausted = dataloader_iter, False
+        if self._exhausted:
+            return
         try:
             batch = next(dataloader_iter)
         except StopIteration:
+            self._exhausted = True
             return
         batch = batch.to(self._device, non_blocking=True) if hasattr(batch, "to") else batch
         kjts = (
@@ -116,4 +160,20 @@ class TrainPipelineSparseDist:
             coll.drop_prefetched()
 
 
-__all__ = ["TrainPipelineSparseDist"]
+class EvalPipelineSparseDist(TrainPipelineSparseDist):
+    """TorchRec's ``EvalPipelineSparseDist(model, optimizer, device, apply_jit=False, pipeline_postproc=False)``:
+    the same overlap, forward only (no zero_grad, backward or step, whatever ``model.training`` says)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        apply_jit: bool = False,
+        pipeline_postproc: bool = False,
+    ) -> None:
+        super().__init__(model, optimizer, device, apply_jit=apply_jit, pipeline_postproc=pipeline_postproc)
+        self._trains = False
+
+
+__all__ = ["EvalPipelineSparseDist", "TrainPipelineSparseDist"]
