@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.sparse import KeyedJaggedTensor
-from lightning_shardrec.sparse.keyed_jagged_tensor import async_copy
+from lightning_shardrec.sparse.keyed_jagged_tensor import async_copy, staged
 
 
 @dataclass
@@ -61,12 +61,14 @@ class RecBatch:
         yield self.labels
 
     def to(self, device: torch.device | str, non_blocking: bool | None = None) -> RecBatch:
-        """``non_blocking=None``: asynchronous for pinned host memory going to CUDA (``pin_memory=True``)."""
-        return RecBatch(
-            self.dense.to(device, non_blocking=async_copy(self.dense, device, non_blocking)),
-            self.sparse.to(device, non_blocking=non_blocking),
-            self.labels.to(device, non_blocking=async_copy(self.labels, device, non_blocking)),
-        )
+        """``non_blocking=None``: asynchronous from host memory to CUDA (pageable memory is staged in pinned
+        memory first, see :func:`~lightning_shardrec.sparse.keyed_jagged_tensor.staged`)."""
+
+        def move(t: Tensor) -> Tensor:
+            t = staged(t, device, non_blocking)
+            return t.to(device, non_blocking=async_copy(t, device, non_blocking))
+
+        return RecBatch(move(self.dense), self.sparse.to(device, non_blocking=non_blocking), move(self.labels))
 
     def pin_memory(self) -> RecBatch:
         return RecBatch(self.dense.pin_memory(), self.sparse.pin_memory(), self.labels.pin_memory())

@@ -53,6 +53,18 @@ class BatchTag(Protocol):
     def check(self, tags: list[list[int]], rank: int) -> None: ...
 
 
+class IdCheck(Protocol):
+    """The ids' range check done on the device (see :class:`~lightning_shardrec.modules.features.IdRanges`)."""
+
+    def out_of_range(self, features: KeyedJaggedTensor) -> Tensor:
+        """0-d bool on the ids' device, no host sync: whether any id is outside its table."""
+        ...
+
+    def explain(self, features: KeyedJaggedTensor) -> None:
+        """Raise the named error (table, feature, id, range) for ``features``' first bad id."""
+        ...
+
+
 @dataclass
 class DistContext:
     """One batch between the stages: the local KJT, every rank's batch size, per-group inputs."""
@@ -72,6 +84,7 @@ def distribute_inputs(
     env: ShardingEnv,
     device: torch.device,
     tag: BatchTag | None = None,
+    ids: IdCheck | None = None,
 ) -> DistContext:
     """The input distribution, now.
 
@@ -81,13 +94,19 @@ def distribute_inputs(
     rank with an error instead of a hang; ``tag``'s ints ride along and are checked the same
     way. Then each group routes its ids: every group's all-to-alls are issued (async) before
     any is waited for, as :meth:`PrefetchHandle.progress` does.
+
+    ``ids``: the id check on the device; its flag rides in the header (a bad id stops every rank
+    before any lookup, and the rank holding it raises the named error). The header is this
+    step's one read of the device (with the KJT's per-key lengths, the input's only host syncs):
+    the ids each rank sends a row-wise group are counted on the device and ride in it too.
     """
-    kjt, subs, routed, error = _split_and_route(features, split, groups)
-    header = _with_tag(_header(kjt, routed, error, env.world_size, len(groups)), tag)
-    recv = exchange_header(_to_device(header, device), env).cpu()
-    batch_sizes, recv_values = _read_header(recv, error, env, len(groups))
+    kjt, subs, routed, error, bad = _split_and_route(features, split, groups, ids)
+    header = _header(kjt, routed, error, env.world_size, len(groups), device, tag, bad)
+    rows, sent = _read_rows(exchange_header(header, env), header)
+    batch_sizes, recv_values = _read_header(rows, sent, error, env, len(groups), _explainer(ids, kjt))
+    _fill_value_splits(routed, sent)
     if tag is not None:
-        tag.check(recv[:, 2 + len(groups) :].tolist(), env.rank)
+        tag.check([r[2 + len(groups) :] for r in rows], env.rank)
     pending = _issue_exchanges(groups, subs, routed, recv_values, batch_sizes, env)
     return DistContext(kjt, batch_sizes, _finish_exchanges(groups, pending), subs, routed, recv_values)
 
@@ -124,6 +143,7 @@ def start_input_dist(
     env: ShardingEnv,
     device: torch.device,
     tag: BatchTag | None = None,
+    ids: IdCheck | None = None,
 ) -> PrefetchHandle:
     """The input distribution, started: local checks and routing now, the header all-to-all issued async.
 
@@ -132,10 +152,12 @@ def start_input_dist(
     On CUDA the work is queued on the current stream (the caller's side stream).
     """
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    kjt, subs, routed, error = _split_and_route(features, split, groups)
-    header = _with_tag(_header(kjt, routed, error, env.world_size, len(groups)), tag, ahead=True)
-    recv, work = exchange_header_async(_to_device(header, device), env)
-    return PrefetchHandle(features, groups, env, stream, kjt, subs, routed, error, recv, work, tag)
+    kjt, subs, routed, error, bad = _split_and_route(features, split, groups, ids)
+    header = _header(kjt, routed, error, env.world_size, len(groups), device, tag, bad, ahead=True)
+    recv, work = exchange_header_async(header, env)
+    handle = PrefetchHandle(features, groups, env, stream, kjt, subs, routed, error, recv, work, tag)
+    handle.sent, handle.explain = header, _explainer(ids, kjt)
+    return handle
 
 
 def start_end_of_data(
@@ -150,18 +172,16 @@ def start_end_of_data(
 class EndOfData:
     """The header of :func:`start_end_of_data` in flight; :meth:`wait` raises unless every rank's data ended too."""
 
-    def __init__(
-        self, header: Tensor, work: Waitable | None, tag: BatchTag, env: ShardingEnv, groups: int
-    ) -> None:
+    def __init__(self, header: Tensor, work: Waitable | None, tag: BatchTag, env: ShardingEnv, groups: int) -> None:
         self._header, self._work, self._tag, self._env, self._groups = header, work, tag, env, groups
 
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        recv = self._header.cpu()
-        _read_header(recv, None, self._env, self._groups)
-        self._tag.check(recv[:, 2 + self._groups :].tolist(), self._env.rank)
+        rows = self._header.tolist()  # the one read
+        _read_header(rows, None, None, self._env, self._groups)
+        self._tag.check([r[2 + self._groups :] for r in rows], self._env.rank)
 
 
 def _to_device(header: Tensor, device: torch.device) -> Tensor:
@@ -209,6 +229,9 @@ class PrefetchHandle:
         self._batch_sizes: list[int] = []
         self._recv_values: list[list[int]] = []
         self._pending: list[PendingExchange | KeyedJaggedTensor] = []
+        #: the header this rank sent (read with the received one), and the named id error's source
+        self.sent: Tensor | None = None
+        self.explain: Callable[[], None] | None = None
 
     def progress(self) -> None:
         """Wait for the header, then issue the id all-to-alls (async). Idempotent; never raises.
@@ -222,11 +245,13 @@ class PrefetchHandle:
         with on_stream(self._stream):
             if self._header_work is not None:
                 self._header_work.wait()
-            recv = self._header.cpu()
+            rows, sent = _read_rows(self._header, self.sent)
             try:
-                self._batch_sizes, self._recv_values = _read_header(recv, self._error, self._env, len(self._groups))
+                g = len(self._groups)
+                self._batch_sizes, self._recv_values = _read_header(rows, sent, self._error, self._env, g, self.explain)
+                _fill_value_splits(self._routed, sent)
                 if self._tag is not None:
-                    self._tag.check(recv[:, 2 + len(self._groups) :].tolist(), self._env.rank)
+                    self._tag.check([r[2 + g :] for r in rows], self._env.rank)
             except (KeyError, ValueError, ShardingError) as e:  # every rank sees the flag: none issues more
                 self._failure = e
                 return
@@ -262,40 +287,86 @@ class PrefetchHandle:
 
 
 def _split_and_route(
-    features: KeyedJaggedTensor, split: Split, groups: Sequence[EmbeddingSharding]
-) -> tuple[KeyedJaggedTensor, list[KeyedJaggedTensor], list[Routed | None], Exception | None]:
+    features: KeyedJaggedTensor, split: Split, groups: Sequence[EmbeddingSharding], ids: IdCheck | None
+) -> tuple[KeyedJaggedTensor, list[KeyedJaggedTensor], list[Routed | None], Exception | None, Tensor | None]:
+    """The local work: split, the ids' device flag (None: no device check), each group's routing."""
     routed: list[Routed | None] = []
     subs: list[KeyedJaggedTensor] = []
     try:
         kjt, subs = split(features)
+        bad = None if ids is None else ids.out_of_range(kjt)
         routed = [g.route(s) for g, s in zip(groups, subs, strict=True)]
     except (KeyError, ValueError) as e:
-        return features, [], [], e
-    return kjt, subs, routed, None
+        return features, [], [], e, None
+    return kjt, subs, routed, None, bad
+
+
+def _explainer(ids: IdCheck | None, kjt: KeyedJaggedTensor) -> Callable[[], None] | None:
+    return None if ids is None else lambda: ids.explain(kjt)
 
 
 def _header(
-    kjt: KeyedJaggedTensor, routed: list[Routed | None], error: Exception | None, world: int, num_groups: int
+    kjt: KeyedJaggedTensor,
+    routed: list[Routed | None],
+    error: Exception | None,
+    world: int,
+    num_groups: int,
+    device: torch.device,
+    tag: BatchTag | None,
+    bad_ids: Tensor | None,
+    ahead: bool = False,
 ) -> Tensor:
-    """``[W, 2 + G]`` int64: row ``d`` = (failed, batch size, ids for ``d`` per group)."""
+    """``[W, 2 + G (+ tag)]`` int64 on ``device``: row ``d`` = (failed, batch size, ids for ``d`` per group,
+    ``tag``'s ints). What the host knows is built on the host and copied without blocking; a row-wise
+    group's counts and the ids' flag are written on the device (read back with the received header)."""
     header = torch.zeros(world, 2 + num_groups, dtype=torch.long)
     if error is not None:
         header[:, 0] = 1
-        return header
-    header[:, 1] = kjt.stride()
-    for i, r in enumerate(routed):
-        if r is not None:
-            header[:, 2 + i] = torch.tensor(r.value_splits, dtype=torch.long)
+    else:
+        header[:, 1] = kjt.stride()
+        for i, r in enumerate(routed):
+            if r is not None and r.value_counts is None:
+                header[:, 2 + i] = torch.tensor(r.value_splits, dtype=torch.long)
+    header = _to_device(_with_tag(header, tag, ahead=ahead), device)
+    if error is None:
+        for i, r in enumerate(routed):
+            if r is not None and r.value_counts is not None:
+                header[:, 2 + i] = r.value_counts
+        if bad_ids is not None:
+            header[:, 0] = bad_ids
     return header
 
 
+def _read_rows(recv: Tensor, sent: Tensor | None) -> tuple[list[list[int]], list[list[int]] | None]:
+    """The received header's rows and the sent one's, in one read of the device (the step's host sync)."""
+    if sent is None:
+        return recv.tolist(), None
+    both = torch.cat([recv, sent]).tolist()
+    return both[: recv.shape[0]], both[recv.shape[0] :]
+
+
+def _fill_value_splits(routed: list[Routed | None], sent: list[list[int]] | None) -> None:
+    """Each row-wise group's ids per destination, from the header this rank sent."""
+    for i, r in enumerate(routed):
+        if r is not None and r.value_counts is not None and sent is not None:
+            r.value_splits = [row[2 + i] for row in sent]
+
+
 def _read_header(
-    recv: Tensor, error: Exception | None, env: ShardingEnv, num_groups: int
+    rows: list[list[int]],
+    sent: list[list[int]] | None,
+    error: Exception | None,
+    env: ShardingEnv,
+    num_groups: int,
+    explain: Callable[[], None] | None = None,
 ) -> tuple[list[int], list[list[int]]]:
-    """Every rank's batch size and, per group, the ids each source sends; raises if any rank failed."""
+    """Every rank's batch size and, per group, the ids each source sends; raises if any rank failed:
+    this rank's own error (a bad id: named by ``explain``), else a note naming the ranks that failed."""
     if error is not None:
         raise error
-    columns = recv.t().tolist()  # one read of the small header, column by column (no per-rank loop)
+    if sent is not None and sent[0][0] and explain is not None:
+        explain()  # raises the named error
+    columns = [list(c) for c in zip(*rows, strict=True)]
     if any(columns[0]):
         failed = [s for s, flag in enumerate(columns[0]) if flag]
         raise ShardingError(

@@ -31,9 +31,10 @@ from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharding import DynamicMapping, EmbeddingSharding
 from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.kernels import BatchedEmbeddingKernel, KernelBackend
+from lightning_shardrec.modules import features as id_checks
 from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
 from lightning_shardrec.modules.dynamic.stats import FIELDS, mapper_stats, stats_dict
-from lightning_shardrec.modules.features import check_ids
+from lightning_shardrec.modules.features import IdRanges, check_ids
 from lightning_shardrec.planner import ShardMetadata
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
@@ -69,10 +70,28 @@ class ShardedCollection(nn.Module):
     max_prefetched = 2
     #: ints every rank adds to each (not prefetched) input distribution's header, checked on arrival
     batch_tag: BatchTag | None = None
+    validate_ids: bool = True
+    #: per feature (collection order): its table's rows and name; which features' tables are static
+    _rows: list[int]
+    _table_names: list[str]
+    _static: list[int] | None
+    _id_ranges: IdRanges | None = None
 
     def input_device(self) -> torch.device:
         """Where the input KJT goes before the input distribution."""
         raise NotImplementedError
+
+    def host_checks_ids(self) -> bool:
+        """Whether ``validate_ids`` checks ids on the host (CPU); else on the device (:meth:`id_check`)."""
+        return self.validate_ids and not id_checks.checks_on_device(self.input_device())
+
+    def id_check(self) -> IdRanges | None:
+        """The ids' check on the device, read with the batch header (None: off, or done on the host)."""
+        if not self.validate_ids or not id_checks.checks_on_device(self.input_device()):
+            return None
+        if self._id_ranges is None:
+            self._id_ranges = IdRanges(self._rows, self._table_names, self._static)
+        return self._id_ranges
 
     # --- prefetch -----------------------------------------------------------------------------
     def enable_prefetch(self, env: ShardingEnv) -> None:
@@ -110,7 +129,13 @@ class ShardedCollection(nn.Module):
         while len(self._prefetched) >= self.max_prefetched:
             self.drop_prefetched(self._prefetched[0])
         handle = start_input_dist(
-            features, self._split, self._groups(), self._prefetch_env, self.input_device(), self.batch_tag
+            features,
+            self._split,
+            self._groups(),
+            self._prefetch_env,
+            self.input_device(),
+            self.batch_tag,
+            self.id_check(),
         )
         self._prefetched = (*self._prefetched, handle)
         return handle

@@ -111,7 +111,9 @@ class ShardedEmbeddingCollection(ShardedCollection):
         return _trim_vbe(out, features, self._feature_names) if features.variable_stride_per_key() else out
 
     def input_dist(self, features: KeyedJaggedTensor) -> DistContext:
-        return distribute_inputs(features, self._split, self.groups, self.env, self._device, self.batch_tag)
+        return distribute_inputs(
+            features, self._split, self.groups, self.env, self._device, self.batch_tag, self.id_check()
+        )
 
     def input_device(self) -> torch.device:
         return self._device
@@ -144,7 +146,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
             kjt = pad_vbe(kjt)
         if kjt.weights_or_none() is not None:  # sequence lookups ignore weights: do not send them
             kjt = KeyedJaggedTensor._trusted(kjt.keys(), kjt.values(), None, kjt.lengths(), kjt.stride())
-        if self.validate_ids:
+        if self.host_checks_ids():  # else on the device, read with the batch header
             check_static_ids(kjt, self._rows, self._table_names, self._static)
         kjt = kjt.to(self._device)
         grouped = kjt if self._grouped is None else kjt.permute(self._grouped)

@@ -99,7 +99,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         return self.output_dist(self.compute(ctx), ctx)
 
     def input_dist(self, features: KeyedJaggedTensor) -> DistContext:
-        return distribute_inputs(features, self._split, self.groups, self.env, self._mean_dims.device, self.batch_tag)
+        return distribute_inputs(
+            features, self._split, self.groups, self.env, self._mean_dims.device, self.batch_tag, self.id_check()
+        )
 
     def input_device(self) -> torch.device:
         return self._mean_dims.device
@@ -139,7 +141,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             raise ValueError("EmbeddingBagCollection(is_weighted=True) got a KeyedJaggedTensor without weights")
         if not self._is_weighted and kjt.weights_or_none() is not None:
             kjt = KeyedJaggedTensor._trusted(kjt.keys(), kjt.values(), None, kjt.lengths(), kjt.stride())
-        if self.validate_ids:
+        if self.host_checks_ids():  # else on the device, read with the batch header
             check_static_ids(kjt, self._rows, self._table_names, self._static)
         return kjt.to(self._mean_dims.device)
 

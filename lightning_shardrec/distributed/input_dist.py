@@ -31,10 +31,14 @@ class Routed:
     values: Tensor
     weights: Tensor | None
     length_splits: list[int]  # per destination
-    value_splits: list[int]  # per destination
+    #: ids per destination; row-wise: known on the host only once the header is read (see ``value_counts``)
+    value_splits: list[int]
     #: row-wise only: ``values[i]`` is the local KJT's id ``order[i]`` (ids sorted by
     #: destination); sequence outputs use its inverse to put rows back in id order
     order: Tensor | None = None
+    #: row-wise only: ids per destination ``[W]`` on the device; it rides in the batch header and
+    #: ``value_splits`` is filled from the header's one read (no read of its own)
+    value_counts: Tensor | None = None
 
 
 def route_by_key(kjt: KeyedJaggedTensor, keys_per_dest: list[list[int]]) -> Routed:
@@ -107,26 +111,40 @@ def route_by_row(
         global_row = blocks.table_base[table] + bucket * buckets.slots[table]
     block = torch.searchsorted(blocks.starts, global_row, right=True) - 1
     dest = blocks.rank[block]
-    order = _by_destination(dest, world_size)
+    order, counts = _by_destination(dest, world_size)
     sent = values.long() if buckets is not None else values.long() - blocks.row_start[block]
     local = sent.index_select(0, order)
-    lengths = torch.bincount(dest * num_bags + bag, minlength=world_size * num_bags)
+    lengths = _count(dest * num_bags + bag, world_size * num_bags)
     return Routed(
         lengths.to(kjt.lengths().dtype),
         local,
         None if weights is None else weights.index_select(0, order),
         [num_bags] * world_size,
-        torch.bincount(dest, minlength=world_size).tolist(),
+        [],  # filled from the batch header (``counts`` ride in it)
         order,
+        counts,
     )
 
 
-def _by_destination(dest: Tensor, world_size: int) -> Tensor:
-    """Positions of ``dest [N]`` sorted by destination, stably. On CPU, for a few ranks, one mask
-    per rank is cheaper than a sort (on CUDA each mask would wait for the device)."""
-    if world_size > 8 or dest.device.type != "cpu":
-        return torch.sort(dest, stable=True).indices
-    return torch.cat([(dest == r).nonzero().squeeze(1) for r in range(world_size)])
+def _count(index: Tensor, size: int) -> Tensor:
+    """``bincount(index, minlength=size)`` of known length: no read of the largest index (no host sync)."""
+    return torch.zeros(size, dtype=torch.long, device=index.device).index_add_(0, index, torch.ones_like(index))
+
+
+def _by_destination(dest: Tensor, world_size: int) -> tuple[Tensor, Tensor]:
+    """Positions of ``dest [N]`` sorted by destination, stably, and the count per destination ``[W]``.
+
+    No host sync on any device: for a few ranks a counting sort (each id's place = its
+    destination's start + how many earlier ids share it), beyond 8 a stable sort.
+    """
+    if world_size > 8:
+        return torch.sort(dest, stable=True).indices, _count(dest, world_size)
+    hit = dest.unsqueeze(1) == torch.arange(world_size, device=dest.device)  # [N, W]
+    before = hit.long().cumsum(0)  # [N, W]: ids up to this one per destination
+    counts = before[-1] if dest.numel() else torch.zeros(world_size, dtype=torch.long, device=dest.device)
+    place = (before.gather(1, dest.unsqueeze(1)).squeeze(1) - 1) + (counts.cumsum(0) - counts)[dest]
+    order = torch.empty_like(place).scatter_(0, place, torch.arange(dest.numel(), device=dest.device))
+    return order, counts
 
 
 def exchange(
@@ -179,8 +197,9 @@ def regroup(
     keys = [str(k) for k in range(num_keys)]
     total_batch = sum(batch_per_source)
     sources = len(batch_per_source)
-    if sources == 1 or num_keys <= 1:
-        return KeyedJaggedTensor._trusted(keys, values, weights, lengths, total_batch)
+    if sources == 1 or num_keys <= 1:  # one key: its ids are all the values (sizes carried, not read back)
+        per_key = [values.numel()] if num_keys == 1 else None
+        return KeyedJaggedTensor._trusted(keys, values, weights, lengths, total_batch, per_key)
     device = lengths.device
     batch = batch_per_source[0]
     if batch > 0 and batch_per_source.count(batch) == sources:  # one batch size: [S * K, B] rows, reordered in one op
@@ -192,7 +211,7 @@ def regroup(
             permuted_values_numel=values.numel(),
         )
         return KeyedJaggedTensor._trusted(keys, new_values, new_weights, new_lengths.view(-1), total_batch)
-    seg_len = torch.tensor(batch_per_source, device=device).repeat_interleave(num_keys)  # [S*K]
+    seg_len = _on_device(tuple(batch_per_source), device).repeat_interleave(num_keys, output_size=sources * num_keys)
     seg_start = complete_cumsum(seg_len)
     order = torch.arange(sources * num_keys, device=device).view(sources, num_keys).t().reshape(-1)
     new_lengths = lengths.index_select(0, gather_index(seg_start[:-1][order], seg_len[order], total=lengths.numel()))
@@ -209,6 +228,13 @@ def regroup(
 def _key_major_rows(sources: int, num_keys: int, device: torch.device) -> Tensor:
     """Row order taking ``[S * K, B]`` (source, key) rows to (key, source): ``[K * S]`` int32."""
     return torch.arange(sources * num_keys, dtype=torch.int32, device=device).view(sources, num_keys).t().reshape(-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _on_device(ints: tuple[int, ...], device: torch.device) -> Tensor:
+    """``ints`` as an int64 tensor on ``device``, made once per value (a per-batch copy from pageable
+    memory would wait for the device)."""
+    return torch.tensor(ints, dtype=torch.long).to(device)
 
 
 def source_major(
@@ -231,7 +257,7 @@ def source_major(
     total_batch = sum(batch_per_source)
     offsets = complete_cumsum(lengths)
     # first bag of segment (key k, source s), laid out [K, S]
-    source_start = complete_cumsum(torch.tensor(batch_per_source, device=device))
+    source_start = complete_cumsum(_on_device(tuple(batch_per_source), device))
     bag_start = (torch.arange(num_keys, device=device) * total_batch).unsqueeze(1) + source_start.unsqueeze(0)
     val_start = offsets.index_select(0, bag_start[:, :-1].reshape(-1)).view(num_keys, sources)
     val_len = offsets.index_select(0, bag_start[:, 1:].reshape(-1)).view(num_keys, sources) - val_start

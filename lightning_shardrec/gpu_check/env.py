@@ -105,19 +105,21 @@ def median_seconds(step: Callable[[], object], mode: Mode, steps: int, warmup: i
 
 @contextmanager
 def gpu_code_path() -> Iterator[bool]:
-    """On CPU, run the dynamic tables' tensor-op path (the one a GPU runs) instead of the compiled loops.
+    """On CPU, run the GPU's code paths: the dynamic tables' tensor ops instead of the compiled loops,
+    and the ids' range check on the device (a flag read with the batch header) instead of on the host.
 
     Yields whether it could (False if the loops are no longer found where this expects them).
     """
-    from lightning_shardrec.modules import table_init
+    from lightning_shardrec.modules import features, table_init
     from lightning_shardrec.modules.dynamic import slots
 
     if not all(hasattr(m, "native_loops") for m in (slots, table_init)):
         yield False
         return
-    saved = slots.native_loops, table_init.native_loops
+    saved = slots.native_loops, table_init.native_loops, features.checks_on_device
     slots.native_loops = table_init.native_loops = lambda: None  # type: ignore[assignment]
+    features.checks_on_device = lambda device: True  # type: ignore[assignment]
     try:
         yield True
     finally:
-        slots.native_loops, table_init.native_loops = saved
+        slots.native_loops, table_init.native_loops, features.checks_on_device = saved

@@ -68,12 +68,22 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SELF = os.path.dirname(os.path.abspath(__file__))
 
 
+_TORCH_OPTIM = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "optim")
+
+
 def _site() -> str:
-    """``path:line`` (relative to the repository) of the innermost caller in this package, outside this folder."""
+    """``path:line`` (relative to the repository) of the innermost caller in this package, outside this folder.
+
+    A read made inside ``torch.optim`` (a dense optimizer's step counters, kept on the host on CUDA
+    unless ``capturable``) is named ``torch.optim:`` and the package line that stepped it.
+    """
+    via = ""
     for frame in reversed(traceback.extract_stack()):
         path = os.path.abspath(frame.filename)
+        if path.startswith(_TORCH_OPTIM):
+            via = "torch.optim:"
         if path.startswith(_PACKAGE) and not path.startswith(_SELF):
-            return _relative(path, frame.lineno)
+            return via + _relative(path, frame.lineno)
     return "elsewhere"
 
 

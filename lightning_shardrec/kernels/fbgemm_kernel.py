@@ -54,8 +54,7 @@ def fbgemm_weight_decay_reason(device_type: str, optim: FusedOptimConfig) -> str
         return f"fbgemm's CUDA {optim.optimizer.value} ignores weight_decay (got {optim.weight_decay})"
     if optim.optimizer is EmbOptimType.ADAM:
         return (
-            f"fbgemm's CUDA adam decays decoupled (as adamw), not L2 as adam does (weight_decay="
-            f"{optim.weight_decay})"
+            f"fbgemm's CUDA adam decays decoupled (as adamw), not L2 as adam does (weight_decay={optim.weight_decay})"
         )
     return None
 
@@ -118,7 +117,9 @@ class FbgemmBatchedEmbedding(BatchedEmbeddingKernel):
             weight_decay=optim.weight_decay,
             weight_decay_mode=wd_mode,
             pooling_mode=PoolingMode.SUM if pooled else PoolingMode.NONE,
-            bounds_check_mode=BoundsCheckMode.NONE,  # ids are checked by the collections
+            # TorchRec's default: on the device, an id outside its table becomes row 0 and is logged, never
+            # read or written past the table (the collections name bad ids first unless validate_ids=False)
+            bounds_check_mode=BoundsCheckMode.WARNING,
             device=self._device,
         )
         self._lr = optim.lr

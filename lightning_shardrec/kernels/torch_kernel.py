@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_shardrec._compat.torch import assert_async
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.kernels import row_updates
 from lightning_shardrec.kernels.base import BatchedEmbeddingKernel, KernelBackend, TableSpec
@@ -96,7 +97,7 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
         self._feature_group = [self._group_of[t] for t in self.feature_table]
         self._feature_row_offset = [self._group_of[t].row_offset[t] for t in self.feature_table]
         self._single = len(self._groups) == 1
-        self._offset_cache: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
+        self._offset_cache: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}  # [2, F]: offsets, rows
 
     # --- state views ----------------------------------------------------------------
     def _state(self, g: _DimGroup) -> dict[str, Tensor]:
@@ -148,24 +149,45 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
         row_updates.RULES[self.optimizer](self.get_buffer(g.buffer), rows, row_grad, state, self.hparams)
 
     # --- lookup ---------------------------------------------------------------------
-    def _lookup(self, g: _DimGroup, kjt: KeyedJaggedTensor, row_offsets: list[int]) -> Tensor:
+    def _lookup(self, g: _DimGroup, kjt: KeyedJaggedTensor, feats: list[int]) -> Tensor:
         ids = kjt.values().long()
-        if any(row_offsets):
-            key = (tuple(row_offsets), ids.device)
-            if key not in self._offset_cache:  # built once per feature set, not per batch
-                self._offset_cache[key] = torch.tensor(row_offsets, device=ids.device)
-            if kjt.stride():  # each feature's ids, [F] counts from its first and last bag's offsets
-                per_key = kjt.offsets()[:: kjt.stride()].diff().long()
-                ids = ids + self._offset_cache[key].repeat_interleave(per_key, output_size=ids.numel())
+        if kjt.stride() and ids.numel():  # each feature's ids, [F] counts from its first and last bag's offsets
+            per_key = kjt.offsets()[:: kjt.stride()].diff().long()
+            offsets_t, rows_t = self._feature_tensors(feats, ids.device)
+            self._check_rows(ids, rows_t.repeat_interleave(per_key, output_size=ids.numel()), feats)
+            if any(self._feature_row_offset[f] for f in feats):
+                ids = ids + offsets_t.repeat_interleave(per_key, output_size=ids.numel())
         offsets = kjt.offsets().long() if self.pooled else None
         psw = kjt.weights_or_none()
         placeholder = torch.empty(0, device=ids.device, requires_grad=torch.is_grad_enabled())
         return _FusedLookup.apply(placeholder, self, g, ids, offsets, psw)
 
+    def _feature_tensors(self, feats: list[int], device: torch.device) -> tuple[Tensor, Tensor]:
+        """Per feature of ``feats``: its table's first row in the flat buffer, and its table's rows."""
+        key = (tuple(feats), device)
+        if key not in self._offset_cache:  # built once per feature set, not per batch
+            offsets = [self._feature_row_offset[f] for f in feats]
+            rows = [self.tables[self.feature_table[f]].num_embeddings for f in feats]
+            self._offset_cache[key] = torch.tensor([offsets, rows], device=device)
+        both = self._offset_cache[key]
+        return both[0], both[1]
+
+    def _check_rows(self, ids: Tensor, rows: Tensor, feats: list[int]) -> None:
+        """Every id inside its own table (else it would read another table's row in the flat buffer):
+        on the device, no host sync (a device-side assert on CUDA; raises at once on CPU). The
+        collections name the bad id before this (``validate_ids``); this holds without it too."""
+        tables = sorted({self.feature_table[f] for f in feats})
+        ranges = ", ".join(f"'{self.tables[t].name}' [0, {self.tables[t].num_embeddings})" for t in tables)
+        assert_async(
+            ((ids >= 0) & (ids < rows)).all(),
+            f"kernel='torch': an id is outside its table's rows (tables {ranges}); "
+            "pass validate_ids=True to the collection to have the id, feature and table named",
+        )
+
     def forward(self, kjt: KeyedJaggedTensor) -> Tensor:
         if self._single:
             return self._finish(
-                self._lookup(self._groups[0], kjt, self._feature_row_offset), kjt, len(self.feature_table)
+                self._lookup(self._groups[0], kjt, list(range(len(self.feature_table)))), kjt, len(self.feature_table)
             )
         # Several dims: look each group's features up separately, then restore feature order.
         pieces: dict[int, Tensor] = {}
@@ -174,7 +196,7 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
             if not feats:
                 continue
             sub = kjt.permute(feats)
-            out = self._finish(self._lookup(g, sub, [self._feature_row_offset[f] for f in feats]), sub, len(feats))
+            out = self._finish(self._lookup(g, sub, feats), sub, len(feats))
             if self.pooled:
                 pieces.update(zip(feats, out.split(g.dim, dim=1), strict=True))
             else:

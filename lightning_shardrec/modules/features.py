@@ -7,6 +7,9 @@
   repeated and renamed to its embedding names), caching the permutation.
 * :func:`check_ids` rejects ids outside ``[0, num_embeddings)`` with a message
   naming the feature, its table, the id and the range — one vectorised pass.
+* :class:`IdRanges` is the same check on the device (CUDA): a flag, no host sync of its own;
+  the input distribution reads it with the batch header and then names the bad id with
+  :func:`check_ids`. :func:`checks_on_device` says which of the two a device gets.
 * :func:`check_id_tensor` checks what a KJT must hold to be looked up: 1-D integer
   ids (a KJT itself may hold anything, as in TorchRec) and, for weighted lookups,
   1-D float weights. Values past the last bag are dropped before the lookup.
@@ -184,3 +187,57 @@ def _assert_ids(features: KeyedJaggedTensor, num_embeddings: list[int], table_na
     ok = ((values >= 0) & (values < limits)).all()
     tables = ", ".join(f"'{t}' [0, {n})" for t, n in zip(table_names, num_embeddings, strict=True))
     torch._assert_async(ok, f"an id is outside its table's range ({tables})")
+
+
+def checks_on_device(device: torch.device) -> bool:
+    """Whether ids on ``device`` are checked with :class:`IdRanges` (a flag computed on the device and
+    read with the batch header) rather than by :func:`check_ids` on the host: on every device but the
+    CPU, where reading the ids costs no sync. (``gpu_check``'s GPU code path turns it on for the CPU.)"""
+    return device.type != "cpu"
+
+
+class IdRanges:
+    """Each feature's valid ids, checked on the ids' device: ``[0, num_embeddings)``, or any int64 for
+    the features of dynamic tables (positions not in ``static``; ``static=None``: every feature is static)."""
+
+    def __init__(self, num_embeddings: list[int], table_names: list[str], static: list[int] | None) -> None:
+        self.num_embeddings, self.table_names, self.static = list(num_embeddings), list(table_names), static
+        self._bounds: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def out_of_range(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """0-d bool on the ids' device: whether any id lies outside its feature's range (no host sync).
+
+        ``features``: in collection order, one batch size for every key, no values past the last bag.
+        """
+        values = features.values()
+        high, checked = self._bounds_on(values.device)
+        if values.numel() == 0 or not self.num_embeddings:
+            return torch.zeros((), dtype=torch.bool, device=values.device)
+        per_key = features.lengths().view(len(self.num_embeddings), -1).sum(1)
+        n = values.numel()
+        hi = high.repeat_interleave(per_key, output_size=n)  # output_size: CUDA reads no sum back
+        ids = values.long()
+        bad = (ids < 0) | (ids >= hi)
+        if checked is not None:
+            bad &= checked.repeat_interleave(per_key, output_size=n)
+        return bad.any()
+
+    def explain(self, features: KeyedJaggedTensor) -> None:
+        """Raise :func:`check_ids`' named error for the first bad id (reads the ids: only after a flag)."""
+        static = self.static
+        if static is None:
+            check_ids(features, self.num_embeddings, self.table_names)
+        elif static:
+            rows, names = [self.num_embeddings[i] for i in static], [self.table_names[i] for i in static]
+            check_ids(features.permute(static), rows, names)
+
+    def _bounds_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per feature: ``num_embeddings`` and, with dynamic tables, whether it is checked (static)."""
+        if device not in self._bounds:
+            high = torch.tensor(self.num_embeddings, dtype=torch.long)
+            checked = None
+            if self.static is not None:
+                checked = torch.zeros(len(self.num_embeddings), dtype=torch.bool)
+                checked[self.static] = True
+            self._bounds[device] = (high.to(device), None if checked is None else checked.to(device))
+        return self._bounds[device]

@@ -34,6 +34,15 @@ def async_copy(t: Tensor, device: torch.device | str, non_blocking: bool | None)
     return torch.device(device).type == "cuda" and t.device.type == "cpu" and t.is_pinned()
 
 
+def staged(t: Tensor, device: torch.device | str, non_blocking: bool | None) -> Tensor:
+    """``t``, or (``non_blocking=None``, pageable host memory bound for CUDA) a pinned copy of it: a copy
+    from pageable memory waits for the device (a host sync per batch); from pinned memory it does not,
+    and CUDA's host allocator keeps the pinned copy alive until the transfer is done."""
+    if non_blocking is None and torch.device(device).type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        return t.pin_memory()
+    return t
+
+
 class KeyedJaggedTensor:
     """Jagged bags for several keys: ``KeyedJaggedTensor(keys, values, weights, lengths, offsets, stride, ...)``.
 
@@ -419,13 +428,18 @@ class KeyedJaggedTensor:
         self, device: torch.device | str, non_blocking: bool | None = False, dtype: torch.dtype | None = None
     ) -> KeyedJaggedTensor:
         """A copy on ``device``; ``dtype`` (as TorchRec) converts the weights only. ``non_blocking`` defaults to
-        False as TorchRec's; ``None`` (what ``RecBatch.to`` passes): asynchronous for pinned host memory going
-        to CUDA (stream-ordered, so safe), blocking otherwise."""
+        False as TorchRec's; ``None`` (what ``RecBatch.to`` passes): asynchronous from host memory to CUDA
+        (stream-ordered, so safe; pageable memory is staged in pinned memory first, see :func:`staged`)."""
+
+        def move(t: Tensor) -> Tensor:
+            t = staged(t, device, non_blocking)
+            return t.to(device, non_blocking=async_copy(t, device, non_blocking))
 
         def move_weights(t: Tensor) -> Tensor:
+            t = staged(t, device, non_blocking)
             return t.to(device, dtype=dtype, non_blocking=async_copy(t, device, non_blocking))
 
-        return self._map(lambda t: t.to(device, non_blocking=async_copy(t, device, non_blocking)), move_weights)
+        return self._map(move, move_weights)
 
     def pin_memory(self) -> KeyedJaggedTensor:
         return self._map(lambda t: t.pin_memory())

@@ -9,6 +9,7 @@ import torch
 from lightning_shardrec import DynamicConfig
 from lightning_shardrec.gpu_check.syncs import SyncOps
 from lightning_shardrec.modules import DynamicIdMapper
+from lightning_shardrec.modules.dynamic.hashing import bucket_of
 from lightning_shardrec.modules.dynamic.mapper_group import MapperGroup
 from tests.modules.test_dynamic_group import CONFIGS, _batches, _mappers, tensor_ops_only
 
@@ -78,3 +79,22 @@ def test_put_where_writes_only_the_masked_entries() -> None:
     assert buf.tolist() == [0, 10, 20, -2, 40, -3, 60, 70, 80, 90]
     put_where(buf, torch.tensor([1, 1, 2]), torch.tensor(5), torch.tensor([True, True, False]))  # one value, twice
     assert buf.tolist() == [0, 5, 20, -2, 40, -3, 60, 70, 80, 90]
+
+
+def test_ids_routed_by_bucket_are_range_checked_on_the_device() -> None:
+    """The sharded path's groups (``routed=True``): the range check is a device-side assert, so a training
+    step maps in one host sync even where a table holds part of its buckets; an id outside still fails."""
+    import pytest
+
+    for config in CONFIGS:
+        mappers = _mappers(config)
+        group = MapperGroup(mappers, routed=True)
+        group.state()
+        with tensor_ops_only():
+            for step, batch in enumerate(_batches(mappers, 6, seed=5)):
+                with SyncOps() as count:
+                    group.map(torch.cat(batch), [len(b) for b in batch], True)
+                assert count.total <= 1, (config, step, dict(count.kinds))
+            outside = torch.tensor([b for b in range(200) if not 1 <= bucket_of(torch.tensor([b]), 3).item() < 3][:1])
+            with pytest.raises(RuntimeError, match=r"dynamic tables \['a', 'b', 'c'\]: an id routed here is outside"):
+                group.map(outside, [0, 1, 0], True)

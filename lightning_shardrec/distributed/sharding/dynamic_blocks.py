@@ -111,7 +111,8 @@ class DynamicMapping:
         for i, (name, _) in enumerate(self._local):
             fusable.setdefault(fuse_key(self.mapper(name)), []).append(i)
         self._fused = [
-            (members, MapperGroup([self.mapper(self._local[i][0]) for i in members])) for members in fusable.values()
+            (members, MapperGroup([self.mapper(self._local[i][0]) for i in members], routed=True))
+            for members in fusable.values()
         ]
 
     def mapper(self, table: str) -> DynamicIdMapper:

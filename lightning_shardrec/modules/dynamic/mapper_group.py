@@ -19,7 +19,7 @@ replaced (``.to()``, ``load_state_dict(assign=True)``), so a stale binding is ne
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -68,12 +68,14 @@ class GroupLookup:
 class MapperGroup:
     """Mappers of one :func:`fuse_key`, mapped together (:meth:`map`)."""
 
-    def __init__(self, mappers: Sequence[DynamicIdMapper]) -> None:
+    def __init__(self, mappers: Sequence[DynamicIdMapper], *, routed: bool = False) -> None:
+        """``routed``: ids come from the input distribution, sent here by their bucket (see ``BucketRanges``)."""
         keys = {fuse_key(m) for m in mappers}
         if not mappers or len(keys) != 1:  # internal: callers group by fuse_key
             raise ValueError(f"a mapper group needs one slot layout and policy, got {sorted(map(str, keys))}")
         self.mappers = list(mappers)
         self.width = mappers[0].slots_per_bucket
+        self.routed = routed
         self._views: list[dict[str, Tensor]] = []
         self._flat: dict[str, Tensor] = {}
         self._ranges: BucketRanges | None = None
@@ -101,7 +103,7 @@ class MapperGroup:
             self._flat[name] = flat
         self._views = views
         tables = [(m.table, m.num_buckets, m.bucket_lo, m.bucket_hi) for m in self.mappers]
-        self._ranges = BucketRanges.of(tables, self._flat["step"].device)
+        self._ranges = replace(BucketRanges.of(tables, self._flat["step"].device), routed=self.routed)
         self._entries = (self._ranges.count * self.width, self._ranges.count * self.mappers[0].cands_per_bucket)
 
     def state(self) -> SlotState:

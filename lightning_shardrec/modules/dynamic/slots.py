@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_shardrec._compat.torch import assert_async
 from lightning_shardrec.configs import DynamicConfig, EvictionPolicy
 from lightning_shardrec.modules.dynamic import ops
 from lightning_shardrec.modules.dynamic.hashing import bucket_of
@@ -70,7 +71,9 @@ class BucketRanges:
 
     Table ``t``'s ids hash into ``num_buckets[t]`` buckets; the state holds its buckets
     ``[lo[t], lo[t] + count[t])`` as flat buckets from ``start[t]`` on. ``names`` and
-    ``partial`` (some table has only part of its buckets) serve the range check.
+    ``partial`` (some table has only part of its buckets) serve the range check; ``routed``: the
+    ids were sent here by their bucket (the sharded path), so the check is a device-side assert
+    (no host sync), not a read of the ids.
     """
 
     num_buckets: Tensor
@@ -79,6 +82,7 @@ class BucketRanges:
     start: Tensor
     names: list[str]
     partial: bool
+    routed: bool = False
 
     @classmethod
     def of(cls, tables: list[tuple[str, int, int, int]], device: torch.device) -> BucketRanges:
@@ -142,7 +146,9 @@ def locate(
     local = bucket_of(ids, per_table(ranges.num_buckets)) - per_table(ranges.lo)
     if ranges.partial:
         bad = (local < 0) | (local >= per_table(ranges.count))
-        if bool(bad.any()):
+        if ranges.routed:  # in range by construction of the routing: kept safe without a host sync
+            assert_async(~bad.any(), f"dynamic tables {ranges.names}: an id routed here is outside its buckets here")
+        elif bool(bad.any()):
             raise ranges.out_of_range(ids, table, int(bad.nonzero()[0, 0]))
     bucket = local + per_table(ranges.start)
     slot = find(ids, bucket, state.slot_ids, state.slot_step, state.width)
