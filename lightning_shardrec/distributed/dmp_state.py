@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor import ShardMetadata as TorchShardMetadata
 
+from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.errors import ShardedStateError
 from lightning_shardrec.planner import ShardingPlan, ShardingType
 
@@ -77,16 +76,8 @@ def state_dict(dmp: DistributedModelParallel, prefix: str = "", keep_vars: bool 
         if sharding.sharding_type is ShardingType.DATA_PARALLEL:
             out[prefix + key] = shards[0][1].detach()
             continue
-        local = [
-            Shard(
-                w.detach() if w.is_contiguous() else w.detach().contiguous(),
-                TorchShardMetadata(list(m.shard_offsets), list(m.shard_sizes), f"rank:{rank}/{w.device}"),
-            )
-            for m, w in shards
-        ]
-        out[prefix + key] = ShardedTensor._init_from_local_shards(
-            local, cfg.num_embeddings, cfg.embedding_dim, process_group=pg
-        )
+        local = [(w.detach() if w.is_contiguous() else w.detach().contiguous(), m.shard_offsets) for m, w in shards]
+        out[prefix + key] = compat.sharded_tensor_from_local(local, (cfg.num_embeddings, cfg.embedding_dim), rank, pg)
     return out
 
 
@@ -128,7 +119,7 @@ def _load_dense(module: nn.Module, state: dict[str, Any], keys: set[str], strict
 
 
 def _load_table(key: str, cfg: Any, shards: list[tuple[Any, Tensor]], value: Any) -> None:
-    if isinstance(value, ShardedTensor):
+    if compat.is_sharded_tensor(value):
         given = {tuple(s.metadata.shard_offsets): s.tensor for s in value.local_shards()}
         for meta, w in shards:
             src = given.get(tuple(meta.shard_offsets))

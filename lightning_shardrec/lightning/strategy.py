@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.checkpoint import param_layout, table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.collection import ShardedCollection
@@ -351,7 +352,7 @@ class ShardRecStrategy(RankFailureHandling):
         skip = set(fused)
         if not any(p.requires_grad for n, p in model.named_parameters() if n not in skip):
             return model
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, fused)
+        compat.ddp_ignore(model, fused)
         # Its own group: DDP's hook-driven all-reduces never interleave with the tables' collectives.
         # A repeated fit() reuses it; teardown destroys it (lightning/teardown.py), and the next fit makes another.
         if not live_group(getattr(self, "_dense_pg", None)):
