@@ -49,7 +49,15 @@ from lightning_shardrec.lightning.cluster import ranks_per_host
 from lightning_shardrec.lightning.deferred import DeferredGlue, deferral_line, deferral_reason
 from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
 from lightning_shardrec.lightning.fused_params import add_anchors, fused_names, fused_params
-from lightning_shardrec.lightning.optimizers import Holder, find_group, group_at, group_slot, remove_params, rule_report
+from lightning_shardrec.lightning.optimizers import (
+    Holder,
+    add_params,
+    find_group,
+    group_at,
+    group_slot,
+    remove_params,
+    rule_report,
+)
 from lightning_shardrec.lightning.options import ShardRecOptions
 from lightning_shardrec.lightning.pipeline import TrainPipeline
 from lightning_shardrec.lightning.plan_report import print_plan, print_transport, save_plan
@@ -258,7 +266,7 @@ class ShardRecStrategy(RankFailureHandling):
         held = {id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]}
         dense_tables = [p for p in dense_tables if id(p) not in held]
         if dense_tables and holder is not None:
-            holder[1]["params"].extend(dense_tables)  # data-parallel tables train like dense layers
+            add_params(holder, dense_tables)  # data-parallel tables train like dense layers
         self._fit_guards(trainer, holder)
         if self.options.log_dynamic_stats:
             add_dynamic_monitor(trainer, module)  # every rank: gathering the figures is collective
