@@ -19,7 +19,7 @@ import contextlib
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.fx._pytree as _fx_pytree
@@ -281,7 +281,7 @@ def ddp_ignore(module: torch.nn.Module, names: list[str]) -> None:
     if setter is not None:
         setter(module, names)
     else:
-        module._ddp_params_and_buffers_to_ignore = names
+        setattr(module, "_ddp_params_and_buffers_to_ignore", names)  # noqa: B010  (what torch's setter sets)
 
 
 # --- ShardedTensor: the sharded checkpoint's tables (checkpoint/, distributed/dmp_state.py, inference/) -------------
@@ -299,7 +299,7 @@ def _sharded_tensor_module() -> Any:
     return sharded_tensor
 
 
-def is_sharded_tensor(value: Any) -> bool:
+def is_sharded_tensor(value: Any) -> TypeGuard[ShardedTensor]:
     """Whether ``value`` is a ``ShardedTensor`` (a ``Tensor`` subclass). ``torch.distributed._shard`` is not
     imported for this: until something imported it, no value can be one."""
     module = sys.modules.get("torch.distributed._shard.sharded_tensor")

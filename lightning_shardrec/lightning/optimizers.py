@@ -11,7 +11,7 @@ optimizer does to a table in one process (the fit-start report and ``strict_opti
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -124,7 +124,7 @@ def add_params(holder: Holder, params: list[nn.Parameter]) -> None:
     opt, group = holder
     group["params"].extend(params)
     try:
-        fresh = type(opt)([{**group, "params": list(params)}])
+        fresh = cast(Any, type(opt))([{**group, "params": list(params)}])
     except Exception:  # a constructor that needs more than a param group: its own step must make the state
         return
     for p in params:
