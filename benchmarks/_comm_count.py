@@ -97,7 +97,8 @@ class CommCounter:
 
     def __enter__(self) -> CommCounter:
         for name in WRAPPED:
-            self._saved[name] = getattr(dist, name)
+            if hasattr(dist, name):  # reduce_scatter_single / all_gather_single: torch 2.13 and newer
+                self._saved[name] = getattr(dist, name)
 
         def wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
             def counted(*args: Any, **kw: Any) -> Any:

@@ -61,3 +61,36 @@ def valid_zip(unzip_t: Callable[[object], tuple[int, str] | None]) -> Callable[[
         assert verdict[0] == 0 and "No errors detected" in verdict[1], verdict[1]
 
     return check
+
+
+_FBGEMM_PARTS = ("training", "inference", "cuda")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "needs_fbgemm(part='training'): the test needs fbgemm_gpu (its training ops, its inference TBE, or its CUDA "
+        "kernels); skipped with the reason when that part does not load",
+    )
+
+
+def fbgemm_missing(part: str = "training") -> str | None:
+    """Why fbgemm's ``part`` cannot be used here, or None when it loads (the one check behind ``needs_fbgemm``)."""
+    from lightning_shardrec import _fbgemm
+
+    if part not in _FBGEMM_PARTS:
+        raise ValueError(f"needs_fbgemm: part must be one of {_FBGEMM_PARTS}, got {part!r}")
+    if not _fbgemm.fbgemm_available():
+        return f"fbgemm_gpu is not installed or does not load with torch {torch.__version__}"
+    if part == "inference" and not _fbgemm.fbgemm_inference_available():
+        return "fbgemm_gpu's inference TBE does not load"
+    if part == "cuda" and not _fbgemm.fbgemm_ops_on("cuda"):
+        return "needs CUDA and fbgemm's CUDA kernels"
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers(name="needs_fbgemm"):
+        reason = fbgemm_missing(*mark.args, **mark.kwargs)
+        if reason is not None:
+            pytest.skip(reason)

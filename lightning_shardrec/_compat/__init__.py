@@ -1,6 +1,14 @@
-"""Every private torch or Lightning name the package uses, one module per library.
+"""Where the library touches the private names of the libraries it stands on, and nowhere else.
 
-``torch.py`` and ``lightning.py`` each list, per symbol, what it is, since which release it
-exists in that form, and the fallback when a release lacks it: a new release is one file's
-work. No other module of the package names a private torch or Lightning symbol.
+torch and Lightning change their private modules between minor releases; a use scattered through
+the package breaks it at the next release in places nobody looks. Every private name the package
+needs lives here, one module per library (:mod:`.torch`; the Lightning one beside it), each with
+what it is, since which release it exists in that form, and what happens where it is missing
+(a public fallback, or a clear error naming the feature). Everything else in the package uses
+public APIs or these wrappers; ``tests/test_private_symbols.py`` parses every module and fails
+when a private torch or Lightning name appears outside this package, so supporting the next
+release is this package's work only.
+
+Importing it is cheap: only modules ``import torch`` has already loaded are imported at the top;
+the heavy ones (``torch.distributed._shard``, ``torch._inductor``) load on first use.
 """

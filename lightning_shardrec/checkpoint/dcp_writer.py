@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from torch import Tensor
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import FileSystemWriter
+
+from lightning_shardrec._compat import torch as compat
 
 
 def _local_tensors(state: Any) -> Iterator[Tensor]:
     """Every tensor this rank writes from ``state``: plain tensors and ShardedTensors' local shards, nested."""
-    if isinstance(state, ShardedTensor):
+    if compat.is_sharded_tensor(state):
         yield from (shard.tensor for shard in state.local_shards())
     elif isinstance(state, Tensor):
         yield state

@@ -6,6 +6,11 @@ rows of each table into its shards (:func:`~lightning_shardrec.checkpoint.load_f
 with ``copy=mapped.copy``), a piece at a time, and hands the pages it has copied back
 (``madvise(MADV_PAGEOUT)``, which never discards data): a rank's resident memory grows by its
 share, not by the whole file.
+
+``madvise`` is reached through :mod:`ctypes` (Python's ``mmap.madvise`` works only on a map Python
+made, and torch's map is its own); it is no torch internal. It is kept because without it the pages
+a rank has copied stay resident, and resuming would cost every rank the whole file in memory. Where
+the call is unavailable (not Linux, an old kernel) nothing is released and the load is still correct.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils import _pytree as pytree
+
+from lightning_shardrec._compat import torch as compat
 
 #: the most bytes copied between two page releases
 PIECE_BYTES = 64 * 2**20
@@ -39,7 +45,7 @@ class MappedFile:
     """The tensors of one memory-mapped checkpoint, by storage, to copy from and release."""
 
     def __init__(self, checkpoint: Any) -> None:
-        tensors = [t for t in pytree.tree_leaves(checkpoint) if isinstance(t, Tensor)]
+        tensors = [t for t in compat.tree_leaves(checkpoint) if isinstance(t, Tensor)]
         self._storages = {t.untyped_storage().data_ptr() for t in tensors if t.device.type == "cpu"}
 
     def mapped(self, t: Tensor) -> bool:
@@ -64,7 +70,7 @@ class MappedFile:
 
     def owned(self, value: Any) -> Any:
         """``value`` with every tensor that lies in the mapped file cloned (kept past the load)."""
-        return pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) and self.mapped(t) else t, value)
+        return compat.tree_map(lambda t: t.clone() if isinstance(t, Tensor) and self.mapped(t) else t, value)
 
 
 def load_mapped(path: str | Path, weights_only: bool) -> tuple[Any, MappedFile]:

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
@@ -112,11 +114,30 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         _load_bytes(self, read_item, value)
 
 
-class SafeEmptyLoadPlanner(_EmptyStateDictLoadPlanner):
-    """DCP's whole-checkpoint planner (for conversion), reading non-tensor entries weights-only."""
+def set_element(root: dict[str, Any], path: Sequence[str | int], value: Any) -> None:
+    """Put ``value`` at ``path`` (DCP's ``planner_data``: dict keys and list indices) in the nested ``root``,
+    making the dicts and lists on the way, as DCP unflattens a state dict."""
+    node: Any = root
+    for here, after in zip(path[:-1], path[1:], strict=True):
+        empty: Any = {} if isinstance(after, str) else []
+        if isinstance(node, dict):
+            node = node.setdefault(here, empty)
+        else:
+            node.extend([None] * (int(here) + 1 - len(node)))
+            if node[here] is None:
+                node[here] = empty
+            node = node[here]
+    if isinstance(path[-1], int):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value
 
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        _load_bytes(self, read_item, value)
+
+def load_local(state: dict[str, Any], path: str | Path) -> None:
+    """Read DCP checkpoint directory ``path`` into ``state``'s tensors (allocated by the caller) in this process
+    alone (``dcp.load(..., no_dist=True)``), no pickled code run."""
+    with warnings.catch_warnings():  # dcp.load says it assumes one process: that is what no_dist asks for
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=True)
 
 
 def load_file(path: str | Path, what: str) -> Any:

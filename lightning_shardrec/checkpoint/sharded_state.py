@@ -20,17 +20,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.checkpoint.atomic import (
     agree_failures,
     agree_token,
@@ -54,11 +52,12 @@ from lightning_shardrec.checkpoint.dynamic_state import (
     mapper_prefix,
 )
 from lightning_shardrec.checkpoint.safe_load import (
-    SafeEmptyLoadPlanner,
     SafeFileSystemReader,
     SafeLoadPlanner,
     load_file,
+    load_local,
     read_metadata,
+    set_element,
 )
 from lightning_shardrec.checkpoint.stored_tensor import stored_weights
 from lightning_shardrec.checkpoint.validate import (
@@ -73,11 +72,8 @@ from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.planner import ShardingType, ShardMetadata
 
-
-def _shard_meta(
-    offsets: tuple[int, ...], sizes: tuple[int, ...], rank: int, device: torch.device
-) -> TorchShardMetadata:
-    return TorchShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{rank}/{device}")
+if TYPE_CHECKING:
+    from lightning_shardrec._compat.torch import ShardedTensor
 
 
 #: the most bytes one saved piece holds: a shard is written (and read back) in row chunks of at most
@@ -122,16 +118,11 @@ def _sharded(
     dtype = local[0][1].dtype if local else dtype
     row_bytes = math.prod(size[1:]) * torch.empty(0, dtype=dtype).element_size()
     pieces = [p for o, s, r in shards for p in row_pieces(o, s, r, row_bytes)]
-    metas = [_shard_meta(o, s, r, device) for o, s, r in pieces]
-    global_meta = ShardedTensorMetadata(
-        shards_metadata=metas, size=torch.Size(size), tensor_properties=TensorProperties(dtype=dtype)
-    )
     by_offset: dict[tuple[int, ...], Tensor] = {}
     for offsets, t in local:
         for o, s, _ in row_pieces(tuple(offsets), tuple(t.shape), rank, row_bytes):
             by_offset[tuple(o)] = own_storage(t.narrow(0, o[0] - offsets[0], s[0]))
-    mine = [Shard(by_offset[tuple(m.shard_offsets)], m) for m in metas if m.placement.rank() == rank]  # type: ignore[union-attr]
-    return ShardedTensor._init_from_local_shards_and_global_metadata(mine, global_meta, process_group=None)
+    return compat.sharded_tensor_from_plan(size, dtype, device, pieces, by_offset, rank)
 
 
 def _plan_shards(module: ShardedCollection, table: str) -> tuple[ShardingType, list[ShardMetadata]]:
@@ -370,13 +361,13 @@ def read_full(checkpoint_dir: str | Path, lazy: bool = False) -> dict[str, Any]:
     stored = stored_weights(checkpoint_dir, metadata, LAZY_BYTES) if lazy else {}
     eager = [k for k in metadata.state_dict_metadata if k.startswith("state_dict.") and k not in stored]
     full: dict[str, Any] = {}
-    reader = SafeFileSystemReader(checkpoint_dir)
+    for key in eager:  # the weights only: the fused optimizer state (as large as the tables, or twice) is not read
+        md = metadata.state_dict_metadata[key]
+        value = torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+        set_element(full, (metadata.planner_data or {}).get(key, (key,)), value)  # a non-tensor: read in its place
     try:
-        # the weights only: the fused optimizer state (as large as the tables, or twice) is not read
-        if not lazy or eager:
-            keys = set(eager) if lazy else {"state_dict"}
-            planner = SafeEmptyLoadPlanner(keys=keys)
-            _load_state_dict(full, storage_reader=reader, planner=planner, no_dist=True)
+        if full:
+            load_local(full, checkpoint_dir)
     except CheckpointException as e:
         raise CheckpointError(f"reading checkpoint '{checkpoint_dir}' failed:\n  " + "\n  ".join(describe(e))) from None
     if not lazy:

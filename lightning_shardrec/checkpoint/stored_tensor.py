@@ -22,11 +22,10 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.utils import _pytree as pytree
 
+from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.checkpoint.atomic import describe
-from lightning_shardrec.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
+from lightning_shardrec.checkpoint.safe_load import load_local
 from lightning_shardrec.errors import CheckpointError
 
 _COPY = torch.ops.aten.copy_.default
@@ -44,11 +43,11 @@ class StoredTensor(Tensor):
     def __new__(
         cls, directory: str | Path, path: tuple[str, ...], size: torch.Size, dtype: torch.dtype
     ) -> StoredTensor:
-        t = Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=torch.device("cpu"), requires_grad=False)  # type: ignore[attr-defined]
+        t = compat.make_wrapper_subclass(cls, size, dtype)
         t._directory, t._path, t._value = Path(directory), tuple(path), None
         return t  # type: ignore[no-any-return]
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    __torch_function__ = compat.disabled_torch_function_impl  # type: ignore[assignment]
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"StoredTensor('{self._path[-1]}' in '{self._directory}', shape={tuple(self.shape)}, dtype={self.dtype})"
@@ -62,9 +61,7 @@ class StoredTensor(Tensor):
         node[self._path[-1]] = dest
         try:
             with torch.no_grad():
-                _load_state_dict(
-                    state, storage_reader=SafeFileSystemReader(self._directory), planner=SafeLoadPlanner(), no_dist=True
-                )
+                load_local(state, self._directory)
         except CheckpointException as e:
             raise CheckpointError(
                 f"reading '{self._path[-1]}' from checkpoint '{self._directory}' failed:\n  " + "\n  ".join(describe(e))
@@ -96,7 +93,7 @@ class StoredTensor(Tensor):
         def plain(x: Any) -> Any:
             return x.materialize() if isinstance(x, StoredTensor) else x
 
-        return func(*pytree.tree_map(plain, args), **pytree.tree_map(plain, kwargs))
+        return func(*compat.tree_map(plain, args), **compat.tree_map(plain, kwargs))
 
 
 def _streams_into(dest: Any, source: Any) -> bool:

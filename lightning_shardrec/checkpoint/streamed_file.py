@@ -11,10 +11,16 @@ closed (:meth:`~StreamedFile.fill`); :meth:`~StreamedFile.write_crcs` then write
 is an ordinary zip archive that ``unzip -t`` passes. The archive is torch's own (``torch.serialization``'s zip
 writer, the same records and pickle as ``torch.save``), so ``torch.load`` (``weights_only``,
 ``mmap``) and ``LightningModule.load_from_checkpoint`` read it unchanged.
+
+No public torch API does this: ``torch.save`` needs the whole object in memory, and DCP's
+``format_utils.dcp_to_torch_save`` loads the whole checkpoint before it writes (the peak this file
+exists to avoid). So torch's zip writer, its reserved records and the pickle's rebuild function come
+through :mod:`lightning_shardrec._compat.torch`; a record's offset is read with :mod:`zipfile`.
 """
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import pickle
@@ -28,8 +34,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.checkpoint.atomic import clean_stale, commit, remove_path, staging_path
-from lightning_shardrec.checkpoint.zip_crc import RunningCrc, crc_of_range, patch_crcs
+from lightning_shardrec.checkpoint.zip_crc import RunningCrc, crc_of_range, patch_crcs, record_offsets
 
 _PROTOCOL = 2  # torch.save's default pickle protocol
 _CHUNK = 1 << 20  # bytes :meth:`StreamedFile.fill` writes, then sums into the CRC-32, at a time
@@ -52,7 +59,7 @@ class Stored:
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         stride = torch.empty(self.shape, device="meta").stride()
         args: tuple[Any, ...] = (self.ref, 0, self.shape, stride, False, OrderedDict())
-        return (torch._utils._rebuild_tensor_v2, args)
+        return (compat.rebuild_tensor_v2(), args)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -66,8 +73,13 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _storage_type(dtype: torch.dtype) -> Any:
-    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+def _storage_alignment() -> int:
+    """The alignment ``torch.save`` pads records to (``torch.utils.serialization.config``; 64 before it existed)."""
+    try:
+        config = importlib.import_module("torch.utils.serialization").config
+    except (ImportError, AttributeError):
+        return 64
+    return int(getattr(getattr(config, "save", None), "storage_alignment", 64))
 
 
 class StreamedFile:
@@ -75,11 +87,11 @@ class StreamedFile:
 
     def __init__(self, path: Path) -> None:
         self.name = str(path)  # the file being written (the zip writer owns it)
-        self._opener = torch.serialization._open_zipfile_writer(self.name)
+        self._opener = compat.open_zipfile_writer(self.name)
         self._open = True
         self._zip = self._opener.file_like
         self._count = 0  # records written
-        self._keys: dict[int, str] = {}  # while pickling: storage -> record key (a shared storage is written once)
+        self._keys: dict[object, str] = {}  # while pickling: storage -> record key (a shared storage is written once)
         self._reserved: dict[str, Stored] = {}  # record key -> stand-in, for reserve() / fill()
         self._offsets: dict[str, int] = {}  # record key -> its data's offset in the file (once closed)
         self._fd: int | None = None  # for fill()
@@ -113,7 +125,7 @@ class StreamedFile:
         self._count += 1
         stored = Stored(key, dtype, shape)
         nbytes = stored.ref.numel * _itemsize(dtype)
-        self._zip.write_record_metadata(f"data/{key}", nbytes)
+        compat.reserve_record(self._zip, f"data/{key}", nbytes)
         self._reserved[key] = stored
         if self._crcs is not None:
             self._crcs[key] = RunningCrc(nbytes)
@@ -166,24 +178,25 @@ class StreamedFile:
     def _open_for_fill(self) -> int:
         """The closed archive, opened for :meth:`fill` and :meth:`write_crcs`, each reserved record's offset read."""
         if self._fd is None:
-            reader = torch._C.PyTorchFileReader(self.name)
-            self._offsets = {k: reader.get_record_offset(f"data/{k}") for k in self._reserved}  # type: ignore[attr-defined]
+            offsets = record_offsets(Path(self.name), [f"data/{k}" for k in self._reserved])
+            self._offsets = {k: offsets[f"data/{k}"] for k in self._reserved}
             self._fd = os.open(self.name, os.O_RDWR)
         return self._fd
 
     def _persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
         if isinstance(obj, _StorageRef):
-            return ("storage", _storage_type(obj.dtype), obj.key, "cpu", obj.numel)
+            return ("storage", compat.storage_type(obj.dtype), obj.key, "cpu", obj.numel)
         if not (isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)):
             return None
         if isinstance(obj, torch.storage.TypedStorage):  # what ordinary tensors reduce to, as in torch.save
-            storage, kind, numel = obj._untyped_storage, getattr(torch, obj._pickle_storage_type()), obj._size()
+            storage, kind, numel = compat.typed_storage_parts(obj)
         else:
             storage, kind, numel = obj, torch.UntypedStorage, obj.nbytes()
         location = torch.serialization.location_tag(storage)
-        key = self._keys.get(storage._cdata)
+        identity = compat.storage_key(storage)
+        key = self._keys.get(identity)
         if key is None:
-            key = self._keys[storage._cdata] = self._write(storage)
+            key = self._keys[identity] = self._write(storage)
         return ("storage", kind, key, location, numel)
 
     def close(self, obj: Any) -> None:
@@ -195,7 +208,7 @@ class StreamedFile:
         data = buffer.getvalue()
         self._zip.write_record("data.pkl", data, len(data))
         self._zip.write_record(".format_version", "1", 1)
-        alignment = str(torch.serialization._get_storage_alignment())
+        alignment = str(_storage_alignment())
         self._zip.write_record(".storage_alignment", alignment, len(alignment))
         self._zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))
         self.finish()

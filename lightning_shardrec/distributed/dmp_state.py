@@ -25,10 +25,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor import ShardMetadata as TorchShardMetadata
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
+from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.distributed.band_gather import BandGather, LocalTensor
 from lightning_shardrec.errors import ShardedStateError
 from lightning_shardrec.planner import ShardingPlan, ShardingType
@@ -89,22 +87,22 @@ def state_dict(dmp: DistributedModelParallel, prefix: str = "", keep_vars: bool 
 
 def _sharded_tensor(
     pg: Any, cfg: Any, layout: Sequence[Any], shards: list[tuple[Any, Tensor]], dtype: torch.dtype, device: Any
-) -> ShardedTensor:
+) -> Any:
     """This rank's ``shards`` in a ShardedTensor whose global metadata is the plan's ``layout`` (no collective)."""
 
-    def place(m: Any, w: Tensor | None) -> TorchShardMetadata:
+    def place(m: Any, w: Tensor | None) -> tuple[list[int], list[int], str]:
         rank = dist.get_global_rank(pg, m.rank) if pg is not None else m.rank
         where = w.device if w is not None else torch.device(device)
-        return TorchShardMetadata(list(m.shard_offsets), list(m.shard_sizes), f"rank:{rank}/{where}")
+        return list(m.shard_offsets), list(m.shard_sizes), f"rank:{rank}/{where}"
 
-    local = [Shard(w.detach() if w.is_contiguous() else w.detach().contiguous(), place(m, w)) for m, w in shards]
-    mine = {(tuple(m.shard_offsets), tuple(m.shard_sizes)): s.metadata for (m, _), s in zip(shards, local, strict=True)}
-    metadata = ShardedTensorMetadata(
-        shards_metadata=[mine.get((tuple(m.shard_offsets), tuple(m.shard_sizes))) or place(m, None) for m in layout],
-        size=torch.Size([cfg.num_embeddings, cfg.embedding_dim]),
-        tensor_properties=TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False),
-    )
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=pg)
+    mine = {(tuple(m.shard_offsets), tuple(m.shard_sizes)): (m, w.detach().contiguous()) for m, w in shards}
+    entries, local = [], {}
+    for i, m in enumerate(layout):
+        hit = mine.get((tuple(m.shard_offsets), tuple(m.shard_sizes)))
+        entries.append(place(m, None) if hit is None else place(hit[0], hit[1]))
+        if hit is not None:
+            local[i] = hit[1]
+    return compat.sharded_tensor_from_layout((cfg.num_embeddings, cfg.embedding_dim), dtype, entries, local, pg)
 
 
 def load_state_dict(dmp: DistributedModelParallel, state: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
@@ -145,7 +143,7 @@ def _load_dense(module: nn.Module, state: dict[str, Any], keys: set[str], strict
 
 
 def _load_table(key: str, cfg: Any, shards: list[tuple[Any, Tensor]], value: Any) -> None:
-    if isinstance(value, ShardedTensor):
+    if compat.is_sharded_tensor(value):
         given = {tuple(s.metadata.shard_offsets): s.tensor for s in value.local_shards()}
         for meta, w in shards:
             src = given.get(tuple(meta.shard_offsets))

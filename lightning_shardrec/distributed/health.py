@@ -55,6 +55,7 @@ from collections.abc import Callable, Mapping
 
 import torch.distributed as dist
 
+from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.distributed.comm import backend_uses_cuda
 from lightning_shardrec.distributed.whereabouts import Whereabouts
 
@@ -358,6 +359,6 @@ class RankMonitor:
 def default_store() -> dist.Store | None:
     """The default process group's rendezvous store, or None when it cannot be reached."""
     try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # private API: without it the monitor is simply off
+        return compat.default_store()  # a private torch name: without it the monitor is simply off
+    except Exception:
         return None

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed import dmp_state
 from lightning_shardrec.distributed.comm import ShardingEnv, uses_cuda
@@ -259,7 +260,7 @@ class DistributedModelParallel(nn.Module):
         skip = set(fused)
         if not any(p.requires_grad for n, p in module.named_parameters() if n not in skip):
             return module  # nothing dense to synchronise
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, fused)
+        compat.ddp_ignore(module, fused)
         device_ids = [self.device] if self.device.type == "cuda" else None
         # DDP's gradient all-reduces fire from backward hooks in an order autograd picks;
         # on their own group they can never interleave with the embeddings' collectives.

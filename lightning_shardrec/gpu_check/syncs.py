@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_shardrec._compat.torch import TorchDispatchMode
 
 _aten = torch.ops.aten
 # aten ops whose CUDA kernels wait for the device (a value read back, or an output sized by the data)

@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.fx.experimental._config as fx_config
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 
+from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.data.batch import RecBatch
 from lightning_shardrec.inference.dense_int8 import exportable_dense
 from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection
@@ -211,17 +211,17 @@ def export_program(
     args = tuple(example_inputs)
     specs = input_specs(args)
     device = torch.device(device)
-    plain = torch.utils._pytree.tree_map(lambda t: t.to(device), plain_inputs(args))
+    plain = compat.tree_map(lambda t: t.to(device), plain_inputs(args))
     program = ServingProgram(serving_copy(model).to(device), specs)
     dims = dynamic_shapes(specs, plain, batch_size(args)) if shapes is None else tuple(shapes)
-    with fx_config.patch(backed_size_oblivious=True), warnings.catch_warnings():  # type: ignore[attr-defined]
+    with compat.size_oblivious_export(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         ep = torch.export.export(program, plain, dynamic_shapes=(dims,))  # one entry: forward(*args)
     with torch.no_grad():
         want = _plain_output(model.eval()(*args))
-        got = torch.utils._pytree.tree_map(lambda t: t.cpu(), ep.module()(*plain))
+        got = compat.tree_map(lambda t: t.cpu(), ep.module()(*plain))
     try:
-        torch.utils._pytree.tree_map(lambda g, w: torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6), got, want)
+        compat.tree_map(lambda g, w: torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6), got, want)
     except AssertionError as err:
         raise ValueError(
             f"export: the exported program's outputs differ from the model's on the example: {err}"
@@ -249,9 +249,7 @@ def save_program(ep: ExportedProgram, out: str | Path, fmt: str, info: Mapping[s
     if fmt == "pt2":
         torch.export.save(ep, out, extra_files={METADATA_FILE: text})
     elif fmt == "aoti":
-        from torch._inductor import aoti_compile_and_package
-
-        aoti_compile_and_package(
+        compat.aoti_compile_and_package(
             ep, package_path=str(out), inductor_configs={"aot_inductor.metadata": {METADATA_FILE: text}}
         )
     else:

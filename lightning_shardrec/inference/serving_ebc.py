@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.configs import PoolingType
 from lightning_shardrec.inference.id_map import lookup_sorted, sorted_live
 from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection, QuantTable
@@ -128,7 +129,7 @@ class ServingEmbeddingBags(nn.Module):
 def check_rows(ids: Tensor, num_rows: int, where: str) -> None:
     """Fail the request (an error, not a crash or another row) when an id is outside ``[0, num_rows)``."""
     outside = ((ids < 0) | (ids >= num_rows)).any()
-    torch._assert_async(outside.logical_not(), f"{where}: an id is outside [0, {num_rows})")
+    compat.assert_async(outside.logical_not(), f"{where}: an id is outside [0, {num_rows})")
 
 
 def _split_by_key(
@@ -138,9 +139,9 @@ def _split_by_key(
     dropped."""
     counts: list[int] = torch.stack([n.sum() for n in lengths]).tolist()
     for c in counts:
-        torch._check(c >= 0)
+        compat.check(c >= 0)
     tail = values.shape[0] - sum(counts)
-    torch._check(tail >= 0, lambda: "ServingEmbeddingBags: lengths sum past the number of ids")
+    compat.check(tail >= 0, lambda: "ServingEmbeddingBags: lengths sum past the number of ids")
     sizes = [*counts, tail]
     return values.split(sizes), None if weights is None else weights.split(sizes)
 

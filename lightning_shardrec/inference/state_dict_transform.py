@@ -13,18 +13,23 @@ They work on ``DistributedModelParallel.state_dict()``, whose sharded tables are
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+from lightning_shardrec._compat import torch as compat
+
+if TYPE_CHECKING:
+    from lightning_shardrec._compat.torch import ShardedTensor
 
 
 def state_dict_gather(src: Mapping[str, Tensor | ShardedTensor], dst: Mapping[str, Tensor]) -> None:
     """For each key of ``dst``: ``src[key]`` copied in (a ShardedTensor gathered into rank 0's tensor)."""
     for key, out in dst.items():
         value = src[key]
-        if isinstance(value, ShardedTensor):
+        if compat.is_sharded_tensor(value):
             value.gather(dst=0, out=out if dist.get_rank() == 0 else None, dtype=out.dtype)
         elif isinstance(value, Tensor):
             with torch.no_grad():
@@ -48,16 +53,13 @@ def state_dict_to_device(
     rank = dist.get_rank(pg)
     for key in state_dict_all_gather_keys(state_dict, pg):
         value = state_dict.get(key)
-        if isinstance(value, ShardedTensor):
-            shards = [
-                Shard.from_tensor_and_offsets(s.tensor.to(device), list(s.metadata.shard_offsets), rank)
-                for s in value.local_shards()
-            ]
-            out[key] = ShardedTensor._init_from_local_shards(shards, value.metadata().size, process_group=pg)
+        if compat.is_sharded_tensor(value):
+            shards = [(s.tensor.to(device), s.metadata.shard_offsets) for s in value.local_shards()]
+            out[key] = compat.sharded_tensor_from_local(shards, value.metadata().size, rank, pg)
         elif isinstance(value, Tensor):
             out[key] = value.to(device)
         elif value is None:  # a key another rank has: join the collective with no shard
-            out[key] = ShardedTensor._init_from_local_shards([], [], process_group=pg)
+            out[key] = compat.sharded_tensor_from_local([], [], rank, pg)
         else:
             raise ValueError(f"state_dict_to_device: '{key}' is a {type(value).__name__}, not a tensor")
     return out

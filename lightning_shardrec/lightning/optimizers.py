@@ -11,7 +11,7 @@ optimizer does to a table in one process (the fit-start report and ``strict_opti
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -112,6 +112,24 @@ def remove_params(optimizers: list[torch.optim.Optimizer], params: Iterable[nn.P
 
 
 Holder = tuple[torch.optim.Optimizer, dict[str, Any]]
+
+
+def add_params(holder: Holder, params: list[nn.Parameter]) -> None:
+    """Append ``params`` to the holder's param group, with the state the optimizer's constructor would give them.
+
+    Some optimizers make their state in the constructor only (``torch.optim.Adagrad`` up to torch 2.12 makes
+    ``sum`` there and reads it in ``step``); a parameter appended later would fail its first step. A throwaway
+    optimizer of the same class over the group's settings makes that state; a lazy optimizer makes none.
+    """
+    opt, group = holder
+    group["params"].extend(params)
+    try:
+        fresh = cast(Any, type(opt))([{**group, "params": list(params)}])
+    except Exception:  # a constructor that needs more than a param group: its own step must make the state
+        return
+    for p in params:
+        if p in fresh.state and p not in opt.state:
+            opt.state[p] = fresh.state[p]
 
 _LAZY_ADAM = (
     "row-sparse ('lazy') {name}: a row a batch does not touch keeps its weight and moments, while torch.optim.{name} "

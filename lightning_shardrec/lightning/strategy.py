@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_shardrec._compat import torch as compat
 from lightning_shardrec._compat.lightning import attached_trainer, optimizers_to_device
 from lightning_shardrec.checkpoint import param_layout, table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
@@ -50,7 +51,15 @@ from lightning_shardrec.lightning.data_errors import explain_bad_id
 from lightning_shardrec.lightning.deferred import DeferredGlue, deferral_line, deferral_reason, watch_repeats
 from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
 from lightning_shardrec.lightning.fused_params import add_anchors, fused_names, fused_params
-from lightning_shardrec.lightning.optimizers import Holder, find_group, group_at, group_slot, remove_params, rule_report
+from lightning_shardrec.lightning.optimizers import (
+    Holder,
+    add_params,
+    find_group,
+    group_at,
+    group_slot,
+    remove_params,
+    rule_report,
+)
 from lightning_shardrec.lightning.options import ShardRecOptions
 from lightning_shardrec.lightning.pipeline import TrainPipeline, prefetch_line
 from lightning_shardrec.lightning.plan_report import print_plan, print_transport, save_plan
@@ -260,7 +269,7 @@ class ShardRecStrategy(RankFailureHandling):
         held = {id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]}
         dense_tables = [p for p in dense_tables if id(p) not in held]
         if dense_tables and holder is not None:
-            holder[1]["params"].extend(dense_tables)  # data-parallel tables train like dense layers
+            add_params(holder, dense_tables)  # data-parallel tables train like dense layers
         self._fit_guards(trainer, holder)
         if self.options.log_dynamic_stats:
             add_dynamic_monitor(trainer, module)  # every rank: gathering the figures is collective
@@ -357,7 +366,7 @@ class ShardRecStrategy(RankFailureHandling):
         skip = set(fused)
         if not any(p.requires_grad for n, p in model.named_parameters() if n not in skip):
             return model
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, fused)
+        compat.ddp_ignore(model, fused)
         # Its own group: DDP's hook-driven all-reduces never interleave with the tables' collectives.
         # A repeated fit() reuses it; teardown destroys it (lightning/teardown.py), and the next fit makes another.
         if not live_group(getattr(self, "_dense_pg", None)):

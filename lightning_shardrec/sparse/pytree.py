@@ -1,4 +1,5 @@
-"""The sparse types as pytree nodes (``torch.utils._pytree``), with TorchRec's leaves.
+"""The sparse types as pytree nodes (torch's pytree registry, through :mod:`lightning_shardrec._compat.torch`),
+with TorchRec's leaves.
 
 ``tree_flatten`` gives the tensors, the keys go in the spec:
 
@@ -17,10 +18,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.fx._pytree as fx_pytree
-import torch.utils._pytree as pytree
 from torch import Tensor
 
+from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.sparse.jagged_tensor import JaggedTensor
 from lightning_shardrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 from lightning_shardrec.sparse.keyed_tensor import KeyedTensor
@@ -55,9 +55,7 @@ def _kjt_flatten(kjt: KeyedJaggedTensor) -> tuple[list[Tensor | None], list[str]
 
 def _tracing(*tensors: Tensor | None) -> bool:
     """Whether ``tensors`` are being traced (fake tensors of ``torch.export``/``torch.compile``)."""
-    import torch._guards
-
-    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode(tensors) is not None
+    return torch.compiler.is_compiling() or compat.detect_fake(tensors)
 
 
 def _kjt_unflatten(leaves: Iterable[Any], context: Any) -> KeyedJaggedTensor:
@@ -91,9 +89,9 @@ def _kt_flatten(kt: KeyedTensor) -> tuple[list[Tensor], tuple[list[str], list[in
 def _with_keys(flatten: Any, names: tuple[str, ...]) -> Any:
     """``flatten`` with each leaf named by attribute (``GetAttrKey``): what ``torch.export`` needs."""
 
-    def flatten_with_keys(node: Any) -> tuple[list[tuple[pytree.KeyEntry, Any]], Any]:
+    def flatten_with_keys(node: Any) -> tuple[list[tuple[compat.KeyEntry, Any]], Any]:
         leaves, context = flatten(node)
-        return [(pytree.GetAttrKey(n), leaf) for n, leaf in zip(names, leaves, strict=True)], context
+        return [(compat.GetAttrKey(n), leaf) for n, leaf in zip(names, leaves, strict=True)], context
 
     return flatten_with_keys
 
@@ -103,7 +101,7 @@ def _kt_unflatten(leaves: Iterable[Any], context: Any) -> KeyedTensor:
     return KeyedTensor(keys, length_per_key, next(iter(leaves)), *rest)
 
 
-def _kt_flatten_spec(kt: KeyedTensor, spec: pytree.TreeSpec) -> list[Tensor]:
+def _kt_flatten_spec(kt: KeyedTensor, spec: compat.TreeSpec) -> list[Tensor]:
     keys = spec.context[0]
     if kt.keys() == list(keys):
         return [kt.values()]
@@ -113,29 +111,29 @@ def _kt_flatten_spec(kt: KeyedTensor, spec: pytree.TreeSpec) -> list[Tensor]:
 
 def register() -> None:
     """Register the three types once (done on importing :mod:`lightning_shardrec.sparse`)."""
-    if JaggedTensor in pytree.SUPPORTED_NODES:
+    if compat.is_pytree_node(JaggedTensor):
         return
-    pytree.register_pytree_node(
+    compat.register_pytree_node(
         JaggedTensor,
         _jt_flatten,
         _jt_unflatten,
-        serialized_type_name="lightning_shardrec.JaggedTensor",
-        flatten_with_keys_fn=_with_keys(_jt_flatten, ("values", "weights", "lengths", "offsets")),
+        name="lightning_shardrec.JaggedTensor",
+        flatten_with_keys=_with_keys(_jt_flatten, ("values", "weights", "lengths", "offsets")),
     )
-    pytree.register_pytree_node(
+    compat.register_pytree_node(
         KeyedJaggedTensor,
         _kjt_flatten,
         _kjt_unflatten,
-        serialized_type_name="lightning_shardrec.KeyedJaggedTensor",
-        flatten_with_keys_fn=_with_keys(_kjt_flatten, _KJT_LEAVES),
+        name="lightning_shardrec.KeyedJaggedTensor",
+        flatten_with_keys=_with_keys(_kjt_flatten, _KJT_LEAVES),
     )
-    pytree.register_pytree_node(
+    compat.register_pytree_node(
         KeyedTensor,
         _kt_flatten,
         _kt_unflatten,
-        serialized_type_name="lightning_shardrec.KeyedTensor",
-        flatten_with_keys_fn=_with_keys(_kt_flatten, ("values",)),
+        name="lightning_shardrec.KeyedTensor",
+        flatten_with_keys=_with_keys(_kt_flatten, ("values",)),
     )
-    fx_pytree.register_pytree_flatten_spec(JaggedTensor, lambda jt, spec: _jt_flatten(jt)[0])
-    fx_pytree.register_pytree_flatten_spec(KeyedJaggedTensor, lambda kjt, spec: _kjt_leaves(kjt))
-    fx_pytree.register_pytree_flatten_spec(KeyedTensor, _kt_flatten_spec)
+    compat.register_flatten_spec(JaggedTensor, lambda jt, spec: _jt_flatten(jt)[0])
+    compat.register_flatten_spec(KeyedJaggedTensor, lambda kjt, spec: _kjt_leaves(kjt))
+    compat.register_flatten_spec(KeyedTensor, _kt_flatten_spec)

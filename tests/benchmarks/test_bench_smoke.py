@@ -17,6 +17,7 @@ def run_quick(forked_python: ForkedPython, script: str) -> str:
     return out.stdout
 
 
+@pytest.mark.needs_fbgemm  # the benchmark measures fbgemm's kernels against torch's
 def test_kernel_bench_quick(forked_python):
     text = run_quick(forked_python, "kernel_bench.py")
     assert text.startswith("## Kernels")

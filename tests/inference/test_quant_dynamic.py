@@ -9,13 +9,12 @@ from lightning_shardrec import (
     EmbeddingBagConfig,
     KeyedJaggedTensor,
     PoolingType,
-    _fbgemm,
 )
 from lightning_shardrec.inference import QuantDType, QuantEmbeddingBagCollection, quantize_rows, row_error_bound
 from lightning_shardrec.inference.id_map import QuantIdMap
 from lightning_shardrec.modules.dynamic.hashing import bucket_of
 
-needs_fbgemm = pytest.mark.skipif(not _fbgemm.fbgemm_inference_available(), reason="fbgemm_gpu inference TBE absent")
+needs_fbgemm = pytest.mark.needs_fbgemm("inference")
 BACKENDS = ["torch", pytest.param("fbgemm", marks=needs_fbgemm)]
 HUGE = 2**62
 

@@ -14,7 +14,7 @@ from lightning_shardrec.inference import (
     row_error_bound,
 )
 
-needs_fbgemm = pytest.mark.skipif(not _fbgemm.fbgemm_inference_available(), reason="fbgemm_gpu inference TBE absent")
+needs_fbgemm = pytest.mark.needs_fbgemm("inference")
 BACKENDS = [QuantBackend.TORCH, pytest.param(QuantBackend.FBGEMM, marks=needs_fbgemm)]
 
 

@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from lightning_shardrec import _fbgemm
 from lightning_shardrec.inference import QuantDType, dequantize_rows, quantize, quantize_rows, row_error_bound
 from lightning_shardrec.inference.rowwise import pack, unpack
 
-needs_fbgemm = pytest.mark.skipif(not _fbgemm.fbgemm_inference_available(), reason="fbgemm_gpu inference TBE absent")
+needs_fbgemm = pytest.mark.needs_fbgemm("inference")
 
 
 def _table() -> torch.Tensor:

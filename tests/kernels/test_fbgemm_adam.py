@@ -9,11 +9,10 @@ import torch
 from _fake_fbgemm import installed
 
 from lightning_shardrec import FusedOptimConfig, KeyedJaggedTensor
-from lightning_shardrec._fbgemm import fbgemm_available, fbgemm_ops_on
 from lightning_shardrec.kernels import TableSpec, make_kernel
 from lightning_shardrec.optim import FusedOptimizer
 
-pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="fbgemm_gpu is not installed")
+pytestmark = pytest.mark.needs_fbgemm
 
 SPECS = [
     TableSpec(name="a", num_embeddings=10, embedding_dim=4),
@@ -86,7 +85,7 @@ def test_step_is_a_scalar_and_a_loaded_step_takes_effect(name: str) -> None:
         torch.testing.assert_close(c, b)
 
 
-@pytest.mark.skipif(not fbgemm_ops_on("cuda"), reason="needs CUDA and fbgemm's CUDA kernels")
+@pytest.mark.needs_fbgemm("cuda")
 def test_real_cuda_tbe_step_ignores_eval() -> None:  # pragma: no cover - GPU only
     fb, _ = build("fbgemm", "adam", device="cuda")
     ref, _ = build("torch", "adam", device="cuda")

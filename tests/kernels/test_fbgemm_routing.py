@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from lightning_shardrec import FusedOptimConfig
-from lightning_shardrec._fbgemm import fbgemm_available
 from lightning_shardrec.kernels import KernelBackend, TableSpec, choose_backend
 from lightning_shardrec.kernels.fbgemm_kernel import FbgemmBatchedEmbedding, fbgemm_weight_decay_reason
 
@@ -37,14 +36,14 @@ def test_weight_decay_predicate(device: str, name: str, decay: float, routed: bo
         assert "weight_decay" in reason and str(decay) in reason
 
 
-@pytest.mark.skipif(not fbgemm_available(), reason="fbgemm_gpu is not installed")
+@pytest.mark.needs_fbgemm
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
 def test_auto_routes_decay_fbgemm_would_drop_to_torch_on_cuda(name: str) -> None:
     optim = FusedOptimConfig(optimizer=name, weight_decay=0.01)
     assert choose_backend("auto", CUDA, optim, [8]) is KernelBackend.TORCH
 
 
-@pytest.mark.skipif(not fbgemm_available(), reason="fbgemm_gpu is not installed")
+@pytest.mark.needs_fbgemm
 @pytest.mark.parametrize(
     "name,match",
     [
@@ -61,7 +60,7 @@ def test_forced_fbgemm_refuses_decay_it_would_drop(name: str, match: str) -> Non
         )
 
 
-@pytest.mark.skipif(not fbgemm_available(), reason="fbgemm_gpu is not installed")
+@pytest.mark.needs_fbgemm
 def test_forced_fbgemm_refuses_decay_on_cpu() -> None:
     optim = FusedOptimConfig(optimizer="adagrad", weight_decay=0.5)
     with pytest.raises(ValueError, match=r"fbgemm's CPU kernels ignore weight_decay \(got 0.5\)"):

@@ -99,11 +99,11 @@ def assert_bit_identical(a: State, b: State, what: str) -> None:
 @pytest.mark.parametrize(
     ("model", "kernel", "optimizer"),
     [
-        ("rec", "fbgemm", "adagrad"),
+        pytest.param("rec", "fbgemm", "adagrad", marks=pytest.mark.needs_fbgemm),
         ("rec", "torch", "adagrad"),
         ("rec", "torch", "adam"),
         # a pinned kernel: kernel="auto" times the backends, and a re-timed rank may pick the other
-        ("dlrm", "fbgemm", "adagrad"),
+        pytest.param("dlrm", "fbgemm", "adagrad", marks=pytest.mark.needs_fbgemm),
     ],
 )
 def test_same_seed_same_bits_other_seed_differs(model: str, kernel: str, optimizer: str) -> None:

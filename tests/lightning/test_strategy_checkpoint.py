@@ -126,13 +126,10 @@ def test_rowwise_state_of_column_pieces_survives_resume(tmp_path, fmt):
         torch.testing.assert_close(resumed[k], straight[k], **TOL, msg=k)
 
 
+@pytest.mark.needs_fbgemm
 def test_rowwise_checkpoint_moves_from_fbgemm_to_the_torch_kernel(tmp_path):
     """A checkpoint trained on fbgemm's TBE (kernel="auto" on CPU before the torch kernel became
     the faster rowwise_adagrad) resumes on the torch kernel as if it had run there throughout."""
-    from lightning_shardrec._fbgemm import fbgemm_available
-
-    if not fbgemm_available():
-        pytest.skip("fbgemm not installed")
     straight, _ = run_ranks(fit, 2, STEPS, None, None, "column_wise", "rowwise_adagrad", "sharded", "torch")[0]
     half = str(tmp_path / "half.ckpt")
     run_ranks(fit, 2, STEPS // 2, None, half, "column_wise", "rowwise_adagrad", "sharded", "fbgemm")

@@ -103,11 +103,23 @@ def test_optimizer_settings_not_honoured_are_refused(cls, kwargs, match):
         config_of_optimizer(cls, kwargs, "table 't'")
 
 
-def test_fused_params_map_fbgemm_keys():
+@pytest.mark.needs_fbgemm
+def test_fused_params_map_fbgemm_enums():
     from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmOptim
 
     got = config_of_fused_params(
         {"optimizer": FbgemmOptim.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05, "eps": 1e-6, "weight_decay": 0.01},
+        FusedOptimConfig(),
+        "x",
+    )
+    assert got == FusedOptimConfig(optimizer="rowwise_adagrad", lr=0.05, eps=1e-6, weight_decay=0.01)
+    with pytest.raises(ValueError, match="unknown embedding optimizer <EmbOptimType.LAMB: 'lamb'>"):
+        config_of_fused_params({"optimizer": FbgemmOptim.LAMB}, FusedOptimConfig(), "x")
+
+
+def test_fused_params_map_fbgemm_keys():
+    got = config_of_fused_params(
+        {"optimizer": "exact_rowwise_adagrad", "learning_rate": 0.05, "eps": 1e-6, "weight_decay": 0.01},
         FusedOptimConfig(),
         "x",
     )
@@ -119,8 +131,6 @@ def test_fused_params_map_fbgemm_keys():
         config_of_fused_params({"cache_load_factor": 0.2}, FusedOptimConfig(), "x")
     with pytest.raises(UnsupportedFeatureError, match="weight_decay_mode=COUNTER is not supported with sgd"):
         config_of_fused_params({"optimizer": "sgd", "weight_decay_mode": "COUNTER"}, FusedOptimConfig(), "x")
-    with pytest.raises(ValueError, match="unknown embedding optimizer <EmbOptimType.LAMB: 'lamb'>"):
-        config_of_fused_params({"optimizer": FbgemmOptim.LAMB}, FusedOptimConfig(), "x")
 
 
 def _conflict(rank, world, case):

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from lightning_shardrec import FusedOptimConfig, KeyedJaggedTensor
-from lightning_shardrec._fbgemm import fbgemm_available
 from lightning_shardrec.kernels import TableSpec, make_kernel
 from lightning_shardrec.optim import DeferredTableUpdates
 
@@ -96,7 +95,7 @@ def test_scaled_window_is_checked_unscaled_clipped_and_discarded():
     assert not torch.equal(k.split_weights()[0], START[0]) and updates.pending == 0
 
 
-@pytest.mark.skipif(not fbgemm_available(), reason="fbgemm_gpu is not installed")
+@pytest.mark.needs_fbgemm
 def test_fbgemm_kernels_are_refused_by_name():
     with pytest.raises(ValueError, match=r"DeferredTableUpdates needs torch kernels .* got backends \['fbgemm'\]"):
         DeferredTableUpdates([kernel("sgd", "fbgemm")])

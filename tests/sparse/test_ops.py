@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from lightning_shardrec import _fbgemm
 from lightning_shardrec.sparse import ops
 
-needs_fbgemm = pytest.mark.skipif(not _fbgemm.fbgemm_available(), reason="fbgemm_gpu not loadable")
+needs_fbgemm = pytest.mark.needs_fbgemm
 BOTH_PATHS = [False, pytest.param(True, marks=needs_fbgemm, id="fbgemm")]
 PROPS = settings(max_examples=50, deadline=None)
 
