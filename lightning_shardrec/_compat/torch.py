@@ -354,6 +354,19 @@ def sharded_tensor_from_layout(
     )
 
 
+def enumerable_sharding_spec(layout: Sequence[tuple[Sequence[int], Sequence[int], str]]) -> Any:
+    """``torch.distributed._shard.sharding_spec.EnumerableShardingSpec`` of ``layout`` ``(offsets, sizes,
+    "rank:R/device")``: TorchRec's ``ParameterSharding.sharding_spec`` (since torch 1.10). Missing: ``RuntimeError``."""
+    try:
+        from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+    except ImportError:
+        raise _missing("torch.distributed._shard.sharding_spec", "ParameterSharding.sharding_spec") from None
+    st = _sharded_tensor_module()
+    return EnumerableShardingSpec(
+        [st.ShardMetadata(shard_offsets=list(o), shard_sizes=list(z), placement=p) for o, z, p in layout]
+    )
+
+
 def sharded_tensor_from_local(
     local: Sequence[tuple[Tensor, Sequence[int]]], size: Sequence[int], rank: int, process_group: Any
 ) -> ShardedTensor:
@@ -383,6 +396,7 @@ __all__ = [
     "make_wrapper_subclass",
     "open_zipfile_writer",
     "rebuild_tensor_v2",
+    "enumerable_sharding_spec",
     "is_pytree_node",
     "register_flatten_spec",
     "register_pytree_node",

@@ -13,7 +13,7 @@ import abc
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-import torch
+from lightning_shardrec._compat import torch as compat
 
 W = TypeVar("W")
 _UNSET: Any = object()
@@ -72,8 +72,8 @@ class LazyAwaitable(Awaitable[W]):
         def ready(x: Any) -> Any:
             return x.wait() if isinstance(x, LazyAwaitable) else x
 
-        new_args = torch.utils._pytree.tree_map(ready, tuple(args))
-        new_kwargs = torch.utils._pytree.tree_map(ready, dict(kwargs or {}))
+        new_args = compat.tree_map(ready, tuple(args))
+        new_kwargs = compat.tree_map(ready, dict(kwargs or {}))
         return func(*new_args, **new_kwargs)
 
 

@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import torch
 
+from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.configs import BaseEmbeddingConfig
 from lightning_shardrec.errors import IdOutOfRangeError
 from lightning_shardrec.sparse import KeyedJaggedTensor
@@ -123,7 +124,7 @@ def check_id_tensor(features: KeyedJaggedTensor, owner: str, is_weighted: bool =
         return features
     total = features.offset_per_key()[-1] if keys else 0
     if _tracing(values):  # torch.export: a hint, not a branch on data (the program takes KJTs without a tail)
-        torch._check(values.shape[0] == total, lambda: f"{owner}: the ids must be exactly sum(lengths)")
+        compat.check(values.shape[0] == total, lambda: f"{owner}: the ids must be exactly sum(lengths)")
         return features
     if values.shape[0] == total and (weights is None or weights.shape[0] == total):
         return features
@@ -186,7 +187,7 @@ def _assert_ids(features: KeyedJaggedTensor, num_embeddings: list[int], table_na
     limits = torch.tensor(num_embeddings, device=values.device).repeat_interleave(counts, output_size=values.shape[0])
     ok = ((values >= 0) & (values < limits)).all()
     tables = ", ".join(f"'{t}' [0, {n})" for t, n in zip(table_names, num_embeddings, strict=True))
-    torch._assert_async(ok, f"an id is outside its table's range ({tables})")
+    compat.assert_async(ok, f"an id is outside its table's range ({tables})")
 
 
 def checks_on_device(device: torch.device) -> bool:

@@ -165,13 +165,13 @@ class ParameterSharding:
         if self.sharding_type is ShardingType.DATA_PARALLEL:
             return None
         import torch  # here: the planner's types import no torch
-        from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
-        from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+        from lightning_shardrec._compat import torch as compat
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return EnumerableShardingSpec(
+        return compat.enumerable_sharding_spec(
             [
-                TorchShardMetadata(
+                (
                     list(s.shard_offsets),
                     list(s.shard_sizes),
                     f"rank:{s.rank}/cuda:{s.rank % gpus}" if gpus else f"rank:{s.rank}/cpu",
@@ -179,7 +179,6 @@ class ParameterSharding:
                 for s in self.shards
             ]
         )
-
 
 @dataclass(frozen=True, kw_only=True)
 class ParameterConstraints:
