@@ -57,6 +57,7 @@ from lightning_shardrec.lightning.rank_failures import RankFailureHandling
 from lightning_shardrec.lightning.sigterm import LaggedSigterm, SigtermDeadline
 from lightning_shardrec.lightning.table_memory import has_meta_tables, tables_hidden
 from lightning_shardrec.lightning.teardown import destroy_groups
+from lightning_shardrec.lightning.uneven import BatchPadding, is_empty, zero_loss
 from lightning_shardrec.modules.plain_embeddings import swap_embedding_modules
 from lightning_shardrec.modules.table_init import tables_on_meta
 from lightning_shardrec.optim import FusedOptimizer, ScaledTableUpdates
@@ -98,6 +99,8 @@ class ShardRecStrategy(RankFailureHandling):
             (scripts, the CLI), ``"spawn"``, ``"fork"`` or ``"forkserver"`` (notebooks).
         sharders: TorchRec's sharders: their ``fused_params`` set the fused optimizer, their qcomm config
             the ``comm_precision`` (docs/migrating.md, 'Sharders').
+        uneven_batches: ``"pad"`` (a rank whose training data ends early trains on with empty batches until
+            every rank's has ended) or ``"error"`` (strict: ``UnevenBatchesError``).
 
     Each of the strategy's own options is explained in full, and checked, by
     :class:`~lightning_shardrec.lightning.options.ShardRecOptions` (``self.options``).
@@ -133,6 +136,7 @@ class ShardRecStrategy(RankFailureHandling):
         log_dynamic_stats: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         sharders: Sequence[ModuleSharder[Any]] | None = None,
+        uneven_batches: Literal["pad", "error"] = "pad",
     ) -> None:
         super().__init__(
             process_group_backend=process_group_backend,
@@ -161,6 +165,7 @@ class ShardRecStrategy(RankFailureHandling):
         self._scaler_glue: ScalerGlue | None = None  # "16-mixed": table updates follow the GradScaler
         self._deferral: str | None = None  # why this fit's table updates wait for the optimizer step
         self._deferred_glue: DeferredGlue | None = None
+        self.padding = BatchPadding(timeout)  # uneven training data (lightning/uneven.py)
 
     # --- model construction -------------------------------------------------------------------
     @contextmanager
@@ -374,7 +379,19 @@ class ShardRecStrategy(RankFailureHandling):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is not None:
             self.pipeline.before_step(self.lightning_module.trainer, super().batch_to_device)  # type: ignore[union-attr]
-        return super().training_step(*args, **kwargs)
+        out = super().training_step(*args, **kwargs)
+        return zero_loss(out) if self._pads() and args and is_empty(args[0]) else out  # a padded step: no NaN
+
+    def _pads(self) -> bool:
+        return self.options.uneven_batches == "pad" and self.world_size > 1 and bool(self.sharded)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """The training loader of a sharded fit on several ranks: padded past its end (lightning/uneven.py)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if self._pads() and trainer is not None and trainer.training and dist.is_initialized():
+            return self.padding.wrap(dataloader)  # collective: every rank sets up its training loader here
+        return dataloader
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -454,8 +471,9 @@ class ShardRecStrategy(RankFailureHandling):
         if self.pipeline is not None and not self._failing:
             self.pipeline.close()  # prefetch off, its transport closed: its group goes next
         if not self._failing:  # after a failure a group may hold work for a dead peer: leave it to exit
+            self.padding.close()
             destroy_groups(self._own_groups)
-            self._own_groups = []
+            self._own_groups, self._dense_pg = [], None  # freed: their threads stop
         # Unlike the base class, do not copy (possibly huge) sharded tables to the CPU.
         self.precision_plugin.teardown()
         assert self.accelerator is not None

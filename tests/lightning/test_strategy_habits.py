@@ -287,7 +287,7 @@ def test_after_fit_state_dict_and_a_one_rank_forward_stop_by_name():
             torch.testing.assert_close(r["pred"], plain(r["batch"]), **TOL)
 
 
-# --- 6: uneven batch counts -----------------------------------------------------------------------------
+# --- 6: uneven batch counts (strict mode, uneven_batches="error"; the default pads: test_uneven_batches.py) ---
 class _Batches(torch.utils.data.IterableDataset):
     """A per-rank stream of batches (no length), as a sharded-file reader deals them."""
 
@@ -306,7 +306,8 @@ def fit_uneven(rank, world, counts, max_steps, epochs, pipeline=False):
     dm.setup("fit")
     batches = [dm.datasets["train"].batch(i) for i in range(counts[rank])]
     loader = torch.utils.data.DataLoader(_Batches(batches), batch_size=None)
-    t = trainer(strategy=strategy(pipeline=pipeline), devices=world, max_steps=max_steps, max_epochs=epochs)
+    strict = strategy(pipeline=pipeline, uneven_batches="error")  # the opt-in strict mode (default: pad)
+    t = trainer(strategy=strict, devices=world, max_steps=max_steps, max_epochs=epochs)
     error = None
     try:
         t.fit(Rec(), loader)
