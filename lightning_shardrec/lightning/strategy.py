@@ -44,6 +44,7 @@ from lightning_shardrec.distributed.transport.shm import ShmTransport
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
+from lightning_shardrec.lightning.after_fit import gather_to_rank_zero
 from lightning_shardrec.lightning.cluster import ranks_per_host
 from lightning_shardrec.lightning.deferred import DeferredGlue, deferral_line, deferral_reason
 from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
@@ -425,6 +426,8 @@ class ShardRecStrategy(RankFailureHandling):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        if self.guard is not None:
+            self.guard.drop_full()  # the tables change from here on
         if self.world_size > 1 and dist.is_initialized():
             if self._sigterm is None:
                 group = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)  # collective
@@ -440,6 +443,8 @@ class ShardRecStrategy(RankFailureHandling):
             self.pipeline.drain()
         if self._sigterm is not None:
             self._sigterm.remove()
+        if self.guard is not None and dist.is_initialized():  # every rank together: rank 0 keeps the full tables
+            gather_to_rank_zero(self.sharded, self.guard, self.root_device)  # when they fit (lightning/after_fit.py)
         super().on_train_end()
 
     # --- teardown (failures: lightning_shardrec.lightning.rank_failures) ------------------------
