@@ -99,6 +99,8 @@ class ShardedGuard:
         self._handles: list[Any] = []
         self.full: dict[str, dict[str, Any]] = {}  # per collection path: its full tables (rank 0, after fit)
         self.full_refused = ""  # why they were not gathered (the arithmetic), for the error
+        self.replicas: dict[str, Any] = {}  # per collection path: its forward over the full tables (rank 0)
+        self._sharded = dict(sharded)
         for path, coll in sharded.items():
             if isinstance(coll.batch_tag, ShardedGuard):  # an earlier strategy's (a second Trainer): replaced
                 coll.batch_tag.remove(sharded)
@@ -153,6 +155,14 @@ class ShardedGuard:
     def drop_full(self) -> None:
         """The tables change (a fit starts): the copy gathered after the last fit is stale."""
         self.full = {}
+        for path in self.replicas:
+            self._sharded[path].__dict__.pop("forward", None)
+        self.replicas = {}
+
+    def alone(self, path: str) -> bool:
+        """Whether a call of collection ``path`` is rank 0's own, after fit (outside the loops, not collective)."""
+        trainer = self._trainer()
+        return path in self.replicas and not self._collective and (trainer is None or not _running(trainer))
 
     # --- forward --------------------------------------------------------------------------------
     @contextmanager
@@ -169,7 +179,7 @@ class ShardedGuard:
             if self._collective:
                 return
             trainer = self._trainer()
-            if trainer is None or not _running(trainer):
+            if (trainer is None or not _running(trainer)) and path not in self.replicas:
                 raise CollectiveCallError(
                     f"{type(module).__name__} '{path}' was called outside trainer.fit/validate/test/predict. Its "
                     "forward is collective (every rank takes part in each call), so a call on one rank would hang or "
