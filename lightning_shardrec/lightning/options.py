@@ -122,8 +122,8 @@ class ShardRecOptions:
     embedding_min_rows: int = 0
     strict_optimizer: bool = False
     log_dynamic_stats: bool = True
-    uneven_batches: str = "pad"
     sharders: list[ModuleSharder[Any]] = field(default_factory=list)
+    uneven_batches: str = "pad"
 
     def __post_init__(self) -> None:
         heartbeat = self.heartbeat_timeout
