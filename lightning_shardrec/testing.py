@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 _POOLS: dict[tuple[int, str], RankPool] = {}
+CLOSE_S = 30.0  # seconds the workers of a pool get, in all, to exit cleanly (a loaded machine) before a kill
 
 
 def _free_port() -> int:
@@ -51,7 +53,11 @@ def _worker(rank: int, world_size: int, backend: str, port: int, jobs: Any, resu
             results.put((rank, True, fn(rank, world_size, *args)))
         except BaseException:  # report everything; the parent decides
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    from lightning_shardrec.lightning.teardown import shutdown_at_exit
+
+    shutdown_at_exit()  # monitors and threads a test left running, the library's cached groups
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class RankPool:
@@ -95,8 +101,9 @@ class RankPool:
         for q, p in zip(self.jobs, self.procs, strict=True):
             if p.is_alive():
                 q.put(None)
+        end = time.monotonic() + CLOSE_S
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.1, end - time.monotonic()))  # each rank stops its threads, destroys its groups
             if p.is_alive():
                 p.kill()
 
@@ -137,7 +144,8 @@ def local_world_size(ranks_per_host: int | None) -> Iterator[None]:
 
 
 @atexit.register
-def _close_pools() -> None:
+def close_pools() -> None:
+    """Stop every pool's workers (each exits cleanly: threads joined, groups destroyed); also at exit."""
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()

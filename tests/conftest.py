@@ -30,6 +30,21 @@ def forked_python() -> Iterator[ForkedPython]:
     server.close()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _clean_exit() -> Iterator[None]:
+    """At the session's end, while the interpreter is whole: the rank pools' workers exit cleanly, and every
+    health monitor, library thread and process group a test left in this process is stopped, joined and
+    destroyed (a daemon thread inside a torch call at interpreter exit aborts pytest: lightning/teardown.py)."""
+    yield
+    from lightning_shardrec.lightning.teardown import shutdown_at_exit
+    from lightning_shardrec.testing import close_pools
+
+    close_pools()
+    shutdown_at_exit()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

@@ -44,6 +44,16 @@ def cached_group(key: tuple[Hashable, ...], make: Callable[[], dist.ProcessGroup
     return group
 
 
+def cached_groups() -> list[dist.ProcessGroup]:
+    """The groups :func:`cached_group` made that are still registered."""
+    return [g for g in _GROUPS.values() if live_group(g)]
+
+
+def forget_cached_groups() -> None:
+    """Drop the cache's references (at exit, after destroying them: a group's threads stop when it is freed)."""
+    _GROUPS.clear()
+
+
 def new_group_like(env: ShardingEnv, timeout: timedelta | None = None) -> ShardingEnv:
     """Collective: a new process group over ``env``'s ranks (same backend), e.g. for prefetched input dist;
     with its own shared-memory transport when ``env`` has one."""

@@ -51,6 +51,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 
 import torch.distributed as dist
@@ -90,6 +91,21 @@ def beat_interval(world_size: int, dead_after: float | None = None) -> float:
     """
     interval = max(MIN_INTERVAL_S, world_size * _OPS_PER_BEAT / STORE_OPS_PER_S)
     return interval if dead_after is None else min(interval, dead_after / 4)
+
+
+#: every monitor whose threads may still run (:func:`stop_all` stops them at interpreter exit)
+_LIVE: weakref.WeakSet[RankMonitor] = weakref.WeakSet()
+#: seconds :meth:`RankMonitor.stop` waits for each thread (a store call in flight, on a loaded machine)
+JOIN_S = 30.0
+
+
+def stop_all(timeout: float = JOIN_S) -> list[str]:
+    """Stop every live monitor of this process (their threads joined, up to ``timeout`` s each);
+    the names of threads still running after that (stuck in a store call that never returns)."""
+    stuck: list[str] = []
+    for monitor in list(_LIVE):
+        stuck += monitor.stop(timeout)
+    return stuck
 
 
 def is_comm_failure(exc: BaseException) -> bool:
@@ -183,6 +199,7 @@ class RankMonitor:
         self._stop = threading.Event()
         self._declared = threading.Lock()  # held by the first declaration: on_dead runs once
         self._where: dict[int, Whereabouts] = {}  # published records read so far (hosts, for names)
+        self._lookers: list[threading.Thread] = []  # explain()'s store readers (joined by stop())
         self.store.delete_key(f"{_PREFIX}/beat/{rank}")  # a store can outlive a run (several fits, one group)
         if rank == 0:
             self.store.delete_key(f"{_PREFIX}/lost")
@@ -190,6 +207,7 @@ class RankMonitor:
         self.store.set(f"{_PREFIX}/where/{rank}", Whereabouts.of().encode())
         self._beat()
         self._thread = threading.Thread(target=self._run, name=f"shardrec-heartbeat-{rank}", daemon=True)
+        _LIVE.add(self)
         self._thread.start()
         self._timer: threading.Thread | None = None
         if dead_after is not None:
@@ -281,16 +299,26 @@ class RankMonitor:
         first = rank - rank % self.local_world_size
         return f"{named} (ranks {', '.join(str(r) for r in range(first, first + self.local_world_size))})"
 
-    def stop(self) -> None:
-        """Stop beating and mark this rank as finished (a clean exit is not a death)."""
+    def stop(self, timeout: float = JOIN_S) -> list[str]:
+        """Stop beating and mark this rank as finished (a clean exit is not a death); idempotent.
+
+        Joins every thread of the monitor (up to ``timeout`` s each): a daemon thread still inside a
+        store call when the interpreter exits aborts the process (``terminate called without an
+        active exception``, lightning/teardown.py). Returns the names of threads still running.
+        """
+        first = not self._stop.is_set()
         self._stop.set()
-        # Wait out a store call in flight, even on a loaded machine: a thread still inside the store
-        # when the interpreter exits can abort the process (lightning/teardown.py).
-        self._thread.join(timeout=max(30.0, 2 * self.interval))
-        if self._timer is not None:
-            self._timer.join(timeout=max(30.0, 2 * self.interval))
-        with contextlib.suppress(Exception):
-            self.store.set(f"{_PREFIX}/beat/{self.rank}", _DONE)
+        threads = [self._thread, *([self._timer] if self._timer is not None else []), *self._lookers]
+        for thread in threads:
+            thread.join(timeout=max(timeout, 2 * self.interval))
+        self._lookers = [t for t in self._lookers if t.is_alive()]
+        stuck = [t.name for t in threads if t.is_alive()]
+        if not stuck:
+            _LIVE.discard(self)
+        if first:
+            with contextlib.suppress(Exception):
+                self.store.set(f"{_PREFIX}/beat/{self.rank}", _DONE)
+        return stuck
 
     # --- after a failure ----------------------------------------------------------------
     def report_failure(self, exc: BaseException) -> None:
@@ -314,6 +342,7 @@ class RankMonitor:
                 found.append(self._explain(wait))
 
         looking = threading.Thread(target=look, name=f"shardrec-explain-{self.rank}", daemon=True)
+        self._lookers = [t for t in self._lookers if t.is_alive()] + [looking]
         looking.start()
         looking.join(timeout=wait + STORE_GRACE_S)  # a silent store host never answers a read
         if found:

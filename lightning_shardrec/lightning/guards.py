@@ -8,7 +8,10 @@
 * :class:`ShardedGuard`, installed on every sharded collection:
 
   - ``state_dict()`` of a sharded collection (so of the LightningModule) raises
-    :class:`ShardedStateError`: it would hold one rank's shards under the unsharded names;
+    :class:`ShardedStateError`: it would hold one rank's shards under the unsharded names; except
+    on rank 0 after a fit whose tables fit in its memory: the strategy gathered them there at the
+    end of fit (:mod:`lightning_shardrec.lightning.after_fit`), and the state dict holds the full
+    tables under the unsharded names (``torch.save(model.state_dict())`` on rank 0 works);
   - a forward outside ``trainer.fit/validate/test/predict`` raises :class:`CollectiveCallError`
     at once (it is collective: called on one rank it would hang or die in the transport),
     unless every rank enters :meth:`ShardedGuard.collective`;
@@ -94,11 +97,16 @@ class ShardedGuard:
         self._collective = 0
         self._allowed = 0
         self._handles: list[Any] = []
+        self.full: dict[str, dict[str, Any]] = {}  # per collection path: its full tables (rank 0, after fit)
+        self.full_refused = ""  # why they were not gathered (the arithmetic), for the error
+        self.replicas: dict[str, Any] = {}  # per collection path: its forward over the full tables (rank 0)
+        self._sharded = dict(sharded)
         for path, coll in sharded.items():
             if isinstance(coll.batch_tag, ShardedGuard):  # an earlier strategy's (a second Trainer): replaced
                 coll.batch_tag.remove(sharded)
             self._handles.append(coll.register_forward_pre_hook(self._forward_hook(path)))
             self._handles.append(coll.register_state_dict_pre_hook(self._state_hook(path)))
+            self._handles.append(coll.register_state_dict_post_hook(self._full_tables(path)))
             coll.batch_tag = self
 
     def remove(self, sharded: Mapping[str, ShardedCollection]) -> None:
@@ -120,14 +128,41 @@ class ShardedGuard:
 
     def _state_hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-            if not self._allowed:
+            if not self._allowed and path not in self.full:
+                held = self.full_refused or "rank 0 holds the full tables after a fit, when they fit in its memory"
                 raise ShardedStateError(
                     f"{type(module).__name__} '{path}'.state_dict(): the module is sharded, so its state dict would "
                     "hold only this rank's shards of the tables. Call trainer.strategy.full_state_dict() on every rank "
-                    "(collective; the unsharded keys and full tables), or save with trainer.save_checkpoint(path)"
+                    "(collective; the unsharded keys and full tables), or save with trainer.save_checkpoint(path) "
+                    f"({held})"
                 )
 
         return hook
+
+    def _full_tables(self, path: str) -> Callable[..., None]:
+        """After fit on rank 0: the collection's entries replaced by its full tables, under the unsharded names."""
+
+        def hook(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            full = self.full.get(path)
+            if self._allowed or full is None:
+                return
+            for key in [k for k in state if k.startswith(prefix)]:
+                del state[key]
+            state.update({prefix + name: t for name, t in full.items()})
+
+        return hook
+
+    def drop_full(self) -> None:
+        """The tables change (a fit starts): the copy gathered after the last fit is stale."""
+        self.full = {}
+        for path in self.replicas:
+            self._sharded[path].__dict__.pop("forward", None)
+        self.replicas = {}
+
+    def alone(self, path: str) -> bool:
+        """Whether a call of collection ``path`` is rank 0's own, after fit (outside the loops, not collective)."""
+        trainer = self._trainer()
+        return path in self.replicas and not self._collective and (trainer is None or not _running(trainer))
 
     # --- forward --------------------------------------------------------------------------------
     @contextmanager
@@ -144,7 +179,7 @@ class ShardedGuard:
             if self._collective:
                 return
             trainer = self._trainer()
-            if trainer is None or not _running(trainer):
+            if (trainer is None or not _running(trainer)) and path not in self.replicas:
                 raise CollectiveCallError(
                     f"{type(module).__name__} '{path}' was called outside trainer.fit/validate/test/predict. Its "
                     "forward is collective (every rank takes part in each call), so a call on one rank would hang or "

@@ -28,6 +28,7 @@ from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.distributed.transport.connect import parse_transport
 from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.lightning.optimizers import Holder, derive_fused_config
+from lightning_shardrec.lightning.uneven import check_mode as check_uneven_mode
 from lightning_shardrec.modules.plain_embeddings import check_embedding_options
 from lightning_shardrec.planner import (
     EmbeddingShardingPlanner,
@@ -93,6 +94,11 @@ class ShardRecOptions:
         log_dynamic_stats: add a :class:`~lightning_shardrec.lightning.dynamic_monitor.DynamicTableMonitor`
             (each dynamic table's occupancy, admissions, evictions, misses, ... summed over ranks, logged
             every ``log_every_n_steps``) when the model has dynamic tables and the Trainer has none.
+        uneven_batches: ``"pad"`` (default): a rank whose training data ends before the others' trains
+            on with empty batches (zero rows, no update from it) until every rank's data has ended, so
+            every batch of every rank trains once and the epoch ends together
+            (:mod:`lightning_shardrec.lightning.uneven`: one small all-reduce per batch); ``"error"``:
+            the strict mode, every rank stops with ``UnevenBatchesError`` at the last batch they share.
         sharders: TorchRec's ``EmbeddingBagCollectionSharder`` / ``EmbeddingCollectionSharder``:
             their ``fused_params`` set the tables' fused optimizer and their qcomm config the
             ``comm_precision`` (as does ``apply_optimizer_in_backward`` on the tables); see
@@ -117,6 +123,7 @@ class ShardRecOptions:
     strict_optimizer: bool = False
     log_dynamic_stats: bool = True
     sharders: list[ModuleSharder[Any]] = field(default_factory=list)
+    uneven_batches: str = "pad"
 
     def __post_init__(self) -> None:
         heartbeat = self.heartbeat_timeout
@@ -144,6 +151,7 @@ class ShardRecOptions:
         which = check_embedding_options(self.embedding_modules, self.embedding_min_rows, "ShardRecStrategy")
         self._set("embedding_modules", which)
         self._set("constraints", dict(self.constraints or {}))
+        check_uneven_mode(self.uneven_batches)
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)  # frozen: only __post_init__ stores the parsed form

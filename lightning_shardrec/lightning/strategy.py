@@ -46,6 +46,7 @@ from lightning_shardrec.errors import IdOutOfRangeError
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
+from lightning_shardrec.lightning.after_fit import gather_to_rank_zero
 from lightning_shardrec.lightning.cluster import ranks_per_host
 from lightning_shardrec.lightning.data_errors import explain_bad_id
 from lightning_shardrec.lightning.deferred import DeferredGlue, deferral_line, deferral_reason, watch_repeats
@@ -68,6 +69,7 @@ from lightning_shardrec.lightning.rank_failures import RankFailureHandling
 from lightning_shardrec.lightning.sigterm import LaggedSigterm, SigtermDeadline
 from lightning_shardrec.lightning.table_memory import has_meta_tables, tables_hidden
 from lightning_shardrec.lightning.teardown import destroy_groups
+from lightning_shardrec.lightning.uneven import BatchPadding, is_empty, zero_loss
 from lightning_shardrec.modules.plain_embeddings import swap_embedding_modules
 from lightning_shardrec.modules.table_init import tables_on_meta
 from lightning_shardrec.optim import FusedOptimizer, RepeatedLookups, ScaledTableUpdates
@@ -109,6 +111,8 @@ class ShardRecStrategy(RankFailureHandling):
             (scripts, the CLI), ``"spawn"``, ``"fork"`` or ``"forkserver"`` (notebooks).
         sharders: TorchRec's sharders: their ``fused_params`` set the fused optimizer, their qcomm config
             the ``comm_precision`` (docs/migrating.md, 'Sharders').
+        uneven_batches: ``"pad"`` (a rank whose training data ends early trains on with empty batches until
+            every rank's has ended) or ``"error"`` (strict: ``UnevenBatchesError``).
 
     Each of the strategy's own options is explained in full, and checked, by
     :class:`~lightning_shardrec.lightning.options.ShardRecOptions` (``self.options``).
@@ -144,6 +148,7 @@ class ShardRecStrategy(RankFailureHandling):
         log_dynamic_stats: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         sharders: Sequence[ModuleSharder[Any]] | None = None,
+        uneven_batches: Literal["pad", "error"] = "pad",
     ) -> None:
         super().__init__(
             process_group_backend=process_group_backend,
@@ -173,6 +178,7 @@ class ShardRecStrategy(RankFailureHandling):
         self._deferral: str | None = None  # why this fit's table updates wait for the optimizer step
         self._deferred_glue: DeferredGlue | None = None
         self._repeats: RepeatedLookups | None = None  # a table looked up twice in a step: summed (deferred.py)
+        self.padding = BatchPadding(timeout)  # uneven training data (lightning/uneven.py)
 
     # --- model construction -------------------------------------------------------------------
     @contextmanager
@@ -392,10 +398,22 @@ class ShardRecStrategy(RankFailureHandling):
         if self._repeats is not None:
             self._repeats.new_step()
         try:
-            return super().training_step(*args, **kwargs)
+            out = super().training_step(*args, **kwargs)
         except IdOutOfRangeError as err:  # name the step and the batch key, and how to get past it
             step = self.lightning_module.trainer.global_step  # type: ignore[union-attr]
             raise explain_bad_id(err, args[0] if args else None, step, args[1] if len(args) > 1 else -1) from None
+        return zero_loss(out) if self._pads() and args and is_empty(args[0]) else out  # a padded step: no NaN
+
+    def _pads(self) -> bool:
+        return self.options.uneven_batches == "pad" and self.world_size > 1 and bool(self.sharded)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """The training loader of a sharded fit on several ranks: padded past its end (lightning/uneven.py)."""
+        trainer = attached_trainer(self.lightning_module)
+        if self._pads() and trainer is not None and trainer.training and dist.is_initialized():
+            return self.padding.wrap(dataloader)  # collective: every rank sets up its training loader here
+        return dataloader
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -432,6 +450,8 @@ class ShardRecStrategy(RankFailureHandling):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        if self.guard is not None:
+            self.guard.drop_full()  # the tables change from here on
         if self.world_size > 1 and dist.is_initialized():
             if self._sigterm is None:
                 group = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)  # collective
@@ -447,6 +467,8 @@ class ShardRecStrategy(RankFailureHandling):
             self.pipeline.drain()
         if self._sigterm is not None:
             self._sigterm.remove()
+        if self.guard is not None and dist.is_initialized():  # every rank together: rank 0 keeps the full tables
+            gather_to_rank_zero(self.sharded, self.guard, self.root_device)  # when they fit (lightning/after_fit.py)
         super().on_train_end()
 
     # --- teardown (failures: lightning_shardrec.lightning.rank_failures) ------------------------
@@ -481,8 +503,9 @@ class ShardRecStrategy(RankFailureHandling):
         if self.pipeline is not None and not self._failing:
             self.pipeline.close()  # prefetch off, its transport closed: its group goes next
         if not self._failing:  # after a failure a group may hold work for a dead peer: leave it to exit
+            self.padding.close()
             destroy_groups(self._own_groups)
-            self._own_groups = []
+            self._own_groups, self._dense_pg = [], None  # freed: their threads stop
         # Unlike the base class, do not copy (possibly huge) sharded tables to the CPU.
         self.precision_plugin.teardown()
         assert self.accelerator is not None

@@ -1,34 +1,58 @@
-"""A clean exit: the process groups the strategy creates are destroyed, not left to interpreter exit.
+"""A clean exit: every thread the library started is joined, every group it made destroyed and freed.
 
-A gloo process group still alive when Python exits is torn down during interpreter
-finalization, in no particular order, while its worker threads may still hold work or
-need the GIL; now and then that ends the process with ``terminate called without an
-active exception`` (SIGABRT, exit -6) after a run that finished, which a scheduler
-marks as failed. So:
+A process that finished its work can still die at exit with ``terminate called without an
+active exception`` (SIGABRT, exit -6), which a scheduler marks as failed. Two ways lead there,
+both at interpreter finalization (Python 3.11: a thread that wants the GIL then is ended with
+``pthread_exit``, and unwinding a C++ frame that may not throw calls ``std::terminate``):
 
-* the groups the strategy makes for itself (the dense layers' DDP group, the pipeline's
-  prefetch group, the lagged SIGTERM group) are destroyed in ``teardown``
-  (:func:`destroy_groups`), which every rank reaches after ``fit``/``validate``/...;
-* the shared-memory transports (:mod:`lightning_shardrec.distributed.transport`) are closed: the
-  dense all-reduce's with its DDP wrapper, the pipeline's with the pipeline; the sharded
-  collections keep theirs for a later fit, validate or predict (closed when they are freed);
-* the default group, when the strategy's ``setup_distributed`` created it, is destroyed
-  by an ``atexit`` hook (:func:`destroy_default_group_at_exit`), after the user's script
-  is done with it (``trainer.save_checkpoint`` after ``fit`` still needs it), while the
-  interpreter is whole.
+* a daemon Python thread inside a torch call that released the GIL (a heartbeat's store
+  ``add``, a store read) when finalization starts;
+* a process group's native worker threads that touch Python objects (a tensor's, a hook's)
+  while or after the interpreter is torn down: a group that was never destroyed is freed
+  from torch's C++ registry after finalization, and ``destroy_process_group(group)`` alone
+  does not stop its threads while Python still holds the group object.
+
+So, in order:
+
+* ``teardown`` (every rank, after ``fit``/``validate``/...) stops the health monitor (its
+  threads joined), the SIGTERM watcher and the lagged SIGTERM broadcast, closes the
+  shared-memory transports of the dense all-reduce and the pipeline, and destroys the groups
+  the strategy made for itself (the dense layers' DDP group, the pipeline's prefetch group,
+  the SIGTERM group, the uneven-batches group: :func:`destroy_groups`), dropping its
+  references to them; the sharded collections keep theirs for a later fit, validate or predict;
+* at interpreter exit, while the interpreter is whole (:func:`shutdown_at_exit`, registered when
+  this module is imported, so for any program that imports the library, Lightning or not):
+  every health monitor still running is stopped, the library's other threads are joined (a
+  bounded wait), the groups the library cached (:func:`lightning_shardrec.distributed.groups.cached_group`)
+  are destroyed, every group is destroyed when the strategy created the default group (a
+  ``trainer.save_checkpoint`` after ``fit`` still needs it until then), and the library's
+  references to groups are dropped and collected, so each group's threads stop now.
+
+A thread stuck in a store call whose server never answers (a frozen host) cannot be joined;
+its name is logged at exit.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import logging
+import threading
+import time
 from collections.abc import Iterable
 
 import torch.distributed as dist
 
+from lightning_shardrec.distributed import groups as _groups
+from lightning_shardrec.distributed import health
+
 log = logging.getLogger(__name__)
-_AT_EXIT = False
+#: the library's thread names start with this (heartbeat, store timer, explain, SIGTERM watcher)
+THREAD_PREFIX = "shardrec-"
+#: seconds the exit hook waits, in all, for the library's threads
+EXIT_JOIN_S = 30.0
+_STATE = {"default_group_is_ours": False}
 
 
 def destroy_groups(groups: Iterable[dist.ProcessGroup]) -> None:
@@ -40,15 +64,41 @@ def destroy_groups(groups: Iterable[dist.ProcessGroup]) -> None:
             dist.destroy_process_group(group)
 
 
-def _destroy_default_group() -> None:
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):  # exiting anyway: never turn a clean exit into a traceback
-            dist.destroy_process_group()
+def library_threads() -> list[threading.Thread]:
+    """The library's threads still running in this process."""
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX) and t.is_alive()]
+
+
+def join_threads(timeout: float) -> list[str]:
+    """Join the library's threads, ``timeout`` seconds in all; the names of those still running."""
+    end = time.monotonic() + timeout
+    for thread in library_threads():
+        if thread is not threading.current_thread():
+            thread.join(timeout=max(0.0, end - time.monotonic()))
+    return [t.name for t in library_threads()]
+
+
+def shutdown_at_exit() -> None:
+    """Stop, join, destroy and free what the library started (see the module docstring); never raises."""
+    try:
+        stuck = health.stop_all(timeout=EXIT_JOIN_S)
+        stuck = sorted(set(stuck) | set(join_threads(EXIT_JOIN_S)))
+        if stuck:
+            log.warning("lightning_shardrec: threads still running at exit (a store that never answers?): %s", stuck)
+        if dist.is_initialized():
+            if _STATE["default_group_is_ours"]:
+                dist.destroy_process_group()  # every group, the default one included
+            else:
+                destroy_groups(_groups.cached_groups())
+        _groups.forget_cached_groups()  # the last references: the groups' threads stop now
+        gc.collect()
+    except Exception:  # exiting anyway: never turn a clean exit into a traceback
+        log.debug("lightning_shardrec: shutdown at exit", exc_info=True)
 
 
 def destroy_default_group_at_exit() -> None:
-    """Destroy every process group (the default one included) when the interpreter exits; once."""
-    global _AT_EXIT
-    if not _AT_EXIT:
-        atexit.register(_destroy_default_group)
-        _AT_EXIT = True
+    """The strategy created the default group: destroy every group (the default one included) at exit."""
+    _STATE["default_group_is_ours"] = True
+
+
+atexit.register(shutdown_at_exit)

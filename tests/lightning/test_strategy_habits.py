@@ -252,13 +252,15 @@ def use_after_fit(rank, world):
     except ShardedStateError as e:
         out["state_dict"] = str(e)
     batch = next(iter(dm.train_dataloader()))
-    if rank == 0:  # `if trainer.is_global_zero: model(batch)`: rank 1 goes on
-        start = time.perf_counter()
-        try:
-            model(batch)
-        except CollectiveCallError as e:
-            out["forward"] = str(e)
-        out["seconds"] = time.perf_counter() - start
+    # `if trainer.is_global_zero: model(batch)`: rank 0 runs it on the full tables it holds after fit
+    # (test_after_fit.py); on any other rank a lone call stops at once by name
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            out["alone"] = model(batch).clone()
+    except CollectiveCallError as e:
+        out["forward"] = str(e)
+    out["seconds"] = time.perf_counter() - start
     with t.strategy.collective(), torch.no_grad():  # every rank: allowed
         out["pred"] = model(batch).clone()
     out["full"] = full_state(t)
@@ -266,28 +268,29 @@ def use_after_fit(rank, world):
     return out
 
 
-def test_after_fit_state_dict_and_a_one_rank_forward_stop_by_name():
+def test_after_fit_rank_zero_state_dict_and_forward_work_other_ranks_stop_by_name():
     results = run_ranks(use_after_fit, 2)
-    for r in results:
+    for r in results[1:]:  # rank 0 holds the full tables after fit (test_after_fit.py)
         assert r["state_dict"].startswith(
             "ShardedEmbeddingBagCollection 'ebc'.state_dict(): the module is sharded, so its state dict would hold "
             "only this rank's shards"
         )
         assert "trainer.strategy.full_state_dict() on every rank" in r["state_dict"]
-    first = results[0]
-    assert first["forward"].startswith(
+    first, second = results
+    assert second["forward"].startswith(
         "ShardedEmbeddingBagCollection 'ebc' was called outside trainer.fit/validate/test/predict. Its forward is "
         "collective"
     )
-    assert first["seconds"] < 1.0
+    assert second["seconds"] < 1.0
     plain = Rec()
     plain.load_state_dict(first["full"])
     with torch.no_grad():
         for r in results:
             torch.testing.assert_close(r["pred"], plain(r["batch"]), **TOL)
+        torch.testing.assert_close(first["alone"], plain(first["batch"]), **TOL)
 
 
-# --- 6: uneven batch counts -----------------------------------------------------------------------------
+# --- 6: uneven batch counts (strict mode, uneven_batches="error"; the default pads: test_uneven_batches.py) ---
 class _Batches(torch.utils.data.IterableDataset):
     """A per-rank stream of batches (no length), as a sharded-file reader deals them."""
 
@@ -306,7 +309,8 @@ def fit_uneven(rank, world, counts, max_steps, epochs, pipeline=False):
     dm.setup("fit")
     batches = [dm.datasets["train"].batch(i) for i in range(counts[rank])]
     loader = torch.utils.data.DataLoader(_Batches(batches), batch_size=None)
-    t = trainer(strategy=strategy(pipeline=pipeline), devices=world, max_steps=max_steps, max_epochs=epochs)
+    strict = strategy(pipeline=pipeline, uneven_batches="error")  # the opt-in strict mode (default: pad)
+    t = trainer(strategy=strict, devices=world, max_steps=max_steps, max_epochs=epochs)
     error = None
     try:
         t.fit(Rec(), loader)

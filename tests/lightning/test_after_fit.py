@@ -1,0 +1,57 @@
+"""After fit, ``torch.save(model.state_dict())`` on rank 0 alone (what DDP users do) works when the tables fit.
+
+At the end of fit every rank gathers the full tables to rank 0 (lightning/after_fit.py); rank 0's
+``model.state_dict()`` then equals the collective ``trainer.strategy.full_state_dict()`` and loads
+into the plain model. Elsewhere, or where the tables do not fit, ``ShardedStateError`` says why.
+"""
+
+from __future__ import annotations
+
+import torch
+from _models import Rec, data, external_launch, trainer
+
+from lightning_shardrec.lightning import after_fit
+from lightning_shardrec.testing import run_ranks
+
+
+def fit_then_rank_zero_state(rank, world, share):
+    from lightning_shardrec import ShardRecStrategy
+    from lightning_shardrec.errors import ShardedStateError
+
+    external_launch(rank, world)
+    after_fit.SHARE = share
+    model = Rec()
+    t = trainer(strategy=ShardRecStrategy(), devices=world, max_steps=2)
+    t.fit(model, data(4, 2))
+    full = {k: v.clone() for k, v in t.strategy.full_state_dict().items()}  # collective: every rank
+    try:
+        mine = {k: v.clone() for k, v in model.state_dict().items()}  # this rank alone
+    except ShardedStateError as e:
+        mine = str(e)
+    return full, mine
+
+
+def test_rank_zero_state_dict_after_fit_holds_the_full_tables():
+    (full, mine), (_, other) = run_ranks(fit_then_rank_zero_state, 2, after_fit.SHARE)
+    assert set(mine) == set(full)
+    for k in full:
+        torch.testing.assert_close(mine[k], full[k], rtol=0, atol=0, msg=k)
+    Rec().load_state_dict(mine)  # the plain model's keys
+    assert "(the full tables are held only on rank 0 after a fit)" in other
+    assert other.startswith("ShardedEmbeddingBagCollection 'ebc'.state_dict(): the module is sharded")
+
+
+def test_tables_that_do_not_fit_are_not_gathered_and_the_error_shows_the_arithmetic():
+    (_, mine), _ = run_ranks(fit_then_rank_zero_state, 2, 1e-12)
+    assert "trainer.strategy.full_state_dict() on every rank" in mine
+    assert "(the full tables need 0.00 GiB and do not fit in 0% of rank 0's " in mine
+    assert mine.endswith(" GiB available host memory)")
+
+
+def test_fits_states_the_arithmetic():
+    assert after_fit.fits(2 * 1024**3, 4 * 1024**3) == (
+        False,
+        "the full tables need 2.00 GiB and do not fit in 25% of rank 0's 4.0 GiB available host memory",
+    )
+    assert after_fit.fits(1024**3, 4 * 1024**3)[0]
+    assert not after_fit.fits(1, None)[0]
