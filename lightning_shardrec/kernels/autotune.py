@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_shardrec._fbgemm import installed_build
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.kernels.base import BatchedEmbeddingKernel, KernelBackend, TableSpec
 from lightning_shardrec.sparse import KeyedJaggedTensor
@@ -222,14 +223,8 @@ def machine() -> str:
 
 
 def _fbgemm_version() -> str:
-    from importlib import metadata
-
-    for name in ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly"):
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return "-"
+    build = installed_build()
+    return "-" if build is None else build.rsplit(" ", 1)[1]
 
 
 def cache_key(

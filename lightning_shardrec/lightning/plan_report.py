@@ -7,6 +7,7 @@ import os
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from lightning_shardrec import _fbgemm as fbgemm
 from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.transport.per_host import transport_report
 from lightning_shardrec.lightning.deferred import deferral_line
@@ -16,10 +17,12 @@ from lightning_shardrec.planner.memory import peak_line
 
 @rank_zero_only
 def print_plan(plan: ShardingPlan, kernels: dict[tuple[str, str], str], deferral: str | None) -> None:
-    """The plan as a table (each table group's kernel), the peak memory per rank and why updates wait."""
+    """The plan as a table (each table group's kernel), the fbgemm build and backend, the peak memory per
+    rank and why updates wait."""
     peak = "" if plan.stats is None else "\n" + peak_line(plan.stats.max_storage, plan.stats.storage_cap)
     note = "" if deferral is None else "\n" + deferral_line(deferral)
-    print(f"lightning_shardrec sharding plan:\n{plan.table(kernels)}{peak}{note}", flush=True)
+    backend = f"\nkernels: {fbgemm.describe()}"
+    print(f"lightning_shardrec sharding plan:\n{plan.table(kernels)}{backend}{peak}{note}", flush=True)
 
 
 def print_transport(env: ShardingEnv) -> None:

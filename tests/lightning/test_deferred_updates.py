@@ -387,6 +387,9 @@ def test_the_plan_printout_and_the_fit_start_line_say_why_updates_wait(capsys):
     out = capsys.readouterr().out
     assert out.startswith("lightning_shardrec sharding plan:\n")
     assert out.rstrip("\n").endswith(deferral_line(reason))
+    from lightning_shardrec import _fbgemm
+
+    assert f"\nkernels: {_fbgemm.describe()}\n" in out  # the fbgemm build and the backend chosen (#40)
     assert deferral_line(reason).startswith(
         "ShardRecStrategy: table updates are deferred to the optimizer step (accumulate_grad_batches=2: "
     )
