@@ -42,7 +42,7 @@ def device_bad_prefetch(rank: int, world: int) -> Any:
 
 def test_a_bad_id_found_on_the_device_is_named_on_its_rank_and_stops_every_rank() -> None:
     (msgs0, n0), (msgs1, n1) = run_ranks(device_bad_batch, 2)
-    assert "ValueError: feature 'f2' (table 't_small'): id 5 outside [0, 2)" in msgs1[0]
+    assert "IdOutOfRangeError: feature 'f2' (table 't_small'): id 5 outside [0, 2)" in msgs1[0]
     assert "ShardingError: rank 0: ranks [1] rejected their batch" in msgs0[0]
     assert n0 == n1 == 2
 
@@ -50,7 +50,7 @@ def test_a_bad_id_found_on_the_device_is_named_on_its_rank_and_stops_every_rank(
 def test_a_bad_prefetched_id_found_on_the_device_raises_at_its_forward() -> None:
     (m0, n0, left0), (m1, n1, left1) = run_ranks(device_bad_prefetch, 2)
     assert "ShardingError: rank 0: ranks [1] rejected their batch" in m0[2]
-    assert "ValueError: feature 'f2' (table 't_small'): id 5 outside [0, 2)" in m1[2]
+    assert "IdOutOfRangeError: feature 'f2' (table 't_small'): id 5 outside [0, 2)" in m1[2]
     assert n0 == n1 == 2 and left0 == left1 == 0
 
 
