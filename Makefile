@@ -10,7 +10,7 @@ FBGEMM_EXTRA := torch213-$(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || e
 STAMP  := $(VENV)/.installed-$(FBGEMM_EXTRA)
 PYTEST_ARGS ?=
 
-.PHONY: setup train test test-range lint docs clean gpu-check
+.PHONY: setup train test test-range test-scale lint docs clean gpu-check
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ test: $(STAMP)
 # and without, and the oldest supported torch and Lightning (.ci/range.sh; venvs .venv-range-*).
 test-range:
 	bash .ci/range.sh
+
+# Hundreds of ranks by simulation: the 16-24-rank cases (minutes each; not in `make test`).
+test-scale: $(STAMP)
+	$(PY) -m pytest -q -m scale $(PYTEST_ARGS)
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict

@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 _POOLS: dict[tuple[int, str], RankPool] = {}
+KEEP_RANKS = 4  # pools of at most this many ranks stay up for the next call; larger ones close after theirs
 CLOSE_S = 30.0  # seconds the workers of a pool get, in all, to exit cleanly (a loaded machine) before a kill
 
 
@@ -111,17 +112,24 @@ class RankPool:
 def run_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout: float = 180.0
 ) -> list[Any]:
-    """``[fn(rank, world_size, *args) for every rank]``, run in parallel in one process group."""
+    """``[fn(rank, world_size, *args) for every rank]``, run in parallel in one process group.
+
+    Groups of up to :data:`KEEP_RANKS` ranks are kept for the next call (tests share them); a larger
+    one is closed after its call, so its idle workers hold no memory and no CPU meanwhile.
+    """
     key = (world_size, backend)
     pool = _POOLS.get(key)
     if pool is None or not all(p.is_alive() for p in pool.procs):
         pool = _POOLS[key] = RankPool(world_size, backend)
+    failed = True
     try:
-        return pool.run(fn, *args, timeout=timeout)
-    except BaseException:
-        pool.close()
-        del _POOLS[key]
-        raise
+        out = pool.run(fn, *args, timeout=timeout)
+        failed = False
+        return out
+    finally:
+        if failed or world_size > KEEP_RANKS:
+            pool.close()
+            del _POOLS[key]
 
 
 @contextmanager

@@ -123,5 +123,6 @@ def test_gathers_to_one_rank_grow_no_other_rank_at_8_ranks():
 
 
 @pytest.mark.slow
+@pytest.mark.scale
 def test_gathers_to_one_rank_grow_no_other_rank_at_16_ranks():
     _check(16)

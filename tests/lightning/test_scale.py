@@ -62,6 +62,7 @@ def test_8_ranks_forced_plans_match_one_process(tmp_path, one_process, kind):
 
 
 @pytest.mark.slow
+@pytest.mark.scale
 @pytest.mark.parametrize("world", [16, 24])
 @pytest.mark.parametrize("kind", [None, "row_wise", "table_wise"])
 def test_many_ranks_match_one_process(tmp_path, one_process, world, kind):
@@ -69,7 +70,7 @@ def test_many_ranks_match_one_process(tmp_path, one_process, world, kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [8, 16])
+@pytest.mark.parametrize("world", [8, pytest.param(16, marks=pytest.mark.scale)])
 def test_a_killed_rank_is_named_by_every_survivor(tmp_path, world):
     killed = world // 2 + 1
     run = launch(world, tmp_path, "--kill", str(killed), "--step", "3", timeout=TIMEOUT)
@@ -81,6 +82,7 @@ def test_a_killed_rank_is_named_by_every_survivor(tmp_path, world):
 
 
 @pytest.mark.slow
+@pytest.mark.scale
 def test_a_checkpoint_written_at_16_ranks_resumes_at_12_exactly(tmp_path):
     ckpt = tmp_path / "at16.ckpt"
     _ok(launch(16, tmp_path / "16", "--save", str(ckpt), timeout=TIMEOUT))
