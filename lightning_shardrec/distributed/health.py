@@ -46,7 +46,9 @@ it only names the lost rank after a failed collective (docs/reliability.md, "Wha
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -97,6 +99,15 @@ def beat_interval(world_size: int, dead_after: float | None = None) -> float:
 _LIVE: weakref.WeakSet[RankMonitor] = weakref.WeakSet()
 #: seconds :meth:`RankMonitor.stop` waits for each thread (a store call in flight, on a loaded machine)
 JOIN_S = 30.0
+
+
+@functools.cache
+def _stop_all_at_exit() -> None:
+    """Once, when the first monitor starts: stop every monitor at interpreter exit (a daemon thread still in a
+    store call while the interpreter tears down aborts the process: ``terminate called without an active
+    exception``). The Lightning layer's exit hook does more (process groups), but a program may use the
+    monitor without it."""
+    atexit.register(stop_all)
 
 
 def stop_all(timeout: float = JOIN_S) -> list[str]:
@@ -208,6 +219,7 @@ class RankMonitor:
         self._beat()
         self._thread = threading.Thread(target=self._run, name=f"shardrec-heartbeat-{rank}", daemon=True)
         _LIVE.add(self)
+        _stop_all_at_exit()
         self._thread.start()
         self._timer: threading.Thread | None = None
         if dead_after is not None:

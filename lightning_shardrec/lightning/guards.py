@@ -129,7 +129,10 @@ class ShardedGuard:
     def _state_hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
             if not self._allowed and path not in self.full:
-                held = self.full_refused or "rank 0 holds the full tables after a fit, when they fit in its memory"
+                held = self.full_refused or (
+                    "with ShardRecStrategy(full_tables_after_fit=True), rank 0 holds the full tables after a fit, "
+                    "when they fit in its memory"
+                )
                 raise ShardedStateError(
                     f"{type(module).__name__} '{path}'.state_dict(): the module is sharded, so its state dict would "
                     "hold only this rank's shards of the tables. Call trainer.strategy.full_state_dict() on every rank "

@@ -99,6 +99,11 @@ class ShardRecOptions:
             every batch of every rank trains once and the epoch ends together
             (:mod:`lightning_shardrec.lightning.uneven`: one small all-reduce per batch); ``"error"``:
             the strict mode, every rank stops with ``UnevenBatchesError`` at the last batch they share.
+        full_tables_after_fit: at the end of every fit, while every rank is still there, gather the full
+            tables to rank 0 when they fit in a quarter of its available host memory, so that
+            ``model.state_dict()`` and ``model(batch)`` work on rank 0 alone after fit
+            (:mod:`lightning_shardrec.lightning.after_fit`). Off by default: it costs one gather per fit
+            and rank 0 holds every table until the next fit, beyond its share.
         sharders: TorchRec's ``EmbeddingBagCollectionSharder`` / ``EmbeddingCollectionSharder``:
             their ``fused_params`` set the tables' fused optimizer and their qcomm config the
             ``comm_precision`` (as does ``apply_optimizer_in_backward`` on the tables); see
@@ -124,6 +129,7 @@ class ShardRecOptions:
     log_dynamic_stats: bool = True
     sharders: list[ModuleSharder[Any]] = field(default_factory=list)
     uneven_batches: str = "pad"
+    full_tables_after_fit: bool = False
 
     def __post_init__(self) -> None:
         heartbeat = self.heartbeat_timeout

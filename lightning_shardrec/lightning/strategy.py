@@ -113,6 +113,8 @@ class ShardRecStrategy(RankFailureHandling):
             the ``comm_precision`` (docs/migrating.md, 'Sharders').
         uneven_batches: ``"pad"`` (a rank whose training data ends early trains on with empty batches until
             every rank's has ended) or ``"error"`` (strict: ``UnevenBatchesError``).
+        full_tables_after_fit: gather the full tables to rank 0 at the end of each fit (when they fit), so
+            ``model.state_dict()`` and ``model(batch)`` work on rank 0 alone after fit (off by default).
 
     Each of the strategy's own options is explained in full, and checked, by
     :class:`~lightning_shardrec.lightning.options.ShardRecOptions` (``self.options``).
@@ -149,6 +151,7 @@ class ShardRecStrategy(RankFailureHandling):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         sharders: Sequence[ModuleSharder[Any]] | None = None,
         uneven_batches: Literal["pad", "error"] = "pad",
+        full_tables_after_fit: bool = False,
     ) -> None:
         super().__init__(
             process_group_backend=process_group_backend,
@@ -467,7 +470,8 @@ class ShardRecStrategy(RankFailureHandling):
             self.pipeline.drain()
         if self._sigterm is not None:
             self._sigterm.remove()
-        if self.guard is not None and dist.is_initialized():  # every rank together: rank 0 keeps the full tables
+        if self.options.full_tables_after_fit and self.guard is not None and dist.is_initialized():
+            # every rank together: rank 0 keeps the full tables
             gather_to_rank_zero(self.sharded, self.guard, self.root_device)  # when they fit (lightning/after_fit.py)
         super().on_train_end()
 

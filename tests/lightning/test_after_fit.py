@@ -21,7 +21,7 @@ def fit_then_rank_zero_state(rank, world, share):
     external_launch(rank, world)
     after_fit.SHARE = share
     model = Rec()
-    t = trainer(strategy=ShardRecStrategy(), devices=world, max_steps=2)
+    t = trainer(strategy=ShardRecStrategy(full_tables_after_fit=True), devices=world, max_steps=2)
     t.fit(model, data(4, 2))
     full = {k: v.clone() for k, v in t.strategy.full_state_dict().items()}  # collective: every rank
     try:

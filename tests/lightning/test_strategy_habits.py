@@ -243,7 +243,7 @@ def use_after_fit(rank, world):
 
     external_launch(rank, world)
     model = Rec()
-    t = trainer(strategy=strategy(), devices=world, max_steps=2)
+    t = trainer(strategy=strategy(full_tables_after_fit=True), devices=world, max_steps=2)
     dm = data(4, 2)
     t.fit(model, dm)
     out = {}

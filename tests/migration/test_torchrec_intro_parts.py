@@ -38,6 +38,7 @@ def _sharding(rank, world):
     return _detached(load("intro_sharding").main())
 
 
+@pytest.mark.needs_fbgemm  # the recorded TorchRec run: fbgemm's kernels and enums
 def test_intro_sharding_part_runs_and_trains_as_torchrecs():
     (got,) = run_ranks(_sharding, 1)
     assert got["keys"] == ["product", "user"]

@@ -174,7 +174,6 @@ def test_intro_tutorial_runs_with_fp16_forward_and_bf16_backward_comms(world):
 
 
 def _transfer_learning(rank, world, sharding_type):
-    pytest.importorskip("fbgemm_gpu")  # the program imports fbgemm's EmbOptimType itself
     strategy = torch.multiprocessing.get_sharing_strategy()
     try:  # rank 0 reads dmp.state_dict() alone while rank 1 waits in dist.barrier(): a collective there hangs
         return load("transfer_learning").main(64, 16, sharding_type)
@@ -182,6 +181,7 @@ def _transfer_learning(rank, world, sharding_type):
         torch.multiprocessing.set_sharing_strategy(strategy)
 
 
+@pytest.mark.needs_fbgemm  # the program imports fbgemm's EmbOptimType itself
 @pytest.mark.parametrize("sharding_type", ["row_wise", "column_wise", "table_wise"])
 def test_transfer_learning_loads_a_shared_memory_table_into_the_sharded_model(sharding_type):
     got = run_ranks(_transfer_learning, 2, sharding_type, timeout=60)

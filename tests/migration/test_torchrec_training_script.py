@@ -55,6 +55,7 @@ def _ranking(rank, world):
     return losses, evals, names, dense_init[0, :3].tolist(), float(small.sum())
 
 
+@pytest.mark.needs_fbgemm  # the recorded TorchRec run: fbgemm's kernels and enums
 def test_ranking_script_equals_torchrec_bit_for_bit():
     for rank, (losses, evals, names, dense_init, small) in enumerate(run_ranks(_ranking, 2)):
         assert losses == TORCHREC_LOSSES[rank]  # 2 epochs x 3 steps: the pipeline restarts on the new iterator
