@@ -223,8 +223,10 @@ CLIP005 = {"gradient_clip_val": 0.05}
 BF16_TOL = {"rtol": 0.0, "atol": 1e-4}
 FP16_TOL = {"rtol": 1e-5, "atol": 1e-5}  # fp16 autocast: measured 1.7e-6 on mlp.weight
 # Adam divides each row's gradient by its own magnitude: the rounding of a near-zero row (summed in
-# another order) is amplified. Measured: 4.0e-6 on t_big with clip 0.05, 4.9e-7 without clipping.
-ADAM_TOL = {"rtol": 1e-5, "atol": 1e-5}
+# another order) is amplified. Measured: 4.0e-6 on t_big with clip 0.05, 4.9e-7 without clipping;
+# 6.0e-5 on a column-wise t_mid over a 4-batch AdamW window once tables are seeded without moving the
+# global RNG (#43: the data and dense init changed). A logic error moves rows by about lr (1e-2).
+ADAM_TOL = {"rtol": 1e-5, "atol": 1e-4}
 
 FAST = [
     (2, "mixed", "adagrad", ACC2),
