@@ -33,7 +33,9 @@ from lightning_shardrec.testing import run_ranks
 ROWS, TABLES = 2_000_000, 2  # T = 244 MiB; with Adagrad state a 2-rank share is 244 MiB, a 3-rank one 163 MiB
 T = ROWS * 16 * 4 * TABLES
 PIECE = 8 * MiB  # test pieces: a 61 MiB shard is written as 8 pieces
-ALLOWANCE = 64 * MiB  # Lightning, gloo, a row-wise step's buffers (~25 MiB) and the pieces in flight (~20 MiB)
+# Lightning, gloo, a row-wise step's buffers (~25 MiB) and the pieces in flight (~20 MiB). 64 MiB until
+# 2026-12-04: the 3-rank resume then measured held + 64.9 MiB at 0dbd29a itself (AMD EPYC, torch 2.13.0).
+ALLOWANCE = 72 * MiB
 
 
 @contextmanager
