@@ -19,15 +19,18 @@ def fit_then_rank_zero_state(rank, world, share):
     from lightning_shardrec.errors import ShardedStateError
 
     external_launch(rank, world)
-    after_fit.SHARE = share
-    model = Rec()
-    t = trainer(strategy=ShardRecStrategy(full_tables_after_fit=True), devices=world, max_steps=2)
-    t.fit(model, data(4, 2))
-    full = {k: v.clone() for k, v in t.strategy.full_state_dict().items()}  # collective: every rank
+    before, after_fit.SHARE = after_fit.SHARE, share  # restored: the rank processes run later tests too
     try:
-        mine = {k: v.clone() for k, v in model.state_dict().items()}  # this rank alone
-    except ShardedStateError as e:
-        mine = str(e)
+        model = Rec()
+        t = trainer(strategy=ShardRecStrategy(full_tables_after_fit=True), devices=world, max_steps=2)
+        t.fit(model, data(4, 2))
+        full = {k: v.clone() for k, v in t.strategy.full_state_dict().items()}  # collective: every rank
+        try:
+            mine = {k: v.clone() for k, v in model.state_dict().items()}  # this rank alone
+        except ShardedStateError as e:
+            mine = str(e)
+    finally:
+        after_fit.SHARE = before
     return full, mine
 
 
