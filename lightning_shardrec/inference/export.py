@@ -30,7 +30,7 @@ dense layers when ``dense`` is set, and loads ``state_dict`` strictly. The model
 code must be importable where the artifact is loaded; the weights need nothing else.
 
 ``--format pt2`` / ``aoti`` write a self-contained program instead (``torch.export.load`` /
-``torch._inductor.aoti_load_package``, no model code and no lightning_shardrec import): see
+AOTInductor's ``aoti_load_package``, no model code and no lightning_shardrec import): see
 :mod:`lightning_shardrec.inference.program` and docs/serving.md.
 
 Import the functions from this module (``from lightning_shardrec.inference.export

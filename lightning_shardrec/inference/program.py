@@ -6,7 +6,7 @@
 torch backend; a dynamic table's frozen id map inside as sorted ids), plain
 ``nn.Embedding``/``nn.EmbeddingBag`` modules are already quantized modules of aten ops.
 :func:`save_program` writes it as ``pt2`` (``torch.export.save``) or ``aoti``
-(``torch._inductor.aoti_compile_and_package``).
+(AOTInductor's ``aoti_compile_and_package``, through ``_compat.torch``).
 
 The program takes the model's own positional inputs with the library's types spelled as
 plain dicts of tensors, so that loading needs torch only (no pytree type to register)::
