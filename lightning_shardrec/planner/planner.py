@@ -26,6 +26,7 @@ from lightning_shardrec.planner.perf import Workload, host_charges, phase_loads,
 from lightning_shardrec.planner.rates import step_estimate
 from lightning_shardrec.planner.sharding_plan import GiB, PlanStats, ShardingPlan
 from lightning_shardrec.planner.storage import resident_bytes, shard_storage
+from lightning_shardrec.planner.table_params import with_constraint_fields
 from lightning_shardrec.planner.tables import TablesInput, TableSpec, find_tables, table_specs
 from lightning_shardrec.planner.topology import ComputeDevice, Topology
 from lightning_shardrec.planner.types import (
@@ -287,7 +288,8 @@ class EmbeddingShardingPlanner:
         topo = self.topology
         plan: dict[str, dict[str, ParameterSharding]] = {}
         for spec in specs:
-            plan.setdefault(spec.path, {})[spec.name] = result[spec.key]
+            ps = with_constraint_fields(result[spec.key], self.constraints.get(spec.name))
+            plan.setdefault(spec.path, {})[spec.name] = ps
         stats = PlanStats(
             rank_storage=[self.budget.tables - f for f in ranks.free],  # bytes the tables use
             rank_cost=ranks.load,

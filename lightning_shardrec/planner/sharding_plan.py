@@ -130,6 +130,8 @@ class ShardingPlan:
                 for path, tables in self.plan.items()
             },
             "stats": None if self.stats is None else self.stats.to_dict(),
+            "compute_device": self.compute_device,
+            "local_world_size": self.local_world_size,
         }
         if any(self.dynamic.values()):
             data["dynamic"] = {p: {n: d.to_dict() for n, d in t.items()} for p, t in self.dynamic.items()}
@@ -152,7 +154,14 @@ class ShardingPlan:
         }
         stats = data.get("stats")
         dynamic = layouts_from_dict(data.get("dynamic") or {})
-        return cls(plan, stats=None if stats is None else PlanStats(**stats), dynamic=dynamic)
+        device, local = data.get("compute_device", "cpu"), data.get("local_world_size", 1)
+        if not isinstance(device, str) or not isinstance(local, int) or isinstance(local, bool) or local < 1:
+            raise ValueError(
+                "ShardingPlan.from_json: compute_device must be a device type string (\"cpu\", \"cuda\") and "
+                f"local_world_size an int >= 1, got {device!r} and {local!r}"
+            )
+        stats_ = None if stats is None else PlanStats(**stats)
+        return cls(plan, stats=stats_, dynamic=dynamic, compute_device=device, local_world_size=local)
 
     def __str__(self) -> str:
         return self.table()

@@ -27,7 +27,17 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from lightning_shardrec.errors import UnsupportedFeatureError, unknown_name
-from lightning_shardrec.planner.table_params import CacheParams, KeyValueParams, refuse_key_value
+from lightning_shardrec.planner.table_params import (
+    BoundsCheckMode,
+    CacheParams,
+    KeyValueParams,
+    check_sharding_fields,
+    refuse_key_value,
+    sharding_fields_from_dict,
+    sharding_fields_to_dict,
+    spec_rank,
+    spec_shards,
+)
 
 _E = TypeVar("_E", bound=enum.Enum)
 
@@ -108,25 +118,63 @@ class ShardMetadata:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ParameterSharding:
-    """How one table is sharded: its type, kernel, the ranks (in shard order) and the shards."""
+    """How one table is sharded: its type, kernel, the ranks (in shard order) and the shards.
+
+    The constructor takes TorchRec's arguments in TorchRec's order: the fourth (``shards``, or
+    ``sharding_spec=`` by keyword) is a list of :class:`ShardMetadata` or TorchRec's
+    ``EnumerableShardingSpec`` (each shard's rank read from its placement); ``ranks`` defaults to the
+    shards' ranks. TorchRec's per-table kernel settings after it are kept (printed, compared, written to
+    plan JSON but ``cache_params``); what each means here is :data:`TORCHREC_SHARDING_FIELDS`.
+    """
 
     sharding_type: ShardingType
     compute_kernel: EmbeddingComputeKernel
     ranks: Sequence[int]  # stored as a tuple
     shards: Sequence[ShardMetadata]  # stored as a tuple
+    cache_params: CacheParams | None = None
+    enforce_hbm: bool | None = None
+    stochastic_rounding: bool | None = None
+    bounds_check_mode: BoundsCheckMode | None = None
+    output_dtype: Any = None  # None or DataType.FP32
+    key_value_params: KeyValueParams | None = None
 
-    def __post_init__(self) -> None:
-        st = parse_enum(ShardingType, self.sharding_type, "sharding type")
-        kernel = parse_enum(EmbeddingComputeKernel, self.compute_kernel, "compute kernel")
-        object.__setattr__(self, "sharding_type", st)
-        object.__setattr__(self, "compute_kernel", kernel)
-        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
-        shards = tuple(
-            s if isinstance(s, ShardMetadata) else ShardMetadata(**s) for s in self.shards
+    def __init__(
+        self,
+        sharding_type: ShardingType | str,
+        compute_kernel: EmbeddingComputeKernel | str,
+        ranks: Sequence[int] | None = None,
+        shards: Sequence[ShardMetadata | dict[str, Any]] | Any = None,
+        cache_params: CacheParams | None = None,
+        enforce_hbm: bool | None = None,
+        stochastic_rounding: bool | None = None,
+        bounds_check_mode: BoundsCheckMode | int | str | None = None,
+        output_dtype: Any = None,
+        key_value_params: KeyValueParams | None = None,
+        *,
+        sharding_spec: Any = None,
+    ) -> None:
+        if sharding_spec is not None and shards is not None:
+            raise ValueError("ParameterSharding: give the shards once, as shards or as sharding_spec, not both")
+        extras = check_sharding_fields(
+            cache_params, enforce_hbm, stochastic_rounding, bounds_check_mode, output_dtype, key_value_params
         )
-        object.__setattr__(self, "shards", shards)
+        parts = tuple(
+            s if isinstance(s, ShardMetadata) else ShardMetadata(**s) if isinstance(s, dict) else ShardMetadata(
+                s.shard_offsets, s.shard_sizes, spec_rank(s)
+            )
+            for s in spec_shards(shards if sharding_spec is None else sharding_spec)
+        )
+        values = {
+            "sharding_type": parse_enum(ShardingType, sharding_type, "sharding type"),
+            "compute_kernel": parse_enum(EmbeddingComputeKernel, compute_kernel, "compute kernel"),
+            "ranks": tuple(int(r) for r in (ranks if ranks is not None else [s.rank for s in parts])),
+            "shards": parts,
+            **extras,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
         return torchrec_repr(self)
@@ -137,6 +185,7 @@ class ParameterSharding:
             "compute_kernel": self.compute_kernel.value,
             "ranks": list(self.ranks),
             "shards": [s.to_dict() for s in self.shards],
+            **sharding_fields_to_dict(self),
         }
 
     @classmethod
@@ -155,6 +204,7 @@ class ParameterSharding:
             compute_kernel=data["compute_kernel"],  # type: ignore[arg-type]
             ranks=data["ranks"],  # type: ignore[arg-type]
             shards=shards,
+            **sharding_fields_from_dict(data, table),
         )
 
     # --- h43b: TorchRec's ParameterSharding.sharding_spec (issue 43, item 6) ---
@@ -280,7 +330,8 @@ TORCHREC_CONSTRAINT_FIELDS = {
 
 
 # --- TorchRec's printed form of a plan entry (issue 43) ---------------------------------------
-#: the fields TorchRec's ParameterSharding prints after the shards; a plan made here leaves them all None
+#: the fields TorchRec's ParameterSharding prints after the shards (a plan made here leaves them None unless
+#: a ParameterConstraints of the table sets them, as TorchRec's planner copies them)
 TORCHREC_UNSET_FIELDS = (
     "cache_params",
     "enforce_hbm",
@@ -311,7 +362,7 @@ def torchrec_repr(ps: ParameterSharding, compute_device: str = "cpu", local_worl
             for s in ps.shards
         )
         spec = f"EnumerableShardingSpec(shards=[{shards}])"
-    unset = ", ".join(f"{name}=None" for name in TORCHREC_UNSET_FIELDS)
+    unset = ", ".join(f"{name}={getattr(ps, name)!r}" for name in TORCHREC_UNSET_FIELDS)
     return (
         f"ParameterSharding(sharding_type={ps.sharding_type!r}, compute_kernel={ps.compute_kernel!r}, "
         f"ranks={list(ps.ranks)}, sharding_spec={spec}, {unset})"

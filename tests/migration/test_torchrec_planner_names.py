@@ -47,7 +47,7 @@ def _plan(constraints):
     return planner.plan(_ebc())
 
 
-def test_cache_params_are_accepted_and_change_nothing_here():
+def test_cache_params_are_accepted_copied_into_the_plan_and_change_no_shard():
     assert hash(CacheParams(load_factor=0.2, stats=object())) == hash(CacheParams(load_factor=0.2))
     assert CacheParams(load_factor=0.2) != CacheParams(load_factor=0.3)
     tuned = ParameterConstraints(
@@ -55,7 +55,14 @@ def test_cache_params_are_accepted_and_change_nothing_here():
         bounds_check_mode="fatal", feature_names=["f0"], batch_sizes=[64], output_dtype=DataType.FP32,
     )  # fmt: skip
     assert tuned.cache_params.load_factor == 0.2
-    assert _plan({"t0": tuned}) == _plan({})
+    planned, plain = _plan({"t0": tuned}), _plan({})
+    assert planned != plain  # TorchRec's planner copies the settings into the plan entry ...
+    for name, ps in planned.plan[""].items():  # ... and the shards stay the same
+        same = plain.plan[""][name]
+        assert (ps.sharding_type, ps.ranks, ps.shards) == (same.sharding_type, same.ranks, same.shards)
+    t0 = planned.plan[""]["t0"]
+    assert (t0.cache_params, t0.enforce_hbm, t0.stochastic_rounding) == (CacheParams(load_factor=0.2), True, False)
+    assert (t0.bounds_check_mode.name, t0.output_dtype) == ("FATAL", DataType.FP32)
 
 
 @pytest.mark.parametrize(
