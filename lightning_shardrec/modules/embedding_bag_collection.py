@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from lightning_shardrec.configs import EmbeddingBagConfig, PoolingType
 from lightning_shardrec.modules.dynamic.tables import HasDynamicTables
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names
+from lightning_shardrec.modules.fx_trace import is_traced, refuse_script, traced_pooled
 from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.modules.table_init import SeededTables, table_device
 from lightning_shardrec.modules.vbe import inverse_rows
@@ -111,7 +112,13 @@ class EmbeddingBagCollection(SeededTables, HasDynamicTables, nn.Module):
         for t in self._tables:
             self._init_table(t, self.embedding_bags[t.name].weight)
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        refuse_script("EmbeddingBagCollection")
+        return self
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if is_traced(features):  # torch.fx.symbolic_trace (modules/fx_trace.py)
+            return traced_pooled(self, features)
         kjt = self._arrange(features)
         if self.device.type == "meta" or kjt.values().device.type == "meta":
             return self._meta_forward(features)

@@ -14,6 +14,7 @@ from lightning_shardrec.configs import EmbeddingConfig
 from lightning_shardrec.modules.dynamic.tables import HasDynamicTables
 from lightning_shardrec.modules.embedding_bag_collection import check_unique_tables
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names_by_table
+from lightning_shardrec.modules.fx_trace import is_traced, refuse_script, traced_sequence
 from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.modules.table_init import SeededTables, table_device
 from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor
@@ -96,7 +97,13 @@ class EmbeddingCollection(SeededTables, HasDynamicTables, nn.Module):
         for t in self._tables:
             self._init_table(t, self.embeddings[t.name].weight)
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        refuse_script("EmbeddingCollection")
+        return self
+
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        if is_traced(features):  # torch.fx.symbolic_trace (modules/fx_trace.py)
+            return traced_sequence(self, features, self._embedding_names_by_table)
         kjt = self._arrange(features)
         dyn = self.dynamic_tables
         if self.validate_ids:

@@ -1,0 +1,113 @@
+"""``torch.fx.symbolic_trace`` of the collections with a KJT input, as TorchRec 1.8 supports it (issue 43).
+
+TorchRec 1.8 (``/work/venvs/torchrec``) traces ``EmbeddingBagCollection``, ``EmbeddingCollection`` and a module
+holding one with plain ``torch.fx.symbolic_trace`` and with ``torchrec.fx.symbolic_trace`` / ``Tracer``, and the
+graph module's output equals eager. Its ``torch.jit.script`` of the collections is not offered here: a named error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_shardrec import fx as shardrec_fx
+from lightning_shardrec.errors import UnsupportedFeatureError
+from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
+from lightning_shardrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from lightning_shardrec.sparse import KeyedJaggedTensor
+
+KJT = KeyedJaggedTensor(
+    keys=["f2", "f1", "f3"],  # not the collections' order: the graph reads features by name
+    values=torch.tensor([1, 2, 3, 4, 5, 6, 7, 0, 9]),
+    lengths=torch.tensor([1, 2, 0, 3, 1, 2]),
+    weights=torch.tensor([0.5, 1.0, 2.0, -1.0, 0.25, 3.0, 1.5, 1.0, 2.0]),
+)
+
+
+def _ebc(weighted: bool) -> EmbeddingBagCollection:
+    torch.manual_seed(0)
+    return EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10, feature_names=["f1", "f3"]),
+            EmbeddingBagConfig(
+                name="t2", embedding_dim=3, num_embeddings=10, feature_names=["f2", "f3"],
+                pooling=PoolingType.MEAN if not weighted else PoolingType.SUM,
+            ),
+        ],
+        is_weighted=weighted,
+    )  # fmt: skip
+
+
+def _ec(need_indices: bool) -> EmbeddingCollection:
+    torch.manual_seed(0)
+    return EmbeddingCollection(
+        tables=[
+            EmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=10, feature_names=["f1", "f3"]),
+            EmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=10, feature_names=["f2", "f3"]),
+        ],
+        need_indices=need_indices,
+    )
+
+
+class Holder(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        out = self.inner(kjt)
+        if isinstance(out, dict):
+            return torch.cat([out[k].values() for k in sorted(out)], dim=0)
+        return out.values() * 2.0
+
+
+TRACES = [
+    torch.fx.symbolic_trace,
+    shardrec_fx.symbolic_trace,
+    lambda m: torch.fx.GraphModule(m, shardrec_fx.Tracer().trace(m)),
+]
+
+
+@pytest.mark.parametrize("trace", TRACES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_traced_embedding_bag_collection_equals_eager(trace, weighted: bool) -> None:
+    ebc = _ebc(weighted)
+    gm = trace(ebc)
+    assert isinstance(gm, torch.fx.GraphModule)
+    weights = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    assert weights == {"embedding_bags.t1.weight", "embedding_bags.t2.weight"}
+    got, want = gm(KJT), ebc(KJT)
+    assert got.keys() == want.keys() == ["f1", "f3@t1", "f2", "f3@t2"]
+    assert got.length_per_key() == want.length_per_key()
+    torch.testing.assert_close(got.values(), want.values(), rtol=0, atol=1e-6)
+    held = trace(Holder(ebc))
+    torch.testing.assert_close(held(KJT), Holder(ebc)(KJT), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("trace", TRACES)
+@pytest.mark.parametrize("need_indices", [False, True])
+def test_a_traced_embedding_collection_equals_eager(trace, need_indices: bool) -> None:
+    ec = _ec(need_indices)
+    got, want = trace(ec)(KJT), ec(KJT)
+    assert sorted(got) == sorted(want) == ["f1", "f2", "f3@t1", "f3@t2"]
+    for k in want:
+        assert torch.equal(got[k].values(), want[k].values())
+        assert torch.equal(got[k].lengths(), want[k].lengths())
+        assert (got[k].weights_or_none() is None) == (not need_indices)
+        if need_indices:
+            assert torch.equal(got[k].weights(), want[k].weights())
+    torch.testing.assert_close(trace(Holder(ec))(KJT), Holder(ec)(KJT), rtol=0, atol=0)
+
+
+def test_torchrecs_leaf_modules_stay_one_node() -> None:
+    gm = shardrec_fx.symbolic_trace(Holder(_ebc(False)), leaf_modules=["EmbeddingBagCollection"])
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["inner"]
+    torch.testing.assert_close(gm(KJT), Holder(_ebc(False))(KJT), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("make", "name"), [(lambda: _ebc(False), "EmbeddingBagCollection"), (lambda: _ec(False), "EmbeddingCollection")]
+)
+def test_torchscript_of_a_collection_is_refused_by_name(make, name: str) -> None:
+    with pytest.raises(UnsupportedFeatureError, match=f"torch.jit.script of {name} is not supported: the sparse types"):
+        torch.jit.script(make())
