@@ -4,7 +4,11 @@ A collection takes one seed per table from torch's global CPU generator when it
 creates the table (:func:`table_seeds`: read from a fork of the generator and mixed with the
 table's name, so the global stream is left untouched, on ``meta`` as under TorchRec, and the
 dense layers built after it see the same stream whether the table is real or on ``meta``),
-and keeps it (:class:`SeededTables`). Rows ``[r0, r0 + n)`` x columns
+and keeps it (:class:`SeededTables`). TorchRec draws each table's rows from the global stream in
+construction order, so two collections of one model with a same-named table start with different
+rows; here the k-th table of a name built while one module is under construction (the outermost
+``nn.Module`` whose ``__init__`` is running) has its seed mixed with k as well, which gives the
+same: different rows, and equal ones for the same model built again after the same seed. Rows ``[r0, r0 + n)`` x columns
 ``[c0, c0 + m)`` of the default uniform init are a counter-based hash of
 ``(seed, row, col)`` (:func:`init_block`), so a shard initialised on its own on any
 rank and device equals the same block of the whole table, bit for bit::
@@ -23,6 +27,8 @@ their tables on ``meta`` (``ShardRecStrategy.tensor_init_context`` enters it).
 
 from __future__ import annotations
 
+import inspect
+import weakref
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -30,7 +36,7 @@ from contextvars import ContextVar
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_shardrec.configs import BaseEmbeddingConfig, UniformInit
 from lightning_shardrec.modules.dynamic.hashing import _C1, _C2, GOLDEN, mix64
@@ -42,6 +48,9 @@ _BLOCK_CPU = 1 << 15  # elements hashed at once by tensor ops on CPU (the tests'
 _BLOCK_CUDA = 1 << 24  # on CUDA: few launches
 _BLOCK_NUMPY = 1 << 16  # on CPU (numpy's uint64 passes): measured fastest of 2**13..2**16
 _SEEDS = 1 << 62
+_NTH = 0xD1B54A32D192ED03  # mixed in k times for the k-th same-named table of one module under construction
+#: per module under construction: how many tables of each name its collections built so far
+_BUILT: weakref.WeakKeyDictionary[nn.Module, dict[str, int]] = weakref.WeakKeyDictionary()
 _U64 = np.uint64
 _MIX = ((_U64(30), _U64(0xBF58476D1CE4E5B9)), (_U64(27), _U64(0x94D049BB133111EB)), (_U64(31), None))
 
@@ -66,14 +75,40 @@ def draw_seed() -> int:
     return int(torch.randint(0, _SEEDS, (1,), device="cpu").item())
 
 
-def table_seeds(names: Sequence[str]) -> dict[str, int]:
+def table_seeds(names: Sequence[str], collection: object = None) -> dict[str, int]:
     """A seed in ``[0, 2**62)`` per table: the next draws of torch's global CPU generator, read from a fork
     of it (the global stream does not move), each mixed with its table's name (two tables of one
-    collection never share a seed). Collections built one after the other with no draw in between
-    give same-named tables the same rows."""
+    collection never share a seed) and with how many same-named tables the module under construction
+    already built (:func:`model_under_construction`; ``collection`` is the one drawing): collections of
+    one model built one after the other give a same-named table different rows, as TorchRec's (which
+    draw the rows from the global stream in construction order). Outside any module's ``__init__``
+    (a script's top level, Lightning's ``configure_model``) back-to-back collections with no draw in
+    between give same-named tables the same rows."""
     with torch.random.fork_rng(devices=[]):
         draws = [draw_seed() for _ in names]
-    return {n: (d ^ (zlib.crc32(n.encode()) * 0x9E3779B97F4A7C15)) % _SEEDS for n, d in zip(names, draws, strict=True)}
+    model = model_under_construction(collection)
+    try:
+        built = _BUILT.setdefault(model, {}) if model is not None else {}
+    except TypeError:  # a module class that is not hashable (``__eq__`` without ``__hash__``)
+        built = {}
+    seeds = {}
+    for n, d in zip(names, draws, strict=True):
+        k = built.get(n, 0)
+        built[n] = k + 1
+        seeds[n] = (d ^ (zlib.crc32(n.encode()) * 0x9E3779B97F4A7C15) ^ (k * _NTH)) % _SEEDS
+    return seeds
+
+
+def model_under_construction(collection: object = None) -> nn.Module | None:
+    """The outermost ``nn.Module`` (other than ``collection``) whose ``__init__`` is on the call stack."""
+    found, frame = None, inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, nn.Module) and obj is not collection:
+                found = obj
+        frame = frame.f_back
+    return found
 
 
 def unit_uniform(row_seeds: Tensor, c0: int, cols: int) -> Tensor:
@@ -307,7 +342,7 @@ class SeededTables:
     _init_seeds: dict[str, int]
 
     def _draw_seeds(self, tables: Sequence[BaseEmbeddingConfig]) -> None:
-        self._init_seeds = table_seeds([t.name for t in tables])
+        self._init_seeds = table_seeds([t.name for t in tables], self)
 
     def init_seed(self, table: str) -> int | None:
         """The seed table ``table``'s rows are drawn from (None: a collection unpickled from before seeds)."""

@@ -164,3 +164,43 @@ def test_a_custom_init_fn_runs_on_the_whole_table_from_the_seed() -> None:
 def test_the_in_place_mix_is_mix64() -> None:
     x = torch.tensor([0, 1, -1, 2**62, -(2**63), 123456789])
     assert torch.equal(mix64_(x.clone(), torch.empty_like(x)), mix64(x))
+
+
+class _TwoTowers(torch.nn.Module):
+    """Two collections with a same-named table, back to back (no draw between), as a TorchRec two-tower model."""
+
+    def __init__(self, kind: str, device: str) -> None:
+        super().__init__()
+        self.query, self.item = (_collection(kind, device) for _ in range(2))
+        self.dense = torch.nn.Linear(2, 2)
+
+
+def _collection(kind: str, device: str) -> torch.nn.Module:
+    if kind == "bag":
+        return EmbeddingBagCollection(bag_tables(), device=device)
+    return EmbeddingCollection([EmbeddingConfig(**_fields(t)) for t in bag_tables()], device=device)
+
+
+@pytest.mark.parametrize("kind", ["bag", "sequence"])
+def test_same_named_tables_of_one_model_start_different_and_the_model_rebuilds_equal(kind: str) -> None:
+    # TorchRec 1.8 draws the rows from the global stream in construction order: model.query's table "a"
+    # and model.item's table "a" differ; the same model built again after the same seed is equal
+    torch.manual_seed(3)
+    model = _TwoTowers(kind, "cpu")
+    rows = {n: p.detach().clone() for n, p in model.named_parameters()}
+    query_a = next(v for n, v in rows.items() if n.startswith("query.") and ".a." in n)
+    item_a = next(v for n, v in rows.items() if n.startswith("item.") and ".a." in n)
+    assert not torch.equal(query_a, item_a)
+    assert model.query.init_seed("a") != model.item.init_seed("a")
+    torch.manual_seed(3)
+    again = _TwoTowers(kind, "cpu")
+    assert all(torch.equal(p, rows[n]) for n, p in again.named_parameters())
+    torch.manual_seed(3)
+    on_meta = _TwoTowers(kind, "meta")  # a sharded run builds on meta: the same seeds, the same dense init
+    for coll in ("query", "item"):
+        seeds = [getattr(m, coll).init_seed(n) for m in (model, on_meta) for n in ("a", "b")]
+        assert seeds[:2] == seeds[2:]
+    assert torch.equal(on_meta.dense.weight, model.dense.weight)  # the tables drew nothing from the stream
+    torch.manual_seed(3)
+    alone = _collection(kind, "cpu")  # the first of a name under construction keeps the seed it had alone
+    assert alone.init_seed("a") == model.query.init_seed("a")
