@@ -28,7 +28,7 @@ def _lengths_from_offsets(offsets: Tensor) -> Tensor:
     return offsets[1:] - offsets[:-1]
 
 
-class JaggedTensor:
+class JaggedTensor(metaclass=torch.fx.ProxyableClassMeta):
     """Variable-length bags: ``JaggedTensor(values, weights=None, lengths=None, offsets=None)``.
 
     Same argument order and semantics as TorchRec. Give ``lengths`` or ``offsets``

@@ -43,7 +43,7 @@ def staged(t: Tensor, device: torch.device | str, non_blocking: bool | None) -> 
     return t
 
 
-class KeyedJaggedTensor:
+class KeyedJaggedTensor(metaclass=torch.fx.ProxyableClassMeta):
     """Jagged bags for several keys: ``KeyedJaggedTensor(keys, values, weights, lengths, offsets, stride, ...)``.
 
     Positional order matches TorchRec. ``stride`` (batch size) defaults to

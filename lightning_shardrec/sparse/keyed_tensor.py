@@ -18,7 +18,7 @@ from torch import Tensor
 from lightning_shardrec.sparse import formatting
 
 
-class KeyedTensor:
+class KeyedTensor(metaclass=torch.fx.ProxyableClassMeta):
     """``KeyedTensor(keys, length_per_key, values, key_dim=1)``: ``values`` is ``[B, sum(dims)]``."""
 
     def __init__(

@@ -111,3 +111,19 @@ def test_torchrecs_leaf_modules_stay_one_node() -> None:
 def test_torchscript_of_a_collection_is_refused_by_name(make, name: str) -> None:
     with pytest.raises(UnsupportedFeatureError, match=f"torch.jit.script of {name} is not supported: the sparse types"):
         torch.jit.script(make())
+
+
+def test_sparse_types_built_from_traced_tensors_are_graph_nodes() -> None:
+    # TorchRec's types are fx-proxyable: built from Proxies inside a trace, each is one call_function node
+    from lightning_shardrec.sparse import JaggedTensor, KeyedTensor
+
+    class Build(torch.nn.Module):
+        def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            jt = JaggedTensor(values=values * 2, lengths=lengths)
+            kt = KeyedTensor(["a", "b"], [1, 1], torch.stack([jt.values()[:2], jt.values()[2:4]], dim=1))
+            return jt.to_padded_dense(3).sum() + kt["b"].sum()
+
+    gm = torch.fx.symbolic_trace(Build())
+    assert {n.target for n in gm.graph.nodes if n.op == "call_function"} >= {JaggedTensor, KeyedTensor}
+    values, lengths = torch.arange(5.0), torch.tensor([2, 0, 3])
+    assert torch.equal(gm(values, lengths), Build()(values, lengths))
