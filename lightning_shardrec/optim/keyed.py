@@ -32,6 +32,14 @@ class KeyedOptimizer(torch.optim.Optimizer):
         state: Mapping[Any, Any],
         param_groups: Collection[Mapping[str, Any]],
     ) -> None:
+        known = {id(t) for t in params.values()}
+        strays = [k for k in state if id(k) not in known] if isinstance(state, dict) else []  # combined: checked inside
+        if strays:
+            names = [
+                k if isinstance(k, str) else f"{type(k).__name__} {tuple(getattr(k, 'shape', ()))}"
+                for k in strays
+            ]
+            raise ValueError(f"KeyedOptimizer: All state keys must be params. Not among params: {names}")
         self._bind(params, state, param_groups)
         self.defaults = {"_save_param_groups": False}
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -47,6 +55,12 @@ class KeyedOptimizer(torch.optim.Optimizer):
         self.params = dict(params)
         self.state = state  # type: ignore[assignment]
         self.param_groups = groups  # type: ignore[assignment]
+
+    def __getstate__(self) -> dict[str, Any]:  # torch's keeps only defaults, state and groups: keep all
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         raise NotImplementedError(f"{type(self).__name__}.step: use KeyedOptimizerWrapper or CombinedOptimizer")
@@ -121,6 +135,41 @@ class KeyedOptimizerWrapper(KeyedOptimizer):
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         self._optimizer.zero_grad(set_to_none)
+
+
+class OptimizerWrapper(KeyedOptimizer):
+    """``OptimizerWrapper(optimizer)``: a ``KeyedOptimizer`` passing every call to ``optimizer`` (TorchRec's
+    base for wrappers such as gradient clipping; subclasses override what they change)."""
+
+    def __init__(self, optimizer: KeyedOptimizer) -> None:
+        self._optimizer = optimizer
+        super().__init__(optimizer.params, optimizer.state, optimizer.param_groups)
+
+    def __repr__(self) -> str:
+        return repr(self._optimizer)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        return self._optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: Any) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.add_param_group: add the group to the wrapped optimizer")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self._optimizer.load_state_dict(state_dict)
+        self._bind(self._optimizer.params, self._optimizer.state, self._optimizer.param_groups)  # the new objects
+        self.post_load_state_dict()
+
+    def post_load_state_dict(self) -> None:
+        self._optimizer.post_load_state_dict()
+
+    def save_param_groups(self, save: bool) -> None:
+        self._optimizer.save_param_groups(save)
 
 
 class CombinedOptimizer(KeyedOptimizer):
@@ -231,4 +280,4 @@ class _CombinedState(Mapping):  # type: ignore[type-arg]
         return sum(len(opt.state) for _, opt in self._optimizers)
 
 
-__all__ = ["CombinedOptimizer", "KeyedOptimizer", "KeyedOptimizerWrapper"]
+__all__ = ["CombinedOptimizer", "KeyedOptimizer", "KeyedOptimizerWrapper", "OptimizerWrapper"]
