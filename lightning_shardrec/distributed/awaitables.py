@@ -13,6 +13,8 @@ import abc
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
+import torch
+
 from lightning_shardrec._compat import torch as compat
 
 W = TypeVar("W")
@@ -53,7 +55,11 @@ class NoWait(Awaitable[W]):
         return self._obj
 
 
-class LazyAwaitable(Awaitable[W]):
+class _LazyAwaitableMeta(abc.ABCMeta, torch.fx.ProxyableClassMeta):
+    """Built from an fx ``Proxy`` inside a trace, a lazy awaitable is one graph node (TorchRec's)."""
+
+
+class LazyAwaitable(Awaitable[W], metaclass=_LazyAwaitableMeta):
     """An awaitable that waits when its result is used (attribute reads, torch functions)."""
 
     def __getattr__(self, name: str) -> Any:

@@ -127,3 +127,34 @@ def test_sparse_types_built_from_traced_tensors_are_graph_nodes() -> None:
     assert {n.target for n in gm.graph.nodes if n.op == "call_function"} >= {JaggedTensor, KeyedTensor}
     values, lengths = torch.arange(5.0), torch.tensor([2, 0, 3])
     assert torch.equal(gm(values, lengths), Build()(values, lengths))
+
+
+def test_a_lazy_awaitable_built_in_a_trace_is_one_node_and_waits_at_use() -> None:
+    # TorchRec's tracer test: a module returning a LazyAwaitable; torch ops on it wait for it
+    from lightning_shardrec.distributed.types import LazyAwaitable
+
+    class PlusThree(LazyAwaitable[torch.Tensor]):
+        def __init__(self, obj: torch.Tensor) -> None:
+            super().__init__()
+            self._obj = obj
+
+        def _wait_impl(self) -> torch.Tensor:
+            return self._obj + 3
+
+    class Sparse(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> LazyAwaitable[torch.Tensor]:
+            return PlusThree(x + 2)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sparse = Sparse()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.add(self.sparse(x), x * 10)
+
+    gm = shardrec_fx.symbolic_trace(Model())
+    assert PlusThree in {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    x = torch.randn(3, 4)
+    assert torch.equal(gm(x), Model()(x))
+    torch.testing.assert_close(gm(x), (x + 2 + 3) + x * 10, rtol=0, atol=0)
