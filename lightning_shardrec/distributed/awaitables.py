@@ -13,9 +13,8 @@ import abc
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-import torch
-
 from lightning_shardrec._compat import torch as compat
+from lightning_shardrec.sparse.fx_proxy import ProxyableABCMeta
 
 W = TypeVar("W")
 _UNSET: Any = object()
@@ -55,11 +54,7 @@ class NoWait(Awaitable[W]):
         return self._obj
 
 
-class _LazyAwaitableMeta(abc.ABCMeta, torch.fx.ProxyableClassMeta):
-    """Built from an fx ``Proxy`` inside a trace, a lazy awaitable is one graph node (TorchRec's)."""
-
-
-class LazyAwaitable(Awaitable[W], metaclass=_LazyAwaitableMeta):
+class LazyAwaitable(Awaitable[W], metaclass=ProxyableABCMeta):  # built from an fx Proxy: one graph node
     """An awaitable that waits when its result is used (attribute reads, torch functions)."""
 
     def __getattr__(self, name: str) -> Any:

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lightning_shardrec.sparse import formatting, ops
 from lightning_shardrec.sparse.errors import JaggedAssertionError
+from lightning_shardrec.sparse.fx_proxy import ProxyableConstruction
 
 #: dtypes of lengths and offsets (what fbgemm's jagged operators take; narrower ints overflow)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -28,7 +29,7 @@ def _lengths_from_offsets(offsets: Tensor) -> Tensor:
     return offsets[1:] - offsets[:-1]
 
 
-class JaggedTensor(metaclass=torch.fx.ProxyableClassMeta):
+class JaggedTensor(metaclass=ProxyableConstruction):
     """Variable-length bags: ``JaggedTensor(values, weights=None, lengths=None, offsets=None)``.
 
     Same argument order and semantics as TorchRec. Give ``lengths`` or ``offsets``

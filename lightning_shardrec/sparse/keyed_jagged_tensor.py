@@ -23,6 +23,7 @@ from torch import Tensor
 
 from lightning_shardrec.sparse import formatting, kjt_ops, ops
 from lightning_shardrec.sparse.errors import JaggedAssertionError
+from lightning_shardrec.sparse.fx_proxy import ProxyableConstruction
 from lightning_shardrec.sparse.jagged_tensor import JaggedTensor, _check_data, _check_weights_count
 from lightning_shardrec.sparse.kjt_checks import check_kjt_args, check_per_key, segment_sums, stride_per_key_of
 
@@ -43,7 +44,7 @@ def staged(t: Tensor, device: torch.device | str, non_blocking: bool | None) -> 
     return t
 
 
-class KeyedJaggedTensor(metaclass=torch.fx.ProxyableClassMeta):
+class KeyedJaggedTensor(metaclass=ProxyableConstruction):
     """Jagged bags for several keys: ``KeyedJaggedTensor(keys, values, weights, lengths, offsets, stride, ...)``.
 
     Positional order matches TorchRec. ``stride`` (batch size) defaults to

@@ -16,9 +16,10 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.sparse import formatting
+from lightning_shardrec.sparse.fx_proxy import ProxyableConstruction
 
 
-class KeyedTensor(metaclass=torch.fx.ProxyableClassMeta):
+class KeyedTensor(metaclass=ProxyableConstruction):
     """``KeyedTensor(keys, length_per_key, values, key_dim=1)``: ``values`` is ``[B, sum(dims)]``."""
 
     def __init__(

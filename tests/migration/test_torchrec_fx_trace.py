@@ -158,3 +158,25 @@ def test_a_lazy_awaitable_built_in_a_trace_is_one_node_and_waits_at_use() -> Non
     x = torch.randn(3, 4)
     assert torch.equal(gm(x), Model()(x))
     torch.testing.assert_close(gm(x), (x + 2 + 3) + x * 10, rtol=0, atol=0)
+
+
+def test_building_sparse_types_outside_a_trace_logs_nothing() -> None:
+    # torch's ProxyableClassMeta asks is_fx_tracing() on each construction, which logs a warning once per
+    # process; the types here look for a Proxy among the arguments instead
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO)\n"
+        "import torch\nfrom lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor\n"
+        "kjt = KeyedJaggedTensor(keys=['a'], values=torch.tensor([1]), lengths=torch.tensor([1]))\n"
+        "JaggedTensor(torch.ones(2), lengths=torch.tensor([2])); KeyedTensor(['a'], [1], torch.ones(1, 1))\n"
+        "print('built', type(kjt).__name__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "built KeyedJaggedTensor"
+    assert "is_fx_tracing" not in run.stderr
