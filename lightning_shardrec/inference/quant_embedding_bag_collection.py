@@ -36,6 +36,7 @@ from lightning_shardrec.modules import EmbeddingBagCollection
 from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
 from lightning_shardrec.modules.embedding_bag_collection import check_unique_tables
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names
+from lightning_shardrec.modules.fx_trace import is_traced, refuse_script, traced_leaf
 from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.modules.vbe import expand_vbe, inverse_rows
 from lightning_shardrec.sparse import KeyedJaggedTensor, KeyedTensor
@@ -214,7 +215,13 @@ class QuantEmbeddingBagCollection(nn.Module):
         id_maps = 0 if self.id_maps is None else sum(b.nbytes for b in self.id_maps.buffers())
         return sum(self.table(t.name).nbytes() for t in self._tables) + id_maps
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        refuse_script("QuantEmbeddingBagCollection")
+        return self
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if is_traced(features):  # torch.fx: one call_module node (modules/fx_trace.py)
+            return traced_leaf(self, features, "QuantEmbeddingBagCollection")
         kjt = self._arrange(features)
         if kjt.variable_stride_per_key():  # VBE: look up the expanded batch (the same rows as pool-then-expand)
             kjt = expand_vbe(kjt, inverse_rows(features, self._feature_names, "QuantEmbeddingBagCollection"))

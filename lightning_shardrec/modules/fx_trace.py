@@ -88,6 +88,20 @@ def traced_sequence(module: Any, features: Any, names_by_table: list[list[str]])
     return out
 
 
+def traced_leaf(module: nn.Module, features: Any, owner: str) -> Any:
+    """``module(features)`` recorded as one ``call_module`` node (a collection traced as a leaf); traced as the
+    root itself, a named error."""
+    tracer = features.tracer
+    path = tracer.path_of_module(module)
+    if not path:
+        raise UnsupportedFeatureError(
+            f"torch.fx tracing of a {owner} as the root is not supported: its lookups are not graph operations; "
+            "trace a module that holds it (it becomes one call_module node), or export it with "
+            "torch.export.export(model, (kjt,), strict=False)"
+        )
+    return tracer.create_proxy("call_module", path, (features,), {})
+
+
 def refuse_script(owner: str) -> None:
     """``torch.jit.script`` of a collection: a named error (``__prepare_scriptable__``)."""
     raise UnsupportedFeatureError(
@@ -97,4 +111,12 @@ def refuse_script(owner: str) -> None:
     )
 
 
-__all__ = ["is_traced", "jagged_tensor", "keyed_tensor", "refuse_script", "traced_pooled", "traced_sequence"]
+__all__ = [
+    "is_traced",
+    "jagged_tensor",
+    "keyed_tensor",
+    "refuse_script",
+    "traced_leaf",
+    "traced_pooled",
+    "traced_sequence",
+]

@@ -180,3 +180,33 @@ def test_building_sparse_types_outside_a_trace_logs_nothing() -> None:
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "built KeyedJaggedTensor"
     assert "is_fx_tracing" not in run.stderr
+
+
+def test_a_quantized_collection_traces_as_one_node_and_refuses_the_rest_by_name() -> None:
+    # the intro tutorial's compilation cells: torchrec.fx.Tracer over the quantized collection, then jit.script
+    from torch import quantization as quant
+
+    from lightning_shardrec.modules.embedding_configs import QuantConfig
+    from lightning_shardrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
+
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10, feature_names=["f1", "f3"]),
+            EmbeddingBagConfig(name="t2", embedding_dim=2, num_embeddings=10, feature_names=["f2"]),
+        ]
+    )
+    ebc.qconfig = QuantConfig(  # type: ignore[assignment]
+        activation=quant.PlaceholderObserver.with_args(dtype=torch.float),
+        weight=quant.PlaceholderObserver.with_args(dtype=torch.qint8),
+    )
+    qebc = QuantEBC.from_float(ebc)
+    held = Holder(qebc)
+    gm = shardrec_fx.symbolic_trace(held)
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["inner"]
+    assert torch.equal(gm(KJT), held(KJT))
+    with pytest.raises(UnsupportedFeatureError, match="torch.fx tracing of a QuantEmbeddingBagCollection as the root"):
+        shardrec_fx.Tracer(leaf_modules=["IntNBitTableBatchedEmbeddingBagsCodegen"]).trace(qebc)
+    refused = "torch.jit.script of QuantEmbeddingBagCollection is not supported"
+    with pytest.raises(UnsupportedFeatureError, match=refused):
+        torch.jit.script(gm)
