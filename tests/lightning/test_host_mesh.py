@@ -23,8 +23,8 @@ STYLES = {
     "torchrun": ({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "{local}", "GROUP_RANK": "{host}"}, None),
     # srun: tasks per node and nodes, no LOCAL_WORLD_SIZE
     "slurm": ({"SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "2", "SLURM_LOCALID": "{local}"}, None),
-    # Lightning's subprocess launcher: LOCAL_RANK / NODE_RANK only; the strategy knows num_nodes x devices
-    "lightning": ({"LOCAL_RANK": "{local}", "NODE_RANK": "{host}"}, (2, 2)),
+    # Lightning's subprocess launcher: LOCAL_RANK, NODE_RANK, WORLD_SIZE; the strategy knows num_nodes x devices
+    "lightning": ({"LOCAL_RANK": "{local}", "NODE_RANK": "{host}", "WORLD_SIZE": "4"}, (2, 2)),
 }
 
 
