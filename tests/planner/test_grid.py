@@ -263,3 +263,26 @@ def test_grid_only_on_a_narrow_table_names_the_reason() -> None:
         r"\(the table has 24, min_partition 16\)",
     ):
         EmbeddingShardingPlanner(Topology(2), constraints=cons).plan({"": [bag("t", 100, 24)]})
+
+
+@pytest.mark.parametrize("world", [64, 512])
+def test_skipping_grid_cuts_keeps_the_cheapest(world: int) -> None:
+    """fill_grid skips cuts whose least total is above the best found: it returns what trying every cut
+    (ties to the earlier cut) returns."""
+    from lightning_shardrec.planner.enumerate import table_options
+    from lightning_shardrec.planner.fill import RankLoads
+    from lightning_shardrec.planner.grid import _place_cut, fill_grid
+
+    topo = Topology(world, local_world_size=8)
+    work = Workload(topology=topo, batch_size=16384)
+    spec = table_specs({"": [bag("t", 40_000_000, 256)]}, {}, world)[0]
+    opt = table_options(spec, work)
+    assert len(opt.grid_cuts) >= 4
+    for limit in (opt.tw_cost / 64, opt.tw_cost / 16, opt.tw_cost / 4):
+        ranks = RankLoads([0.0] * world, [float(topo.memory_cap)] * world)
+        every = [_place_cut(opt, work, cut, ranks, limit, None, True) for cut in opt.grid_cuts]
+        fits = [(p.total_cost, i) for i, p in enumerate(every) if p is not None]
+        got = fill_grid(opt, work, ranks, limit, None, True)
+        assert (got is None) == (not fits)
+        if got is not None:
+            assert got == every[min(fits)[1]]
