@@ -30,6 +30,7 @@ from lightning_shardrec.distributed.qcomm import (
     wire_splits,
     wire_width,
 )
+from lightning_shardrec.planner.mesh import host_mesh, mesh_layout
 from lightning_shardrec.planner.topology import local_world_size_from_env
 
 if TYPE_CHECKING:
@@ -48,8 +49,9 @@ class ShardingEnv:
     """Where a sharded module lives: its process group, rank, world size and ranks per host.
 
     Ranks ``h*L .. h*L+L-1`` form host ``h`` (``L = local_world_size``), as the planner's
-    ``Topology`` assumes. ``local_world_size=0`` takes ``LOCAL_WORLD_SIZE`` (or the SLURM /
-    ``NUM_NODES`` equivalents) when it divides ``world_size``, else one host.
+    ``Topology`` assumes. On the default group :meth:`from_process_group` takes the layout from the
+    host mesh (:func:`~lightning_shardrec.planner.mesh.host_mesh`); ``local_world_size=0`` otherwise takes
+    ``LOCAL_WORLD_SIZE`` (or the SLURM / ``NUM_NODES`` equivalents) when it divides ``world_size``, else one host.
     """
 
     rank: int
@@ -80,6 +82,8 @@ class ShardingEnv:
                 "sharding needs an initialised process group: call torch.distributed.init_process_group "
                 "(or train with Trainer(strategy='shardrec'))"
             )
+        if pg is None or pg is dist.group.WORLD:  # ranks per host: the host mesh's (collective the first time)
+            local_world_size = mesh_layout(host_mesh(local_world_size))[1]
         return ShardingEnv(dist.get_rank(pg), dist.get_world_size(pg), pg, local_world_size)
 
     @staticmethod

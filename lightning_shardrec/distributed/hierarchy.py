@@ -35,19 +35,26 @@ from lightning_shardrec.distributed.bounded_cache import BoundedCache
 from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, all_to_all_grad, uses_cuda
 from lightning_shardrec.distributed.groups import cached_group
 from lightning_shardrec.distributed.qcomm import WirePrecision
+from lightning_shardrec.planner.mesh import built_mesh
 
 
 def host_group(env: ShardingEnv) -> ShardingEnv:
     """Collective over ``env``'s ranks (every rank, same order): this rank's host (rank = local index).
 
-    One host reuses ``env``'s group; one rank per host needs none. Otherwise every rank
-    creates all ``H`` host groups (same backend, ``env``'s timeout).
+    One host reuses ``env``'s group; one rank per host needs none. On the default group, the host
+    mesh's ``"local"`` group (:func:`~lightning_shardrec.planner.mesh.host_mesh`); on another group
+    every rank creates all ``H`` host groups (same backend, ``env``'s timeout).
     """
     local, hosts = env.local_world_size, env.num_hosts
     if hosts == 1:
         return env
     if local == 1:
         return ShardingEnv(0, 1, None, 1)
+    if env.pg is None or env.pg is dist.group.WORLD:
+        mesh = built_mesh(env.world_size, local)
+        if mesh is not None:  # the host mesh's per-host group (ShardingEnv.from_process_group built it)
+            group = mesh.get_group("local")
+            return ShardingEnv(dist.get_rank(group), local, group, local)
     ranks = dist.get_process_group_ranks(env.pg or dist.group.WORLD)  # group rank -> global rank
     backend, timeout = dist.get_backend(env.pg), _timeout(env.pg)
     layout = [[ranks[h * local + j] for j in range(local)] for h in range(hosts)]

@@ -75,6 +75,7 @@ from lightning_shardrec.modules.table_init import tables_on_meta
 from lightning_shardrec.optim import FusedOptimizer, RepeatedLookups, ScaledTableUpdates
 from lightning_shardrec.planner import ParameterConstraints, ParameterSharding, ShardingPlan, Topology
 from lightning_shardrec.planner.memory import DEFAULT_RESERVE
+from lightning_shardrec.planner.mesh import host_mesh, mesh_layout
 
 
 class ShardRecStrategy(RankFailureHandling):
@@ -358,10 +359,10 @@ class ShardRecStrategy(RankFailureHandling):
         self._config = config
         fused_tables = in_backward_tables(module, self.options.sharders)  # TorchRec's optimizer settings: fused
         undecided = undecided_tables(module, fused_tables, self.options.embedding_optimizer)
-        local = ranks_per_host(dist.get_world_size(), self.num_nodes, self.num_processes)  # Lightning's hosts
-        env = ShardingEnv.from_process_group(local_world_size=local)
+        mesh = host_mesh(ranks_per_host(dist.get_world_size(), self.num_nodes, self.num_processes))  # Lightning's
+        env = ShardingEnv.from_process_group(local_world_size=mesh_layout(mesh)[1])
         env = attach(env, self.options.comm_transport)  # collective; waits as long as the group's timeout
-        self.topology = Topology.from_process_group(compute_device=self.root_device.type, local_world_size=local)
+        self.topology = Topology.from_device_mesh(mesh, compute_device=self.root_device.type)
         planner = self.options.planner(self.topology, fused_tables, config)
         self.plan = planner.collective_plan(module, fixed=self.options.plan)  # type: ignore[arg-type]
         setup = self.options.kernel_setup(config, self.root_device, deferred=bool(self._deferral))

@@ -388,6 +388,8 @@ def _fill_holders(
         charged = replace(cut, cost=replace(cut.cost, fixed=cut.cost.fixed + shared))
         placed = fill(opt, work, charged, ranks, limit, members, level, count=k)
         if placed is not None and len(placed.pieces) == k:
-            charges = tuple((p.rank, shared) for p in placed.pieces) if shared > 0 else ()
+            holders = sorted(p.rank for p in placed.pieces)
+            exact = [holder_output_seconds(opt.table, work, cut.width, k, r, i) for i, r in enumerate(holders)]
+            charges = tuple(zip(holders, exact, strict=True)) if shared > 0 else ()
             return Placement(table=placed.table, kind=placed.kind, pieces=placed.pieces, charges=charges)
     return None

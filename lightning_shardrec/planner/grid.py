@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from lightning_shardrec.planner.enumerate import GridPiece, TableOptions
 from lightning_shardrec.planner.fill import Piece, Placement, RankLoads, Strip, fill_host_rows
-from lightning_shardrec.planner.perf import Workload
+from lightning_shardrec.planner.perf import Workload, holder_output_seconds
 from lightning_shardrec.planner.types import ShardingType
 
 
@@ -32,13 +32,31 @@ def fill_grid(
     cands: Sequence[int] | None,
     level: bool,
 ) -> Placement | None:
-    """The cheapest grid cut of ``opt``'s table that fits under ``limit`` (None: none fits)."""
-    best: Placement | None = None
-    for cut in opt.grid_cuts:
+    """The cheapest grid cut of ``opt``'s table that fits under ``limit`` (None: none fits).
+
+    Ties go to the earlier cut of ``opt.grid_cuts``. Cuts are tried by their least possible total (every
+    piece in one block on one holder: :func:`_least_total`), and one whose least is above the best total
+    found is skipped: it could not win. Narrow cuts have many pieces (each takes the ids again), so once a
+    wide cut fits, most narrow ones are never placed.
+    """
+    best: tuple[float, int, Placement] | None = None
+    order = sorted(range(len(opt.grid_cuts)), key=lambda i: (_least_total(opt, work, opt.grid_cuts[i]), i))
+    for i in order:
+        cut = opt.grid_cuts[i]
+        if best is not None and _least_total(opt, work, cut) > best[0]:
+            break
         placed = _place_cut(opt, work, cut, ranks, limit, cands, level)
-        if placed is not None and (best is None or placed.total_cost < best.total_cost):
-            best = placed
-    return best
+        if placed is not None and (best is None or (placed.total_cost, i) < best[:2]):
+            best = (placed.total_cost, i, placed)
+    return None if best is None else best[2]
+
+
+def _least_total(opt: TableOptions, work: Workload, cut: tuple[GridPiece, ...]) -> float:
+    """A lower bound of what ``cut`` costs in total: each piece as one block of every row on one holder
+    (more blocks pay each block's fixed cost again; more holders pay the exchange inside the host, which
+    outweighs the sums they keep)."""
+    rows = opt.table.rows
+    return sum(gp.cost.at(rows) + holder_output_seconds(opt.table, work, gp.width, 1, 0, 0) for gp in cut)
 
 
 def _place_cut(

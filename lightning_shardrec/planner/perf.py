@@ -168,27 +168,52 @@ def _table_row_wise(t: TableSpec, w: Workload, rows: int, cols: int) -> Cost:
     return _compute(t, w, ids, rows, cols, inp, {Phase.INPUT: inp})
 
 
-def holder_output_seconds(t: TableSpec, w: Workload, cols: int, holders: int) -> float:
+def _chunk_sources(world: int, holders: int, index: int) -> range:
+    """The sources whose sums holder ``index`` of ``holders`` sends home: ``s * k // W == index``."""
+    return range(-(-index * world // holders), -(-(index + 1) * world // holders))
+
+
+def holder_output_seconds(
+    t: TableSpec, w: Workload, cols: int, holders: int, rank: int | None = None, index: int | None = None
+) -> float:
     """What a pooled table_row_wise table or grid piece ``cols`` wide costs each of its ``holders`` (k).
 
     Of the holder's ``[B*Q, cols]`` partial (``P`` bytes): ``2 (k-1)/k P`` over the intra-host
-    link (step 1 and its backward), then ``2 P/k`` as an all-to-all split by destination
-    (:func:`a2a_seconds`; step 2 and the gradient back). Sequence tables: 0 (their rows go
-    straight back, costed per shard).
+    link (step 1 and its backward), then step 2 and the gradient back: every source of the holder's
+    chunk (``distributed/hierarchy.py``: source ``s`` to holder ``s * k // W``, contiguous ranks)
+    gets its ``[B, cols]`` sums, over the intra-host link when it is on the holder's host, over the
+    network when not, nothing for the holder itself. ``rank`` and ``index`` (the holder's position
+    among the piece's holders, by rank) say which chunk; without them, the dearest a holder's chunk
+    can be (as many of its sources as there can be on other hosts), which the fill sizes blocks with.
+    Sequence tables: 0 (their rows go straight back, costed per shard).
     """
     if t.sequence:
         return 0.0
     topo = w.topology
+    world, local = topo.world_size, int(topo.local_world_size)  # type: ignore[arg-type]
     partial = w.global_batch * t.bags_per_sample * cols * OUT_BYTES
+    per_source = 2 * partial / world
     inside = 2 * partial * (holders - 1) / holders
-    return _over(inside, float(topo.intra_host_bw)) + a2a_seconds(2 * partial / holders, topo)  # type: ignore[arg-type]
+    if rank is None or index is None:
+        sources = len(_chunk_sources(world, holders, 0))
+        away = min(sources, world - local)
+        near = sources - away
+    else:
+        chunk = _chunk_sources(world, holders, index)
+        host = topo.host_ranks(topo.host_of(rank))
+        same = max(0, min(chunk.stop, host.stop) - max(chunk.start, host.start))
+        away = len(chunk) - same
+        near = same - (1 if rank in chunk else 0)
+    return _over(inside + near * per_source, float(topo.intra_host_bw)) + _over(  # type: ignore[arg-type]
+        away * per_source, float(topo.inter_host_bw)  # type: ignore[arg-type]
+    )
 
 
 def host_charges(t: TableSpec, w: Workload, kind: ShardingType, shards: list[tuple[int, int, int]]) -> dict[int, float]:
     """Per rank, the :func:`holder_output_seconds` of a table's shards ``(rank, col0, cols)``.
 
     A piece's holders on one host each pay once for it, ``k`` = how many ranks of that host
-    hold its blocks (table_row_wise and grid_shard; other types: none).
+    hold its blocks (table_row_wise and grid_shard; other types: none), each for its own chunk.
     """
     if kind not in HOST_OUTPUT:
         return {}
@@ -198,9 +223,8 @@ def host_charges(t: TableSpec, w: Workload, kind: ShardingType, shards: list[tup
         pieces.setdefault((topo.host_of(r), c0, cols), set()).add(r)
     out: dict[int, float] = {}
     for (_, _, cols), holders in sorted(pieces.items()):
-        seconds = holder_output_seconds(t, w, cols, len(holders))
-        for r in holders:
-            out[r] = out.get(r, 0.0) + seconds
+        for i, r in enumerate(sorted(holders)):
+            out[r] = out.get(r, 0.0) + holder_output_seconds(t, w, cols, len(holders), r, i)
     return out
 
 

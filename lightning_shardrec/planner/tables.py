@@ -15,7 +15,7 @@ from lightning_shardrec.planner.types import (
     ShardingType,
 )
 
-DEFAULT_MIN_PARTITION = 32
+DEFAULT_MIN_PARTITION = 8
 COLUMN_ALIGN = 4  # column shards are multiples of 4 wide (fbgemm's row alignment)
 #: bytes per element of a table's rows as the training kernels allocate them: both the torch
 #: kernel and fbgemm's TBE keep fp32 rows whatever ``data_type`` says (``data_type`` does not

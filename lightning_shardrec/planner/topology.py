@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import enum
-import os
 from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol
 
 from lightning_shardrec.planner.memory import cuda_capacity, host_memory
+from lightning_shardrec.planner.mesh import host_mesh, launcher_local_world_size, mesh_layout
 from lightning_shardrec.planner.rates import Rates, as_rates
 from lightning_shardrec.planner.types import parse_enum
 
@@ -161,7 +161,9 @@ class Topology:
         On ``cuda`` with a visible GPU, ``hbm_cap`` is the current device's total memory
         (``torch.cuda.get_device_properties``) unless given; on ``cpu``, ``ddr_cap`` is this
         host's memory (:func:`~lightning_shardrec.planner.memory.host_memory`) shared by the
-        ranks on the host unless given; else the named default.
+        ranks on the host unless given; else the named default. Ranks per host (``local_world_size``) unless
+        given: the host mesh's (:func:`~lightning_shardrec.planner.mesh.host_mesh`, collective the first time
+        on a world), or for a subgroup the launcher's.
         """
         import torch.distributed as dist
 
@@ -177,12 +179,29 @@ class Topology:
             if found is not None:
                 overrides.setdefault("hbm_cap", found[0])
         world = dist.get_world_size(pg)
-        overrides.setdefault("local_world_size", _local_world_size(world, os.environ))
+        if "local_world_size" not in overrides:  # the host mesh's layout (a subgroup has none: the launcher's)
+            world_group = pg is None or pg is dist.group.WORLD
+            local = mesh_layout(host_mesh())[1] if world_group else launcher_local_world_size(world)
+            overrides["local_world_size"] = local
         if overrides["compute_device"] in (ComputeDevice.CPU, "cpu") and "ddr_cap" not in overrides:
             host = host_memory()
             if host is not None:
                 overrides["ddr_cap"] = host // int(overrides["local_world_size"])
         return cls(world, **overrides)
+
+    @classmethod
+    def from_device_mesh(cls, mesh: Any, **overrides: Any) -> Topology:
+        """A ``(hosts, local)`` DeviceMesh (dims ``("host", "local")``, :func:`~.mesh.host_mesh`): its size
+        and ranks per host; the rest as :meth:`from_process_group` finds it (device, memory)."""
+        hosts, local = mesh_layout(mesh)
+        overrides["local_world_size"] = local
+        topo = cls.from_process_group(**overrides)
+        if topo.world_size != hosts * local:
+            raise ValueError(
+                f"Topology.from_device_mesh: the mesh has {hosts} x {local} ranks, the process group "
+                f"{topo.world_size}; build the mesh over the default group"
+            )
+        return topo
 
     @classmethod
     def from_cluster_environment(
@@ -193,26 +212,13 @@ class Topology:
     ) -> Topology:
         """A Lightning ``ClusterEnvironment``: ``world_size()``, ranks per host from env vars."""
         world = int(env.world_size())
-        overrides.setdefault("local_world_size", _local_world_size(world, os.environ if environ is None else environ))
+        overrides.setdefault("local_world_size", launcher_local_world_size(world, environ))
         return cls(world, **overrides)
 
 
 def local_world_size_from_env(world: int, environ: Mapping[str, str] | None = None) -> int:
-    """Ranks per host from LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE / NUM_NODES; else one host.
+    """Ranks per host from the launcher's variables (:func:`~.mesh.launcher_local_world_size`); else one host.
 
-    The one default both the planner (:meth:`Topology.from_process_group`) and the runtime
-    (``ShardingEnv``) use, so the hosts they assume agree. Values not dividing ``world`` are skipped.
+    Where a process group exists the layout comes from the host mesh instead (:func:`~.mesh.host_mesh`).
     """
-    return _local_world_size(world, os.environ if environ is None else environ)
-
-
-def _local_world_size(world: int, environ: Mapping[str, str]) -> int:
-    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = environ.get(key, "")
-        if value.isdigit() and int(value) > 0 and world % int(value) == 0:
-            return int(value)
-    for key in ("NUM_NODES", "SLURM_NNODES", "NNODES"):
-        value = environ.get(key, "")
-        if value.isdigit() and int(value) > 0 and world % int(value) == 0:
-            return world // int(value)
-    return world
+    return launcher_local_world_size(world, environ)

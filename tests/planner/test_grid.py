@@ -76,39 +76,71 @@ def test_table_row_wise_block_pays_ids_and_lookup_only(frac: float) -> None:
     assert cost(topo) - cost(free_link) == pytest.approx(ids * 8 * 7 / 16 / 4.5e11, rel=1e-9)
 
 
-@pytest.mark.parametrize(("world", "local"), [(16, 8), (16, 1), (8, 8)])
+def _two_step(world: int, local: int, k: int, index: int, rank: int) -> float:
+    """Step 1: 2 (k-1)/k of the [B, 32] partial over NVLink; step 2 and back: [1024, 32] to each source
+    of the holder's chunk (s * k // W == index), over NVLink on its host, the network off it, nothing to itself."""
+    partial = 1024 * world * 32 * 4  # a 32-column piece, one bag per sample
+    chunk = [s for s in range(world) if s * k // world == index]
+    near = sum(1 for s in chunk if s // local == rank // local and s != rank)
+    away = sum(1 for s in chunk if s // local != rank // local)
+    per = 2 * 1024 * 32 * 4
+    return (2 * partial * (k - 1) / k + near * per) / 4.5e11 + away * per / 5.0e10
+
+
+@pytest.mark.parametrize(("world", "local"), [(16, 8), (16, 1), (8, 8), (64, 8)])
 @pytest.mark.parametrize("k", [1, 2, 8])
 def test_holder_output_is_the_two_step_traffic(world: int, local: int, k: int) -> None:
-    """Each of a piece's k holders: 2 (k-1)/k of its [B, cols] partial over NVLink (step 1 and its
-    backward), then its summed 1/k to the sources as an all-to-all split by destination (1/W stays,
-    (L-1)/W over NVLink, the rest over the network), out and back."""
+    """Each holder pays the step-1 exchange and its own chunk of sources' sums home (out and back);
+    without a position, the dearest chunk: as many of its sources off the host as there can be."""
     k = min(k, local)
     topo = Topology(world, local_world_size=local)
     work = Workload(topology=topo, batch_size=1024)
     spec = table_specs({"": [bag("t", ROWS, 128)]}, {}, world)[0]
-    partial = 1024 * world * 32 * 4  # a 32-column piece, one bag per sample
-    home = 2 * partial / k
-    want = (
-        2 * partial * (k - 1) / k / 4.5e11
-        + home * (local - 1) / world / 4.5e11
-        + home * (world - local) / world / 5.0e10
-    )
-    assert holder_output_seconds(spec, work, 32, k) == pytest.approx(want, rel=1e-12)
+    holders = list(range(local - k, local))  # the last k ranks of host 0
+    for i, r in enumerate(holders):
+        want = _two_step(world, local, k, i, r)
+        assert holder_output_seconds(spec, work, 32, k, r, i) == pytest.approx(want, rel=1e-12)
+        assert holder_output_seconds(spec, work, 32, k) >= want * (1 - 1e-12)
+    sources = -(-world // k)
+    away = min(sources, world - local)
+    per = 2 * 1024 * 32 * 4
+    step1 = 2 * 1024 * world * 32 * 4 * (k - 1) / k
+    worst = (step1 + (sources - away) * per) / 4.5e11 + away * per / 5.0e10
+    assert holder_output_seconds(spec, work, 32, k) == pytest.approx(worst, rel=1e-12)
+
+
+def test_a_holder_whose_chunk_is_off_its_host_pays_more() -> None:
+    """W = 64, 8 per host, a piece on ranks 0 and 1: holder 0 sends home to sources 0..31 (8 on its
+    host: 7 over NVLink, 1 itself), holder 1 to 32..63, all over the network: 32 against 24 x 2 x [B, 32]
+    off the host. An all-to-all split by destination (56/64 off the host for both) hid the difference."""
+    topo = Topology(64, local_world_size=8)
+    work = Workload(topology=topo, batch_size=1024)
+    spec = table_specs({"": [bag("t", ROWS, 128)]}, {}, 64)[0]
+    charges = host_charges(spec, work, GRID, [(0, 0, 32), (1, 0, 32)])
+    assert charges[0] == pytest.approx(_two_step(64, 8, 2, 0, 0), rel=1e-12)
+    assert charges[1] == pytest.approx(_two_step(64, 8, 2, 1, 1), rel=1e-12)
+    assert charges[1] > 1.2 * charges[0]
 
 
 def test_only_holders_pay_for_a_piece() -> None:
     """Piece (0, 32) on ranks 0 and 1 (k = 2), piece (32, 32) on rank 2, piece (64, 64) on rank 8 of
-    host 1: those ranks pay once per piece they hold; the host's other ranks nothing."""
+    host 1: those ranks pay once per piece they hold (each for its chunk); the host's other ranks nothing."""
     topo = Topology(16, local_world_size=8)
     work = Workload(topology=topo, batch_size=1024)
     spec = table_specs({"": [bag("t", ROWS, 128)]}, {}, 16)[0]
     shards = [(0, 0, 32), (1, 0, 32), (2, 32, 32), (8, 64, 64)]
-    two = holder_output_seconds(spec, work, 32, 2)
     assert host_charges(spec, work, GRID, shards) == pytest.approx(
-        {0: two, 1: two, 2: holder_output_seconds(spec, work, 32, 1), 8: holder_output_seconds(spec, work, 64, 1)}
+        {
+            0: holder_output_seconds(spec, work, 32, 2, 0, 0),
+            1: holder_output_seconds(spec, work, 32, 2, 1, 1),
+            2: holder_output_seconds(spec, work, 32, 1, 2, 0),
+            8: holder_output_seconds(spec, work, 64, 1, 8, 0),
+        }
     )
-    # a second holder halves what leaves each, but adds the exchange inside the host
-    assert two < holder_output_seconds(spec, work, 32, 1) < 2 * two
+    # a second holder halves what leaves the host, but adds the exchange inside it
+    one = holder_output_seconds(spec, work, 32, 1, 0, 0)
+    pair = [holder_output_seconds(spec, work, 32, 2, 0, 0), holder_output_seconds(spec, work, 32, 2, 1, 1)]
+    assert min(pair) < one < sum(pair)
     assert host_charges(spec, work, ShardingType.ROW_WISE, shards) == {}
 
 
@@ -195,7 +227,8 @@ def test_grid_spreads_a_table_over_hosts() -> None:
     rank holds one block; without grid_shard 12 hosts would stay idle (4x slower)."""
     tables = {"ebc": [bag(f"t{i}", 40_000_000, 128) for i in range(4)]}
     topo = Topology(128, local_world_size=8)
-    plan = EmbeddingShardingPlanner(topo, batch_size=2048).plan(tables)
+    wide = {f"t{i}": ParameterConstraints(min_partition=32) for i in range(4)}
+    plan = EmbeddingShardingPlanner(topo, batch_size=2048, constraints=wide).plan(tables)
     check_plan(plan, tables, topo)
     hosts, holders = set(), []
     for ps in plan.plan["ebc"].values():
@@ -209,15 +242,16 @@ def test_grid_spreads_a_table_over_hosts() -> None:
             holders.extend(b.rank for b in blocks)
     assert hosts == set(range(16)) and sorted(holders) == list(range(128))
     no_grid = [t for t in ShardingType if t is not GRID]
-    cons = {f"t{i}": ParameterConstraints(sharding_types=no_grid) for i in range(4)}
+    cons = {f"t{i}": ParameterConstraints(sharding_types=no_grid, min_partition=32) for i in range(4)}
     narrower = EmbeddingShardingPlanner(topo, batch_size=2048, constraints=cons).plan(tables)
     assert plan.stats is not None and narrower.stats is not None
     assert narrower.stats.max_cost > 3 * plan.stats.max_cost
 
 
 def test_grid_not_used_when_disallowed_or_too_narrow() -> None:
-    tables = {"ebc": [bag(f"t{i}", 40_000_000, 32) for i in range(16)]}  # 32 columns: no column cut
-    plan = EmbeddingShardingPlanner(Topology(128, local_world_size=8), batch_size=2048).plan(tables)
+    tables = {"ebc": [bag(f"t{i}", 40_000_000, 32) for i in range(16)]}  # 32 columns: no column cut of 32
+    cons = {f"t{i}": ParameterConstraints(min_partition=32) for i in range(16)}
+    plan = EmbeddingShardingPlanner(Topology(128, local_world_size=8), batch_size=2048, constraints=cons).plan(tables)
     assert all(ps.sharding_type is not GRID for ps in plan.plan["ebc"].values())
 
 
@@ -229,3 +263,26 @@ def test_grid_only_on_a_narrow_table_names_the_reason() -> None:
         r"\(the table has 24, min_partition 16\)",
     ):
         EmbeddingShardingPlanner(Topology(2), constraints=cons).plan({"": [bag("t", 100, 24)]})
+
+
+@pytest.mark.parametrize("world", [64, 512])
+def test_skipping_grid_cuts_keeps_the_cheapest(world: int) -> None:
+    """fill_grid skips cuts whose least total is above the best found: it returns what trying every cut
+    (ties to the earlier cut) returns."""
+    from lightning_shardrec.planner.enumerate import table_options
+    from lightning_shardrec.planner.fill import RankLoads
+    from lightning_shardrec.planner.grid import _place_cut, fill_grid
+
+    topo = Topology(world, local_world_size=8)
+    work = Workload(topology=topo, batch_size=16384)
+    spec = table_specs({"": [bag("t", 40_000_000, 256)]}, {}, world)[0]
+    opt = table_options(spec, work)
+    assert len(opt.grid_cuts) >= 4
+    for limit in (opt.tw_cost / 64, opt.tw_cost / 16, opt.tw_cost / 4):
+        ranks = RankLoads([0.0] * world, [float(topo.memory_cap)] * world)
+        every = [_place_cut(opt, work, cut, ranks, limit, None, True) for cut in opt.grid_cuts]
+        fits = [(p.total_cost, i) for i, p in enumerate(every) if p is not None]
+        got = fill_grid(opt, work, ranks, limit, None, True)
+        assert (got is None) == (not fits)
+        if got is not None:
+            assert got == every[min(fits)[1]]

@@ -50,7 +50,8 @@ def test_64_rank_plan_has_no_sliver_blocks() -> None:
     # once 1 row next to blocks of millions. Every block is now at least half its piece's mean.
     tables = {"ebc": [bag(f"t{i}", 4_000_000 + 100_000 * i, 128) for i in range(24)]}
     topo = Topology(64, local_world_size=8, hbm_cap=80 * GiB)
-    plan = EmbeddingShardingPlanner(topo, batch_size=4096).plan(tables)
+    wide = {f"t{i}": ParameterConstraints(min_partition=32) for i in range(24)}  # 32-column pieces get row-blocked
+    plan = EmbeddingShardingPlanner(topo, batch_size=4096, constraints=wide).plan(tables)
     check_plan(plan, tables, topo)
     row_blocked = 0
     for name, ps in plan.plan["ebc"].items():
