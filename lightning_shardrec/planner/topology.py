@@ -8,7 +8,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol
 
 from lightning_shardrec.planner.memory import cuda_capacity, host_memory
-from lightning_shardrec.planner.mesh import host_mesh, launcher_local_world_size, mesh_layout
+from lightning_shardrec.planner.mesh import built_mesh, launcher_local_world_size, mesh_layout
 from lightning_shardrec.planner.rates import Rates, as_rates
 from lightning_shardrec.planner.types import parse_enum
 
@@ -162,8 +162,9 @@ class Topology:
         (``torch.cuda.get_device_properties``) unless given; on ``cpu``, ``ddr_cap`` is this
         host's memory (:func:`~lightning_shardrec.planner.memory.host_memory`) shared by the
         ranks on the host unless given; else the named default. Ranks per host (``local_world_size``) unless
-        given: the host mesh's (:func:`~lightning_shardrec.planner.mesh.host_mesh`, collective the first time
-        on a world), or for a subgroup the launcher's.
+        given: the host mesh's where one was built on this world (:func:`~lightning_shardrec.planner.mesh.host_mesh`;
+        never built here: this call is not collective, so a planner may be made on one rank alone), else the
+        launcher's.
         """
         import torch.distributed as dist
 
@@ -181,7 +182,8 @@ class Topology:
         world = dist.get_world_size(pg)
         if "local_world_size" not in overrides:  # the host mesh's layout (a subgroup has none: the launcher's)
             world_group = pg is None or pg is dist.group.WORLD
-            local = mesh_layout(host_mesh())[1] if world_group else launcher_local_world_size(world)
+            mesh = built_mesh(world) if world_group else None
+            local = mesh_layout(mesh)[1] if mesh is not None else launcher_local_world_size(world)
             overrides["local_world_size"] = local
         if overrides["compute_device"] in (ComputeDevice.CPU, "cpu") and "ddr_cap" not in overrides:
             host = host_memory()

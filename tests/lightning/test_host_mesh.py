@@ -130,3 +130,31 @@ def _mismatch(rank: int, world: int) -> str:
 def test_from_device_mesh_refuses_a_mesh_of_another_size() -> None:
     errors = run_ranks(_mismatch, 2)
     assert all("Topology.from_device_mesh: the mesh has 2 x 2 ranks, the process group 2" in e for e in errors)
+
+
+def _planner_on_rank_zero_alone(rank: int, world: int) -> int | None:
+    import torch.distributed as dist
+
+    from lightning_shardrec.planner import EmbeddingShardingPlanner
+    from lightning_shardrec.planner import mesh as mesh_module
+
+    saved, saved_env = dict(mesh_module._MESHES), os.environ.get("LOCAL_WORLD_SIZE")
+    mesh_module._MESHES.clear()  # no mesh built on this world yet: nothing to read it from
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # torchrun's: 2 hosts x 2
+    try:
+        local = None
+        if rank == 0:  # a user planning on one rank (TorchRec's collective_plan does the same)
+            local = EmbeddingShardingPlanner().topology.local_world_size
+    finally:
+        mesh_module._MESHES.update(saved)
+        if saved_env is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved_env
+    dist.barrier()
+    return local
+
+
+def test_a_planner_made_on_one_rank_alone_does_not_wait_for_the_others() -> None:
+    got = run_ranks(_planner_on_rank_zero_alone, 4, timeout=60)
+    assert got[0] == 2 and got[1:] == [None, None, None]  # the launcher's 2 ranks per host
