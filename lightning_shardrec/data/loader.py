@@ -17,6 +17,7 @@ checkpoints and restores before the first ``iter()`` (mid-epoch resume).
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,9 +58,9 @@ class IndexedBatchDataset(IterableDataset):
     def global_batch_size(self) -> int:
         return self.batch_size * self.world_size
 
+    @abc.abstractmethod
     def batch(self, index: int) -> RecBatch:
         """This rank's slice of global batch ``index``."""
-        raise NotImplementedError
 
     def __len__(self) -> int:
         return self.num_batches
