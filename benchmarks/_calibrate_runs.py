@@ -10,12 +10,12 @@ one step per plan runs under :class:`~_comm_count.CommCounter` (collective calls
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from _comm_count import CommCounter, Tally
+from harness import rounds
 
 from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimConfig, KeyedJaggedTensor
 from lightning_shardrec.planner import (
@@ -180,13 +180,7 @@ def timed(fn: Callable[[], None], reps: int) -> list[float]:
     """Seconds of ``reps`` calls of ``fn``, each after a barrier (every rank starts together)."""
     import torch.distributed as dist
 
-    out = []
-    for _ in range(reps):
-        dist.barrier()
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
+    return rounds(fn, reps, before=dist.barrier)
 
 
 def check_rank(

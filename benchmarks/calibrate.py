@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -46,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _calibrate_probes import step_parts
 from _calibrate_report import SECTION, Row, as_calls, busiest, calls_text, report, scatter
 from _calibrate_runs import BATCH, LOCAL, PLANS, POOLING, WORLD, Measured, check_rank, plan_for, summarize, timed
-from _report import replace_section  # noqa: E402
+from harness import cpu_model, replace_section  # noqa: E402
 
 from lightning_shardrec import FusedOptimConfig
 from lightning_shardrec.configs import EmbOptimType
@@ -57,13 +56,6 @@ from lightning_shardrec.testing import local_world_size, run_ranks
 #: (rows, dim, batch) the kernel is timed on: 4 rows, so its rows stay in cache and the fit is the cost per id;
 #: rows read from memory are the distinct rows' cost, measured inside a step (``_calibrate_probes``)
 SHAPES = [(4, 16, 256), (4, 64, 256), (4, 128, 256), (4, 64, 1024), (4, 32, 2048)]
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 # --- measure ---------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gzip
-import platform
 import random
 import statistics
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from _report import replace_section  # noqa: E402
+from harness import machine, replace_section  # noqa: E402
 
 from lightning_shardrec.data import (
     CriteoBinary,
@@ -106,21 +105,11 @@ def run(rows: int, repeats: int, batch_size: int) -> list[tuple[str, tuple[float
 def table(
     results: list[tuple[str, tuple[float, float, float]]], cmd: str, rows: int, repeats: int
 ) -> str:
-    cpu = platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        models = [
-            ln.split(":", 1)[1].strip()
-            for ln in cpuinfo.read_text().splitlines()
-            if ln.startswith("model name")
-        ]
-        cpu = f"{models[0]} x {len(models)}" if models else cpu
     lines = [
         SECTION,
         "",
         f"Command: `{cmd}`  ",
-        f"Machine: {cpu}, {platform.system()} {platform.release()}, Python {platform.python_version()}, "
-        f"torch {torch.__version__}, 1 thread. Date: {datetime.date.today().isoformat()}.  ",
+        f"Machine: {machine(isa=False)}, 1 thread. Date: {datetime.date.today().isoformat()}.  ",
         f"{rows:,} generated Criteo rows (40 columns); median of {repeats} runs, spread = min..max.",
         "",
         "| reader | rows/s (median) | spread |",

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ from typing import Any
 SECTION = "## Deferred table updates (accumulation, norm clipping)"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_dlrm import BenchDLRM, StepClock, join_as_rank  # noqa: E402
-from _report import replace_section  # noqa: E402
+from harness import cpu_model, ratios, replace_section  # noqa: E402
 
 VARIANTS = {
     "in backward, kernel=auto": ({"kernel": "auto"}, {}),
@@ -40,14 +39,6 @@ VARIANTS = {
     "deferred: gradient_clip_val=1.0 (norm), k=1": ({"kernel": "auto"}, {"gradient_clip_val": 1.0}),
     "deferred: accumulate_grad_batches=4": ({"kernel": "auto"}, {"accumulate_grad_batches": 4}),
 }
-
-
-def _cpu_model() -> str:
-    info = Path("/proc/cpuinfo")
-    for line in info.read_text().splitlines() if info.exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def _identity(x: Any) -> Any:
@@ -186,17 +177,15 @@ def report(results: list[dict[str, list[float]]], cfg: dict[str, Any], command: 
         """Per repeat, this variant's samples/s over the baseline's of the same repeat (both ranks' mean)."""
         if base_name not in cfg["variants"]:
             return (float("nan"),) * 3
-        ratios = [
-            statistics.mean(r[name][i] for r in results) / statistics.mean(r[base_name][i] for r in results)
-            for i in range(cfg["repeats"])
-        ]
-        return statistics.median(ratios), min(ratios), max(ratios)
+        mean = [[statistics.mean(r[k][i] for r in results) for i in range(cfg["repeats"])] for k in (name, base_name)]
+        st = ratios(*mean)
+        return st.median, st.lo, st.hi
 
     big, small = cfg["rows"]
     lines = [
         SECTION,
         "",
-        f"`{command}` — {_cpu_model()}, {os.cpu_count()} cores, loaded machine (8 engineers sharing it), "
+        f"`{command}` — {cpu_model()}, {os.cpu_count()} cores, loaded machine (8 engineers sharing it), "
         f"{datetime.date.today().isoformat()}, 2 ranks (gloo, CPU, 1 thread each).",
         "",
         f"Workload: 4 x {big:,} rows row-wise + 4 x {small:,} table-wise, dim 64, rowwise_adagrad, batch "

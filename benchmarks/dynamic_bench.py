@@ -59,8 +59,8 @@ from _e2e_common import (  # noqa: E402
     table_rows,
     worker_env,
 )
-from _report import Stat, machine_heading, replace_machine_section  # noqa: E402
 from e2e_bench import _clean_env, machine, make_batch_files  # noqa: E402
+from harness import Stat, machine_heading, replace_machine_section  # noqa: E402
 
 SECTION = "## Dynamic tables"
 VARIANTS = ["ebc_static", "ebc_dynamic", "dmp1_static", "dmp1_dynamic", "dmp2_static", "dmp2_dynamic"]

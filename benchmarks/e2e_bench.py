@@ -64,10 +64,8 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -81,7 +79,7 @@ sys.path.insert(0, str(HERE))
 
 from _e2e_common import read_result, table_rows  # noqa: E402
 from _e2e_workers import WORKERS, WorkerArgs  # noqa: E402
-from _report import Stat, machine_heading, replace_machine_section, vector_isa  # noqa: E402
+from harness import Stat, free_port, machine, machine_heading, replace_machine_section  # noqa: E402
 
 SECTION = "## End-to-end training"
 VARIANTS = [
@@ -125,19 +123,13 @@ def make_batch_files(out: Path, steps: int, batch_size: int, shrink: int) -> Non
         torch.save(items, out / f"rank{rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _clean_env() -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
     }
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env["PYTHONWARNINGS"] = "ignore"
     return env
 
@@ -224,18 +216,6 @@ def cpu_per_rank(rounds: list[list[dict[str, Any]]]) -> str:
         other = statistics.median(c.get("other threads", 0.0) for c in cpus)
         parts.append(f"{main:.1f}+{other:.1f}")
     return " / ".join(parts)
-
-
-def machine() -> str:
-    import torch
-
-    cpu = platform.machine()
-    info = Path("/proc/cpuinfo")
-    if info.exists():
-        models = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")]
-        cpu = f"{models[0]} x {len(models)} ({vector_isa()})" if models else cpu
-    system = f"{platform.system()} {platform.release()}"
-    return f"{cpu}, {system}, Python {platform.python_version()}, torch {torch.__version__}"
 
 
 def report(

@@ -10,27 +10,16 @@ per-rank embedding MiB, per-rank peak RSS and steps/s (median, min..max).
 from __future__ import annotations
 
 import argparse
-import platform
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from _report import Stat, replace_section
+from harness import Stat, machine_heading, replace_section
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "## Existing models: plain nn.Embedding under DDP vs shardrec"
 LINE = re.compile(r"rank (\d+): embedding_mib=([\d.]+), peak_rss_mib=([\d.]+), steps_per_s=([\d.]+)")
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
-    isa = "AVX-512" if "avx512f" in out else "AVX2" if "avx2" in out else "no AVX2"
-    return f"{name} ({isa})"
 
 
 def run(strategy: str, steps: int) -> dict[int, tuple[float, float, float]]:
@@ -66,7 +55,7 @@ def main() -> None:
     text = (
         f"{HEADING}\n\n"
         f"`examples/existing_model/train.py` (three plain tables, 200k/100k/100k x 32, Adagrad, global batch 1024), "
-        f"2 CPU processes, {args.rounds} alternating rounds of {args.steps} steps; CPU: {cpu_model()}.\n"
+        f"2 CPU processes, {args.rounds} alternating rounds of {args.steps} steps; CPU: {machine_heading()}.\n"
         f"Command: `python benchmarks/existing_model_bench.py --rounds {args.rounds} "
         "--write-docs docs/benchmarks.md`.\n\n"
         "| strategy | embedding MiB per rank (r0 / r1) | peak RSS MiB per rank | steps/s, median (min..max) |\n"

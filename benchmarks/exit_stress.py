@@ -27,23 +27,18 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import platform
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import cpu_model, free_port  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("lightning", "pipeline", "dmp")
 ABORT = "terminate called"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hog(limit: float, parent: int) -> None:
@@ -52,18 +47,6 @@ def _hog(limit: float, parent: int) -> None:
     while time.monotonic() < end and os.getppid() == parent:
         for _ in range(100_000):
             pass
-
-
-def cpu_model() -> str:
-    """``lscpu``'s model name (``platform.processor()`` when lscpu is missing)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return platform.processor() or "unknown"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def _tables() -> list[dict[str, object]]:
@@ -155,7 +138,7 @@ def _env(rank: int, port: str) -> dict[str, str]:
 def one_fit(kind: str, steps: int, timeout: float) -> tuple[list[int | None], bool, int, str]:
     """Both ranks' exit codes (None: killed after ``timeout``), whether both reported ``steps`` steps,
     the count of ``terminate called`` lines, and the tail of their stderr."""
-    port = str(_free_port())
+    port = str(free_port())
     with tempfile.TemporaryDirectory(prefix="shardrec_exit_") as root:
         procs = [
             subprocess.Popen(

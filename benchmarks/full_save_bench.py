@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_memory_bench import MIB, Meter, _cpu, _model  # noqa: E402
+from harness import cpu_model  # noqa: E402
+from trainer_memory_bench import MIB, Meter, _model  # noqa: E402
 
 
 class _TimedZlib:
@@ -121,7 +122,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     tensor = args.rows * 16 * 4
-    print(f"{args.tables} tables of {args.rows:,} x 16 fp32 + Adagrad, 2 ranks, {_cpu()}, {os.cpu_count()} cores")
+    print(f"{args.tables} tables of {args.rows:,} x 16 fp32 + Adagrad, 2 ranks, {cpu_model()}, {os.cpu_count()} cores")
     print("| code | rank | share | largest tensor | save peak over fit | file |")
     print("|---|---|---|---|---|---|")
     for r, res in enumerate(ranks):

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import random
 import statistics
 import sys
@@ -46,8 +45,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 import torch
-from _report import Stat, machine_heading, replace_machine_section, vector_isa  # noqa: E402
+from harness import Stat, machine_heading, replace_machine_section  # noqa: E402
 
 from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimConfig
 from lightning_shardrec.configs import EmbOptimType
@@ -117,12 +117,6 @@ def forward_pass(kernel: torch.nn.Module, batches: list[KeyedJaggedTensor]) -> N
     with torch.no_grad():
         for kjt in batches:
             kernel(kjt)
-
-
-def timed(fn: Callable[[], None]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def run(
@@ -214,7 +208,7 @@ def run(
     for _ in range(repeats):
         shuffle.shuffle(order)  # a burst of noise hits a different case each repeat
         for name in order:
-            seconds[name].append(timed(jobs[name]))
+            seconds[name].append(harness.seconds(jobs[name]))
     seconds["ebc validate_ids=True"] = ebc_seconds[True]
     seconds["ebc validate_ids=False"] = ebc_seconds[False]
     cost = [
@@ -237,21 +231,9 @@ def run(
 
 
 def machine() -> str:
-    cpu = platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        models = [
-            ln.split(":", 1)[1].strip()
-            for ln in cpuinfo.read_text().splitlines()
-            if ln.startswith("model name")
-        ]
-        cpu = f"{models[0]} x {len(models)} ({vector_isa()})" if models else cpu
     import fbgemm_gpu  # noqa: PLC0415 - only for its version string
 
-    return (
-        f"{cpu}, {platform.system()} {platform.release()}, Python {platform.python_version()}, "
-        f"torch {torch.__version__}, fbgemm_gpu {getattr(fbgemm_gpu, '__version__', '?')}, 1 thread"
-    )
+    return f"{harness.machine()}, fbgemm_gpu {getattr(fbgemm_gpu, '__version__', '?')}, 1 thread"
 
 
 def report(r: dict[str, Any], cmd: str) -> str:

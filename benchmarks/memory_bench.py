@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from _report import replace_section  # noqa: E402
+from harness import replace_section  # noqa: E402
 from torch import nn
 
 from lightning_shardrec import (

@@ -17,26 +17,25 @@ machine's drift moves both). Cases:
   against its tensor-op twin.
 - ``op overhead``: ``shardrec::serve`` of one id through the custom op against the bare
   ctypes call.
-- build (``--cpp-extension`` adds torch's C++ extension machinery, ~25 s): the C source
-  with the system compiler (what ships) into a fresh directory.
+- build (``--cpp-extension`` adds torch's C++ extension machinery, ~25 s): ``setup.py``'s
+  extension (what ``pip install`` builds) into a fresh directory.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import Stat, cpu_model, paired  # noqa: E402
 
 from lightning_shardrec import DynamicConfig, EmbeddingBagConfig  # noqa: E402
 from lightning_shardrec.inference import id_map  # noqa: E402
@@ -46,24 +45,7 @@ from lightning_shardrec.modules.dynamic import native, ops  # noqa: E402
 from lightning_shardrec.modules.dynamic.hashing import mix64  # noqa: E402
 
 
-def paired(variants: dict[str, Callable[[], object]], reps: int) -> dict[str, tuple[float, float]]:
-    """``{name: (median seconds, median ratio to the first variant)}``, variants run in turn."""
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for fn in variants.values():
-        fn()  # warm
-    for _ in range(reps):
-        for name, fn in variants.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    first = next(iter(times.values()))
-    return {
-        k: (statistics.median(v), statistics.median(b / a for a, b in zip(first, v, strict=True)))
-        for k, v in times.items()
-    }
-
-
-def static_init(loops: native.NativeLoops, reps: int) -> dict[str, tuple[float, float]]:
+def static_init(loops: native.NativeLoops, reps: int) -> dict[str, tuple[Stat, Stat]]:
     config = EmbeddingBagConfig(name="t", embedding_dim=64, num_embeddings=200_000, feature_names=["f"])
     out, seed = torch.empty(200_000, 64), 1234
     low, high = config.init_range()
@@ -75,7 +57,7 @@ def static_init(loops: native.NativeLoops, reps: int) -> dict[str, tuple[float, 
             seeds = (mix64(torch.arange(start, start + n)) + seed).contiguous()
             lo, hi = torch.full((n,), low, dtype=torch.float64), torch.full((n,), high, dtype=torch.float64)
             loops.uniform_rows(n, 64, 0, seeds.data_ptr(), lo.data_ptr(), hi.data_ptr(), 1,
-                               out[start:].data_ptr(), None, 0)  # fmt: skip
+                               out[start:].data_ptr(), None, 0, 0)  # fmt: skip
 
     ref = torch.empty_like(out)
     table_init.init_block(config, seed, ref)
@@ -92,7 +74,7 @@ def static_init(loops: native.NativeLoops, reps: int) -> dict[str, tuple[float, 
     )
 
 
-def fresh_rows(reps: int) -> dict[str, tuple[float, float]]:
+def fresh_rows(reps: int) -> dict[str, tuple[Stat, Stat]]:
     gen = torch.Generator().manual_seed(0)
     weight = torch.zeros(1_000_000, 64)
     rows = torch.randperm(1_000_000, generator=gen)[:4300]
@@ -112,7 +94,7 @@ def fresh_rows(reps: int) -> dict[str, tuple[float, float]]:
     )
 
 
-def serve(reps: int) -> dict[str, tuple[float, float]]:
+def serve(reps: int) -> dict[str, tuple[Stat, Stat]]:
     gen = torch.Generator().manual_seed(0)
     qmap = QuantIdMap("t", DynamicConfig(num_buckets=1 << 16), 1 << 20)
     held = torch.randint(-(2**62), 2**62, (1 << 20,), generator=gen)
@@ -131,7 +113,7 @@ def serve(reps: int) -> dict[str, tuple[float, float]]:
     return paired({"op shardrec::serve": lambda: qmap(ids), "tensor ops": twin}, reps)
 
 
-def op_overhead(loops: native.NativeLoops, reps: int) -> dict[str, tuple[float, float]]:
+def op_overhead(loops: native.NativeLoops, reps: int) -> dict[str, tuple[Stat, Stat]]:
     held, live, ids = torch.zeros(16, dtype=torch.int64), torch.ones(16, dtype=torch.bool), torch.tensor([3])
     out = torch.empty(1, dtype=torch.int64)
 
@@ -147,15 +129,16 @@ def op_overhead(loops: native.NativeLoops, reps: int) -> dict[str, tuple[float, 
 
 
 def build_times(cpp_extension: bool) -> dict[str, float]:
-    source = native.SOURCE
-    cc = native._compiler()
-    assert cc is not None, "no C compiler"
+    root = Path(__file__).resolve().parents[1]
     times = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # what `pip install` / `pip wheel` runs: setup.py's extension
         t = time.perf_counter()
-        subprocess.run([cc, *native.FLAGS, str(source), "-o", f"{tmp}/x.so"], check=True)
-        times["system C compiler, plain C (shipped)"] = time.perf_counter() - t
-        ctypes.CDLL(f"{tmp}/x.so")
+        cmd = [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", tmp, "--build-temp", f"{tmp}/obj"]
+        subprocess.run(cmd, cwd=root, check=True, capture_output=True)
+        times["setup.py build_ext: plain C, system compiler (shipped)"] = time.perf_counter() - t
+        built = native.library_path(Path(tmp) / "lightning_shardrec" / "modules" / "dynamic")
+        assert built is not None, "setup.py built no library"
+        native.load(built)
     if cpp_extension:
         from torch.utils import cpp_extension as ext
 
@@ -179,10 +162,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     loops = native.native_loops()
-    assert loops is not None, "no C compiler: nothing to compare"
-    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
-    print(f"{cpu or platform.processor()}, torch {torch.__version__}, 1 thread, {args.reps} paired rounds\n")
+    assert loops is not None, "the package's compiled loops are not built (python setup.py build_ext --inplace)"
+    print(f"{cpu_model()}, torch {torch.__version__}, 1 thread, {args.reps} paired rounds\n")
     print("| case | variant | median | ratio to the first |\n|---|---|---:|---:|")
     for case, result in (
         ("static init 200,000 x 64", static_init(loops, args.reps)),
@@ -191,7 +172,7 @@ def main() -> None:
         ("op overhead", op_overhead(loops, args.reps)),
     ):
         for name, (sec, ratio) in result.items():
-            print(f"| {case} | {name} | {sec * 1e3:.2f} ms | {ratio:.2f} |")
+            print(f"| {case} | {name} | {sec.median * 1e3:.2f} ms | {ratio.median:.2f} |")
     print("\n| build (fresh directory) | seconds |\n|---|---:|")
     for name, sec in build_times(args.cpp_extension).items():
         print(f"| {name} | {sec:.2f} |")

@@ -32,7 +32,7 @@ from typing import Any
 SECTION = "## Pipeline"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_dlrm import BenchDLRM, StepClock, join_as_rank  # noqa: E402
-from _report import replace_section  # noqa: E402
+from harness import replace_section  # noqa: E402
 
 
 def _identity(x: Any) -> Any:

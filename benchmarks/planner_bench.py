@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import replace_section  # noqa: E402
+from harness import replace_section  # noqa: E402
 
 from lightning_shardrec.configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
 from lightning_shardrec.planner import (

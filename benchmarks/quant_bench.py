@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import random
 import statistics
 import sys
@@ -44,11 +43,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _report import replace_section  # noqa: E402
+from harness import replace_section  # noqa: E402
 from torchmetrics.classification import BinaryAUROC
 
 from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig, SyntheticRecDataModule, _fbgemm
@@ -236,14 +236,8 @@ def throughput(batch_size: int, num_batches: int, repeats: int, shrink: int) -> 
 
 
 def machine() -> str:
-    cpu = platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        models = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
-        cpu = f"{models[0]} x {len(models)}" if models else cpu
     fbgemm = "fbgemm_gpu " + ("loaded" if _fbgemm.fbgemm_inference_available() else "absent")
-    return f"{cpu}, {platform.system()} {platform.release()}, Python {platform.python_version()}, " \
-           f"torch {torch.__version__}, {fbgemm}, 1 thread"
+    return f"{harness.machine(isa=False)}, {fbgemm}, 1 thread"
 
 
 def accuracy_table(rows: list[dict[str, Any]]) -> list[str]:

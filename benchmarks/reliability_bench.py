@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import Stat, replace_section  # noqa: E402
+from harness import Stat, replace_section  # noqa: E402
 
 from lightning_shardrec.testing import run_ranks  # noqa: E402
 

@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from _report import machine_heading, replace_machine_section
+from harness import machine_heading, replace_machine_section
 
 from lightning_shardrec import SyntheticRecDataModule
 from lightning_shardrec.inference import quantize

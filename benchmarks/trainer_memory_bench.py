@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import replace_section  # noqa: E402
+from harness import cpu_model, replace_section  # noqa: E402
 
 SECTION = "## Memory per phase through the Trainer"
 GIB, MIB = 2**30, 2**20
@@ -177,20 +177,13 @@ def measure(rows: int, tables: int, steps: int) -> dict[str, Any]:
     return {"2 ranks": two, "3 ranks (resumed from 2)": three}
 
 
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def report(results: dict[str, Any], rows: int, tables: int, png: str | None) -> str:
     t_bytes = rows * 16 * 4 * tables
     total = 2 * t_bytes  # tables + Adagrad state
     lines = [
         SECTION,
         "",
-        f"`python benchmarks/trainer_memory_bench.py --rows {rows} --tables {tables}` on {_cpu()}, "
+        f"`python benchmarks/trainer_memory_bench.py --rows {rows} --tables {tables}` on {cpu_model()}, "
         f"loaded machine (8 engineers), {os.cpu_count()} cores. {tables} tables of {rows:,} x 16 fp32 "
         f"(T = {t_bytes / GIB:.2f} GiB) trained by Adagrad (state S = T): T + S = {total / GIB:.2f} GiB, what a "
         "replicated (DDP) rank holds. Built under `trainer.init_module()`, row-wise, through "

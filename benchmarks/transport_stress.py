@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -26,6 +25,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import cpu_model  # noqa: E402
+
 TABLES = [f"f{i}" for i in range(4)]
 
 
@@ -129,9 +131,7 @@ def main() -> int:
     finally:
         for h in hogs:
             h.kill()
-    cpu = platform.processor() or platform.machine()
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    cpu = cpu_model()
     print(f"transport_stress: {a.runs} runs, {a.hogs} CPU hog(s), {os.cpu_count()} CPUs ({cpu})")
     bad = 0
     for t, c in counts.items():

@@ -22,6 +22,7 @@ with grad enabled is counted, so a second one in the same step can be summed wit
 
 from __future__ import annotations
 
+import abc
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ def hparams_from(config: FusedOptimConfig) -> dict[str, Any]:
     }
 
 
-class BatchedEmbeddingKernel(nn.Module):
+class BatchedEmbeddingKernel(nn.Module, abc.ABC):
     """Base of both backends: tables, feature->table map, optimizer and hyper-parameters."""
 
     backend: KernelBackend
@@ -103,16 +104,17 @@ class BatchedEmbeddingKernel(nn.Module):
         self.grad_clip_value: float | None = None
 
     # --- to implement ---------------------------------------------------------------
-    def forward(self, kjt: KeyedJaggedTensor) -> Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def forward(self, kjt: KeyedJaggedTensor) -> Tensor:
+        """Pooled ``[batch, sum of feature dims]`` (sequence kernels: ``[values, dim]``) of ``kjt``."""
 
-    def split_weights(self) -> list[Tensor]:  # pragma: no cover - abstract
+    @abc.abstractmethod
+    def split_weights(self) -> list[Tensor]:
         """One ``[rows, dim]`` view per table, writable in place."""
-        raise NotImplementedError
 
-    def split_states(self) -> list[dict[str, Tensor]]:  # pragma: no cover - abstract
+    @abc.abstractmethod
+    def split_states(self) -> list[dict[str, Tensor]]:
         """Per table, its optimizer state tensors (views, writable in place)."""
-        raise NotImplementedError
 
     # --- shared ---------------------------------------------------------------------
     def __call__(self, kjt: KeyedJaggedTensor) -> Tensor:

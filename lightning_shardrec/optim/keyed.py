@@ -11,7 +11,6 @@ dicts, so an LR scheduler on the wrapper reaches them.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -40,14 +39,10 @@ class KeyedOptimizer(torch.optim.Optimizer):
                 for k in strays
             ]
             raise ValueError(f"KeyedOptimizer: All state keys must be params. Not among params: {names}")
+        # Optimizer.__init__ sets up what every optimizer has (hooks, step profiling, defaults); it
+        # refuses an empty list, so it gets one empty group, then the live state and groups replace its own
+        super().__init__([{"params": []}], {"_save_param_groups": False})
         self._bind(params, state, param_groups)
-        self.defaults = {"_save_param_groups": False}
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
 
     def _bind(
         self, params: Mapping[str, Tensor], state: Mapping[Any, Any], groups: Collection[Mapping[str, Any]]
@@ -205,6 +200,10 @@ class CombinedOptimizer(KeyedOptimizer):
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return [g for _, o in self._optims for g in o.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Only ``Optimizer.__init__`` assigns (its placeholder list): the wrapped optimizers' groups stay the truth."""
 
     @staticmethod
     def prepend_opt_key(name: str, opt_key: str) -> str:

@@ -68,3 +68,13 @@ def test_load_state_dict_errors(state: dict) -> None:
         ValueError, match=r"next_batch must be an int in \[0, 6\] \(this loader has 6 batches\)"
     ):
         RecBatchLoader(_ds()).load_state_dict(state)
+
+
+def test_a_dataset_must_define_batch() -> None:
+    from lightning_shardrec.data import IndexedBatchDataset
+
+    class NoBatch(IndexedBatchDataset):
+        pass
+
+    with pytest.raises(TypeError, match="abstract method '?batch"):
+        NoBatch(batch_size=4, num_batches=2)

@@ -305,3 +305,14 @@ def test_reset_rows_writes_rows_and_restarts_their_state(backend, name):
         torch.testing.assert_close(t[other], before_s[0][n][other])
     for n, t in s[1].items():
         torch.testing.assert_close(t, before_s[1][n])
+
+
+def test_a_kernel_must_define_forward_and_its_views():
+    from lightning_shardrec.kernels.base import BatchedEmbeddingKernel
+
+    class Partial(BatchedEmbeddingKernel):
+        def forward(self, kjt):
+            return kjt.values()
+
+    with pytest.raises(TypeError, match="abstract methods '?split_states'?, '?split_weights"):
+        Partial([], [], None, pooled=True, device="cpu")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,12 +222,14 @@ def test_mappers_of_other_layouts_do_not_fuse() -> None:
         MapperGroup([a, b])
 
 
-def test_without_a_compiler_the_tensor_ops_run_after_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_the_compiled_loops_the_tensor_ops_run_after_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     native.native_loops.cache_clear()
-    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setattr(native, "library_path", lambda folder=None: None)  # a package installed without them
     try:
         with pytest.warns(
-            UserWarning, match=r"no C compiler was found .* run as tensor ops, .* \(static tables are not affected\)"
+            UserWarning,
+            match=r"the package was installed without its compiled loops \(no _loops\.\* beside native\.c\), so its "
+            r"id mapping and fresh rows run as tensor ops, .* \(static tables are not affected\)",
         ):
             assert native.native_loops() is None
         mapper = DynamicIdMapper("t", DynamicConfig(), 16)
@@ -237,17 +241,38 @@ def test_without_a_compiler_the_tensor_ops_run_after_one_warning(monkeypatch: py
         native.native_loops.cache_clear()
 
 
-def test_a_failed_build_falls_back_to_tensor_ops_after_one_warning(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+def test_compiled_loops_that_do_not_load_fall_back_to_tensor_ops_after_one_warning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    def broken(cc: str, source: bytes, out: object) -> None:
-        raise RuntimeError("`cc ...` failed: native.c:1: error: boom")
-
+    broken = tmp_path / "_loops.so"
+    broken.write_bytes(b"not a shared library")  # another machine's build, a truncated copy
     native.native_loops.cache_clear()
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there yet
-    monkeypatch.setattr(native, "_build", broken)
+    monkeypatch.setattr(native, "library_path", lambda folder=None: broken)
     try:
-        with pytest.warns(UserWarning, match=r"building the compiled loops failed \(`cc \.\.\.` failed: .*boom\)"):
+        with pytest.warns(UserWarning, match=r"loading the compiled loops .*_loops\.so failed \(.*\); dynamic tables'"):
+            assert native.native_loops() is None
+    finally:
+        native.native_loops.cache_clear()
+
+
+def test_the_compiled_loops_are_found_beside_their_source_by_this_interpreters_suffix(tmp_path: Path) -> None:
+    built = native.library_path()
+    assert built is not None and built.parent == native.SOURCE.parent and built.name.startswith("_loops.")
+    assert native.library_path(tmp_path) is None
+    (tmp_path / f"_loops{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_bytes(built.read_bytes())
+    assert native.load(native.library_path(tmp_path)).serve is not None  # type: ignore[arg-type]
+
+
+def test_a_library_built_from_another_native_c_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stale build (its functions may take other arguments) is never called: one warning, the tensor ops."""
+    built = native.library_path()
+    assert built is not None
+    monkeypatch.setattr(native, "source_key", lambda: "0123456789abcdef")
+    native.native_loops.cache_clear()
+    try:
+        with pytest.warns(
+            UserWarning, match=r"it was built from another native\.c \(source [0-9a-f]{16}, this one is "
+        ):
             assert native.native_loops() is None
     finally:
         native.native_loops.cache_clear()

@@ -99,3 +99,18 @@ def test_in_backward_optimizer_filter():
     model = torch.nn.ModuleDict({"lin": lin, "emb": emb})
     assert [n for n, _ in in_backward_optimizer_filter(model.named_parameters())] == ["lin.weight", "lin.bias"]
     assert [n for n, _ in in_backward_optimizer_filter(model.named_parameters(), include=True)] == ["emb.weight"]
+
+
+def test_keyed_optimizers_are_built_by_optimizer_init_so_step_hooks_fire():
+    """KeyedOptimizer goes through ``torch.optim.Optimizer.__init__`` (hooks, step profiling), not a copy of it."""
+    a, b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    keyed = KeyedOptimizerWrapper(dict(a.named_parameters()), lambda p: torch.optim.SGD(p, lr=0.1))
+    combined = CombinedOptimizer([("a", keyed), ("b", torch.optim.SGD(b.parameters(), lr=0.1))])
+    seen: list[str] = []
+    keyed.register_step_pre_hook(lambda opt, args, kwargs: seen.append("keyed pre"))
+    combined.register_step_post_hook(lambda opt, args, kwargs: seen.append("combined post"))
+    combined.zero_grad()
+    (a(torch.ones(3, 2)).sum() + b(torch.ones(3, 2)).sum()).backward()
+    combined.step()
+    assert seen == ["keyed pre", "combined post"]
+    assert combined.param_groups == [*keyed.param_groups, *combined.optimizers[1][1].param_groups]

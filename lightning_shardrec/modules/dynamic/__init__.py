@@ -2,7 +2,7 @@
 
 ``hashing`` (an id's bucket), ``mapper`` (one table's id -> slot map, :class:`DynamicIdMapper`),
 ``slots`` (the vectorised algorithm over flat bucket state), ``mapper_group`` (several tables
-mapped in one pass), ``native`` (the compiled CPU loops, built on first use), ``ops`` (those loops
+mapped in one pass), ``native`` (the compiled CPU loops, built with the package), ``ops`` (those loops
 as ``torch.library`` custom ops), ``layout`` (the mapping as
 checkpoints hold it), ``stats`` (a mapper's figures) and ``tables`` (what an unsharded
 collection does for its dynamic tables).

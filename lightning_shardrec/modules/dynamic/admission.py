@@ -10,7 +10,7 @@ in the order the compacting code gives them, and the placement
 exactly as it would alone. The results are the same bit for bit; the one host sync
 left is the size of ``new`` (the rows reset this step), which the caller needs anyway.
 
-Used wherever the compiled CPU loops are not (on a GPU, and on CPU without a C compiler).
+Used wherever the compiled CPU loops are not (on a GPU, and on CPU where the package has no compiled loops).
 """
 
 from __future__ import annotations

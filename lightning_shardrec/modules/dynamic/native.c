@@ -1,11 +1,13 @@
 /* Two hot loops of lightning_shardrec on CPU, as plain C on raw buffers.
  *
- * lightning_shardrec/modules/dynamic/native.py compiles this file with the system C compiler the first
- * time a dynamic table needs it and loads it with ctypes; lightning_shardrec/modules/dynamic/ops.py calls
+ * setup.py builds this file with the package (lightning_shardrec/modules/dynamic/_loops.<suffix>) and
+ * lightning_shardrec/modules/dynamic/native.py loads it with ctypes; lightning_shardrec/modules/dynamic/ops.py calls
  * it from torch.library custom ops (shardrec::locate, place, serve, write_uniform_rows) that check every
- * argument (dtype, contiguity, shapes, index ranges) first: these functions trust their inputs.
- * Each function has a tensor-op twin that runs wherever this library cannot (no compiler, other
- * devices), and the tests hold the two equal bit for bit. No torch headers: it builds in a
+ * argument's dtype, contiguity and shape first; the index values that address memory (table, bucket, row)
+ * are checked here, in the pass that reads them or a read-only pass before the first write, and a
+ * failure returns a negative code with nothing written (the op then names the argument and its range).
+ * Each function has a tensor-op twin that runs wherever this library cannot (a package built without
+ * it, other devices), and the tests hold the two equal bit for bit. No torch headers: it builds in a
  * fraction of a second.
  *
  * shardrec_locate (twin: dynamic_slots.locate): where dynamic tables' raw ids live.
@@ -15,13 +17,15 @@
  *     slot   = first entry of flat's `width` entries of held holding the id, if live
  *              (last >= 0), else -1                               -> slot_out[i]
  *   and with train != 0 every hit records its sighting: last[slot] = steps[t], seen[slot] += 1.
- *   Returns -1, or the index of the first id outside its table's buckets (nothing recorded then).
+ *   Returns -1, the index of the first id outside its table's buckets, or LOCATE_BAD_TABLE for a table
+ *   index outside [0, ntables) (nothing recorded in either case).
  *
  * shardrec_place (twin: dynamic_slots.place): unique ids, sorted by bucket then id, take entries of
  *   their bucket in (held, last, count): per bucket, ids by most `total` (ties: as given), entries
  *   not seen this step (last < step) by (LFU: count,) last seen, index; the first min(ids, such
  *   entries) pairs match. out[i] = entry or -1; the occupied entries taken over go to displaced.
- *   step[i * step_stride] is id i's step. Returns the number displaced.
+ *   step[i * step_stride] is id i's step. Returns the number displaced, or PLACE_BAD_BUCKET /
+ *   PLACE_UNSORTED for buckets outside [0, nbuckets) or out of order (nothing written).
  *
  * shardrec_serve (twin: inference.id_map.QuantIdMap.forward): a frozen dynamic table's rows.
  *   out[i] = the slot of bucket (splitmix64(id) >> 1) % num_buckets holding the id where live[slot],
@@ -32,12 +36,25 @@
  *   out[r][j] = low[r] + (high[r] - low[r]) * u, u = (splitmix64(seeds[r] + (c0 + j) * GOLDEN) >> 11) * 2^-53,
  *   in double (product, then sum: two roundings, as the tensor ops), stored as float (out_float)
  *   or double. low/high == NULL: u itself. Row r is written at out + at[r] * stride elements
- *   (at == NULL: r * cols): straight into the rows of a table.
+ *   (at == NULL: r * cols): straight into the rows of a table. Returns 0, or ROWS_OUT_OF_RANGE for an
+ *   at[r] outside [0, nrows) (nothing written).
  */
 #include <stdint.h>
 #include <stdlib.h>
 
 #define GOLDEN 0x9E3779B97F4A7C15ull
+
+#define LOCATE_BAD_TABLE (-2) /* shardrec_locate: a table index outside [0, ntables) (nothing written) */
+#define PLACE_BAD_BUCKET (-1) /* shardrec_place: a bucket outside [0, nbuckets) (nothing written) */
+#define PLACE_UNSORTED (-2)   /* shardrec_place: ids not sorted by bucket (nothing written) */
+#define ROWS_OUT_OF_RANGE (-1) /* shardrec_uniform_rows: a row outside [0, nrows) (nothing written) */
+
+#ifndef SHARDREC_SOURCE
+#define SHARDREC_SOURCE "unknown" /* setup.py defines it: the first 16 hex digits of this file's sha256 */
+#endif
+
+/* The source this library was built from: native.py refuses a library built from another native.c. */
+const char *shardrec_source(void) { return SHARDREC_SOURCE; }
 
 #define PREFETCH 32 /* ids ahead: rows are random, so ask for later ones while this one is compared */
 
@@ -48,12 +65,13 @@ static inline uint64_t splitmix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
-int64_t shardrec_locate(int64_t n, const int64_t *ids, const int64_t *table, const int64_t *num_buckets,
-                        const int64_t *lo, const int64_t *count, const int64_t *start, const int64_t *steps,
-                        int64_t width, const int64_t *held, int64_t *last, int64_t *seen, int64_t train,
-                        int64_t *bucket_out, int64_t *slot_out) {
+int64_t shardrec_locate(int64_t n, const int64_t *ids, const int64_t *table, int64_t ntables,
+                        const int64_t *num_buckets, const int64_t *lo, const int64_t *count, const int64_t *start,
+                        const int64_t *steps, int64_t width, const int64_t *held, int64_t *last, int64_t *seen,
+                        int64_t train, int64_t *bucket_out, int64_t *slot_out) {
     for (int64_t i = 0; i < n; ++i) {
         int64_t t = table ? table[i] : 0;
+        if (t < 0 || t >= ntables) return LOCATE_BAD_TABLE;
         int64_t b = (int64_t)((splitmix64((uint64_t)ids[i]) >> 1) % (uint64_t)num_buckets[t]) - lo[t];
         if (b < 0 || b >= count[t]) return i;
         bucket_out[i] = b + start[t];
@@ -96,10 +114,14 @@ static int entry_cmp(const void *pa, const void *pb) {
     return (a->index > b->index) - (a->index < b->index);
 }
 
-int64_t shardrec_place(int64_t n, const int64_t *ids, const int64_t *bucket, const int64_t *total,
+int64_t shardrec_place(int64_t n, const int64_t *ids, const int64_t *bucket, int64_t nbuckets, const int64_t *total,
                        const int64_t *step, int64_t step_stride, int64_t width, int64_t lfu, int64_t *held,
                        int64_t *last, int64_t *count, int64_t *out, int64_t *displaced, int64_t *order) {
     /* order: n int64 of scratch (a bucket's ids in the order they choose) */
+    for (int64_t i = 0; i < n; ++i) { /* the buckets' range and order, checked before anything is written */
+        if (bucket[i] < 0 || bucket[i] >= nbuckets) return PLACE_BAD_BUCKET;
+        if (i && bucket[i] < bucket[i - 1]) return PLACE_UNSORTED;
+    }
     entry_key keys[width];
     int64_t moved = 0;
     for (int64_t i0 = 0, i1; i0 < n; i0 = i1) {
@@ -167,8 +189,11 @@ void shardrec_serve(int64_t n, const int64_t *ids, int64_t num_buckets, int64_t 
     }
 }
 
-void shardrec_uniform_rows(int64_t rows, int64_t cols, int64_t c0, const int64_t *seeds, const double *low,
-                           const double *high, int64_t out_float, void *out, const int64_t *at, int64_t stride) {
+int64_t shardrec_uniform_rows(int64_t rows, int64_t cols, int64_t c0, const int64_t *seeds, const double *low,
+                              const double *high, int64_t out_float, void *out, const int64_t *at, int64_t nrows,
+                              int64_t stride) {
+    for (int64_t r = 0; at && r < rows; ++r) /* every target row in range before anything is written */
+        if (at[r] < 0 || at[r] >= nrows) return ROWS_OUT_OF_RANGE;
     for (int64_t r = 0; r < rows; ++r) {
         const uint64_t seed = (uint64_t)seeds[r];
         const double lo = low ? low[r] : 0.0, span = low ? high[r] - low[r] : 1.0;
@@ -186,4 +211,5 @@ void shardrec_uniform_rows(int64_t rows, int64_t cols, int64_t c0, const int64_t
                 ((double *)out)[base + j] = v;
         }
     }
+    return 0;
 }

@@ -16,11 +16,13 @@ op                                 what                                         
 ``shardrec::write_uniform_rows``   fresh uniform rows written into rows of a table        ``weight``
 =================================  =====================================================  ==========================
 
-The CPU kernels check every argument before touching a pointer: dtype, contiguity,
-shapes and index ranges, each failure a ``ValueError`` naming the op, the argument, the
-value and what it must be. They run the library :func:`~.native.native_loops` builds on
-first use (nothing is compiled or loaded before a dynamic table or a serving id map
-calls one); callers use the tensor-op twins where it is not built.
+The CPU kernels check every argument before anything is written: dtype, contiguity and
+shapes here; the per-id index values that address memory (a table, bucket or row index, the
+buckets' order) inside the loop's own pass (or a read-only pass before its first write), so
+no call makes extra passes over its ids in Python. Each failure is a ``ValueError`` naming
+the op, the argument, the value and what it must be. They run the library :func:`~.native.native_loops` loads on
+first use (built with the package; nothing is loaded before a dynamic table or a serving id map
+calls one); callers use the tensor-op twins where the package has none.
 """
 
 from __future__ import annotations
@@ -33,13 +35,19 @@ from lightning_shardrec.modules.dynamic.native import NativeLoops, native_loops
 
 __all__ = ["locate", "place", "serve", "write_uniform_rows"]
 
+# what the loops return for an index value out of range, nothing written (native.c's #defines)
+LOCATE_BAD_TABLE = -2
+PLACE_BAD_BUCKET, PLACE_UNSORTED = -1, -2
+ROWS_OUT_OF_RANGE = -1
+
 
 def _loops(op: str) -> NativeLoops:
     loops = native_loops()
     if loops is None:
         raise RuntimeError(
-            f"shardrec::{op}: the compiled loops are not built here (no C compiler, a failed build or "
-            "LIGHTNING_SHARDREC_NATIVE=0); use the tensor-op twin (lightning_shardrec.modules.dynamic.slots)"
+            f"shardrec::{op}: the compiled loops are not loaded here (the package was installed without them, "
+            "they failed to load, or LIGHTNING_SHARDREC_NATIVE=0); use the tensor-op twin "
+            "(lightning_shardrec.modules.dynamic.slots)"
         )
     return loops
 
@@ -106,18 +114,20 @@ def locate(
     for name, t in (("lo", lo), ("count", count), ("start", start), ("steps", steps)):
         _vector(op, name, t, n=tables)
     if table is not None:
-        _vector(op, "table", table, n=n)
-        _within(op, "table", table, 0, tables)
+        _vector(op, "table", table, n=n)  # its values: in the loop's own pass
     elif tables < 1:
         raise ValueError(f"shardrec::{op}: num_buckets must have at least one table, got {tables}")
-    _within(op, "num_buckets", num_buckets, 1, 1 << 62)
+    _within(op, "num_buckets", num_buckets, 1, 1 << 62)  # per table: [T], not per id
     _within(op, "count", count, 0, buckets + 1)
     _within(op, "start", start, 0, buckets + 1)
     _within(op, "start + count", start + count, 0, buckets + 1)
     bucket, slot = torch.empty_like(ids), torch.empty_like(ids)
-    ptr = [None if t is None else t.data_ptr() for t in (ids, table, num_buckets, lo, count, start, steps)]
-    bad = _loops(op).locate(n, *ptr, width, held.data_ptr(), last.data_ptr(), seen.data_ptr(), int(train),
-                            bucket.data_ptr(), slot.data_ptr())  # fmt: skip
+    ptr = [t.data_ptr() for t in (num_buckets, lo, count, start, steps)]
+    bad = _loops(op).locate(n, ids.data_ptr(), None if table is None else table.data_ptr(), tables, *ptr, width,
+                            held.data_ptr(), last.data_ptr(), seen.data_ptr(), int(train), bucket.data_ptr(),
+                            slot.data_ptr())  # fmt: skip
+    if bad == LOCATE_BAD_TABLE:
+        _within(op, "table", table, 0, tables)  # type: ignore[arg-type]  # raises, naming the values
     return bucket, slot, torch.tensor(bad, dtype=torch.int64)
 
 
@@ -143,13 +153,14 @@ def place(
     _vector(op, "step", step)
     if step.numel() not in (1, n):
         raise ValueError(f"shardrec::{op}: step must have 1 or {n} elements (one per id), got {step.numel()}")
-    _within(op, "bucket", bucket, 0, buckets)
-    if n > 1 and bool((bucket[1:] < bucket[:-1]).any()):
-        raise ValueError(f"shardrec::{op}: ids must come sorted by bucket, got buckets {bucket.tolist()[:8]}...")
     out, displaced, scratch = (torch.empty(n, dtype=torch.int64) for _ in range(3))
-    ptr = [t.data_ptr() for t in (ids, bucket, total, step)]
-    moved = _loops(op).place(n, *ptr, int(step.numel() > 1), width, int(lfu), held.data_ptr(), last.data_ptr(),
+    moved = _loops(op).place(n, ids.data_ptr(), bucket.data_ptr(), buckets, total.data_ptr(), step.data_ptr(),
+                             int(step.numel() > 1), width, int(lfu), held.data_ptr(), last.data_ptr(),
                              count.data_ptr(), out.data_ptr(), displaced.data_ptr(), scratch.data_ptr())  # fmt: skip
+    if moved == PLACE_BAD_BUCKET:  # the loop checks the buckets' range and order before it writes
+        _within(op, "bucket", bucket, 0, buckets)
+    if moved == PLACE_UNSORTED:
+        raise ValueError(f"shardrec::{op}: ids must come sorted by bucket, got buckets {bucket.tolist()[:8]}...")
     return out, displaced[:moved].clone()
 
 
@@ -199,10 +210,11 @@ def write_uniform_rows(weight: Tensor, rows: Tensor, row_seeds: Tensor, low: Ten
     _vector(op, "row_seeds", row_seeds, n=n)
     _vector(op, "low", low, dtype=torch.float64, n=n)
     _vector(op, "high", high, dtype=torch.float64, n=n)
-    _within(op, "rows", rows, 0, weight.shape[0])
-    _loops(op).uniform_rows(n, weight.shape[1], 0, row_seeds.data_ptr(), low.data_ptr(), high.data_ptr(),
-                            int(weight.dtype == torch.float32), weight.data_ptr(), rows.data_ptr(),
-                            weight.stride(0))  # fmt: skip
+    done = _loops(op).uniform_rows(n, weight.shape[1], 0, row_seeds.data_ptr(), low.data_ptr(), high.data_ptr(),
+                                   int(weight.dtype == torch.float32), weight.data_ptr(), rows.data_ptr(),
+                                   weight.shape[0], weight.stride(0))  # fmt: skip
+    if done == ROWS_OUT_OF_RANGE:  # the loop checks every row before it writes one
+        _within(op, "rows", rows, 0, weight.shape[0])
 
 
 @write_uniform_rows.register_fake
