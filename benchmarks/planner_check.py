@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import replace_section  # noqa: E402
+from harness import replace_section  # noqa: E402
 from plan_cost import Cluster, Table, evaluate  # noqa: E402
 from planner_bench import CRITEO_1TB, criteo_tables  # noqa: E402
 

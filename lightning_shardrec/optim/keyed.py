@@ -150,6 +150,8 @@ class OptimizerWrapper(KeyedOptimizer):
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: Any) -> None:
+        if "params" not in self.__dict__:  # ``Optimizer.__init__``'s placeholder group, before the wrapped one binds
+            return super().add_param_group(param_group)
         raise NotImplementedError(f"{type(self).__name__}.add_param_group: add the group to the wrapped optimizer")
 
     def state_dict(self) -> dict[str, Any]:

@@ -15,7 +15,9 @@ from lightning_shardrec.planner.types import (
     ShardingType,
 )
 
-DEFAULT_MIN_PARTITION = 8
+DEFAULT_MIN_PARTITION = 32  # columns: the narrowest piece a column cut makes unless the world needs narrower
+NARROW_MIN_PARTITION = 8  # from NARROW_FROM_RANKS ranks on
+NARROW_FROM_RANKS = 32
 COLUMN_ALIGN = 4  # column shards are multiples of 4 wide (fbgemm's row alignment)
 #: bytes per element of a table's rows as the training kernels allocate them: both the torch
 #: kernel and fbgemm's TBE keep fp32 rows whatever ``data_type`` says (``data_type`` does not
@@ -106,6 +108,13 @@ def find_tables(tables: TablesInput) -> dict[str, list[BaseEmbeddingConfig]]:
     return out
 
 
+def default_min_partition(world_size: int) -> int:
+    """The narrowest column piece where a table's constraints name none: 32 columns below
+    :data:`NARROW_FROM_RANKS` ranks, 8 from there (at 64-128 ranks 32-column pieces are too few to
+    level every rank without row-blocking, which pays an in-host exchange per extra holder)."""
+    return NARROW_MIN_PARTITION if world_size >= NARROW_FROM_RANKS else DEFAULT_MIN_PARTITION
+
+
 def table_specs(
     tables: Mapping[str, list[BaseEmbeddingConfig]],
     constraints: Mapping[str, ParameterConstraints],
@@ -120,6 +129,7 @@ def table_specs(
         problems.append(
             f"constraints name unknown tables {unknown}; available: {', '.join(sorted(all_names))}"
         )
+    min_partition = default_min_partition(world_size)
     for path in sorted(tables):
         seen: set[str] = set()
         for config in tables[path]:
@@ -172,7 +182,7 @@ def table_specs(
                     sharding_types=types,
                     compute_kernels=kernels,
                     min_partition=min(
-                        pc.min_partition or DEFAULT_MIN_PARTITION, config.embedding_dim
+                        pc.min_partition or min_partition, config.embedding_dim
                     ),
                     ranks=tuple(pc.ranks) if pc.ranks is not None else None,
                     num_buckets=buckets,

@@ -82,3 +82,9 @@ def test_criteo_plan_at_64_gpus_within_1_10_of_the_bound() -> None:
     plan, _ = check.plan_criteo(64, 16384)
     ev = plan_cost.evaluate(plan, check.criteo_costs(), plan_cost.Cluster(world=64, local=8), 16384)
     assert ev.ratio <= 1.10, f"max rank {ev.max * 1e3:.3f} ms, bound {ev.bound * 1e3:.3f} ms"
+
+
+def test_narrow_pieces_only_from_32_ranks() -> None:
+    from lightning_shardrec.planner.tables import default_min_partition
+
+    assert [default_min_partition(w) for w in (1, 2, 16, 31, 32, 64, 1024)] == [32, 32, 32, 32, 8, 8, 8]
