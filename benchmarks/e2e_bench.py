@@ -85,11 +85,11 @@ from _report import Stat, machine_heading, replace_machine_section, vector_isa  
 
 SECTION = "## End-to-end training"
 VARIANTS = [
-    "shardrec", "shardrec_pipeline", "shardrec_bf16", "shardrec_pg", "dmp_plain", "torchrec_dmp", "ddp_sparse",
+    "shardrec", "shardrec_pipeline", "shardrec_bf16", "shardrec_pg", "shardrec_pg_pipeline", "dmp_plain", "torchrec_dmp", "ddp_sparse",
     "kernel_floor", "kernel_floor_torch",
 ]  # fmt: skip
 WORLD = {
-    "shardrec": 2, "shardrec_pipeline": 2, "shardrec_bf16": 2, "shardrec_pg": 2, "dmp_plain": 2, "torchrec_dmp": 2,
+    "shardrec": 2, "shardrec_pipeline": 2, "shardrec_bf16": 2, "shardrec_pg": 2, "shardrec_pg_pipeline": 2, "dmp_plain": 2, "torchrec_dmp": 2,
     "ddp_sparse": 2, "kernel_floor": 1, "kernel_floor_torch": 1,
 }  # fmt: skip
 TORCHREC_VENV = HERE / ".venv-torchrec"
