@@ -1,12 +1,15 @@
 """Collectives per training step on the process group, counted on every rank of a 2-rank gloo fit.
 
 Every ``torch.distributed`` collective a step calls is counted at the line of this package that
-called it (the first frame under ``lightning_shardrec/``). The model has two sharding groups
-(``big`` row-wise, ``mid`` and ``tiny`` table-wise), so a step's data path is: the batch header
-(sizes), ONE all-to-all carrying both groups' lengths and ids, the table-wise group's pooled rows
-and their gradients, the row-wise group's reduce-scatter and its gradients' all-gather: 6
-(DDP's dense all-reduce runs inside its C++ reducer and is not a ``torch.distributed`` call).
-The SIGTERM flag's all-reduce (every few steps, on a gloo group) is control, counted apart.
+called it (the innermost frame under ``lightning_shardrec/`` past the ``comm`` wrappers). DDP's dense
+all-reduce runs inside its C++ reducer and is not a ``torch.distributed`` call; the SIGTERM flag's
+broadcast (every few steps, on a gloo group) is control, counted apart. A step's data path:
+
+- ``static``: two sharding groups (``big`` row-wise; ``mid``, ``tiny`` table-wise): the batch header
+  (sizes), ONE all-to-all carrying both groups' lengths and ids, the table-wise pooled rows and their
+  gradients, the row-wise reduce-scatter and its gradients' all-gather: 6 (9 before issue 42).
+- ``dynamic``: a dynamic and a static table, both table-wise (two groups of the all-to-all kind): the
+  header, one all-to-all of ids, ONE of both groups' pooled rows, one of their gradients: 4 (9 before).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import lightning as L
 import pytest
 from _models import Rec, data, external_launch, trainer
 from test_step_syncs import _made
+from test_strategy_dynamic import DynamicRec
+from test_strategy_dynamic import data as dynamic_data
 
 from lightning_shardrec.testing import run_ranks
 
-#: per rank and step, the data path's collectives (module docstring); a seventh fails the test
-BOUND = 6
+#: per rank and step, the data path's collectives (module docstring); one more fails the test
+BOUND = {"static": 6, "dynamic": 4}
 STEPS = 6
 COLLECTIVES = (
     "all_to_all_single",
@@ -91,19 +96,24 @@ class CountCollectives(L.Callback):
         self._saved = {}
 
 
-def fit(rank: int, world: int, pipeline: bool) -> list[dict[str, int]]:
+def fit(rank: int, world: int, kind: str, pipeline: bool) -> list[dict[str, int]]:
     from lightning_shardrec import ParameterConstraints, ShardRecStrategy
 
     external_launch(rank, world)
     counter = CountCollectives()
-    kinds = {"big": "row_wise", "mid": "table_wise", "tiny": "table_wise"}
-    tables = {f"t_{f}": ParameterConstraints(sharding_types=[k]) for f, k in kinds.items()}
+    if kind == "static":
+        kinds = {"t_big": "row_wise", "t_mid": "table_wise", "t_tiny": "table_wise"}
+        model, dm = Rec("adagrad"), data(4, STEPS + 1)
+    else:
+        kinds = {"t_user": "table_wise", "t_item": "table_wise"}
+        model, dm = DynamicRec(), dynamic_data(6)
+    tables = {t: ParameterConstraints(sharding_types=[k]) for t, k in kinds.items()}
     strategy = ShardRecStrategy(constraints=tables, pipeline=pipeline, comm_transport="pg")
     fit_trainer = trainer(
         strategy=strategy, devices=world, max_steps=STEPS, callbacks=[counter], use_distributed_sampler=False
     )
     try:
-        fit_trainer.fit(Rec("adagrad"), train_dataloaders=_made(data(4, STEPS + 1), rank, world))
+        fit_trainer.fit(model, train_dataloaders=_made(dm, rank, world))
     finally:
         counter.restore()  # the rank processes are shared: leave torch.distributed as found
     # [0]: before the first batch; [1]: the first step (one-time set-up, the pipeline's first prefetch)
@@ -114,18 +124,18 @@ def _listing(step: dict[str, int]) -> str:
     return "; ".join(f"{s} x{n}" for s, n in sorted(step.items()))
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
-def test_collectives_per_step_on_the_process_group(pipeline: bool) -> None:
-    per_rank = run_ranks(fit, 2, pipeline)
+@pytest.mark.parametrize(("kind", "pipeline"), [("static", False), ("static", True), ("dynamic", False)])
+def test_collectives_per_step_on_the_process_group(kind: str, pipeline: bool) -> None:
+    per_rank = run_ranks(fit, 2, kind, pipeline)
     for rank, steps in enumerate(per_rank):
         assert len(steps) >= 3, f"rank {rank}: {len(steps)} steady-state steps counted"
         for step in steps:
             data_path = {s: n for s, n in step.items() if CONTROL[0] not in s}
-            assert sum(data_path.values()) <= BOUND, (
-                f"pipeline={pipeline}, rank {rank}: {sum(data_path.values())} collectives in a step "
-                f"(bound {BOUND}): {_listing(data_path)}"
+            assert sum(data_path.values()) <= BOUND[kind], (
+                f"{kind}, pipeline={pipeline}, rank {rank}: {sum(data_path.values())} collectives in a step "
+                f"(bound {BOUND[kind]}): {_listing(data_path)}"
             )
         # The count is real: every steady step issues the data path's collectives (none hidden elsewhere).
-        assert all(sum(n for s, n in step.items() if CONTROL[0] not in s) == BOUND for step in steps), (
+        assert all(sum(n for s, n in step.items() if CONTROL[0] not in s) == BOUND[kind] for step in steps), (
             f"rank {rank}: " + " | ".join(_listing(s) for s in steps)
         )
