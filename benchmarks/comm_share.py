@@ -1,6 +1,6 @@
 """Each collective's share of a training step on the process group (issue 42), 2 and 3 gloo ranks.
 
-    python benchmarks/comm_share.py [--worlds 2,3] [--steps 30] [--warmup 5] [--batch-size 1024]
+    python benchmarks/comm_share.py [--worlds 2,3] [--steps 30] [--warmup 5] [--batch-size 1024] [--quick]
 
 The anchor workload of ``e2e_bench.py`` (8 tables, 4 x 200,000 + 4 x 20,000 rows, dim 64, row-wise
 Adagrad; the same MLPs), random ids (~8 per bag), our ``DistributedModelParallel`` in a plain loop,
@@ -131,7 +131,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--shrink", type=int, default=1, help="divide table rows by this (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 ranks, tables 1/100, batch 64, 1+3 steps")
     args = p.parse_args()
+    if args.quick:
+        args.worlds, args.shrink, args.batch_size, args.warmup, args.steps = "2", 100, 64, 1, 3
     import socket
 
     import torch.multiprocessing as mp
