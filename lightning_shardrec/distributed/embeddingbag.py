@@ -149,14 +149,17 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     def _merge(self) -> tuple[list[int], ColumnBlocks, list[int]] | None:
         """The all-to-all groups sent together (two or more, fp32 on the wire), built once; None: none to merge."""
-        index = [
-            i
+        chosen = [
+            (i, g)
             for i, g in enumerate(self.groups)
-            if isinstance(g, PiecewiseSharding) and g.comm_precision is CommPrecision.FP32
+            if isinstance(g, PiecewiseSharding)  # and not a subclass sending its rows another way
+            and type(g).output_dist is PiecewiseSharding.output_dist
+            and g.comm_precision is CommPrecision.FP32
         ]
+        index = [i for i, _ in chosen]
         if len(index) < 2 or self.env.world_size == 1:
             return None
-        layouts = [self.groups[i].pooled_layout for i in index]
+        layouts = [g.pooled_layout for _, g in chosen]
         if self._merged is None or any(a is not b for a, b in zip(self._merged[0], layouts, strict=True)):
             widths = [sum(layout.widths) for layout in layouts]
             self._merged = (layouts, (index, merged_layout(layouts), widths))
