@@ -196,9 +196,9 @@ def worker_shardrec(a: WorkerArgs) -> None:
     strategy = ShardRecStrategy(
         embedding_optimizer=FusedOptimConfig(optimizer="rowwise_adagrad", lr=LR, eps=EPS),
         planner_batch_size=a.batch_size,
-        pipeline=a.variant == "shardrec_pipeline",
+        pipeline=a.variant in ("shardrec_pipeline", "shardrec_pg_pipeline"),
         comm_precision="bf16" if a.variant == "shardrec_bf16" else "fp32",
-        comm_transport="pg" if a.variant == "shardrec_pg" else "auto",
+        comm_transport="pg" if a.variant in ("shardrec_pg", "shardrec_pg_pipeline") else "auto",
     )
     timing = StepTiming()
     trainer = L.Trainer(
@@ -437,6 +437,7 @@ WORKERS = {
     "shardrec_pipeline": worker_shardrec,
     "shardrec_bf16": worker_shardrec,
     "shardrec_pg": worker_shardrec,
+    "shardrec_pg_pipeline": worker_shardrec,
     "dmp_plain": worker_dmp_plain,
     "ddp_sparse": worker_ddp_sparse,
     "kernel_floor": worker_kernel_floor,

@@ -20,6 +20,7 @@ Variants (each in fresh processes; one intra-op thread per rank):
 - ``shardrec_pipeline``: the same run with ``ShardRecStrategy(pipeline=True)``.
 - ``shardrec_bf16``: the same run with ``ShardRecStrategy(comm_precision="bf16")`` (pooled
   outputs and their gradients cross ranks in bf16).
+- ``shardrec_pg_pipeline``: ``shardrec_pg`` with ``pipeline=True`` (issue 42: the pipeline on the default transport).
 - ``shardrec_pg``: the same run with ``ShardRecStrategy(comm_transport="pg")``, the default since
   issue 30: the all-to-alls on gloo's loopback TCP instead of same-host shared memory.
 - ``dmp_plain``: our ``DistributedModelParallel`` in a plain loop, 2 ranks (gloo).
@@ -83,11 +84,12 @@ from harness import Stat, free_port, machine, machine_heading, replace_machine_s
 
 SECTION = "## End-to-end training"
 VARIANTS = [
-    "shardrec", "shardrec_pipeline", "shardrec_bf16", "shardrec_pg", "dmp_plain", "torchrec_dmp", "ddp_sparse",
-    "kernel_floor", "kernel_floor_torch",
+    "shardrec", "shardrec_pipeline", "shardrec_bf16", "shardrec_pg", "shardrec_pg_pipeline", "dmp_plain",
+    "torchrec_dmp", "ddp_sparse", "kernel_floor", "kernel_floor_torch",
 ]  # fmt: skip
 WORLD = {
-    "shardrec": 2, "shardrec_pipeline": 2, "shardrec_bf16": 2, "shardrec_pg": 2, "dmp_plain": 2, "torchrec_dmp": 2,
+    "shardrec": 2, "shardrec_pipeline": 2, "shardrec_bf16": 2, "shardrec_pg": 2, "shardrec_pg_pipeline": 2,
+    "dmp_plain": 2, "torchrec_dmp": 2,
     "ddp_sparse": 2, "kernel_floor": 1, "kernel_floor_torch": 1,
 }  # fmt: skip
 TORCHREC_VENV = HERE / ".venv-torchrec"

@@ -8,8 +8,8 @@ the same all-to-alls, so they produce the same :class:`DistContext`::
 
     prefetch(kjt_{i+1})      header all-to-all issued (async)
     forward(kjt_i)           ... batch i's compute overlaps it ...
-    handle.progress()        header waited on; lengths / ids / weights issued (async)
-    backward(batch i)        ... overlaps the id all-to-alls ...
+    handle.progress()        header waited on; lengths + ids + weights issued (async, one all-to-all)
+    backward(batch i)        ... overlaps the id all-to-all ...
     forward(kjt_{i+1})       waits on them, regroups, skips the input distribution
 
 The async collectives run on their own process group (``env`` here), so they never
@@ -33,7 +33,7 @@ from lightning_shardrec.distributed.comm import (
     exchange_header_async,
     on_stream,
 )
-from lightning_shardrec.distributed.input_dist import PendingExchange, Routed, exchange_async
+from lightning_shardrec.distributed.input_dist import PackedExchange, Routed, exchange_packed_async
 from lightning_shardrec.distributed.sharding import EmbeddingSharding
 from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.sparse import KeyedJaggedTensor
@@ -92,8 +92,8 @@ def distribute_inputs(
     one small header (its batch size, its id count per group and destination, a
     failure flag) before any bulk collective, so a bad batch on one rank stops every
     rank with an error instead of a hang; ``tag``'s ints ride along and are checked the same
-    way. Then each group routes its ids: every group's all-to-alls are issued (async) before
-    any is waited for, as :meth:`PrefetchHandle.progress` does.
+    way. Then every group's lengths, ids and weights travel in ONE all-to-all (bytes, issued
+    async), as :meth:`PrefetchHandle.progress` does: two collectives per batch in all.
 
     ``ids``: the id check on the device; its flag rides in the header (a bad id stops every rank
     before any lookup, and the rank holding it raises the named error). The header is this
@@ -111,6 +111,14 @@ def distribute_inputs(
     return DistContext(kjt, batch_sizes, _finish_exchanges(groups, pending), subs, routed, recv_values)
 
 
+@dataclass
+class _Issued:
+    """In flight: per group its input when nothing crosses the wire (else None), and the rest's one all-to-all."""
+
+    local: list[KeyedJaggedTensor | None]
+    packed: PackedExchange | None
+
+
 def _issue_exchanges(
     groups: Sequence[EmbeddingSharding],
     subs: list[KeyedJaggedTensor],
@@ -118,22 +126,23 @@ def _issue_exchanges(
     recv_values: list[list[int]],
     batch_sizes: list[int],
     env: ShardingEnv,
-) -> list[PendingExchange | KeyedJaggedTensor]:
-    """Per group: its id all-to-alls issued (async), or its input when nothing crosses the wire."""
-    return [
-        g.input_dist(s, r, v, batch_sizes) if r is None else exchange_async(r, v, g.received_keys(), batch_sizes, env)
+) -> _Issued:
+    """Every routing group's ids in ONE all-to-all, issued (async); the others' inputs made here."""
+    local = [
+        g.input_dist(s, r, v, batch_sizes) if r is None else None
         for g, s, r, v in zip(groups, subs, routed, recv_values, strict=True)
     ]
+    moving = [i for i, r in enumerate(routed) if r is not None]
+    if not moving:
+        return _Issued(local, None)
+    sent, keys = [routed[i] for i in moving], [groups[i].received_keys() for i in moving]
+    return _Issued(local, exchange_packed_async(sent, [recv_values[i] for i in moving], keys, batch_sizes, env))  # type: ignore[arg-type]
 
 
-def _finish_exchanges(
-    groups: Sequence[EmbeddingSharding], pending: list[PendingExchange | KeyedJaggedTensor]
-) -> list[KeyedJaggedTensor]:
-    """Each group's kernel input: waits for the exchanges :func:`_issue_exchanges` started."""
-    return [
-        g.after_exchange(p.wait()) if isinstance(p, PendingExchange) else p
-        for g, p in zip(groups, pending, strict=True)
-    ]
+def _finish_exchanges(groups: Sequence[EmbeddingSharding], issued: _Issued) -> list[KeyedJaggedTensor]:
+    """Each group's kernel input: waits for the exchange :func:`_issue_exchanges` started."""
+    received = iter([] if issued.packed is None else issued.packed.wait())
+    return [g.after_exchange(next(received)) if x is None else x for g, x in zip(groups, issued.local, strict=True)]
 
 
 def start_input_dist(
@@ -228,7 +237,7 @@ class PrefetchHandle:
         self._failure: Exception | None = None
         self._batch_sizes: list[int] = []
         self._recv_values: list[list[int]] = []
-        self._pending: list[PendingExchange | KeyedJaggedTensor] = []
+        self._pending = _Issued([], None)
         #: the header this rank sent (read with the received one), and the named id error's source
         self.sent: Tensor | None = None
         self.explain: Callable[[], None] | None = None
@@ -279,11 +288,8 @@ class PrefetchHandle:
     def drain(self) -> None:
         """Finish the collectives of a handle nobody will consume (no error raised)."""
         self.progress()
-        for p in self._pending:
-            if isinstance(p, PendingExchange):
-                for w in p.works:
-                    w.wait()
-                p.works = []
+        if self._pending.packed is not None:
+            self._pending.packed.drain()
 
 
 def _split_and_route(

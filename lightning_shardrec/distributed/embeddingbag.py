@@ -20,7 +20,16 @@ from lightning_shardrec.configs import PoolingType
 from lightning_shardrec.distributed.batch_dist import DistContext, distribute_inputs
 from lightning_shardrec.distributed.collection import ShardedCollection, check_static_ids, static_features
 from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.sharding import KINDS, EmbeddingSharding, KernelSetup, TableSharding, mechanism
+from lightning_shardrec.distributed.pooled_all_to_all import ColumnBlocks, all_to_all_pooled, merged_layout
+from lightning_shardrec.distributed.qcomm import CommPrecision
+from lightning_shardrec.distributed.sharding import (
+    KINDS,
+    EmbeddingSharding,
+    KernelSetup,
+    PiecewiseSharding,
+    TableSharding,
+    mechanism,
+)
 from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.modules import EmbeddingBagCollection
 from lightning_shardrec.modules.features import FeatureArranger, embedding_names, unshare_features
@@ -80,6 +89,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         mean = [table_of[f].pooling is PoolingType.MEAN for f in grouped]
         self._mean_features = torch.tensor(mean, device=setup.device) if any(mean) else None
         self._mean_dims = torch.tensor(dims_grouped, device=setup.device)
+        self._merged: tuple[list[ColumnBlocks], tuple[list[int], ColumnBlocks, list[int]]] | None = None
 
     # --- the TorchRec-style surface ------------------------------------------------------
     def embedding_bag_configs(self) -> list:  # type: ignore[type-arg]
@@ -110,7 +120,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         return [g.compute(x) for g, x in zip(self.groups, ctx.inputs, strict=True)]
 
     def output_dist(self, outs: list[Tensor], ctx: DistContext) -> KeyedTensor:
-        parts = [g.output_dist(o, ctx.batch_sizes) for g, o in zip(self.groups, outs, strict=True)]
+        parts = self._pooled_home(outs, ctx.batch_sizes)
         pooled = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # cat would copy even one part
         if self._mean_features is not None:
             b = ctx.local.stride()
@@ -121,6 +131,39 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         if self._reorder is not None:
             pooled = pooled.index_select(1, self._reorder)
         return KeyedTensor(self._embedding_names, self._dims, pooled)
+
+    def _pooled_home(self, outs: list[Tensor], batch_sizes: list[int]) -> list[Tensor]:
+        """Each group's ``[B_r, width]`` pooled rows; the groups whose rows travel by all-to-all (table-
+        and column-wise, static and dynamic) in ONE all-to-all (its gradients: one too), the others their own."""
+        merge = self._merge()
+        if merge is None:
+            return [g.output_dist(o, batch_sizes) for g, o in zip(self.groups, outs, strict=True)]
+        index, layout, widths = merge
+        sent = torch.cat([outs[i] for i in index], dim=1)
+        home = all_to_all_pooled(sent, batch_sizes, layout, 1.0 / self.env.world_size, self.env)
+        by_group = dict(zip(index, home.split(widths, dim=1), strict=True))
+        return [
+            by_group[i] if i in by_group else g.output_dist(o, batch_sizes)
+            for i, (g, o) in enumerate(zip(self.groups, outs, strict=True))
+        ]
+
+    def _merge(self) -> tuple[list[int], ColumnBlocks, list[int]] | None:
+        """The all-to-all groups sent together (two or more, fp32 on the wire), built once; None: none to merge."""
+        chosen = [
+            (i, g)
+            for i, g in enumerate(self.groups)
+            if isinstance(g, PiecewiseSharding)  # and not a subclass sending its rows another way
+            and type(g).output_dist is PiecewiseSharding.output_dist
+            and g.comm_precision is CommPrecision.FP32
+        ]
+        index = [i for i, _ in chosen]
+        if len(index) < 2 or self.env.world_size == 1:
+            return None
+        layouts = [g.pooled_layout for _, g in chosen]
+        if self._merged is None or any(a is not b for a, b in zip(self._merged[0], layouts, strict=True)):
+            widths = [sum(layout.widths) for layout in layouts]
+            self._merged = (layouts, (index, merged_layout(layouts), widths))
+        return self._merged[1]
 
     def _split(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, list[KeyedJaggedTensor]]:
         kjt = self._prepare(features)

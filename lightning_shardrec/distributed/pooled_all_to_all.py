@@ -84,6 +84,25 @@ class ColumnBlocks:
         return ColumnBlocks(block, list(widths), index)
 
 
+def merged_layout(layouts: list[ColumnBlocks]) -> ColumnBlocks:
+    """One layout for several groups' pooled all-to-alls sent as one: each source sends, per row, group
+    0's columns, then group 1's, ...; the output is the groups' outputs side by side, in that order."""
+    world = len(layouts[0].widths)
+    base = [0]
+    for layout in layouts:
+        base.append(base[-1] + sum(layout.widths))
+    columns = [0] * base[-1]
+    col = 0
+    for s in range(world):
+        for g, layout in enumerate(layouts):
+            blocks = layout.index[s].tolist()
+            for c in range(layout.widths[s]):
+                columns[base[g] + blocks[c // layout.block] * layout.block + c % layout.block] = col
+                col += 1
+    widths = [sum(layout.widths[s] for layout in layouts) for s in range(world)]
+    return ColumnBlocks.from_columns(columns, widths, layouts[0].index[0].device)
+
+
 def _as_slice(blocks: list[int]) -> slice | None:
     """``[2, 5, 8] -> slice(2, 9, 3)``; None unless the blocks are evenly spaced and ascending."""
     if not blocks:

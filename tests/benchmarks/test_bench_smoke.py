@@ -65,3 +65,10 @@ def test_deferred_bench_quick(forked_python):
     for variant in ("in backward, kernel=torch", "deferred: gradient_clip_val=1.0 (norm), k=1",
                     "deferred: accumulate_grad_batches=4", "in backward", "deferred, k=4"):  # fmt: skip
         assert f"\n| {variant} | " in text, variant
+
+
+def test_comm_share_quick(forked_python):
+    text = run_quick(forked_python, "comm_share.py")
+    assert "2 ranks: median step" in text
+    for site in ("header", "ids", "pooled", "grads"):
+        assert f"  {site} " in text

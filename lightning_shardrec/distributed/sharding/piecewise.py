@@ -84,6 +84,11 @@ class PiecewiseSharding(EmbeddingSharding):
         for (f, _col), (d, slot) in sorted(where.items()):
             self._blocks_of[f].append(first_block[d] + slot)
 
+    @property
+    def pooled_layout(self) -> ColumnBlocks:
+        """Where each source's pooled columns land in this group's output (its output all-to-all's layout)."""
+        return self._layout
+
     def route(self, kjt: KeyedJaggedTensor) -> Routed:
         return route_by_key(kjt, self.keys_per_dest)
 
