@@ -27,10 +27,16 @@ from lightning_shardrec.lightning.teardown import destroy_groups
 
 
 class DenseReplicas:
-    """``new_group()`` makes a process group (collective) like the strategy's default one."""
+    """``new_group()`` makes a process group (collective) like the strategy's default one; ``allreduce_hook``
+    registers the transport's all-reduce on a DDP wrapper (default ``use_shm_allreduce``)."""
 
-    def __init__(self, new_group: Callable[[], dist.ProcessGroup]) -> None:
+    def __init__(
+        self,
+        new_group: Callable[[], dist.ProcessGroup],
+        allreduce_hook: Callable[[Any, dist.ProcessGroup], ShmTransport | HostTransport | None] = use_shm_allreduce,
+    ) -> None:
         self.new_group = new_group
+        self.allreduce_hook = allreduce_hook
         self.groups: list[dist.ProcessGroup] = []  # every group made for this strategy (destroyed in destroy)
         self.pg: dist.ProcessGroup | None = None  # DDP's; a repeated fit reuses it
         self.transport: ShmTransport | HostTransport | None = None  # the DDP hook's (closed with its wrapper)
@@ -49,7 +55,7 @@ class DenseReplicas:
             self.pg = self.own(self.new_group())
         ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=self.pg, **ddp_kwargs)
         if next(iter(tables.sharded.values())).env.transport is not None:  # every rank alike
-            self.transport = use_shm_allreduce(ddp, self.pg)
+            self.transport = self.allreduce_hook(ddp, self.pg)
         return ddp
 
     def own(self, group: dist.ProcessGroup) -> dist.ProcessGroup:

@@ -29,6 +29,7 @@ from lightning_shardrec._compat.lightning import attached_trainer, optimizers_to
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.groups import new_group_like
 from lightning_shardrec.distributed.sharders import ModuleSharder
+from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
 from lightning_shardrec.errors import IdOutOfRangeError
 from lightning_shardrec.lightning import guards
 from lightning_shardrec.lightning.after_fit import gather_to_rank_zero
@@ -124,7 +125,8 @@ class ShardRecStrategy(DDPStrategy):
         self.padding = BatchPadding(timeout)  # uneven training data (lightning/uneven.py)
         self.pipeline: TrainPipeline | None = None
         self.signals = FitSignals()  # SIGTERM during a multi-rank fit (lightning/signals.py)
-        self.dense = DenseReplicas(self._new_group)  # DDP's group and wrapper, the groups made (lightning/dense.py)
+        # DDP's group and wrapper, the groups made (lightning/dense.py); the hook read here at each fit
+        self.dense = DenseReplicas(self._new_group, lambda ddp, pg: use_shm_allreduce(ddp, pg))
         self.guard: guards.ShardedGuard | None = None
         self._deferral: str | None = None  # why this fit's table updates wait for the optimizer step
 
