@@ -203,3 +203,47 @@ def test_a_table_looked_up_twice_before_a_step_is_refused_by_name():
     for message in run_ranks(twice_in_a_step, 2):
         assert message is not None and "ShardRecFabricStrategy: tables ['t_big', 't_mid', 't_tiny']" in message
         assert "looked up a second time before optimizer.step()" in message
+
+
+def plain_modules_run(rank, world):
+    """``test_plain_modules.TwoTower`` (plain ``nn.EmbeddingBag`` / ``nn.Embedding``) trained by Fabric."""
+    import lightning as L
+    from test_plain_modules import GLOBAL
+    from test_plain_modules import batches as plain_batches
+
+    external_launch(rank, world)
+    fabric = L.Fabric(strategy="shardrec", accelerator="cpu", devices=world)
+    fabric.launch()
+    model, opt = two_tower()
+    model, opt = fabric.setup(model, opt)
+    share = GLOBAL // world
+    for ids, offsets, items, y in plain_batches(rank * share, (rank + 1) * share):
+        opt.zero_grad()
+        fabric.backward(F.binary_cross_entropy_with_logits(model(ids, offsets, items), y))
+        opt.step()
+    full = {k: v.clone() for k, v in fabric.strategy.full_state_dict().items()}
+    fabric.strategy.teardown()
+    return full
+
+
+def two_tower():
+    from test_plain_modules import TwoTower
+
+    model = TwoTower()
+    return model, torch.optim.Adagrad(model.parameters(), lr=0.1)
+
+
+def test_plain_embedding_modules_under_fabric_match_one_process():
+    from test_plain_modules import GLOBAL
+    from test_plain_modules import batches as plain_batches
+
+    model, opt = two_tower()
+    for ids, offsets, items, y in plain_batches(0, GLOBAL):
+        opt.zero_grad()
+        F.binary_cross_entropy_with_logits(model(ids, offsets, items), y).backward()
+        opt.step()
+    want = model.state_dict()
+    for full in run_ranks(plain_modules_run, 2):
+        assert set(full) == set(want)
+        for k in want:
+            torch.testing.assert_close(full[k], want[k], **TOL, msg=k)
