@@ -218,7 +218,10 @@ their defaults; ``log_dynamic_stats`` logs nothing.
         if key is None:
             return super().save_checkpoint(path, state, storage_options, filter)
         if filter is not None and key in filter:
-            raise ValueError(f"ShardRecFabricStrategy.save_checkpoint: a filter on the sharded model {key!r}")
+            raise ValueError(
+                f"ShardRecFabricStrategy.save_checkpoint: a filter on the sharded model {key!r} is not supported (its "
+                "tables are saved shard by shard, whole); filter the other entries, or save a full_state_dict() subset"
+            )
         checkpoint = {k: self._state_of(v) for k, v in state.items() if k != key}
         for name, keep in (filter or {}).items():  # as Fabric filters: the entries of a state dict
             if isinstance(checkpoint.get(name), dict):
@@ -257,7 +260,10 @@ their defaults; ``log_dynamic_stats`` logs nothing.
         got, in_place = self.checkpoints.load(path, self._dense_state, trusted, read, may_map=False)
         missing = sorted(k for k in state if k != key and k not in got)
         if strict and missing:
-            raise KeyError(f"ShardRecFabricStrategy: checkpoint '{path}' has no {missing} (pass strict=False)")
+            raise KeyError(
+                f"ShardRecFabricStrategy: checkpoint '{path}' has no {missing}, which the state to restore holds "
+                "(pass strict=False to restore the rest)"
+            )
         weights = got.pop(key, {})
         if not in_place:
             assert self.module is not None

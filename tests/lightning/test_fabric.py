@@ -247,3 +247,33 @@ def test_plain_embedding_modules_under_fabric_match_one_process():
         assert set(full) == set(want)
         for k in want:
             torch.testing.assert_close(full[k], want[k], **TOL, msg=k)
+
+
+def refusals(rank, world, path):
+    import lightning as L
+
+    external_launch(rank, world)
+    fabric = L.Fabric(strategy="shardrec", accelerator="cpu", devices=world)
+    fabric.launch()
+    net = Net()
+    model, opt = fabric.setup(net, torch.optim.Adagrad(net.parameters(), lr=0.05))
+    seen = []
+    try:
+        fabric.save(path, {"model": model}, filter={"model": lambda k, v: "mlp" in k})
+    except ValueError as e:
+        seen.append(str(e))
+    fabric.save(path, {"model": model, "optimizer": opt})
+    try:
+        fabric.load(path, {"model": model, "optimizer": opt, "step": 0})
+    except KeyError as e:
+        seen.append(str(e))
+    rest = fabric.load(path, {"model": model, "optimizer": opt, "step": 0}, strict=False)
+    fabric.strategy.teardown()
+    return seen, sorted(rest)
+
+
+def test_a_filter_on_the_sharded_model_and_a_missing_entry_are_refused_by_name(tmp_path):
+    for (filtered, missing), rest in run_ranks(refusals, 2, str(tmp_path / "ckpt")):
+        assert "a filter on the sharded model 'model' is not supported" in filtered
+        assert "has no ['step'], which the state to restore holds (pass strict=False" in missing
+        assert rest == []
