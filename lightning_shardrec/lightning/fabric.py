@@ -152,9 +152,13 @@ their defaults; ``log_dynamic_stats`` logs nothing.
         (lr linked to their param group), the model on its device, the dense rest in DDP."""
         tables = self.tables
         collections = tables.find(module)
+        if not collections and tables.sharded:
+            raise RuntimeError(
+                "ShardRecFabricStrategy: the model's tables were sharded by an earlier fabric.setup; set a model up "
+                "once per strategy (a new Fabric for a new model)"
+            )
         if not collections:
-            if not tables.sharded:
-                rank_zero_info("ShardRecFabricStrategy: the model has no embedding collection; training as plain DDP")
+            rank_zero_info("ShardRecFabricStrategy: the model has no embedding collection; training as plain DDP")
             return super().setup_module_and_optimizers(module, optimizers, scheduler)
         table_params = [p for c in collections.values() for p in c.parameters()]
         holder = tables.pick_holder(optimizers, table_params)
@@ -179,6 +183,8 @@ their defaults; ``log_dynamic_stats`` logs nothing.
     @override
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """The model alone (evaluation): sharded with ``embedding_optimizer`` (default: the fused default)."""
+        if not self.tables.find(module) and not self.tables.sharded:
+            return super().setup_module(module)  # no tables: plain DDP
         return self.setup_module_and_optimizers(module, [])[0]
 
     @override

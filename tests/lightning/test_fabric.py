@@ -268,12 +268,17 @@ def refusals(rank, world, path):
     except KeyError as e:
         seen.append(str(e))
     rest = fabric.load(path, {"model": model, "optimizer": opt, "step": 0}, strict=False)
+    try:
+        fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    except RuntimeError as e:
+        seen.append(str(e))
     fabric.strategy.teardown()
     return seen, sorted(rest)
 
 
-def test_a_filter_on_the_sharded_model_and_a_missing_entry_are_refused_by_name(tmp_path):
-    for (filtered, missing), rest in run_ranks(refusals, 2, str(tmp_path / "ckpt")):
+def test_a_filter_on_the_sharded_model_a_missing_entry_and_a_second_setup_are_refused_by_name(tmp_path):
+    for (filtered, missing, again), rest in run_ranks(refusals, 2, str(tmp_path / "ckpt")):
         assert "a filter on the sharded model 'model' is not supported" in filtered
         assert "has no ['step'], which the state to restore holds (pass strict=False" in missing
         assert rest == []
+        assert "the model's tables were sharded by an earlier fabric.setup; set a model up once" in again
