@@ -44,7 +44,7 @@ from lightning_shardrec.lightning.checkpointing import FUSED_KEY, ShardedCheckpo
 from lightning_shardrec.lightning.cluster import ranks_per_host
 from lightning_shardrec.lightning.dense import DenseReplicas
 from lightning_shardrec.lightning.optimizers import rule_report
-from lightning_shardrec.lightning.options import STRATEGY_ARGS, ShardRecOptions
+from lightning_shardrec.lightning.options import ShardRecOptions, with_strategy_args
 from lightning_shardrec.lightning.rank_failures import FailureHandling
 from lightning_shardrec.lightning.tables import ShardedTables
 from lightning_shardrec.lightning.teardown import destroy_default_group_at_exit
@@ -55,12 +55,10 @@ TRAINER_ONLY = {"pipeline": False, "uneven_batches": "pad", "full_tables_after_f
 
 
 class ShardRecFabricStrategy(DDPStrategy):
-    __doc__ = f"""Embedding tables sharded and trained in backward, dense layers data-parallel, under Fabric.
-
-{STRATEGY_ARGS}
-Under Fabric, ``pipeline``, ``uneven_batches`` and ``full_tables_after_fit`` (the Trainer's loop) keep
-their defaults; ``log_dynamic_stats`` logs nothing.
-"""
+    """Embedding tables sharded and trained in backward, dense layers data-parallel, under Fabric. Takes
+    Fabric's ``DDPStrategy`` arguments and the options of :class:`~lightning_shardrec.lightning.options.ShardRecOptions`
+    as keywords; ``pipeline``, ``uneven_batches`` and ``full_tables_after_fit`` (the Trainer's loop) keep their
+    defaults, ``log_dynamic_stats`` logs nothing."""
 
     strategy_name = "shardrec"
 
@@ -337,4 +335,5 @@ class OneLookupPerStep(RepeatedLookups):
             )
 
 
+ShardRecFabricStrategy.__doc__ = with_strategy_args(ShardRecFabricStrategy.__doc__)
 ShardRecFabricStrategy.register_strategies(STRATEGY_REGISTRY)

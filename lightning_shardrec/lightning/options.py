@@ -7,6 +7,7 @@ what the options mean for the fused optimizer, the planner and the kernels.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -212,6 +213,12 @@ class ShardRecOptions:
             pooling=pooling_of(self.constraints),
             comm_precision=self.comm_precision,
         )
+
+
+def with_strategy_args(doc: str | None) -> str:
+    """A strategy's class docstring with :data:`STRATEGY_ARGS` appended (at run time: the CLI's help and
+    ``help()`` show each option; the API reference, read statically, points to :class:`ShardRecOptions`)."""
+    return f"{(doc or '').rstrip()}\n\n{textwrap.indent(STRATEGY_ARGS, '    ')}"
 
 
 #: The ``Args`` section of both strategies' docstrings (Trainer and Fabric: the same options; the CLI

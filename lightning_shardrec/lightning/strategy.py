@@ -42,7 +42,7 @@ from lightning_shardrec.lightning.dense import DenseReplicas
 from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
 from lightning_shardrec.lightning.fused_params import add_anchors, fused_params
 from lightning_shardrec.lightning.optimizers import Holder
-from lightning_shardrec.lightning.options import STRATEGY_ARGS, ShardRecOptions
+from lightning_shardrec.lightning.options import ShardRecOptions, with_strategy_args
 from lightning_shardrec.lightning.pipeline import TrainPipeline, prefetch_line
 from lightning_shardrec.lightning.plan_report import save_plan
 from lightning_shardrec.lightning.precision import convert_dense
@@ -71,9 +71,8 @@ def _held(part: str, name: str, settable: bool = False) -> Any:
 
 
 class ShardRecStrategy(DDPStrategy):
-    __doc__ = f"""Embedding tables sharded and trained in backward; dense layers data-parallel.
-
-{STRATEGY_ARGS}"""
+    """Embedding tables sharded and trained in backward; dense layers data-parallel. Takes ``DDPStrategy``'s
+    process-group arguments and the options of :class:`~lightning_shardrec.lightning.options.ShardRecOptions`."""
 
     strategy_name = "shardrec"
 
@@ -125,8 +124,7 @@ class ShardRecStrategy(DDPStrategy):
         self.padding = BatchPadding(timeout)  # uneven training data (lightning/uneven.py)
         self.pipeline: TrainPipeline | None = None
         self.signals = FitSignals()  # SIGTERM during a multi-rank fit (lightning/signals.py)
-        # DDP's group and wrapper, the groups made (lightning/dense.py); the hook read here at each fit
-        self.dense = DenseReplicas(self._new_group, lambda ddp, pg: use_shm_allreduce(ddp, pg))
+        self.dense = DenseReplicas(self._new_group, lambda ddp, pg: use_shm_allreduce(ddp, pg))  # read at each fit
         self.guard: guards.ShardedGuard | None = None
         self._deferral: str | None = None  # why this fit's table updates wait for the optimizer step
 
@@ -396,4 +394,5 @@ class ShardRecStrategy(DDPStrategy):
             )
 
 
+ShardRecStrategy.__doc__ = with_strategy_args(ShardRecStrategy.__doc__)
 ShardRecStrategy.register_strategies(StrategyRegistry)
