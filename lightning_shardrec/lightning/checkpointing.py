@@ -1,4 +1,4 @@
-"""Checkpoints of a sharded model, as the Lightning strategy writes and reads them.
+"""Checkpoints of a sharded model, as the Trainer and Fabric strategies write and read them.
 
 Sharded (default): a DCP directory, each rank writing its shards, swapped into place
 atomically once every rank has finished. Full (``checkpoint_format="full"``): one file
@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Iterator, Mapping
-from contextlib import nullcontext
-from inspect import signature
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-from lightning.pytorch.strategies import DDPStrategy
-from typing_extensions import override
 
 from lightning_shardrec.checkpoint import (
     FullGather,
@@ -39,88 +35,103 @@ from lightning_shardrec.checkpoint import (
 )
 from lightning_shardrec.checkpoint.mapped_file import MappedFile, load_mapped, mappable
 from lightning_shardrec.checkpoint.streamed_file import Stored
-from lightning_shardrec.distributed.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
-from lightning_shardrec.lightning.checkpoint_io import ShardRecCheckpointIO, resumable
-from lightning_shardrec.lightning.options import ShardRecOptions
-from lightning_shardrec.lightning.pipeline import TrainPipeline
-from lightning_shardrec.optim import FusedOptimizer
-from lightning_shardrec.planner import ShardingPlan
+from lightning_shardrec.lightning.checkpoint_io import ShardRecCheckpointIO
+from lightning_shardrec.lightning.tables import ShardedTables
 
 log = logging.getLogger(__name__)
-_FUSED_KEY = "shardrec_fused_optimizer"
+FUSED_KEY = "shardrec_fused_optimizer"
 
 
-class ShardedCheckpointing(DDPStrategy):
-    """The checkpoint half of :class:`~lightning_shardrec.lightning.ShardRecStrategy`."""
-
-    sharded: dict[str, ShardedCollection]
-    plan: ShardingPlan | None
-    fused_optimizer: FusedOptimizer | None
-    pipeline: TrainPipeline | None
-    options: ShardRecOptions
-    _loaded_in_place: bool
-    #: per optimizer, per param group: its parameters before the tables left it, tables as keys (set in setup)
-    _groups_before: list[list[list[torch.nn.Parameter | str]]] | None = None
-    #: the plain checkpoint file being restored, when it was memory-mapped (see ``_load_file``)
-    _mapped: MappedFile | None = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # Lightning's public seam for checkpoint I/O; a plugin given to the Trainer replaces it
-        self.checkpoint_io = ShardRecCheckpointIO(refuse_resume=False)
+class Ranks(Protocol):
+    """What checkpointing needs of a strategy (Lightning's and Fabric's ``DDPStrategy`` both have it)."""
 
     @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # tables are restored into their shards, so the sharded model must exist
+    def global_rank(self) -> int: ...
 
-    def _dense_state(self) -> dict[str, torch.Tensor]:
-        prefixes = tuple(f"{p}." for p in self.sharded)
-        guard = getattr(self, "guard", None)
-        with nullcontext() if guard is None else guard.allow_state_dict():
-            state = self.lightning_module.state_dict()  # type: ignore[union-attr]
-        return {k: v for k, v in state.items() if not k.startswith(prefixes)}
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
-    def full_state_dict(self, dst: int | None = None) -> dict[str, torch.Tensor]:
-        """Collective: the unsharded model's state dict (tables gathered) on global rank ``dst``.
+    def barrier(self, name: str | None = None) -> None: ...
 
-        ``None``: on every rank (tests, small models). Tables travel in bands by tensor collectives
-        (:class:`~lightning_shardrec.distributed.band_gather.BandGather`): rank ``dst`` holds the
-        result and one band, the other ranks their shards only, and get ``{}``.
-        """
-        if not self.sharded:
-            return self.lightning_module.state_dict()  # type: ignore[union-attr]
-        weights, _ = gather_full_state(self.sharded, dst)
-        if dst is not None and self.global_rank != dst:
-            return {}
-        return {**self._dense_state(), **weights}
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if not self.sharded:
-            return super().lightning_module_state_dict()
-        # tables go to DCP (sharded) or are gathered one at a time into the file (full) in save_checkpoint
-        return self._dense_state()
+class ShardedCheckpoints:
+    """The checkpoints of one model's :class:`~lightning_shardrec.lightning.tables.ShardedTables`.
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if not self.sharded or "state_dict" not in checkpoint:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        assert self.fused_optimizer is not None
-        if self.pipeline is not None:
-            self.pipeline.patch_loader_states(checkpoint)
-        group = {k: v for k, v in self.fused_optimizer.param_groups[0].items() if k != "params"}
-        checkpoint["shardrec_plan"] = self.plan.to_json() if self.plan is not None else None
-        if self.options.checkpoint_format == "full":
-            checkpoint[_FUSED_KEY] = {"states": {}, "param_group": group}
-            return self._save_full(checkpoint, filepath, storage_options)
-        checkpoint[_FUSED_KEY] = {"param_group": group}
-        path = Path(self.broadcast(str(filepath)))
-        dense = checkpoint.pop("state_dict")
-        save_sharded(path, self.sharded, dense, checkpoint, self.global_rank)  # atomic; raises on every rank
+    A plain object both strategies hold: what a checkpoint of the tables holds beside the
+    caller's state (the plan, the fused optimizer's param group), the sharded (DCP) and full
+    (streamed) writes, the reads of either, and the restore of the weights and the optimizer
+    states, checked before anything is copied. ``ranks`` gives the rank, ``broadcast`` and
+    ``barrier`` (a Lightning or Fabric strategy, or anything with those three).
+    """
 
-    def _save_full(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
+    def __init__(self, tables: ShardedTables, ranks: Ranks) -> None:
+        self.tables = tables
+        self.ranks = ranks
+        self.loaded_in_place = False
+        #: per optimizer, per param group: its parameters before the tables left it, tables as keys (set in setup)
+        self.groups_before: list[list[list[torch.nn.Parameter | str]]] | None = None
+        #: the plain checkpoint file being restored, when it was memory-mapped (see ``read_file``)
+        self.mapped: MappedFile | None = None
+
+    @property
+    def full(self) -> bool:
+        return self.tables.options.checkpoint_format == "full"
+
+    def add_meta(self, checkpoint: dict[str, Any]) -> None:
+        """The plan and the fused optimizer's param group, into ``checkpoint`` (room for the full states)."""
+        fused = self.tables.fused_optimizer
+        assert fused is not None
+        group = {k: v for k, v in fused.param_groups[0].items() if k != "params"}
+        plan = self.tables.plan
+        checkpoint["shardrec_plan"] = plan.to_json() if plan is not None else None
+        checkpoint[FUSED_KEY] = {"states": {}, "param_group": group} if self.full else {"param_group": group}
+
+    def save(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: Any,
+        weights_key: str = "state_dict",
+        writer: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """Collective: ``checkpoint`` (the dense weights under ``weights_key``) with the tables, the plan and
+        the fused state. Sharded: a DCP directory; full: one file streamed in bands of rows, or (``writer``:
+        a custom or remote writer) gathered on rank 0 and handed to ``writer``."""
+        self.add_meta(checkpoint)
+        if not self.full:
+            return self.save_sharded(filepath, checkpoint.pop(weights_key), checkpoint)
+        if writer is None:
+            return self.save_full(checkpoint, filepath, weights_key)
+        self.gather_into(checkpoint, weights_key)
+        return writer(checkpoint)
+
+    def load(
+        self,
+        checkpoint_path: Any,
+        dense: Callable[[], dict[str, torch.Tensor]],
+        weights_only: bool,
+        read: Callable[[], dict[str, Any]],
+        may_map: bool,
+    ) -> tuple[dict[str, Any], bool]:
+        """Collective: a checkpoint directory read into the shards and ``dense()`` in place (its meta, True), or
+        a file read (see :meth:`read_file`; its contents, False)."""
+        self.mapped = None  # set by read_file when it maps the file
+        path = self.recover(checkpoint_path)
+        if self.tables.sharded and path.is_dir():
+            return self.load_sharded(path, dense()), True
+        return self.read_file(checkpoint_path, weights_only, read, may_map), False
+
+    def save_sharded(self, path: Any, dense: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Collective: a DCP directory at ``path`` (atomic; raises on every rank), ``meta`` from rank 0."""
+        path = Path(self.ranks.broadcast(str(path)))
+        save_sharded(path, self.tables.sharded, dense, meta, self.ranks.global_rank)
+
+    def gather_into(self, checkpoint: dict[str, Any], weights_key: str = "state_dict") -> None:
+        """Collective: the full tables and their fused states into ``checkpoint`` on rank 0 (a custom writer)."""
+        weights, states = gather_full_state(self.tables.sharded, dst=0)
+        checkpoint[weights_key].update(weights)
+        checkpoint[FUSED_KEY]["states"] = states
+
+    def save_full(self, checkpoint: dict[str, Any], filepath: Any, weights_key: str = "state_dict") -> None:
         """Collective: rank 0 writes one file beside ``filepath``, in bands of rows, and renames it into place.
 
         Every full tensor's shape is gathered first and its room reserved in the file with the
@@ -128,23 +139,17 @@ class ShardedCheckpointing(DDPStrategy):
         bands of at most ``PIECE_BYTES`` and written into their place
         (:class:`~lightning_shardrec.checkpoint.full_gather.FullGather`,
         :func:`~lightning_shardrec.checkpoint.save_streamed`), so rank 0 holds its share and one
-        band. A failure raises on every rank. A custom or remote writer takes the whole
-        checkpoint at once: rank 0 then holds every table.
+        band. A failure raises on every rank.
         """
-        if not _default_io(self.checkpoint_io) or storage_options is not None or _remote(filepath):
-            weights, states = gather_full_state(self.sharded, dst=0)
-            checkpoint["state_dict"].update(weights)
-            checkpoint[_FUSED_KEY]["states"] = states
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        gather = FullGather(self.sharded, dst=0)
+        gather = FullGather(self.tables.sharded, dst=0)
         bands = gather.bands()
         error: BaseException | None = None
-        if self.is_global_zero:
+        if self.ranks.global_rank == 0:
             stored: list[Stored] = []
             try:
                 save_streamed(
                     Path(filepath),
-                    lambda stream: _reserve(stream, gather, checkpoint, stored),
+                    lambda stream: _reserve(stream, gather, checkpoint, stored, weights_key),
                     lambda stream: _fill(stream, bands, stored),
                 )
             except Exception as e:  # agreed on below, so no rank waits in a barrier for rank 0
@@ -157,51 +162,47 @@ class ShardedCheckpointing(DDPStrategy):
             raise CheckpointError(
                 f"saving checkpoint '{filepath}' failed; what was there before is untouched:\n  {failed}"
             ) from error
-        return None
 
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Rank 0 deletes a checkpoint file, link or directory, renaming it aside first (never half-deleted)."""
-        if _remote(filepath):
-            return super().remove_checkpoint(filepath)
-        if self.is_global_zero:
+    def remove(self, filepath: Any) -> None:
+        """Rank 0 deletes a local checkpoint file, link or directory, renaming it aside first (never half-deleted)."""
+        if self.ranks.global_rank == 0:
             discard(Path(filepath))
-        return None
 
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        self._mapped = None  # set by _load_file when it maps the file
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if not _remote(checkpoint_path):
-            if self.is_global_zero:
+    def recover(self, checkpoint_path: Any) -> Path:
+        """Collective: rank 0's path, after rank 0 finished a save that died between its two renames."""
+        path = Path(self.ranks.broadcast(str(checkpoint_path)))
+        if not remote(checkpoint_path):
+            if self.ranks.global_rank == 0:
                 try:
-                    recover_interrupted(path)  # a save that died between its two renames
+                    recover_interrupted(path)
                 except OSError as e:
                     log.warning("could not restore checkpoint %s from a half-finished save: %s", path, e)
-            self.barrier("shardrec_load_checkpoint")
-        if not (self.sharded and path.is_dir()):
-            return self._load_file(checkpoint_path, True if weights_only is None else weights_only)
-        meta = load_sharded(path, self.sharded, self._dense_state(), self.global_rank)
-        meta["state_dict"] = {}  # already loaded in place
-        self._loaded_in_place = True
+            self.ranks.barrier("shardrec_load_checkpoint")
+        return path
+
+    def load_sharded(self, path: Path, dense: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Collective: the directory's tables, fused states and ``dense`` entries in place; its meta."""
+        meta = load_sharded(path, self.tables.sharded, dense, self.ranks.global_rank)
+        self.loaded_in_place = True
         return meta
 
-    def _load_file(self, checkpoint_path: Any, weights_only: bool) -> dict[str, Any]:
-        """Lightning's loader (``weights_only=True`` unless the caller trusts the file), errors made clear.
+    def read_file(
+        self, checkpoint_path: Any, weights_only: bool, read: Callable[[], dict[str, Any]], may_map: bool
+    ) -> dict[str, Any]:
+        """A checkpoint file (``read()``: the caller's reader, ``weights_only`` honoured), errors made clear.
 
-        A local zip-format file under the default ``CheckpointIO`` is memory-mapped instead of read
+        With ``may_map`` (the default ``CheckpointIO``), a local zip-format file is memory-mapped instead of read
         whole on every rank: each rank copies its rows of each table into its shards and releases
-        the pages (:mod:`~lightning_shardrec.checkpoint.mapped_file`); everything else Lightning
-        keeps (dense optimizer state, callbacks' state) is copied out of the file.
+        the pages (:mod:`~lightning_shardrec.checkpoint.mapped_file`); everything else is copied out
+        of the file.
         """
+        self.mapped = None
         try:
-            if self.sharded and _default_io(self.checkpoint_io) and mappable(checkpoint_path):
-                checkpoint, self._mapped = load_mapped(checkpoint_path, weights_only)
-                streamed = ("state_dict", "optimizer_states", _FUSED_KEY)  # copied out, or sliced, when restored
-                return {k: v if k in streamed else self._mapped.owned(v) for k, v in checkpoint.items()}
-            if isinstance(self.checkpoint_io, ShardRecCheckpointIO):  # takes weights_only on Lightning 2.5 too
-                return resumable(self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only))
-            return resumable(super().load_checkpoint(checkpoint_path, **_weights_only(weights_only)))
+            if self.tables.sharded and may_map and mappable(checkpoint_path):
+                checkpoint, self.mapped = load_mapped(checkpoint_path, weights_only)
+                streamed = ("state_dict", "optimizer_states", FUSED_KEY)  # copied out, or sliced, when restored
+                return {k: v if k in streamed else self.mapped.owned(v) for k, v in checkpoint.items()}
+            return read()
         except pickle.UnpicklingError as e:
             raise CheckpointError(
                 f"checkpoint '{checkpoint_path}' holds objects other than tensors and plain containers; refusing to "
@@ -210,63 +211,70 @@ class ShardedCheckpointing(DDPStrategy):
         except (RuntimeError, EOFError) as e:
             raise CheckpointError(f"checkpoint '{checkpoint_path}' is truncated or corrupt: {e}") from None
 
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if not self.sharded:
-            return super().load_model_state_dict(checkpoint, strict)
-        if self._loaded_in_place:
-            self._loaded_in_place = False
-            return None
-        prefixes = tuple(f"{p}." for p in self.sharded)
-        state = checkpoint["state_dict"]
+    def load_weights(
+        self, state: Mapping[str, Any], module: torch.nn.Module, dense: dict[str, Any], strict: bool
+    ) -> None:
+        """A full state dict into the shards and ``module``'s dense rest; everything is checked (on every rank)
+        before anything is copied. Nothing to do after :meth:`load_sharded` (loaded in place)."""
+        if self.loaded_in_place:
+            self.loaded_in_place = False
+            return
+        prefixes = tuple(f"{p}." for p in self.tables.sharded)
         rest = {k: v for k, v in state.items() if not k.startswith(prefixes)}
         tables = {k: v for k, v in state.items() if k.startswith(prefixes)}
-        # every table and dense tensor is checked (on every rank) before anything is copied
-        copy = None if self._mapped is None else self._mapped.copy
-        load_full_state(self.sharded, tables, also=dense_problems(self._dense_state(), rest, strict), copy=copy)
-        self.lightning_module.load_state_dict(rest, strict=False)  # type: ignore[union-attr]
-        return None
+        copy = None if self.mapped is None else self.mapped.copy
+        load_full_state(self.tables.sharded, tables, also=dense_problems(dense, rest, strict), copy=copy)
+        module.load_state_dict(rest, strict=False)
 
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        mapped, self._mapped = self._mapped, None
+    def load_optimizers(
+        self,
+        checkpoint: Mapping[str, Any],
+        optimizers: list[torch.optim.Optimizer],
+        load_dense: Callable[[Mapping[str, Any]], None],
+    ) -> None:
+        """The fused state and param group from ``checkpoint``; ``load_dense`` loads the dense optimizers' states
+        (from ``checkpoint["optimizer_states"]``, split from the tables' when the file was written without the
+        strategy)."""
+        mapped, self.mapped = self.mapped, None
         copy = None if mapped is None else mapped.copy
-        fused = checkpoint.get(_FUSED_KEY)
-        if fused is None and self.sharded and self._groups_before is not None and "optimizer_states" in checkpoint:
+        fused = checkpoint.get(FUSED_KEY)
+        sharded = self.tables.sharded
+        if fused is None and sharded and self.groups_before is not None and "optimizer_states" in checkpoint:
             # written without the strategy: the tables' state sits in the user's optimizer state
-            now = [[list(g["params"]) for g in opt.param_groups] for opt in self.optimizers]
+            now = [[list(g["params"]) for g in opt.param_groups] for opt in optimizers]
             dense, states = split_plain_optimizer_states(
-                checkpoint["optimizer_states"],
-                self._groups_before,
-                now,
-                replicated_keys(self.sharded),
+                checkpoint["optimizer_states"], self.groups_before, now, replicated_keys(sharded)
             )
             dense = dense if mapped is None else mapped.owned(dense)  # kept by the optimizers: out of the file
-            super().load_optimizer_state_dict({**checkpoint, "optimizer_states": dense})
-            load_full_state(self.sharded, states=states, copy=copy)
+            load_dense({**checkpoint, "optimizer_states": dense})
+            load_full_state(sharded, states=states, copy=copy)
             return
         if mapped is not None and "optimizer_states" in checkpoint:
             checkpoint = {**checkpoint, "optimizer_states": mapped.owned(checkpoint["optimizer_states"])}
-        super().load_optimizer_state_dict(checkpoint)
-        if fused is not None and self.sharded:
-            if "states" in fused:
-                load_full_state(self.sharded, states=fused["states"], copy=copy)
-            if self.fused_optimizer is not None:
-                self.fused_optimizer.param_groups[0].update(fused["param_group"])
+        load_dense(checkpoint)
+        if fused is not None and sharded:
+            self.load_fused(fused, copy)
+
+    def load_fused(self, fused: Mapping[str, Any], copy: Any = None) -> None:
+        """The fused optimizer's saved param group (and, from a full file, its states)."""
+        if "states" in fused:
+            load_full_state(self.tables.sharded, states=fused["states"], copy=copy)
+        if self.tables.fused_optimizer is not None:
+            self.tables.fused_optimizer.param_groups[0].update(fused["param_group"])
 
 
 def _reserve(
-    stream: StreamedFile, gather: FullGather, checkpoint: dict[str, Any], stored: list[Stored]
+    stream: StreamedFile, gather: FullGather, checkpoint: dict[str, Any], stored: list[Stored], weights_key: str
 ) -> dict[str, Any]:
     """Room in ``stream`` for every gathered tensor (stand-ins into ``stored``, in order); the checkpoint to pickle."""
-    states = checkpoint[_FUSED_KEY]["states"]
+    states = checkpoint[FUSED_KEY]["states"]
     for key, state, shape in gather.tensors:
         stored.append(stream.reserve(shape))
         if state is None:
-            checkpoint["state_dict"][key] = stored[-1]
+            checkpoint[weights_key][key] = stored[-1]
         else:
             states.setdefault(key, {})[state] = stored[-1]
-    checkpoint["state_dict"].update({k: stream.put(t) for k, t in gather.mappings.items()})
+    checkpoint[weights_key].update({k: stream.put(t) for k, t in gather.mappings.items()})
     return checkpoint
 
 
@@ -277,15 +285,10 @@ def _fill(stream: StreamedFile, bands: Iterator[tuple[int, int, torch.Tensor]], 
         del rows
 
 
-def _weights_only(weights_only: bool) -> dict[str, bool]:
-    """``weights_only`` for ``Strategy.load_checkpoint`` where it takes one (Lightning 2.6; 2.5's does not)."""
-    return {"weights_only": weights_only} if "weights_only" in signature(DDPStrategy.load_checkpoint).parameters else {}
-
-
-def _default_io(io: CheckpointIO) -> bool:
+def default_io(io: CheckpointIO) -> bool:
     """The strategy's own plugin, or Lightning's plain one: local files are written and read in pieces."""
     return type(io) is TorchCheckpointIO or isinstance(io, ShardRecCheckpointIO)
 
 
-def _remote(path: Any) -> bool:
+def remote(path: Any) -> bool:
     return "://" in str(path)

@@ -67,14 +67,15 @@ def deferral_line(reason: str) -> str:
 REPEATED = "a table is looked up more than once per step: its row gradients of the step's lookups are summed"
 
 
-def watch_repeats(strategy: Any, kernels: list[Any], holder: Any, group: Any) -> RepeatedLookups:
-    """Count ``kernels``' lookups per step (``strategy`` calls ``new_step``); at a table's second lookup in a
+def watch_repeats(owner: Any, kernels: list[Any], holder: Any, group: Any) -> RepeatedLookups:
+    """Count ``kernels``' lookups per step (the strategy calls ``new_step``); at a table's second lookup in a
     step whose updates run in backward, this fit's updates wait for the optimizer step from then on
-    (``strategy._deferred_glue``, on the torch kernels), where the step's lookups are summed."""
+    (``owner.deferred_glue``, on the torch kernels; ``owner``: the strategy's
+    :class:`~lightning_shardrec.lightning.updates.StepUpdates`), where the step's lookups are summed."""
 
     def defer() -> None:
         torch_kernels = [k for k in kernels if k.backend is KernelBackend.TORCH]
-        strategy._deferred_glue = DeferredGlue.attach(strategy, torch_kernels, holder, group, None)
+        owner.deferred_glue = DeferredGlue.attach(owner, torch_kernels, holder, group, None)
         rank_zero_info(deferral_line(REPEATED))
 
     return RepeatedLookups(kernels, defer)
@@ -104,7 +105,8 @@ class DeferredGlue:
 
     @classmethod
     def attach(cls, strategy: Any, kernels: Any, holder: Any, group: Any, scaler: Any) -> DeferredGlue:
-        """Defer ``kernels``' updates for this fit of ``strategy``; ``holder``: the (optimizer, group) of the tables."""
+        """Defer ``kernels``' updates for this fit (``strategy``: anything with ``root_device`` and
+        ``precision_plugin``); ``holder``: the (optimizer, group) of the tables."""
         glue = cls(
             DeferredTableUpdates(kernels), None if holder is None else holder[0], group, strategy.root_device, scaler
         )

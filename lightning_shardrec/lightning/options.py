@@ -7,6 +7,7 @@ what the options mean for the fused optimizer, the planner and the kernels.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -212,3 +213,54 @@ class ShardRecOptions:
             pooling=pooling_of(self.constraints),
             comm_precision=self.comm_precision,
         )
+
+
+def with_strategy_args(doc: str | None) -> str:
+    """A strategy's class docstring with :data:`STRATEGY_ARGS` appended (at run time: the CLI's help and
+    ``help()`` show each option; the API reference, read statically, points to :class:`ShardRecOptions`)."""
+    return f"{(doc or '').rstrip()}\n\n{textwrap.indent(STRATEGY_ARGS, '    ')}"
+
+
+#: The ``Args`` section of both strategies' docstrings (Trainer and Fabric: the same options; the CLI
+#: shows each line as the option's help).
+STRATEGY_ARGS = """Args:
+    embedding_optimizer: fused optimizer name or config; default: derived from the user's optimizer.
+    embedding_lr: the tables' lr, when it should differ from the derived one.
+    constraints: per table name, what the planner may do with it.
+    plan: a whole or partial plan (table name -> ``ParameterSharding``) to pin.
+    kernel: ``"auto"`` (the faster backend on this machine, timed per table group), ``"fbgemm"`` or ``"torch"``.
+    comm_precision: the pooled embeddings' collectives and their gradients: ``"fp32"`` (exact), ``"bf16"``,
+        ``"fp16"`` or forward/backward (``"fp16/bf16"``, as TorchRec's ``QCommsConfig``).
+    comm_transport: None (``$LIGHTNING_SHARDREC_TRANSPORT``, else ``"pg"``), ``"auto"`` (shared memory
+        inside a host under gloo), ``"shm"`` (required) or ``"pg"`` (the process group); identical results.
+    pipeline: overlap the next batch's input distribution with this batch's step; identical results.
+    process_group_backend: ``DDPStrategy``'s (e.g. ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``).
+    planner_batch_size: per-rank batch size the planner's cost model assumes.
+    planner_reserve: fraction of each device's memory the planner keeps free (default 0.15).
+    checkpoint_format: ``"sharded"`` (DCP, each rank its shards, any world size) or ``"full"`` (one file).
+    check_finite: raise ``NonFiniteError`` naming the table on a NaN/inf loss, table gradient or row.
+    heartbeat_timeout: seconds without a heartbeat before a rank counts as dead; ``None``: no watchdog.
+    timeout: the process groups' collective timeout (default 10 minutes: long enough
+        for a rank writing a large checkpoint while the others wait at the barrier).
+    embedding_modules: plain ``nn.Embedding`` / ``nn.EmbeddingBag`` submodules to shard in place:
+        ``True`` all, ``False`` none (they stay data-parallel), or a list of module paths.
+    embedding_min_rows: with ``embedding_modules=True``, modules with fewer rows stay data-parallel.
+    strict_optimizer: refuse a fused update rule that differs from the user's optimizer in one process.
+    find_unused_parameters: passed to the dense layers' ``DistributedDataParallel`` (default ``False``).
+    static_graph: passed to the dense layers' ``DistributedDataParallel`` (default ``False``).
+    gradient_as_bucket_view: passed to the dense layers' ``DistributedDataParallel`` (default ``False``).
+    log_dynamic_stats: log each dynamic table's figures when the Trainer has no ``DynamicTableMonitor``.
+    start_method: how Lightning launches the ranks (``DDPStrategy``'s meaning): ``"popen"``
+        (scripts, the CLI), ``"spawn"``, ``"fork"`` or ``"forkserver"`` (notebooks).
+    sharders: TorchRec's sharders: their ``fused_params`` set the fused optimizer, their qcomm config
+        the ``comm_precision`` (docs/migrating.md, 'Sharders').
+    uneven_batches: ``"pad"`` (a rank whose training data ends early trains on with empty batches until
+        every rank's has ended) or ``"error"`` (strict: ``UnevenBatchesError``).
+    full_tables_after_fit: gather the full tables to rank 0 at the end of each fit (when they fit), so
+        ``model.state_dict()`` and ``model(batch)`` work on rank 0 alone after fit (off by default).
+
+Each of the strategy's own options is explained in full, and checked, by
+:class:`~lightning_shardrec.lightning.options.ShardRecOptions` (``self.options``).
+Only these options exist (no ``**kwargs`` passed through to ``DistributedDataParallel``),
+so a config's ``class_path: lightning_shardrec.ShardRecStrategy`` lists exactly them.
+"""

@@ -1,6 +1,6 @@
 """What the strategy does when a rank fails: name it, stop every rank, say how to resume.
 
-The half of :class:`~lightning_shardrec.lightning.ShardRecStrategy` that runs the
+A plain object both strategies hold (:class:`FailureHandling`); it runs the
 :class:`~lightning_shardrec.distributed.health.RankMonitor` (heartbeats in the rendezvous
 store): a rank that raised reports its error, a killed or hung one is named by the
 watchdog or after a failed collective, and every rank exits with that name instead of a
@@ -10,18 +10,13 @@ transport error or a 10-minute collective timeout.
 from __future__ import annotations
 
 import os
-import signal
 import threading
+from collections.abc import Callable
 
 import torch.distributed as dist
-from typing_extensions import override
 
 from lightning_shardrec.distributed.health import RankMonitor, default_store, deferred_to, is_comm_failure
-from lightning_shardrec.lightning.checkpointing import ShardedCheckpointing
-from lightning_shardrec.lightning.cluster import ranks_per_host
 from lightning_shardrec.lightning.data_errors import DATA_ADVICE
-from lightning_shardrec.lightning.options import ShardRecOptions
-from lightning_shardrec.lightning.teardown import destroy_default_group_at_exit
 
 _GRACE_S = 10.0  # seconds the main thread's failure report may take before the watchdog exits anyway
 _RESUME = "Restart the job and resume with trainer.fit(model, ckpt_path='last')"
@@ -32,35 +27,40 @@ def advice(what: str) -> str:
     return DATA_ADVICE if "IdOutOfRangeError" in what else _RESUME
 
 
-class RankFailureHandling(ShardedCheckpointing):
-    """Rank-failure detection and reporting for the strategy (``heartbeat_timeout``: see its options)."""
+class FailureHandling:
+    """Rank-failure detection and reporting (``heartbeat_timeout``: see the strategy's options).
 
-    options: ShardRecOptions
-    monitor: RankMonitor | None = None
-    _failing = False
+    A plain object: :meth:`start` once the process group exists (it runs the heartbeat watchdog),
+    :meth:`on_exception` when this rank fails, :meth:`stop` at teardown. ``kill`` ends the ranks
+    this process launched (Lightning's subprocess launcher) before this one exits.
+    """
 
-    @override
-    def setup_distributed(self) -> None:
-        created = not dist.is_initialized()
-        super().setup_distributed()
-        if created and dist.is_initialized():
-            destroy_default_group_at_exit()
+    def __init__(self, heartbeat_timeout: float | None, kill: Callable[[], None] | None = None) -> None:
+        self.heartbeat_timeout = heartbeat_timeout
+        self.kill = kill
+        self.monitor: RankMonitor | None = None
+        self.failing = False
+        self.rank = 0
+
+    def start(self, rank: int, world_size: int, local_world_size: int) -> None:
+        """Start the watchdog where the group has a store and several ranks (once)."""
+        self.rank = rank
         store = default_store()
-        if self.monitor is None and store is not None and self.world_size > 1:
+        if self.monitor is None and store is not None and world_size > 1:
             # under torchrun or NCCL their own watchdogs tear the job down: ours only names the lost rank
             deferred = deferred_to(dist.get_backend())
             self.monitor = RankMonitor(
                 store,
-                self.global_rank,
-                self.world_size,
-                dead_after=None if deferred else self.options.heartbeat_timeout,
-                on_dead=self._on_dead_rank,
-                local_world_size=ranks_per_host(self.world_size, self.num_nodes, self.num_processes),
+                rank,
+                world_size,
+                dead_after=None if deferred else self.heartbeat_timeout,
+                on_dead=self.on_dead_rank,
+                local_world_size=local_world_size,
             )
 
-    def _on_dead_rank(self, rank: int, what: str) -> None:
+    def on_dead_rank(self, rank: int, what: str) -> None:
         """The watchdog found a dead or hung rank while this one may be blocked in a collective: exit."""
-        if self._failing:  # the main thread is reporting a failure: exit only if it is still stuck there later
+        if self.failing:  # the main thread is reporting a failure: exit only if it is still stuck there later
             monitor = self.monitor
             later = threading.Timer(_GRACE_S, self._exit_if_stuck, args=(monitor, rank, what))
             later.daemon = True
@@ -74,15 +74,14 @@ class RankFailureHandling(ShardedCheckpointing):
             self._exit(rank, what)
 
     def _exit(self, rank: int, what: str) -> None:
-        print(f"lightning_shardrec: rank {rank} {what}. Rank {self.global_rank} exits. {advice(what)}", flush=True)
-        if self.launcher is not None:  # the ranks this process launched (Lightning's subprocess launcher)
-            self.launcher.kill(signal.SIGKILL)
+        print(f"lightning_shardrec: rank {rank} {what}. Rank {self.rank} exits. {advice(what)}", flush=True)
+        if self.kill is not None:
+            self.kill()
         os._exit(1)
 
-    @override
     def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        self._failing = True
+        """This rank failed: the others name it and its error, or (a failed collective) name the lost rank."""
+        self.failing = True
         if self.monitor is None:
             return
         if not is_comm_failure(exception):
@@ -90,11 +89,11 @@ class RankFailureHandling(ShardedCheckpointing):
             return
         lost = self.monitor.explain()
         if lost is not None:
-            message = f"lightning_shardrec: {lost}. Rank {self.global_rank} stops too. {advice(lost)}"
+            message = f"lightning_shardrec: {lost}. Rank {self.rank} stops too. {advice(lost)}"
             print(message, flush=True)  # before anything can kill this process
             exception.args = (f"{message}\n{exception.args[0] if exception.args else ''}", *exception.args[1:])
 
-    def stop_monitor(self) -> None:
+    def stop(self) -> None:
         """Stop the heartbeat thread (teardown, after a failure too)."""
         if self.monitor is not None:
             self.monitor.stop()

@@ -1,0 +1,55 @@
+"""``FitSignals``: SIGTERM during a multi-rank fit, one plain object per strategy.
+
+Two pieces of :mod:`lightning_shardrec.lightning.sigterm`, installed at fit start and removed
+at teardown: Lightning's per-batch SIGTERM broadcast made asynchronous
+(:class:`~lightning_shardrec.lightning.sigterm.LaggedSigterm`, on its own process group) and a
+deadline that ends a rank within seconds of SIGTERM, also inside a collective
+(:class:`~lightning_shardrec.lightning.sigterm.SigtermDeadline`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_shardrec.lightning.sigterm import LaggedSigterm, SigtermDeadline
+
+
+class FitSignals:
+    """Installs both on a trainer (:meth:`start`), undoes them (:meth:`end`, :meth:`close`)."""
+
+    def __init__(self) -> None:
+        self.lagged: LaggedSigterm | None = None
+        self.deadline: SigtermDeadline | None = None
+
+    def start(
+        self, trainer: Any, rank: int, world_size: int, group: Callable[[], dist.ProcessGroup], device: torch.device
+    ) -> None:
+        """Fit start on ``world_size`` > 1 ranks; ``group()`` makes the broadcast's group (collective, once)."""
+        if world_size <= 1:
+            return
+        if dist.is_initialized():
+            if self.lagged is None:
+                self.lagged = LaggedSigterm(group(), device)
+            self.lagged.install(trainer)
+        if self.deadline is None:  # SIGTERM ends this rank, also inside a collective
+            self.deadline = SigtermDeadline(rank)
+            self.deadline.install(trainer)
+
+    def end(self) -> None:
+        """Fit end: the loop's SIGTERM check back, after the last lagged broadcast."""
+        if self.lagged is not None:
+            self.lagged.remove()
+
+    def close(self) -> None:
+        """Teardown, after a failure too: no deadline, the loop's check back waiting for nobody, its group freed."""
+        if self.deadline is not None:
+            self.deadline.remove()
+            self.deadline = None
+        if self.lagged is not None:
+            self.lagged.remove(wait=False)
+            self.lagged.close()
+            self.lagged = None
