@@ -48,6 +48,7 @@ from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
 from lightning_shardrec.lightning import guards
 from lightning_shardrec.lightning.after_fit import gather_to_rank_zero
 from lightning_shardrec.lightning.cluster import ranks_per_host
+from lightning_shardrec.lightning.control import ControlGroup
 from lightning_shardrec.lightning.data_errors import explain_bad_id
 from lightning_shardrec.lightning.deferred import DeferredGlue, deferral_line, deferral_reason, watch_repeats
 from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
@@ -181,7 +182,8 @@ class ShardRecStrategy(RankFailureHandling):
         self._deferral: str | None = None  # why this fit's table updates wait for the optimizer step
         self._deferred_glue: DeferredGlue | None = None
         self._repeats: RepeatedLookups | None = None  # a table looked up twice in a step: summed (deferred.py)
-        self.padding = BatchPadding(timeout)  # uneven training data (lightning/uneven.py)
+        self.control = ControlGroup(timeout)  # gloo, CPU: every control flag (lightning/control.py)
+        self.padding = BatchPadding(self.control)  # uneven training data (lightning/uneven.py)
 
     # --- model construction -------------------------------------------------------------------
     @contextmanager
@@ -457,8 +459,7 @@ class ShardRecStrategy(RankFailureHandling):
             self.guard.drop_full()  # the tables change from here on
         if self.world_size > 1 and dist.is_initialized():
             if self._sigterm is None:
-                group = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)  # collective
-                self._sigterm = LaggedSigterm(group, self.root_device)
+                self._sigterm = LaggedSigterm(self.control.group())  # collective the first time
             self._sigterm.install(self.lightning_module.trainer)  # type: ignore[union-attr]
         if self.world_size > 1 and self._deadline is None:  # SIGTERM ends this rank, also inside a collective
             self._deadline = SigtermDeadline(self.global_rank)
@@ -472,7 +473,7 @@ class ShardRecStrategy(RankFailureHandling):
             self._sigterm.remove()
         if self.options.full_tables_after_fit and self.guard is not None and dist.is_initialized():
             # every rank together: rank 0 keeps the full tables
-            gather_to_rank_zero(self.sharded, self.guard, self.root_device)  # when they fit (lightning/after_fit.py)
+            gather_to_rank_zero(self.sharded, self.guard, self.control.group())  # when they fit (after_fit.py)
         super().on_train_end()
 
     # --- teardown (failures: lightning_shardrec.lightning.rank_failures) ------------------------
@@ -483,8 +484,8 @@ class ShardRecStrategy(RankFailureHandling):
             self._deadline = None
         if self._sigterm is not None:  # after a failure too: give the loop its check back, wait for nobody
             self._sigterm.remove(wait=False)
-            self._sigterm.close()
             self._sigterm = None
+        self.control.close()  # after a failure too: a gloo group left to interpreter exit can abort it
         self.stop_monitor()
         if self._finite is not None:
             self._finite.remove()
@@ -507,7 +508,6 @@ class ShardRecStrategy(RankFailureHandling):
         if self.pipeline is not None and not self._failing:
             self.pipeline.close()  # prefetch off, its transport closed: its group goes next
         if not self._failing:  # after a failure a group may hold work for a dead peer: leave it to exit
-            self.padding.close()
             destroy_groups(self._own_groups)
             self._own_groups, self._dense_pg = [], None  # freed: their threads stop
         # Unlike the base class, do not copy (possibly huge) sharded tables to the CPU.
