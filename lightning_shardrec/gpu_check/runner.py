@@ -24,8 +24,9 @@ DEFAULT_OUT = "gpu_check_report"
 NOT_ON_ONE_GPU = [
     (
         "multi-rank NCCL",
-        "sharded all-to-alls, reduce-scatters and DDP over NCCL need 2+ GPUs; CPU CI covers "
-        "them with gloo, and the one-GPU runs here use a one-rank group",
+        "sharded all-to-alls, reduce-scatters and DDP over NCCL need 2+ GPUs (then the multi-rank "
+        "section runs, one process per GPU); CPU CI covers them with gloo, and the one-GPU runs here "
+        "use a one-rank group",
     ),
     ("same-host shared-memory transport", "gloo groups of several CPU ranks only"),
 ]
@@ -63,7 +64,23 @@ def run(out: Path, force_cpu: bool = False) -> Report:
             report.add(Check(name, "ran to the end", Status.FAIL, f"{type(e).__name__}: {e}", {"traceback": where}))
         print(f"gpu-check: {name} took {time.perf_counter() - t0:.1f} s", flush=True)
         report.write(out)  # after every section: a run killed later still leaves what it found
+    from lightning_shardrec.gpu_check.multi import MultiMode, check_multi
+
     not_here = list(NOT_ON_ONE_GPU)
+    multi = MultiMode.detect()  # 2+ GPUs (or the CPU test flag): one process per device
+    if multi is not None:
+        print(f"gpu-check: multi-rank mode on {multi.describe()}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            check_multi(report, multi)
+        except Exception as e:
+            where = traceback.format_exc(limit=-3).strip().splitlines()
+            report.add(
+                Check("multi-rank", "ran to the end", Status.FAIL, f"{type(e).__name__}: {e}", {"traceback": where})
+            )
+        print(f"gpu-check: multi-rank took {time.perf_counter() - t0:.1f} s", flush=True)
+        if multi.device_type == "cuda":
+            not_here = [(what, why) for what, why in not_here if what != "multi-rank NCCL"]
     if not fbgemm.fbgemm_ops_on(mode.device.type):
         not_here.append(("fbgemm kernels", f"{env['fbgemm']}: every run here uses the torch kernel"))
     for what, why in not_here:

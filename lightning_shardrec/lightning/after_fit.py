@@ -70,13 +70,18 @@ def fits(need: int, available: int | None) -> tuple[bool, str]:
     )
 
 
-def gather_to_rank_zero(sharded: Mapping[str, ShardedCollection], guard: ShardedGuard, device: torch.device) -> None:
-    """Collective (every rank, at the end of fit): rank 0 keeps the full tables when they fit."""
+def gather_to_rank_zero(
+    sharded: Mapping[str, ShardedCollection], guard: ShardedGuard, control: dist.ProcessGroup | None = None
+) -> None:
+    """Collective (every rank, at the end of fit): rank 0 keeps the full tables when they fit.
+
+    Rank 0's decision is a CPU flag on ``control`` (the strategy's gloo control group,
+    :mod:`lightning_shardrec.lightning.control`; the default group when None)."""
     guard.drop_full()
     rank = dist.get_rank()
     ok, why = fits(table_bytes(sharded), available_bytes() if rank == 0 else None)
-    flag = torch.tensor([int(ok)], device=device)
-    dist.broadcast(flag, src=0)  # rank 0 decides (its memory)
+    flag = torch.tensor([int(ok)], dtype=torch.int64)  # on the host: a control message
+    dist.broadcast(flag, src=dist.get_global_rank(control, 0) if control is not None else 0, group=control)
     reason = why if rank == 0 else "the full tables are held only on rank 0 after a fit"
     if not int(flag.item()):
         guard.full_refused = reason

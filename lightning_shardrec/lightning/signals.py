@@ -2,7 +2,7 @@
 
 Two pieces of :mod:`lightning_shardrec.lightning.sigterm`, installed at fit start and removed
 at teardown: Lightning's per-batch SIGTERM broadcast made asynchronous
-(:class:`~lightning_shardrec.lightning.sigterm.LaggedSigterm`, on its own process group) and a
+(:class:`~lightning_shardrec.lightning.sigterm.LaggedSigterm`, on the control group) and a
 deadline that ends a rank within seconds of SIGTERM, also inside a collective
 (:class:`~lightning_shardrec.lightning.sigterm.SigtermDeadline`).
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from lightning_shardrec.lightning.sigterm import LaggedSigterm, SigtermDeadline
@@ -26,14 +25,14 @@ class FitSignals:
         self.deadline: SigtermDeadline | None = None
 
     def start(
-        self, trainer: Any, rank: int, world_size: int, group: Callable[[], dist.ProcessGroup], device: torch.device
+        self, trainer: Any, rank: int, world_size: int, group: Callable[[], dist.ProcessGroup]
     ) -> None:
-        """Fit start on ``world_size`` > 1 ranks; ``group()`` makes the broadcast's group (collective, once)."""
+        """Fit start on ``world_size`` > 1 ranks; ``group()``: the control group (gloo, collective the first time)."""
         if world_size <= 1:
             return
         if dist.is_initialized():
             if self.lagged is None:
-                self.lagged = LaggedSigterm(group(), device)
+                self.lagged = LaggedSigterm(group())
             self.lagged.install(trainer)
         if self.deadline is None:  # SIGTERM ends this rank, also inside a collective
             self.deadline = SigtermDeadline(rank)
@@ -45,11 +44,11 @@ class FitSignals:
             self.lagged.remove()
 
     def close(self) -> None:
-        """Teardown, after a failure too: no deadline, the loop's check back waiting for nobody, its group freed."""
+        """Teardown, after a failure too: no deadline, the loop's check back waiting for nobody (the control
+        group is the strategy's to close)."""
         if self.deadline is not None:
             self.deadline.remove()
             self.deadline = None
         if self.lagged is not None:
             self.lagged.remove(wait=False)
-            self.lagged.close()
             self.lagged = None

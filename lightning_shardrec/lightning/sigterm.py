@@ -17,6 +17,10 @@ cores (its worker threads compete with compute), so the flag is sent every ``eve
 batches (default 4): a SIGTERM on rank 0 stops every rank at most ``every`` batches
 later (1 to 4 where Lightning's check takes 1). A rank that receives the signal itself
 still stops at the end of its batch (Lightning's own check, untouched).
+
+The flag is a control message: a CPU tensor on the strategy's gloo control group
+(:mod:`lightning_shardrec.lightning.control`), shared with the other control flags, so under
+NCCL no communicator is made for it and no ``.item()`` reads a GPU tensor back.
 """
 
 from __future__ import annotations
@@ -40,18 +44,20 @@ from lightning_shardrec._compat.lightning import signal_connector, sigterm_notif
 class LaggedSigterm:
     """Replaces the fit loop's per-batch SIGTERM broadcast by a lagged async one on ``group``.
 
-    ``group`` spans every rank and carries nothing else. Call :meth:`install` on every
-    rank (same point) when training starts, and :meth:`remove` on every rank when it ends.
+    ``group`` spans every rank: a gloo group (the flag is a CPU tensor), the strategy's control
+    group (:class:`~lightning_shardrec.lightning.control.ControlGroup`), whose other messages
+    are sent from the main thread too, in the same order on every rank. Call :meth:`install` on
+    every rank (same point) when training starts, and :meth:`remove` on every rank when it ends;
+    the group's owner destroys it.
     """
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, every: int = 4) -> None:
+    def __init__(self, group: dist.ProcessGroup, every: int = 4) -> None:
         if every < 1:
             raise ValueError(f"LaggedSigterm: every must be >= 1 batch, got {every}")
         self._every = every
         self._calls = 0
         self._trainer: Any = None
         self._group = group
-        self._device = device
         self._src = dist.get_global_rank(group, 0)
         self._flag: torch.Tensor | None = None
         self._work: dist.Work | None = None
@@ -80,7 +86,7 @@ class LaggedSigterm:
         if (self._calls - 1) % self._every:
             return
         received = bool(getattr(self._trainer, "received_sigterm", False))
-        self._flag = torch.tensor([int(received)], device=self._device)
+        self._flag = torch.tensor([int(received)], dtype=torch.int64)  # on the host: a gloo group
         self._work = dist.broadcast(self._flag, src=self._src, group=self._group, async_op=True)
 
     def remove(self, wait: bool = True) -> None:
@@ -92,11 +98,6 @@ class LaggedSigterm:
         if self._loop is not None and _LOOP_CHECK in vars(self._loop):
             delattr(self._loop, _LOOP_CHECK)
         self._trainer = self._loop = None
-
-    def close(self) -> None:
-        """Destroy the group (after :meth:`remove`): a gloo group left to interpreter exit can abort it."""
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group(self._group)
 
 
 GRACE_ENV = "LIGHTNING_SHARDREC_SIGTERM_GRACE"

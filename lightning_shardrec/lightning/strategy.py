@@ -36,6 +36,7 @@ from lightning_shardrec.lightning.after_fit import gather_to_rank_zero
 from lightning_shardrec.lightning.checkpoint_io import ShardRecCheckpointIO, resumable
 from lightning_shardrec.lightning.checkpointing import ShardedCheckpoints, default_io, remote
 from lightning_shardrec.lightning.cluster import ranks_per_host
+from lightning_shardrec.lightning.control import ControlGroup
 from lightning_shardrec.lightning.data_errors import explain_bad_id
 from lightning_shardrec.lightning.deferred import deferral_reason
 from lightning_shardrec.lightning.dense import DenseReplicas
@@ -121,7 +122,8 @@ class ShardRecStrategy(DDPStrategy):
         self.checkpoints = ShardedCheckpoints(self.tables, self)
         self.failures = FailureHandling(self.options.heartbeat_timeout, kill=self._kill_launched)  # rank failures
         self.updates = StepUpdates(lambda: self.root_device, lambda: self.precision_plugin)
-        self.padding = BatchPadding(timeout)  # uneven training data (lightning/uneven.py)
+        self.control = ControlGroup(timeout)  # gloo, CPU: every control flag (lightning/control.py)
+        self.padding = BatchPadding(self.control)  # uneven training data (lightning/uneven.py)
         self.pipeline: TrainPipeline | None = None
         self.signals = FitSignals()  # SIGTERM during a multi-rank fit (lightning/signals.py)
         self.dense = DenseReplicas(self._new_group, lambda ddp, pg: use_shm_allreduce(ddp, pg))  # read at each fit
@@ -282,7 +284,7 @@ class ShardRecStrategy(DDPStrategy):
         if self.guard is not None:
             self.guard.drop_full()  # the tables change from here on
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        self.signals.start(trainer, self.global_rank, self.world_size, self._new_group, self.root_device)
+        self.signals.start(trainer, self.global_rank, self.world_size, self.control.group)
 
     @override
     def on_train_end(self) -> None:
@@ -290,7 +292,7 @@ class ShardRecStrategy(DDPStrategy):
             self.pipeline.drain()
         self.signals.end()
         if self.options.full_tables_after_fit and self.guard is not None and dist.is_initialized():  # every rank
-            gather_to_rank_zero(self.sharded, self.guard, self.root_device)  # when they fit (lightning/after_fit.py)
+            gather_to_rank_zero(self.sharded, self.guard, self.control.group())  # when they fit (after_fit.py)
         super().on_train_end()
 
     @property
@@ -367,6 +369,7 @@ class ShardRecStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self.signals.close()  # after a failure too
+        self.control.close()  # after a failure too: a gloo group left to interpreter exit can abort it
         self.failures.stop()
         self.updates.detach()  # the clipping guard too
         if not self.sharded and not has_meta_tables(self.lightning_module):  # meta: a refused plan, nothing to move
@@ -377,7 +380,6 @@ class ShardRecStrategy(DDPStrategy):
         if self.pipeline is not None and not self.failures.failing:
             self.pipeline.close()  # prefetch off, its transport closed: its group goes next
         if not self.failures.failing:  # after a failure a group may hold work for a dead peer: leave it to exit
-            self.padding.close()
             self.dense.destroy()  # freed: their threads stop
         # Unlike the base class, do not copy (possibly huge) sharded tables to the CPU.
         self.precision_plugin.teardown()

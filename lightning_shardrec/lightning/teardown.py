@@ -18,7 +18,7 @@ So, in order:
   threads joined), the SIGTERM watcher and the lagged SIGTERM broadcast, closes the
   shared-memory transports of the dense all-reduce and the pipeline, and destroys the groups
   the strategy made for itself (the dense layers' DDP group, the pipeline's prefetch group,
-  the SIGTERM group, the uneven-batches group: :func:`destroy_groups`), dropping its
+  the control group of the SIGTERM flag and the uneven-batches agreement: :func:`destroy_groups`), dropping its
   references to them; the sharded collections keep theirs for a later fit, validate or predict;
 * at interpreter exit, while the interpreter is whole (:func:`shutdown_at_exit`, registered when
   this module is imported, so for any program that imports the library, Lightning or not):

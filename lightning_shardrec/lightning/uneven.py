@@ -3,7 +3,8 @@
 With per-rank ``IterableDataset`` s and streaming data the ranks' batch counts differ. Each
 step of a sharded model is collective, so a rank that left the loop would hang the others.
 :class:`EvenBatches` wraps each rank's training loader: every ``next()`` first agrees with
-the other ranks (one all-reduce of a flag on a small CPU group) whether any rank still has a
+the other ranks (one all-reduce of a flag on the strategy's gloo control group, CPU tensors:
+:mod:`lightning_shardrec.lightning.control`) whether any rank still has a
 batch; a rank that has none then yields :func:`empty_like` of its last batch (the same
 structure with zero rows: zero ids through every collective, zero gradient, no update from
 it) until every rank's data has ended, and the epoch ends on every rank at once::
@@ -29,13 +30,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Iterator, Mapping
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_shardrec.lightning.control import ControlGroup
 from lightning_shardrec.lightning.handover import tensors_in
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
@@ -106,17 +107,14 @@ def zero_loss(output: Any) -> Any:
 
 
 class BatchPadding:
-    """The strategy's side: the CPU group the ranks agree on, the wrapped loaders (see the module docstring)."""
+    """The strategy's side: the wrapped loaders, agreeing on ``control``'s group (see the module docstring)."""
 
-    def __init__(self, timeout: timedelta | None) -> None:
-        self.timeout = timeout
-        self.group: dist.ProcessGroup | None = None
+    def __init__(self, control: ControlGroup) -> None:
+        self.control = control
         self.padded_steps = 0  # padded batches this rank trained on (since the strategy's setup)
 
     def _group(self) -> dist.ProcessGroup:
-        if self.group is None:  # collective: every rank wraps its training loader at the same point
-            self.group = dist.new_group(backend="gloo", timeout=self.timeout)
-        return self.group
+        return self.control.group()  # collective the first time: every rank wraps its loader at the same point
 
     def wrap(self, loader: Any) -> Any:
         """Collective: ``loader`` as is when every rank's is sized with the same length (nothing to pad, no
@@ -132,23 +130,15 @@ class BatchPadding:
 
     def any_left(self, have: bool) -> bool:
         """Collective: whether any rank still has a batch."""
-        flag = torch.tensor([int(have)])
+        flag = self.control.flag(int(have))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group())
         return bool(flag.item())
 
     def longest(self, length: int) -> int:
         """Collective: the longest rank's loader length."""
-        n = torch.tensor([length])
+        n = self.control.flag(length)
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self._group())
         return int(n.item())
-
-    def close(self) -> None:
-        """Destroy the group (teardown); a later fit makes another."""
-        group, self.group = self.group, None
-        if group is not None and dist.is_initialized():
-            from lightning_shardrec.lightning.teardown import destroy_groups
-
-            destroy_groups([group])
 
 
 class EvenBatches:

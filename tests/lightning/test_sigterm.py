@@ -15,7 +15,6 @@ class _Loop:
 
 
 def _batches(rank, world, signal_at, every=1):
-    import torch
     import torch.distributed as dist
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -23,7 +22,7 @@ def _batches(rank, world, signal_at, every=1):
 
     trainer = SimpleNamespace(received_sigterm=False, fit_loop=SimpleNamespace(epoch_loop=_Loop()))
     loop = trainer.fit_loop.epoch_loop
-    check = LaggedSigterm(dist.new_group(), torch.device("cpu"), every=every)
+    check = LaggedSigterm(dist.new_group(backend="gloo"), every=every)
     assert check.install(trainer)
     stopped_at = None
     for i in range(8):
@@ -54,12 +53,11 @@ def test_flag_sent_every_4_batches_stops_within_4(signal_at, expected):
 
 
 def test_every_must_be_positive():
-    import torch
 
     from lightning_shardrec.lightning.sigterm import LaggedSigterm
 
     with pytest.raises(ValueError, match="every must be >= 1 batch, got 0"):
-        LaggedSigterm(None, torch.device("cpu"), every=0)  # type: ignore[arg-type]
+        LaggedSigterm(None, every=0)  # type: ignore[arg-type]
 
 
 def test_no_sigterm_no_stop_and_the_loop_gets_its_check_back():
@@ -69,13 +67,12 @@ def test_no_sigterm_no_stop_and_the_loop_gets_its_check_back():
 
 
 def _install_without_check(rank, world):
-    import torch
     import torch.distributed as dist
 
     from lightning_shardrec.lightning.sigterm import LaggedSigterm
 
     trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
-    installed = LaggedSigterm(dist.new_group(), torch.device("cpu")).install(trainer)
+    installed = LaggedSigterm(dist.new_group(backend="gloo")).install(trainer)
     return installed, hasattr(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor")
 
 
