@@ -113,8 +113,9 @@ class ShardRecStrategy(RankFailureHandling):
             the ``comm_precision`` (docs/migrating.md, 'Sharders').
         uneven_batches: ``"pad"`` (a rank whose training data ends early trains on with empty batches until
             every rank's has ended) or ``"error"`` (strict: ``UnevenBatchesError``).
-        full_tables_after_fit: gather the full tables to rank 0 at the end of each fit (when they fit), so
-            ``model.state_dict()`` and ``model(batch)`` work on rank 0 alone after fit (off by default).
+        full_tables_after_fit: gather the full tables to rank 0 at the end of each fit, so
+            ``model.state_dict()`` and ``model(batch)`` work on rank 0 alone after fit: ``None`` (default)
+            when they take at most 64 MiB, ``True`` whenever they fit in its memory, ``False`` never.
 
     Each of the strategy's own options is explained in full, and checked, by
     :class:`~lightning_shardrec.lightning.options.ShardRecOptions` (``self.options``).
@@ -151,7 +152,7 @@ class ShardRecStrategy(RankFailureHandling):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         sharders: Sequence[ModuleSharder[Any]] | None = None,
         uneven_batches: Literal["pad", "error"] = "pad",
-        full_tables_after_fit: bool = False,
+        full_tables_after_fit: bool | None = None,
     ) -> None:
         super().__init__(
             process_group_backend=process_group_backend,
@@ -470,9 +471,9 @@ class ShardRecStrategy(RankFailureHandling):
             self.pipeline.drain()
         if self._sigterm is not None:
             self._sigterm.remove()
-        if self.options.full_tables_after_fit and self.guard is not None and dist.is_initialized():
-            # every rank together: rank 0 keeps the full tables
-            gather_to_rank_zero(self.sharded, self.guard, self.root_device)  # when they fit (lightning/after_fit.py)
+        if self.options.full_tables_after_fit is not False and self.guard is not None and dist.is_initialized():
+            # every rank together: rank 0 keeps the full tables when they fit (lightning/after_fit.py)
+            gather_to_rank_zero(self.sharded, self.guard, self.root_device, self.options.full_tables_after_fit is True)
         super().on_train_end()
 
     # --- teardown (failures: lightning_shardrec.lightning.rank_failures) ------------------------
