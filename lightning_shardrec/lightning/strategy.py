@@ -45,7 +45,7 @@ from lightning_shardrec.distributed.transport.shm import ShmTransport
 from lightning_shardrec.errors import IdOutOfRangeError
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
-from lightning_shardrec.lightning import guards
+from lightning_shardrec.lightning import guards, summary
 from lightning_shardrec.lightning.after_fit import gather_to_rank_zero
 from lightning_shardrec.lightning.cluster import ranks_per_host
 from lightning_shardrec.lightning.data_errors import explain_bad_id
@@ -329,6 +329,7 @@ class ShardRecStrategy(RankFailureHandling):
         dense = sorted({t.config.name for g in groups if not g.fused for t in g.tables})
         explicit, strict = self.options.sets_fused_rule(), self.options.strict_optimizer
         rank_zero_info(rule_report(holder, self._config, explicit, fused, dense, strict))
+        summary.install(trainer, self.sharded)  # Lightning's summary counts the full tables (lightning/summary.py)
         if fused and self._deferral is not None:  # clipping done at the step (lightning/deferred.py)
             rank_zero_info(deferral_line(self._deferral))
             self._clip_rows(None)
@@ -479,6 +480,7 @@ class ShardRecStrategy(RankFailureHandling):
     # --- teardown (failures: lightning_shardrec.lightning.rank_failures) ------------------------
     @override
     def teardown(self) -> None:
+        summary.remove(attached_trainer(self.lightning_module))
         if self._deadline is not None:  # left fit: no SIGTERM deadline
             self._deadline.remove()
             self._deadline = None
