@@ -31,6 +31,8 @@ from lightning_shardrec.checkpoint import (
     gather_full_state,
     load_full_state,
     load_sharded,
+    merge_plain_optimizer_states,
+    plain_layout_possible,
     recover_interrupted,
     replicated_keys,
     save_sharded,
@@ -135,7 +137,7 @@ class ShardedCheckpointing(DDPStrategy):
             weights, states = gather_full_state(self.sharded, dst=0)
             checkpoint["state_dict"].update(weights)
             checkpoint[_FUSED_KEY]["states"] = states
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+            return super().save_checkpoint(self._plain_layout(checkpoint), filepath, storage_options)
         gather = FullGather(self.sharded, dst=0)
         bands = gather.bands()
         error: BaseException | None = None
@@ -144,7 +146,7 @@ class ShardedCheckpointing(DDPStrategy):
             try:
                 save_streamed(
                     Path(filepath),
-                    lambda stream: _reserve(stream, gather, checkpoint, stored),
+                    lambda stream: self._plain_layout(_reserve(stream, gather, checkpoint, stored)),
                     lambda stream: _fill(stream, bands, stored),
                 )
             except Exception as e:  # agreed on below, so no rank waits in a barrier for rank 0
@@ -158,6 +160,31 @@ class ShardedCheckpointing(DDPStrategy):
                 f"saving checkpoint '{filepath}' failed; what was there before is untouched:\n  {failed}"
             ) from error
         return None
+
+    def _plain_layout(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """A full checkpoint in the plain layout: the tables' optimizer state moved into ``optimizer_states``
+        where a run without the strategy keeps it (the user's optimizers as ``configure_optimizers`` built
+        them), so ``Trainer(devices=1).fit(model, ckpt_path=file)`` without the strategy resumes from it.
+
+        Only when the tables train by the user's own optimizer's rule (no ``embedding_optimizer``, no
+        sharders' rule: the state names are torch's) and no state is per row; otherwise the states stay
+        in the strategy's own entry (the strategy resumes either layout).
+        """
+        fused = checkpoint[_FUSED_KEY]
+        before, states = self._groups_before, fused["states"]
+        own_rule = self.options.embedding_optimizer is None and not self.options.sharders
+        if not (own_rule and before is not None and "optimizer_states" in checkpoint):
+            return checkpoint
+        if not plain_layout_possible(before, states):
+            return checkpoint
+        now = [[list(g["params"]) for g in opt.param_groups] for opt in self.optimizers]
+        replicated = replicated_keys(self.sharded)
+        checkpoint["optimizer_states"], positions = merge_plain_optimizer_states(
+            checkpoint["optimizer_states"], states, before, now, replicated
+        )
+        # the tables' places there: lightning_shardrec.checkpoint.plain_table_states reads them back
+        fused.update(states={}, layout="plain", positions={k: list(v) for k, v in positions.items()})
+        return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -232,8 +259,10 @@ class ShardedCheckpointing(DDPStrategy):
         mapped, self._mapped = self._mapped, None
         copy = None if mapped is None else mapped.copy
         fused = checkpoint.get(_FUSED_KEY)
-        if fused is None and self.sharded and self._groups_before is not None and "optimizer_states" in checkpoint:
-            # written without the strategy: the tables' state sits in the user's optimizer state
+        plain = fused is None or fused.get("layout") == "plain"
+        if plain and self.sharded and self._groups_before is not None and "optimizer_states" in checkpoint:
+            # written without the strategy, or full in the plain layout: the tables' state sits in the user's
+            # optimizer state
             now = [[list(g["params"]) for g in opt.param_groups] for opt in self.optimizers]
             dense, states = split_plain_optimizer_states(
                 checkpoint["optimizer_states"],
@@ -244,6 +273,8 @@ class ShardedCheckpointing(DDPStrategy):
             dense = dense if mapped is None else mapped.owned(dense)  # kept by the optimizers: out of the file
             super().load_optimizer_state_dict({**checkpoint, "optimizer_states": dense})
             load_full_state(self.sharded, states=states, copy=copy)
+            if fused is not None and self.fused_optimizer is not None:
+                self.fused_optimizer.param_groups[0].update(fused["param_group"])
             return
         if mapped is not None and "optimizer_states" in checkpoint:
             checkpoint = {**checkpoint, "optimizer_states": mapped.owned(checkpoint["optimizer_states"])}
