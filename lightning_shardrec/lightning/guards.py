@@ -110,6 +110,7 @@ class ShardedGuard:
             coll.batch_tag = self
 
     def remove(self, sharded: Mapping[str, ShardedCollection]) -> None:
+        self.drop_full()  # a later Trainer's guard takes over: no forward over this guard's stale copy
         for h in self._handles:
             h.remove()
         self._handles = []

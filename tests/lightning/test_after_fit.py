@@ -82,3 +82,30 @@ def test_full_tables_after_fit_takes_none_true_or_false():
         r"True or False, got 'auto'",
     ):
         ShardRecStrategy(full_tables_after_fit="auto")
+
+
+def fit_twice_then_alone(rank, world):
+    from lightning_shardrec import ShardRecStrategy
+    from lightning_shardrec.errors import CollectiveCallError
+
+    external_launch(rank, world)
+    model = Rec()
+    first = trainer(strategy=ShardRecStrategy(), devices=world, max_steps=2)
+    first.fit(model, data(4, 2))  # gathered to rank 0 (default: small tables)
+    held = len(first.strategy.guard.full)
+    later = trainer(strategy=ShardRecStrategy(full_tables_after_fit=False), devices=world, max_steps=2)
+    dm = data(4, 2, seed=5)
+    later.fit(model, dm)  # a second Trainer adopts the model: the tables change, nothing gathered
+    out = {"held": held, "still": len(first.strategy.guard.full)}  # the first Trainer still exists
+    try:
+        with torch.no_grad():
+            model(next(iter(dm.train_dataloader())))  # this rank alone
+    except CollectiveCallError as e:
+        out["forward"] = str(e)
+    return out
+
+
+def test_a_later_trainer_releases_the_copy_gathered_after_an_earlier_fit():
+    first, other = run_ranks(fit_twice_then_alone, 2)
+    assert (first["held"], first["still"], other["held"]) == (1, 0, 0)  # rank 0's copy freed, not kept stale
+    assert first["forward"].startswith("ShardedEmbeddingBagCollection 'ebc' was called outside trainer.fit")
