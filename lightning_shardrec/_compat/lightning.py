@@ -14,7 +14,7 @@ subclasses use them. No fallback: a release that renames them fails the strategy
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any
 
 import torch
@@ -119,6 +119,28 @@ def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: to
                     state[key] = move_data_to_device(value, device)
 
 
+def summarize_through(trainer: Any, build: Callable[[LightningModule, int], Any]) -> None:
+    """The trainer's summary callbacks summarize through ``build(module, max_depth)`` (undo: :func:`summarize_plain`).
+
+    ``ModelSummary._summary(trainer, pl_module)`` (``lightning.pytorch.callbacks``, 2.0 to 2.6; ``RichModelSummary``
+    inherits it): the method its ``on_fit_start`` calls for the summary it prints, shadowed on the callback instance;
+    ``ModelSummary._max_depth`` (2.0 to 2.6) its depth. Fallback when missing: nothing is shadowed (the summary counts
+    only the parameters a rank holds: the sharded tables as 0).
+    """
+    from lightning.pytorch.callbacks import ModelSummary
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelSummary) and callable(getattr(type(callback), "_summary", None)):
+            depth = int(getattr(callback, "_max_depth", 1))
+            callback._summary = lambda _trainer, module, depth=depth: build(module, depth)
+
+
+def summarize_plain(trainer: Any) -> None:
+    """Undo :func:`summarize_through` (the callbacks' own ``_summary`` again); ``trainer`` may be None."""
+    for callback in [] if trainer is None else trainer.callbacks:
+        vars(callback).pop("_summary", None)
+
+
 __all__ = [
     "HAVE_FETCHERS",
     "SIGTERM_LOOP_CHECK",
@@ -128,6 +150,8 @@ __all__ = [
     "fit_data_fetcher",
     "load_state",
     "optimizers_to_device",
+    "summarize_plain",
+    "summarize_through",
     "sigterm_notifier",
     "signal_connector",
 ]

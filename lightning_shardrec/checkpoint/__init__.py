@@ -8,7 +8,10 @@ from lightning_shardrec.checkpoint.atomic import agree_failures, discard, recove
 from lightning_shardrec.checkpoint.full_gather import FullGather, gather_full_state, iter_full_state
 from lightning_shardrec.checkpoint.full_state import dense_problems, load_full_state
 from lightning_shardrec.checkpoint.plain_optimizer import (
+    merge_plain_optimizer_states,
     param_layout,
+    plain_layout_possible,
+    plain_table_states,
     replicated_keys,
     split_plain_optimizer_states,
     table_parameter_keys,
@@ -52,6 +55,9 @@ __all__ = [
     "saved_keys",
     "save_streamed",
     "sharded_state_dict",
+    "merge_plain_optimizer_states",
+    "plain_layout_possible",
+    "plain_table_states",
     "split_plain_optimizer_states",
     "table_parameter_keys",
 ]

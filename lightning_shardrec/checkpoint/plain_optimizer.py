@@ -104,3 +104,71 @@ def table_parameter_keys(collections: Mapping[str, nn.Module], sharded: Mapping[
             key = sharded[path].state_key(name)
             keys[id(module.weight)] = f"{path}.{key}" if path else key
     return keys
+
+
+def plain_layout_possible(groups_before: Sequence[Sequence[Sequence[Slot]]], fused: Mapping[str, Any]) -> bool:
+    """Whether the fused tables' states fit the user's optimizers as ``configure_optimizers`` built them:
+    every fused table was a parameter there (by key) and no state is per row (``name@column``)."""
+    keys = {p for groups in groups_before for g in groups for p in g if isinstance(p, str)}
+    if "" in keys:
+        return False
+    return all(key in keys and not any("@" in n for n in states) for key, states in fused.items())
+
+
+def merge_plain_optimizer_states(
+    dense: Sequence[Mapping[str, Any]],
+    fused: Mapping[str, Mapping[str, Any]],
+    groups_before: Sequence[Sequence[Sequence[Slot]]],
+    groups_now: Sequence[Sequence[Sequence[nn.Parameter]]],
+    replicated: Mapping[int, str],
+) -> tuple[list[dict[str, Any]], dict[str, tuple[int, int]]]:
+    """The inverse of :func:`split_plain_optimizer_states`: the ``optimizer_states`` a plain run would save,
+    and where each table sits in them (``key -> (optimizer, state index)``, for :func:`plain_table_states`).
+
+    ``dense``: the optimizers' state dicts now (fused tables out, data-parallel tables moved);
+    ``fused``: the fused tables' full states (``weight key -> {name: tensor}``, the names torch's
+    optimizer uses: ``sum``, ``exp_avg``, ``step``...). Each table's state goes to its place in the
+    param groups as ``configure_optimizers`` built them, the dense parameters' with it. A scalar
+    state the fused kernel does not keep (torch's ``step``) is taken from the optimizer's other
+    parameters (in a plain run every parameter of the step counts the same steps).
+    """
+    found: dict[int | str, Any] = {}  # id(parameter) or table key -> its state
+    for opt_state, groups in zip(dense, groups_now, strict=True):
+        for saved_group, params in zip(opt_state["param_groups"], groups, strict=True):
+            for index, p in zip(saved_group["params"], params, strict=True):
+                if index in opt_state["state"]:
+                    found[replicated.get(id(p), id(p))] = opt_state["state"][index]
+    found.update(fused)
+    out: list[dict[str, Any]] = []
+    positions: dict[str, tuple[int, int]] = {}
+    for i, (opt_state, groups) in enumerate(zip(dense, groups_before, strict=True)):
+        state: dict[int, Any] = {}
+        new_groups, position = [], 0
+        for saved_group, params in zip(opt_state["param_groups"], groups, strict=True):
+            indices = []
+            for p in params:
+                key = p if isinstance(p, str) else id(p)
+                if isinstance(key, str):
+                    positions[key] = (i, position)
+                if key in found:
+                    state[position] = dict(found[key])
+                indices.append(position)
+                position += 1
+            new_groups.append({**saved_group, "params": indices})
+        scalars = {n: t for st in state.values() for n, t in st.items() if isinstance(t, Tensor) and t.dim() == 0}
+        for st in state.values():
+            st.update({n: t.clone() for n, t in scalars.items() if n not in st})
+        out.append({"state": state, "param_groups": new_groups})
+    return out, positions
+
+
+def plain_table_states(
+    optimizer_states: Sequence[Mapping[str, Any]], positions: Mapping[str, Sequence[int]]
+) -> dict[str, dict[str, Any]]:
+    """Each table's optimizer state in a full checkpoint of the plain layout (``weight key -> {name: tensor}``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, (i, index) in positions.items():
+        state = optimizer_states[i]["state"].get(index)
+        if state is not None:
+            out[key] = dict(state)
+    return out

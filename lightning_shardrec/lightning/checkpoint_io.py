@@ -8,9 +8,12 @@
   sharded directory included (Lightning's own loader opens a file, so a directory raises
   ``IsADirectoryError`` there), each large weight streamed into the model.
 
-A shardrec checkpoint read by a Trainer without the strategy holds the weights, not the
-tables' optimizer state (it lives in the fused part); so resuming ``fit`` from it in such a
-Trainer cannot continue the same training: :class:`ShardRecCheckpointIO` refuses it by name.
+A ``checkpoint_format="full"`` file whose tables train by the user's own optimizer's rule holds
+their optimizer state in the plain layout (where the user's optimizer keeps it), so a Trainer
+without the strategy resumes ``fit`` from it. Any other shardrec checkpoint (a sharded
+directory, a full file with ``embedding_optimizer=...``) keeps the tables' optimizer state in
+the fused part; resuming ``fit`` from it in such a Trainer cannot continue the same training:
+:class:`ShardRecCheckpointIO` refuses it by name.
 """
 
 from __future__ import annotations
@@ -43,6 +46,13 @@ PLAIN_RESUME = (
 def is_shardrec_checkpoint(checkpoint: Any) -> bool:
     """Whether a loaded checkpoint dict was written by ShardRecStrategy with sharded tables."""
     return isinstance(checkpoint, dict) and "shardrec_plan" in checkpoint
+
+
+def in_plain_layout(checkpoint: Any) -> bool:
+    """Whether a shardrec checkpoint holds the tables' optimizer state where a plain run keeps it
+    (a full file: :meth:`~lightning_shardrec.lightning.checkpointing.ShardedCheckpointing._plain_layout`)."""
+    fused = checkpoint.get("shardrec_fused_optimizer") if isinstance(checkpoint, dict) else None
+    return isinstance(fused, dict) and fused.get("layout") == "plain"
 
 
 #: Lightning 2.6's ``TorchCheckpointIO.load_checkpoint`` takes ``weights_only``; 2.5's does not
@@ -105,7 +115,8 @@ class ShardRecCheckpointIO(TorchCheckpointIO):
         else:  # Lightning 2.5: its loader has no weights_only (and reads with weights_only=False)
             checkpoint = _torch_load(path, map_location, weights_only)
         states = checkpoint.get("optimizer_states") if isinstance(checkpoint, dict) else None
-        if self.refuse_resume and is_shardrec_checkpoint(checkpoint) and isinstance(states, list):
+        refused = is_shardrec_checkpoint(checkpoint) and not in_plain_layout(checkpoint)
+        if self.refuse_resume and refused and isinstance(states, list):
             checkpoint["optimizer_states"] = _RefusedOptimizerStates(states, path)
         return checkpoint
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,6 +27,8 @@ from lightning_shardrec.checkpoint import (
     gather_full_state,
     load_full_state,
     load_sharded,
+    merge_plain_optimizer_states,
+    plain_layout_possible,
     recover_interrupted,
     replicated_keys,
     save_sharded,
@@ -92,17 +94,19 @@ class ShardedCheckpoints:
         filepath: Any,
         weights_key: str = "state_dict",
         writer: Callable[[dict[str, Any]], None] | None = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> None:
         """Collective: ``checkpoint`` (the dense weights under ``weights_key``) with the tables, the plan and
         the fused state. Sharded: a DCP directory; full: one file streamed in bands of rows, or (``writer``:
-        a custom or remote writer) gathered on rank 0 and handed to ``writer``."""
+        a custom or remote writer) gathered on rank 0 and handed to ``writer``; in the plain layout where it
+        can be (:meth:`plain_layout`, ``optimizers``: the user's, as they are now)."""
         self.add_meta(checkpoint)
         if not self.full:
             return self.save_sharded(filepath, checkpoint.pop(weights_key), checkpoint)
         if writer is None:
-            return self.save_full(checkpoint, filepath, weights_key)
+            return self.save_full(checkpoint, filepath, weights_key, optimizers)
         self.gather_into(checkpoint, weights_key)
-        return writer(checkpoint)
+        return writer(self.plain_layout(checkpoint, optimizers))
 
     def load(
         self,
@@ -131,7 +135,13 @@ class ShardedCheckpoints:
         checkpoint[weights_key].update(weights)
         checkpoint[FUSED_KEY]["states"] = states
 
-    def save_full(self, checkpoint: dict[str, Any], filepath: Any, weights_key: str = "state_dict") -> None:
+    def save_full(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: Any,
+        weights_key: str = "state_dict",
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> None:
         """Collective: rank 0 writes one file beside ``filepath``, in bands of rows, and renames it into place.
 
         Every full tensor's shape is gathered first and its room reserved in the file with the
@@ -149,7 +159,9 @@ class ShardedCheckpoints:
             try:
                 save_streamed(
                     Path(filepath),
-                    lambda stream: _reserve(stream, gather, checkpoint, stored, weights_key),
+                    lambda stream: self.plain_layout(
+                        _reserve(stream, gather, checkpoint, stored, weights_key), optimizers
+                    ),
                     lambda stream: _fill(stream, bands, stored),
                 )
             except Exception as e:  # agreed on below, so no rank waits in a barrier for rank 0
@@ -162,6 +174,31 @@ class ShardedCheckpoints:
             raise CheckpointError(
                 f"saving checkpoint '{filepath}' failed; what was there before is untouched:\n  {failed}"
             ) from error
+
+    def plain_layout(self, checkpoint: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
+        """A full checkpoint in the plain layout: the tables' optimizer state moved into ``optimizer_states``
+        where a run without the strategy keeps it (``optimizers``: the user's, as ``configure_optimizers`` built
+        them), so ``Trainer(devices=1).fit(model, ckpt_path=file)`` without the strategy resumes from it.
+
+        Only when the tables train by the user's own optimizer's rule (no ``embedding_optimizer``, no
+        sharders' rule: the state names are torch's) and no state is per row; otherwise the states stay
+        in the strategy's own entry (the strategy resumes either layout).
+        """
+        fused, before, options = checkpoint[FUSED_KEY], self.groups_before, self.tables.options
+        own_rule = options.embedding_optimizer is None and not options.sharders
+        if not (own_rule and before is not None and optimizers and "optimizer_states" in checkpoint):
+            return checkpoint
+        states = fused["states"]
+        if not plain_layout_possible(before, states):
+            return checkpoint
+        now = [[list(g["params"]) for g in opt.param_groups] for opt in optimizers]
+        replicated = replicated_keys(self.tables.sharded)
+        checkpoint["optimizer_states"], positions = merge_plain_optimizer_states(
+            checkpoint["optimizer_states"], states, before, now, replicated
+        )
+        # the tables' places there: lightning_shardrec.checkpoint.plain_table_states reads them back
+        fused.update(states={}, layout="plain", positions={k: list(v) for k, v in positions.items()})
+        return checkpoint
 
     def remove(self, filepath: Any) -> None:
         """Rank 0 deletes a local checkpoint file, link or directory, renaming it aside first (never half-deleted)."""
@@ -239,8 +276,10 @@ class ShardedCheckpoints:
         copy = None if mapped is None else mapped.copy
         fused = checkpoint.get(FUSED_KEY)
         sharded = self.tables.sharded
-        if fused is None and sharded and self.groups_before is not None and "optimizer_states" in checkpoint:
-            # written without the strategy: the tables' state sits in the user's optimizer state
+        plain = fused is None or fused.get("layout") == "plain"
+        if plain and sharded and self.groups_before is not None and "optimizer_states" in checkpoint:
+            # written without the strategy, or full in the plain layout: the tables' state sits in the user's
+            # optimizer state
             now = [[list(g["params"]) for g in opt.param_groups] for opt in optimizers]
             dense, states = split_plain_optimizer_states(
                 checkpoint["optimizer_states"], self.groups_before, now, replicated_keys(sharded)
@@ -248,6 +287,8 @@ class ShardedCheckpoints:
             dense = dense if mapped is None else mapped.owned(dense)  # kept by the optimizers: out of the file
             load_dense({**checkpoint, "optimizer_states": dense})
             load_full_state(sharded, states=states, copy=copy)
+            if fused is not None and self.tables.fused_optimizer is not None:
+                self.tables.fused_optimizer.param_groups[0].update(fused["param_group"])
             return
         if mapped is not None and "optimizer_states" in checkpoint:
             checkpoint = {**checkpoint, "optimizer_states": mapped.owned(checkpoint["optimizer_states"])}

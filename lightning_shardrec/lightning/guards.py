@@ -110,6 +110,7 @@ class ShardedGuard:
             coll.batch_tag = self
 
     def remove(self, sharded: Mapping[str, ShardedCollection]) -> None:
+        self.drop_full()  # a later Trainer's guard takes over: no forward over this guard's stale copy
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -129,10 +130,7 @@ class ShardedGuard:
     def _state_hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
             if not self._allowed and path not in self.full:
-                held = self.full_refused or (
-                    "with ShardRecStrategy(full_tables_after_fit=True), rank 0 holds the full tables after a fit, "
-                    "when they fit in its memory"
-                )
+                held = self._why_not_full()
                 raise ShardedStateError(
                     f"{type(module).__name__} '{path}'.state_dict(): the module is sharded, so its state dict would "
                     "hold only this rank's shards of the tables. Call trainer.strategy.full_state_dict() on every rank "
@@ -141,6 +139,13 @@ class ShardedGuard:
                 )
 
         return hook
+
+    def _why_not_full(self) -> str:
+        """Why rank 0 holds no full tables here (the arithmetic of the last fit, or how to get them)."""
+        return self.full_refused or (
+            "rank 0 holds the full tables after a fit when they fit in its memory: 64 MiB by default, "
+            "more with ShardRecStrategy(full_tables_after_fit=True)"
+        )
 
     def _full_tables(self, path: str) -> Callable[..., None]:
         """After fit on rank 0: the collection's entries replaced by its full tables, under the unsharded names."""
@@ -188,7 +193,7 @@ class ShardedGuard:
                     "forward is collective (every rank takes part in each call), so a call on one rank would hang or "
                     "fail in the transport. Use trainer.predict(model, loader) on every rank; or on every rank, "
                     "`with trainer.strategy.collective(): model(batch)`; or load trainer.strategy.full_state_dict() "
-                    "(every rank) into an unsharded model"
+                    f"(every rank) into an unsharded model ({self._why_not_full()})"
                 )
 
         return hook

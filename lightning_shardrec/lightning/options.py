@@ -101,10 +101,11 @@ class ShardRecOptions:
             (:mod:`lightning_shardrec.lightning.uneven`: one small all-reduce per batch); ``"error"``:
             the strict mode, every rank stops with ``UnevenBatchesError`` at the last batch they share.
         full_tables_after_fit: at the end of every fit, while every rank is still there, gather the full
-            tables to rank 0 when they fit in a quarter of its available host memory, so that
-            ``model.state_dict()`` and ``model(batch)`` work on rank 0 alone after fit
-            (:mod:`lightning_shardrec.lightning.after_fit`). Off by default: it costs one gather per fit
-            and rank 0 holds every table until the next fit, beyond its share.
+            tables to rank 0, so that ``model.state_dict()`` and ``model(batch)`` work on rank 0 alone after
+            fit (:mod:`lightning_shardrec.lightning.after_fit`): ``None`` (the default) when they take at
+            most 64 MiB and fit in a quarter of its available host memory (larger tables stay sharded:
+            every rank holds its share); ``True`` whenever they fit in that quarter; ``False`` never. Cost:
+            one gather per fit, and rank 0 holds every table until the next fit.
         sharders: TorchRec's ``EmbeddingBagCollectionSharder`` / ``EmbeddingCollectionSharder``:
             their ``fused_params`` set the tables' fused optimizer and their qcomm config the
             ``comm_precision`` (as does ``apply_optimizer_in_backward`` on the tables); see
@@ -130,7 +131,7 @@ class ShardRecOptions:
     log_dynamic_stats: bool = True
     sharders: list[ModuleSharder[Any]] = field(default_factory=list)
     uneven_batches: str = "pad"
-    full_tables_after_fit: bool = False
+    full_tables_after_fit: bool | None = None
 
     def __post_init__(self) -> None:
         heartbeat = self.heartbeat_timeout
@@ -159,6 +160,11 @@ class ShardRecOptions:
         self._set("embedding_modules", which)
         self._set("constraints", dict(self.constraints or {}))
         check_uneven_mode(self.uneven_batches)
+        if self.full_tables_after_fit not in (None, True, False):
+            raise ValueError(
+                f"ShardRecStrategy: full_tables_after_fit must be None (default: tables of at most 64 MiB), True or "
+                f"False, got {self.full_tables_after_fit!r}"
+            )
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)  # frozen: only __post_init__ stores the parsed form
@@ -256,8 +262,9 @@ STRATEGY_ARGS = """Args:
         the ``comm_precision`` (docs/migrating.md, 'Sharders').
     uneven_batches: ``"pad"`` (a rank whose training data ends early trains on with empty batches until
         every rank's has ended) or ``"error"`` (strict: ``UnevenBatchesError``).
-    full_tables_after_fit: gather the full tables to rank 0 at the end of each fit (when they fit), so
-        ``model.state_dict()`` and ``model(batch)`` work on rank 0 alone after fit (off by default).
+    full_tables_after_fit: gather the full tables to rank 0 at the end of each fit, so
+        ``model.state_dict()`` and ``model(batch)`` work on rank 0 alone after fit: ``None`` (default)
+        when they take at most 64 MiB, ``True`` whenever they fit in its memory, ``False`` never.
 
 Each of the strategy's own options is explained in full, and checked, by
 :class:`~lightning_shardrec.lightning.options.ShardRecOptions` (``self.options``).

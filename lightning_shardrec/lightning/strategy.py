@@ -31,7 +31,7 @@ from lightning_shardrec.distributed.groups import new_group_like
 from lightning_shardrec.distributed.sharders import ModuleSharder
 from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
 from lightning_shardrec.errors import IdOutOfRangeError
-from lightning_shardrec.lightning import guards
+from lightning_shardrec.lightning import guards, summary
 from lightning_shardrec.lightning.after_fit import gather_to_rank_zero
 from lightning_shardrec.lightning.checkpoint_io import ShardRecCheckpointIO, resumable
 from lightning_shardrec.lightning.checkpointing import ShardedCheckpoints, default_io, remote
@@ -104,7 +104,7 @@ class ShardRecStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         sharders: Sequence[ModuleSharder[Any]] | None = None,
         uneven_batches: Literal["pad", "error"] = "pad",
-        full_tables_after_fit: bool = False,
+        full_tables_after_fit: bool | None = None,
     ) -> None:
         super().__init__(
             process_group_backend=process_group_backend,
@@ -194,6 +194,7 @@ class ShardRecStrategy(DDPStrategy):
         if fitting:
             self.checkpoints.groups_before = tables.hand_over(self.optimizers, collections, table_params, holder)
             self.updates.guard_fit(tables, holder, trainer, self._deferral)
+            summary.install(trainer, self.sharded)  # Lightning's summary counts the full tables (summary.py)
             if self.options.log_dynamic_stats:
                 add_dynamic_monitor(trainer, module)  # every rank: gathering the figures is collective
         convert_dense(self.precision_plugin, self.model, self.sharded)  # tables keep their config's dtype
@@ -291,8 +292,10 @@ class ShardRecStrategy(DDPStrategy):
         if self.pipeline is not None:
             self.pipeline.drain()
         self.signals.end()
-        if self.options.full_tables_after_fit and self.guard is not None and dist.is_initialized():  # every rank
-            gather_to_rank_zero(self.sharded, self.guard, self.control.group())  # when they fit (after_fit.py)
+        after_fit = self.options.full_tables_after_fit
+        if after_fit is not False and self.guard is not None and dist.is_initialized():  # every rank together:
+            # rank 0 keeps the full tables when they fit (lightning/after_fit.py)
+            gather_to_rank_zero(self.sharded, self.guard, self.control.group(), after_fit is True)
         super().on_train_end()
 
     @property
@@ -324,7 +327,7 @@ class ShardRecStrategy(DDPStrategy):
         streamed = default_io(self.checkpoint_io) and storage_options is None and not remote(filepath)
         base = super().save_checkpoint  # a custom or remote writer takes the whole checkpoint: rank 0 holds it all
         writer = None if streamed else lambda c: base(c, filepath, storage_options)
-        return self.checkpoints.save(checkpoint, filepath, writer=writer)
+        return self.checkpoints.save(checkpoint, filepath, writer=writer, optimizers=self.optimizers)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -368,6 +371,7 @@ class ShardRecStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        summary.remove(attached_trainer(self.lightning_module))
         self.signals.close()  # after a failure too
         self.control.close()  # after a failure too: a gloo group left to interpreter exit can abort it
         self.failures.stop()

@@ -206,7 +206,7 @@ def _save_full(rank: int, world: int, path: str) -> dict[str, object]:
 def resume_full(rank: int, world: int, path: str) -> list[str]:
     """Resume from the full file (no step runs: it was saved at ``max_steps``); on rank 0, what differs from it."""
     from lightning_shardrec import ParameterConstraints, ShardRecStrategy
-    from lightning_shardrec.checkpoint import gather_full_state
+    from lightning_shardrec.checkpoint import gather_full_state, plain_table_states
 
     external_launch(rank, world)
     kind = "table_wise" if world == 1 else "column_wise"  # another plan than the save's (row-wise)
@@ -225,8 +225,9 @@ def resume_full(rank: int, world: int, path: str) -> list[str]:
     differ = [k for k, v in weights.items() if not torch.equal(saved["state_dict"][k], v)]
     top = model.top.state_dict()  # the dense layers, restored by Lightning
     differ += [f"top.{k}" for k, v in top.items() if not torch.equal(saved["state_dict"][f"top.{k}"], v)]
+    saved_states = plain_table_states(saved["optimizer_states"], fused["positions"])  # the plain layout
     for k, named in states.items():
-        differ += [f"{k}/{n}" for n, v in named.items() if not torch.equal(fused["states"][k][n], v)]
+        differ += [f"{k}/{n}" for n, v in named.items() if not torch.equal(saved_states[k][n], v)]
     if set(weights) != {"ebc.embedding_bags.t0.weight", "ebc.embedding_bags.t1.weight"} or set(states) != set(weights):
         differ.append(f"gathered {sorted(weights)}, states of {sorted(states)}")
     if strategy.fused_optimizer.param_groups[0]["lr"] != fused["param_group"]["lr"]:

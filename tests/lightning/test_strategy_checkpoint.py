@@ -13,7 +13,7 @@ import pytest
 import torch
 from _models import TABLES, Rec, data, external_launch, trainer
 
-from lightning_shardrec.checkpoint import convert_to_full
+from lightning_shardrec.checkpoint import convert_to_full, plain_table_states
 from lightning_shardrec.testing import run_ranks
 
 GLOBAL_BATCH = 12
@@ -83,7 +83,9 @@ def check_full_file(half):
     plain = Rec()
     plain.load_state_dict(ckpt["state_dict"])  # strict: the keys are the unsharded model's
     assert ckpt["state_dict"]["ebc.embedding_bags.t_big.weight"].shape == (120, 8)
-    fused = ckpt["shardrec_fused_optimizer"]["states"]
+    entry = ckpt["shardrec_fused_optimizer"]
+    assert entry["layout"] == "plain" and entry["states"] == {}  # the tables' state where a plain run keeps it
+    fused = plain_table_states(ckpt["optimizer_states"], entry["positions"])
     assert {"ebc.embedding_bags.t_big.weight", "ebc.embedding_bags.t_mid.weight"} <= set(fused)
     assert fused["ebc.embedding_bags.t_big.weight"]["sum"].shape == (120, 8)  # adagrad state, full table
 

@@ -386,8 +386,13 @@ def test_shardrec_checkpoints_without_the_strategy(tmp_path):
             enable_progress_bar=False,
             max_steps=4,
             plugins=[ShardRecCheckpointIO()],
+            default_root_dir=str(tmp_path),  # its fit (full format) writes a checkpoint: not into the working dir
         )
         plain.validate(Rec(), data(8, 2, val_batches=1), ckpt_path=path, verbose=False)  # weights only: works
+        if fmt == "full":  # the tables' optimizer state in the plain layout: resumes (test_full_plain_resume.py)
+            plain.fit(Rec(), data(8, 4), ckpt_path=path)
+            assert plain.global_step == 4
+            continue
         with pytest.raises(
             CheckpointError,
             match="was written by ShardRecStrategy: its embedding tables train in a "
