@@ -1,16 +1,21 @@
 """TorchRec's public module paths: ``lightning_shardrec.<path>`` never fails with a bare ``ModuleNotFoundError``.
 
-Importing ``lightning_shardrec`` installs :class:`TorchRecPathFinder` at the end of ``sys.meta_path``:
-a module path this library provides imports as usual; a TorchRec path it does not provide raises
+Importing ``lightning_shardrec`` installs :class:`TorchRecPathFinder` first on ``sys.meta_path``:
+a TorchRec path whose module lives elsewhere here (``ALIASES``: the mirrors in ``compat/torchrec/``, or a
+module of the core in its room) imports as that same module object; any other module path this library
+provides imports as usual; a TorchRec path it does not provide raises
 :class:`~lightning_shardrec.errors.MissingTorchRecFeatureError` (an ``ImportError``) naming the path
 and the ``docs/migrating.md`` section. The list is TorchRec's non-test, non-private modules.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
-from importlib.machinery import ModuleSpec
+from importlib.abc import Loader
+from importlib.machinery import ModuleSpec, PathFinder
 from types import ModuleType
 
 from lightning_shardrec.errors import MissingTorchRecFeatureError
@@ -251,15 +256,86 @@ TORCHREC_MODULES: frozenset[str] = frozenset(
 TORCHREC_MODULES = TORCHREC_MODULES | frozenset(("ir", "linter"))
 
 
+#: TorchRec's module paths whose module lives elsewhere here (path -> module, both relative to the package).
+#: A package row also serves its children (``distributed.planner.types``) unless a longer row names them.
+ALIASES: dict[str, str] = {
+    "datasets": "compat.torchrec.datasets",
+    "distributed.embedding": "distributed.sharded.embedding",
+    "distributed.embedding_types": "compat.torchrec.distributed.embedding_types",
+    "distributed.embeddingbag": "distributed.sharded.embeddingbag",
+    "distributed.fbgemm_qcomm_codec": "distributed.comm.fbgemm_qcomm_codec",
+    "distributed.model_parallel": "distributed.dmp.model_parallel",
+    "distributed.planner": "compat.torchrec.distributed.planner",
+    "distributed.shard": "distributed.dmp.shard",
+    "distributed.sharding_plan": "compat.torchrec.distributed.sharding_plan",
+    "distributed.test_utils": "compat.torchrec.distributed.test_utils",
+    "distributed.train_pipeline": "compat.torchrec.distributed.train_pipeline",
+    "distributed.train_pipeline.train_pipelines": "distributed.pipelines.sparse_dist",
+    "distributed.types": "compat.torchrec.distributed.types",
+    "modules.embedding_modules": "compat.torchrec.modules.embedding_modules",
+    "modules.mc_modules": "compat.torchrec.modules.mc_modules",
+}
+_PACKAGE = "lightning_shardrec"
+_MIRRORS = "compat.torchrec."
+
+
+def alias_target(path: str) -> str | None:
+    """The module (relative to the package) that serves TorchRec's ``path``, or None when none does."""
+    if path in ALIASES:
+        return ALIASES[path]
+    head = path
+    while "." in head:
+        head = head.rpartition(".")[0]
+        if head in ALIASES:
+            return ALIASES[head] + path[len(head) :]
+    return None
+
+
+class _AliasLoader(Loader):
+    """Loads a path as the module object of another path (imported once, under its own name)."""
+
+    def __init__(self, real: str) -> None:
+        self.real = real
+        self._spec: ModuleSpec | None = None
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType:
+        module = importlib.import_module(self.real)
+        self._spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # the import system set the alias's spec on the module: give it back its own
+        if self._spec is not None:
+            module.__spec__ = self._spec
+
+
 class TorchRecPathFinder:
-    """Refuses TorchRec module paths this library lacks, by name; leaves every other import alone."""
+    """Serves TorchRec's module paths from where they live here, refuses those this library lacks, by name;
+    leaves every other import alone."""
 
     @staticmethod
     def find_spec(
         fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
         head, _, rest = fullname.partition(".")
-        if head != "lightning_shardrec" or rest not in TORCHREC_MODULES:
+        if head != _PACKAGE or not rest:
+            return None
+        real = alias_target(rest)
+        if rest.startswith(_MIRRORS):  # ``from <mirror package> import <child served elsewhere>`` asks for this
+            real = alias_target(rest[len(_MIRRORS) :])
+            real = None if real == rest else real
+        if real is not None:
+            try:
+                found = importlib.util.find_spec(f"{_PACKAGE}.{real}")
+            except ModuleNotFoundError:
+                found = None
+            if found is not None:
+                return ModuleSpec(
+                    fullname,
+                    _AliasLoader(f"{_PACKAGE}.{real}"),
+                    is_package=found.submodule_search_locations is not None,
+                )
+        if rest not in TORCHREC_MODULES or PathFinder.find_spec(fullname, path) is not None:
             return None
         raise MissingTorchRecFeatureError(
             f"{fullname} (TorchRec's torchrec.{rest}) is not provided by lightning_shardrec. "
@@ -268,6 +344,6 @@ class TorchRecPathFinder:
 
 
 def install() -> None:
-    """Put the finder last on ``sys.meta_path`` (once)."""
+    """Put the finder first on ``sys.meta_path`` (once): an alias must win over a file under an aliased package."""
     if not any(isinstance(f, TorchRecPathFinder) for f in sys.meta_path):
-        sys.meta_path.append(TorchRecPathFinder())  # type: ignore[arg-type]
+        sys.meta_path.insert(0, TorchRecPathFinder())  # type: ignore[arg-type]

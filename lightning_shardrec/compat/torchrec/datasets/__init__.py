@@ -4,7 +4,7 @@ This library's own data layer (Criteo readers, synthetic data, DataModules) is
 :mod:`lightning_shardrec.data`.
 """
 
-from lightning_shardrec.datasets.random import RandomRecDataset
-from lightning_shardrec.datasets.utils import Batch
+from lightning_shardrec.compat.torchrec.datasets.random import RandomRecDataset
+from lightning_shardrec.compat.torchrec.datasets.utils import Batch
 
 __all__ = ["Batch", "RandomRecDataset"]

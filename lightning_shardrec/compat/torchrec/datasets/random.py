@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import IterableDataset
 
-from lightning_shardrec.datasets.utils import Batch
+from lightning_shardrec.compat.torchrec.datasets.utils import Batch
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 

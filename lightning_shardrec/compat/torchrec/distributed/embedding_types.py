@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_shardrec.distributed.sharders import BaseEmbeddingSharder
+from lightning_shardrec.distributed.dmp.sharders import BaseEmbeddingSharder
 from lightning_shardrec.errors import missing_names
 from lightning_shardrec.planner import EmbeddingComputeKernel
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_shardrec.distributed.sharders import (
+from lightning_shardrec.distributed.dmp.sharders import (
     EmbeddingBagCollectionSharder,
     EmbeddingCollectionSharder,
     ModuleSharder,

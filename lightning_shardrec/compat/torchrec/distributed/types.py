@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lightning_shardrec.distributed.awaitables import Awaitable, LazyAwaitable, NoWait
-from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.sharders import ModuleSharder
+from lightning_shardrec.compat.torchrec.distributed.awaitables import Awaitable, LazyAwaitable, NoWait
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+from lightning_shardrec.distributed.dmp.sharders import ModuleSharder
 from lightning_shardrec.errors import missing_names
 from lightning_shardrec.planner import (
     EmbeddingComputeKernel,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_shardrec.distributed.planner.torchrec_types import (
+from lightning_shardrec.compat.torchrec.distributed.planner.torchrec_types import (
     HardwareConfig,
     KernelConfig,
     Shard,

@@ -1,9 +1,6 @@
 """Training pipelines at TorchRec's path (``torchrec.distributed.train_pipeline``)."""
 
-from lightning_shardrec.distributed.train_pipeline.train_pipelines import (
-    EvalPipelineSparseDist,
-    TrainPipelineSparseDist,
-)
+from lightning_shardrec.distributed.pipelines.sparse_dist import EvalPipelineSparseDist, TrainPipelineSparseDist
 from lightning_shardrec.errors import missing_names
 
 _ONE = "TrainPipelineSparseDist is the pipeline here (or Trainer(strategy=ShardRecStrategy(pipeline=True)))"
