@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from lightning_shardrec.checkpoint.full_gather import gather_full_state
 from lightning_shardrec.configs import EmbeddingBagConfig
-from lightning_shardrec.distributed.collection import ShardedCollection
-from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection
+from lightning_shardrec.distributed.sharded.embeddingbag import ShardedEmbeddingBagCollection
 from lightning_shardrec.lightning.guards import ShardedGuard
 from lightning_shardrec.modules import EmbeddingBagCollection
 from lightning_shardrec.sparse import KeyedJaggedTensor

@@ -39,7 +39,7 @@ from lightning_shardrec.checkpoint import (
 )
 from lightning_shardrec.checkpoint.mapped_file import MappedFile, load_mapped, mappable
 from lightning_shardrec.checkpoint.streamed_file import Stored
-from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.lightning.checkpoint_io import ShardRecCheckpointIO, resumable
 from lightning_shardrec.lightning.options import ShardRecOptions
@@ -86,7 +86,7 @@ class ShardedCheckpointing(DDPStrategy):
         """Collective: the unsharded model's state dict (tables gathered) on global rank ``dst``.
 
         ``None``: on every rank (tests, small models). Tables travel in bands by tensor collectives
-        (:class:`~lightning_shardrec.distributed.band_gather.BandGather`): rank ``dst`` holds the
+        (:class:`~lightning_shardrec.distributed.comm.band_gather.BandGather`): rank ``dst`` holds the
         result and one band, the other ranks their shards only, and get ``{}``.
         """
         if not self.sharded:

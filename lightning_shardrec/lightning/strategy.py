@@ -7,7 +7,7 @@ of the user's optimizer into the fused in-backward optimizer (derived from the
 user's, lr linked so schedulers move both), and wrap only the dense rest in DDP.
 Options: :mod:`lightning_shardrec.lightning.options`;
 checkpoints: :mod:`lightning_shardrec.lightning.checkpointing`; rank failures:
-:mod:`lightning_shardrec.lightning.rank_failures` (on :mod:`lightning_shardrec.distributed.health`);
+:mod:`lightning_shardrec.lightning.rank_failures` (on :mod:`lightning_shardrec.distributed.health.heartbeats`);
 NaN checks: :mod:`lightning_shardrec.kernels.finite`.
 """
 
@@ -32,12 +32,12 @@ from lightning_shardrec._compat import torch as compat
 from lightning_shardrec._compat.lightning import attached_trainer, optimizers_to_device
 from lightning_shardrec.checkpoint import param_layout, table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
-from lightning_shardrec.distributed.collection import ShardedCollection
-from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.dmp_settings import check_fused, in_backward_tables, undecided_tables
-from lightning_shardrec.distributed.groups import live_group, new_group_like
-from lightning_shardrec.distributed.model_parallel import find_collections, kernel_labels, shard_modules
-from lightning_shardrec.distributed.sharders import ModuleSharder
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+from lightning_shardrec.distributed.comm.groups import live_group, new_group_like
+from lightning_shardrec.distributed.dmp.dmp_settings import check_fused, in_backward_tables, undecided_tables
+from lightning_shardrec.distributed.dmp.model_parallel import find_collections, kernel_labels, shard_modules
+from lightning_shardrec.distributed.dmp.sharders import ModuleSharder
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection
 from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
 from lightning_shardrec.distributed.transport.connect import attach
 from lightning_shardrec.distributed.transport.per_host import HostTransport

@@ -11,7 +11,7 @@ a shard of ``rows x cols`` holding the share ``f = rows / table_rows``:
   ranks (``(W-1)/W`` of it leaves the rank; charged at one NIC per GPU).
 - table_row_wise / grid_shard (a grid table's column pieces, each row-blocked inside one
   host): a block costs its ids and lookup as row_wise. The pooled output is reduced among
-  the piece's ``k`` holders only (``distributed/hierarchy.py``),
+  the piece's ``k`` holders only (``distributed/comm/hierarchy.py``),
   :func:`holder_output_seconds` per holder: of its ``[B*Q, cols]`` partial, ``(k-1)/k``
   goes to the other holders (intra-host link; each sums its chunk of the sources) and its
   summed ``1/k`` goes to the sources as an all-to-all. Ranks of the host that hold no

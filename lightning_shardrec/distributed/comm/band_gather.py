@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import backend_uses_cuda
+from lightning_shardrec.distributed.comm.collectives import backend_uses_cuda
 
 BAND_BYTES = 64 * 2**20  #: the default band: at most this many bytes of rows travel and are held at once
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_shardrec.distributed.qcomm import (
+from lightning_shardrec.distributed.comm.qcomm import (
     CommPrecision,
     WirePrecision,
     decode,

@@ -2,7 +2,7 @@
 
 ``get_qcomm_codecs_registry(QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16))``
 given to a sharder sets the pooled embeddings' wire precision (``comm_precision``, see
-:mod:`~lightning_shardrec.distributed.qcomm`), one per direction: ``forward_precision`` for the
+:mod:`~lightning_shardrec.distributed.comm.qcomm`), one per direction: ``forward_precision`` for the
 pooled outputs, ``backward_precision`` for their gradients (the intro tutorial's FP16/BF16).
 Loss scales and FP8/INT8 are refused by name.
 """
@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_shardrec.distributed.qcomm import CommPrecision, WirePrecision, parse_wire
+from lightning_shardrec.distributed.comm.qcomm import CommPrecision, WirePrecision, parse_wire
 from lightning_shardrec.errors import UnsupportedFeatureError
 
 _SECTION = "see docs/migrating.md, 'Sharders'"

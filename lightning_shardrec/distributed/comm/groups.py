@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
 from lightning_shardrec.distributed.transport.connect import attach
 from lightning_shardrec.distributed.transport.per_host import HostTransport
 

@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_shardrec.distributed.bounded_cache import BoundedCache
-from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, all_to_all_grad, uses_cuda
-from lightning_shardrec.distributed.groups import cached_group
-from lightning_shardrec.distributed.qcomm import WirePrecision
+from lightning_shardrec.distributed.comm.bounded_cache import BoundedCache
+from lightning_shardrec.distributed.comm.collectives import CommPrecision, ShardingEnv, all_to_all_grad, uses_cuda
+from lightning_shardrec.distributed.comm.groups import cached_group
+from lightning_shardrec.distributed.comm.qcomm import WirePrecision
 
 
 def host_group(env: ShardingEnv) -> ShardingEnv:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import ShardingEnv, Waitable, all_to_all_async
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv, Waitable, all_to_all_async
 from lightning_shardrec.modules.dynamic.hashing import bucket_of
 from lightning_shardrec.sparse import KeyedJaggedTensor
 from lightning_shardrec.sparse.ops import complete_cumsum, gather_index, permute_2d, segment_ids

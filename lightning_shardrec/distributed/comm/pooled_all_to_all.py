@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_shardrec.distributed.bounded_cache import BoundedCache
-from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_single, exchange_flat
-from lightning_shardrec.distributed.qcomm import CommPrecision, WirePrecision, directions
+from lightning_shardrec.distributed.comm.bounded_cache import BoundedCache
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv, all_to_all_single, exchange_flat
+from lightning_shardrec.distributed.comm.qcomm import CommPrecision, WirePrecision, directions
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import EmbOptimType, FusedOptimConfig
-from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.qcomm import CommPrecision, WirePrecision, parse_wire
-from lightning_shardrec.distributed.sharders import ModuleSharder, sharder_comm_precision, sharder_optim
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+from lightning_shardrec.distributed.comm.qcomm import CommPrecision, WirePrecision, parse_wire
+from lightning_shardrec.distributed.dmp.sharders import ModuleSharder, sharder_comm_precision, sharder_optim
 from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.modules.plain_embeddings import PlainEmbedding, PlainEmbeddingBag, PlainMaxEmbeddingBag

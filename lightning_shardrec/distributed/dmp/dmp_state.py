@@ -27,12 +27,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_shardrec._compat import torch as compat
-from lightning_shardrec.distributed.band_gather import BandGather, LocalTensor
+from lightning_shardrec.distributed.comm.band_gather import BandGather, LocalTensor
 from lightning_shardrec.errors import ShardedStateError
 from lightning_shardrec.planner import ShardingPlan, ShardingType
 
 if TYPE_CHECKING:
-    from lightning_shardrec.distributed.model_parallel import DistributedModelParallel
+    from lightning_shardrec.distributed.dmp.model_parallel import DistributedModelParallel
 
 
 class IncompatibleKeys(NamedTuple):
@@ -170,7 +170,7 @@ def full_state_dict(dmp: DistributedModelParallel, dst: int | None = None) -> di
 
     On rank ``dst`` of the model's process group (``None``: on every rank; other ranks get
     ``{}``). Tables travel in bands by tensor collectives
-    (:class:`~lightning_shardrec.distributed.band_gather.BandGather`): rank ``dst`` holds the
+    (:class:`~lightning_shardrec.distributed.comm.band_gather.BandGather`): rank ``dst`` holds the
     result and one band, the other ranks their own shards only.
     """
     pg = dmp.env.pg

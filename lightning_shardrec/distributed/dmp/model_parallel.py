@@ -21,9 +21,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.configs import FusedOptimConfig
-from lightning_shardrec.distributed import dmp_state
-from lightning_shardrec.distributed.comm import ShardingEnv, uses_cuda
-from lightning_shardrec.distributed.dmp_settings import (
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv, uses_cuda
+from lightning_shardrec.distributed.comm.groups import cached_group
+from lightning_shardrec.distributed.comm.qcomm import WirePrecision
+from lightning_shardrec.distributed.dmp import dmp_state
+from lightning_shardrec.distributed.dmp.dmp_settings import (
     DataParallelWrapper,
     WaitableDict,
     check_fused,
@@ -36,17 +38,15 @@ from lightning_shardrec.distributed.dmp_settings import (
     resolve_fused_config,
     undecided_tables,
 )
-from lightning_shardrec.distributed.dynamic_stats import dynamic_stats
-from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
-from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from lightning_shardrec.distributed.groups import cached_group
-from lightning_shardrec.distributed.plain_embeddings import (
+from lightning_shardrec.distributed.dmp.sharders import ModuleSharder, check_sharders
+from lightning_shardrec.distributed.sharded.dynamic_stats import dynamic_stats
+from lightning_shardrec.distributed.sharded.embedding import ShardedEmbeddingCollection
+from lightning_shardrec.distributed.sharded.embeddingbag import ShardedEmbeddingBagCollection
+from lightning_shardrec.distributed.sharded.plain_embeddings import (
     ShardedPlainEmbedding,
     ShardedPlainEmbeddingBag,
     ShardedPlainMaxEmbeddingBag,
 )
-from lightning_shardrec.distributed.qcomm import WirePrecision
-from lightning_shardrec.distributed.sharders import ModuleSharder, check_sharders
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
 from lightning_shardrec.distributed.transport.connect import attach
@@ -335,8 +335,8 @@ class DistributedModelParallel(nn.Module):
 
     def dynamic_stats(self, new_window: bool = False) -> dict[str, dict[str, float]]:
         """Collective: per dynamic table, occupancy, capacity, admissions, ..., the window's miss rate and
-        suggested capacity, summed over ranks (:func:`~lightning_shardrec.distributed.dynamic_stats.dynamic_stats`);
-        call on every rank."""
+        suggested capacity, summed over ranks
+        (:func:`~lightning_shardrec.distributed.sharded.dynamic_stats.dynamic_stats`); call on every rank."""
         return dynamic_stats(self.module, new_window)
 
     def local_shards(self) -> dict[str, list[tuple[ShardMetadata, Tensor]]]:

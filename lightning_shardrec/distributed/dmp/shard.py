@@ -22,21 +22,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.dmp_settings import (
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+from lightning_shardrec.distributed.dmp.dmp_settings import (
     mark_in_backward,
     materialize_meta,
     resolve_comm_precision,
     resolve_fused_config,
 )
-from lightning_shardrec.distributed.model_parallel import (
+from lightning_shardrec.distributed.dmp.model_parallel import (
     _SHARDED,
     ShardedCollection,
     default_device,
     find_collections,
     table_names,
 )
-from lightning_shardrec.distributed.sharders import ModuleSharder, check_sharders
+from lightning_shardrec.distributed.dmp.sharders import ModuleSharder, check_sharders
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.kernels import KernelBackend

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import FusedOptimConfig
-from lightning_shardrec.distributed.fbgemm_qcomm_codec import QCommsRegistry
-from lightning_shardrec.distributed.qcomm import CommPrecision, WirePrecision
+from lightning_shardrec.distributed.comm.fbgemm_qcomm_codec import QCommsRegistry
+from lightning_shardrec.distributed.comm.qcomm import CommPrecision, WirePrecision
 from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.optim.fused_settings import config_of_fused_params
@@ -94,7 +94,7 @@ class ModuleSharder(Generic[M]):
                 f"{type(self).__name__}.shard: expects a {self.module_type.__name__}, got {type(module).__name__}"
             )
         # imported here: shard.py builds on DistributedModelParallel's pieces, which import this module
-        from lightning_shardrec.distributed.shard import shard_collection
+        from lightning_shardrec.distributed.dmp.shard import shard_collection
 
         where = f"{type(self).__name__}.shard" + (f" ('{module_fqn}')" if module_fqn else "")
         return shard_collection(module, params, env, device, [self], where)
@@ -123,7 +123,7 @@ class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]
 
     @property
     def sharded_module_type(self) -> type[nn.Module]:
-        from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+        from lightning_shardrec.distributed.sharded.embeddingbag import ShardedEmbeddingBagCollection
 
         return ShardedEmbeddingBagCollection
 
@@ -137,7 +137,7 @@ class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
 
     @property
     def sharded_module_type(self) -> type[nn.Module]:
-        from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
+        from lightning_shardrec.distributed.sharded.embedding import ShardedEmbeddingCollection
 
         return ShardedEmbeddingCollection
 

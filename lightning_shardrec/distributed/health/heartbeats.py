@@ -59,8 +59,8 @@ from collections.abc import Callable, Mapping
 import torch.distributed as dist
 
 from lightning_shardrec._compat import torch as compat
-from lightning_shardrec.distributed.comm import backend_uses_cuda
-from lightning_shardrec.distributed.whereabouts import Whereabouts
+from lightning_shardrec.distributed.comm.collectives import backend_uses_cuda
+from lightning_shardrec.distributed.health.whereabouts import Whereabouts
 
 log = logging.getLogger(__name__)
 

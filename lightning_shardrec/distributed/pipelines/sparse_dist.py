@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_shardrec.distributed.collection import ShardedCollection
-from lightning_shardrec.distributed.groups import new_group_like
+from lightning_shardrec.distributed.comm.groups import new_group_like
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection
 from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.sparse import KeyedJaggedTensor
 

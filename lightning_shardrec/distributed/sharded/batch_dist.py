@@ -26,14 +26,14 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import (
+from lightning_shardrec.distributed.comm.collectives import (
     ShardingEnv,
     Waitable,
     exchange_header,
     exchange_header_async,
     on_stream,
 )
-from lightning_shardrec.distributed.input_dist import PendingExchange, Routed, exchange_async
+from lightning_shardrec.distributed.comm.input_dist import PendingExchange, Routed, exchange_async
 from lightning_shardrec.distributed.sharding import EmbeddingSharding
 from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.sparse import KeyedJaggedTensor

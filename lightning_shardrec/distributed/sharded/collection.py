@@ -1,6 +1,6 @@
 """What both sharded collections (pooled and sequence) share: their tables, shards, and prefetch.
 
-Prefetch (the pipelined input distribution, see :mod:`~lightning_shardrec.distributed.batch_dist`)::
+Prefetch (the pipelined input distribution, see :mod:`~lightning_shardrec.distributed.sharded.batch_dist`)::
 
     coll.enable_prefetch(new_group_like(coll.env))  # collective, once
     handle = coll.prefetch(next_kjt)   # every rank, same order; starts the async all-to-alls
@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import BaseEmbeddingConfig, FusedOptimConfig
-from lightning_shardrec.distributed.batch_dist import (
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+from lightning_shardrec.distributed.sharded.batch_dist import (
     BatchTag,
     DistContext,
     EndOfData,
@@ -27,7 +28,6 @@ from lightning_shardrec.distributed.batch_dist import (
     start_end_of_data,
     start_input_dist,
 )
-from lightning_shardrec.distributed.comm import ShardingEnv
 from lightning_shardrec.distributed.sharding import DynamicMapping, EmbeddingSharding
 from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.kernels import BatchedEmbeddingKernel, KernelBackend
@@ -97,7 +97,7 @@ class ShardedCollection(nn.Module):
     def enable_prefetch(self, env: ShardingEnv) -> None:
         """Let :meth:`prefetch` run on ``env``: a process group of the same ranks that nothing else uses.
 
-        Create it collectively (:func:`~lightning_shardrec.distributed.groups.new_group_like`);
+        Create it collectively (:func:`~lightning_shardrec.distributed.comm.groups.new_group_like`);
         several collections may share one.
         """
         own = self.env

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection
 from lightning_shardrec.modules.dynamic.tables import HasDynamicTables
 
 

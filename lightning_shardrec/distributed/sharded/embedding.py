@@ -1,6 +1,6 @@
 """``ShardedEmbeddingCollection``: an EmbeddingCollection (sequence tables) cut across ranks.
 
-Same three stages as :mod:`~lightning_shardrec.distributed.embeddingbag`, and the same
+Same three stages as :mod:`~lightning_shardrec.distributed.sharded.embeddingbag`, and the same
 input distribution; only the way back differs. A sequence kernel returns one row per
 id it received, so ``output_dist`` sends every source the rows of its own ids and
 puts them back in its local order (each feature's ids in bag order). A variable-batch
@@ -22,9 +22,9 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from lightning_shardrec.distributed.batch_dist import DistContext, distribute_inputs
-from lightning_shardrec.distributed.collection import ShardedCollection, check_static_ids, static_features
-from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+from lightning_shardrec.distributed.sharded.batch_dist import DistContext, distribute_inputs
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection, check_static_ids, static_features
 from lightning_shardrec.distributed.sharding import KINDS, EmbeddingSharding, KernelSetup, TableSharding, mechanism
 from lightning_shardrec.distributed.sharding.base import SequenceDist
 from lightning_shardrec.modules import EmbeddingCollection
@@ -174,6 +174,6 @@ def _split_by_width(plan: ParameterSharding) -> list[tuple[int, ParameterShardin
     return out
 
 
-from lightning_shardrec.distributed.sharders import EmbeddingCollectionSharder  # noqa: E402  TorchRec's path
+from lightning_shardrec.distributed.dmp.sharders import EmbeddingCollectionSharder  # noqa: E402  TorchRec's path
 
 __all__ = ["EmbeddingCollectionSharder", "ShardedEmbeddingCollection"]

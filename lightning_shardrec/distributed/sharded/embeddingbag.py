@@ -17,9 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import PoolingType
-from lightning_shardrec.distributed.batch_dist import DistContext, distribute_inputs
-from lightning_shardrec.distributed.collection import ShardedCollection, check_static_ids, static_features
-from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+from lightning_shardrec.distributed.sharded.batch_dist import DistContext, distribute_inputs
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection, check_static_ids, static_features
 from lightning_shardrec.distributed.sharding import KINDS, EmbeddingSharding, KernelSetup, TableSharding, mechanism
 from lightning_shardrec.errors import ShardingError
 from lightning_shardrec.modules import EmbeddingBagCollection
@@ -154,6 +154,6 @@ def _prefix(sizes: list[int]) -> list[int]:
     return out
 
 
-from lightning_shardrec.distributed.sharders import EmbeddingBagCollectionSharder  # noqa: E402  TorchRec's path
+from lightning_shardrec.distributed.dmp.sharders import EmbeddingBagCollectionSharder  # noqa: E402  TorchRec's path
 
 __all__ = ["EmbeddingBagCollectionSharder", "ShardedEmbeddingBagCollection"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
-from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+from lightning_shardrec.distributed.sharded.embedding import ShardedEmbeddingCollection
+from lightning_shardrec.distributed.sharded.embeddingbag import ShardedEmbeddingBagCollection
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.errors import ShardedWeightError
 from lightning_shardrec.modules.plain_embeddings import (

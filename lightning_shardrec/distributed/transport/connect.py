@@ -1,6 +1,6 @@
 """Setting up the same-host transport: ``comm_transport=None (pg) | "pg" | "auto" | "shm"``.
 
-:func:`attach` gives a :class:`~lightning_shardrec.distributed.comm.ShardingEnv` a
+:func:`attach` gives a :class:`~lightning_shardrec.distributed.comm.collectives.ShardingEnv` a
 :class:`~lightning_shardrec.distributed.transport.shm.ShmTransport` when its mode allows and
 :func:`connect` (collective) finds that every rank of the gloo group can share memory with every
 other: each rank creates its region and the FIFOs it reads under ``/dev/shm``, opens the
@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
 from lightning_shardrec.distributed.transport import records, shm
 from lightning_shardrec.distributed.transport.shm import RESERVED_BYTES, SLOT_BYTES, SLOTS, ShmTransport
 from lightning_shardrec.errors import unknown_name

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
 from lightning_shardrec.distributed.transport import shm
 from lightning_shardrec.distributed.transport.connect import connect, group_timeout
 from lightning_shardrec.distributed.transport.records import RecvInto, Sent
