@@ -34,14 +34,12 @@ from lightning_shardrec.checkpoint import param_layout, table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv
 from lightning_shardrec.distributed.comm.groups import live_group, new_group_like
+from lightning_shardrec.distributed.comm.same_host import attach_transport, dense_allreduce_hook
+from lightning_shardrec.distributed.comm.transport import Transport
 from lightning_shardrec.distributed.dmp.dmp_settings import check_fused, in_backward_tables, undecided_tables
 from lightning_shardrec.distributed.dmp.model_parallel import find_collections, kernel_labels, shard_modules
 from lightning_shardrec.distributed.dmp.sharders import ModuleSharder
 from lightning_shardrec.distributed.sharded.collection import ShardedCollection
-from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
-from lightning_shardrec.distributed.transport.connect import attach
-from lightning_shardrec.distributed.transport.per_host import HostTransport
-from lightning_shardrec.distributed.transport.shm import ShmTransport
 from lightning_shardrec.errors import IdOutOfRangeError
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
@@ -168,7 +166,7 @@ class ShardRecStrategy(RankFailureHandling):
         self._sigterm: LaggedSigterm | None = None  # Lightning's per-batch SIGTERM broadcast, made async
         self._deadline: SigtermDeadline | None = None  # SIGTERM ends a rank within seconds (lightning/sigterm.py)
         self._own_groups: list[dist.ProcessGroup] = []  # destroyed in teardown (lightning/teardown.py)
-        self._dense_transport: ShmTransport | HostTransport | None = None  # the DDP hook's (closed in teardown)
+        self._dense_transport: Transport | None = None  # the DDP hook's (closed in teardown)
         self._holder_slot: tuple[int, int] | None = None  # the param group the tables train as, across fits
         self._migrated: FusedOptimConfig | None = None  # set by apply_optimizer_in_backward / sharders
         self.guard: guards.ShardedGuard | None = None
@@ -360,7 +358,7 @@ class ShardRecStrategy(RankFailureHandling):
         undecided = undecided_tables(module, fused_tables, self.options.embedding_optimizer)
         local = ranks_per_host(dist.get_world_size(), self.num_nodes, self.num_processes)  # Lightning's hosts
         env = ShardingEnv.from_process_group(local_world_size=local)
-        env = attach(env, self.options.comm_transport)  # collective; waits as long as the group's timeout
+        env = attach_transport(env, self.options.comm_transport)  # collective; waits as long as the group's timeout
         self.topology = Topology.from_process_group(compute_device=self.root_device.type, local_world_size=local)
         planner = self.options.planner(self.topology, fused_tables, config)
         self.plan = planner.collective_plan(module, fixed=self.options.plan)  # type: ignore[arg-type]
@@ -386,7 +384,7 @@ class ShardRecStrategy(RankFailureHandling):
         )
         transport = next(iter(self.sharded.values())).env.transport
         if transport is not None:  # every rank alike: the dense all-reduce through shared memory too
-            self._dense_transport = use_shm_allreduce(ddp, self._dense_pg)  # closed in teardown
+            self._dense_transport = dense_allreduce_hook(ddp, self._dense_pg)  # closed in teardown
         return ddp
 
     def collective(self) -> AbstractContextManager[None]:

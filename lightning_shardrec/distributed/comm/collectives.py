@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,17 +29,8 @@ from lightning_shardrec.distributed.comm.qcomm import (
     wire_splits,
     wire_width,
 )
+from lightning_shardrec.distributed.comm.transport import Transport, Waitable
 from lightning_shardrec.planner.topology import local_world_size_from_env
-
-if TYPE_CHECKING:
-    from lightning_shardrec.distributed.transport.per_host import HostTransport
-    from lightning_shardrec.distributed.transport.shm import ShmTransport
-
-
-class Waitable(Protocol):
-    """An async collective in flight: a ``dist.Work`` or a shared-memory op's handle."""
-
-    def wait(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -56,9 +46,9 @@ class ShardingEnv:
     world_size: int
     pg: dist.ProcessGroup | None = None
     local_world_size: int = 0
-    #: shared-memory all-to-alls for CPU tensors (:mod:`.transport.shm`, per host: :mod:`.transport.per_host`);
-    #: None: ``pg``'s
-    transport: ShmTransport | HostTransport | None = field(default=None, compare=False, repr=False)
+    #: another way to move CPU tensors among these ranks (:class:`~.transport.Transport`: the same-host shared
+    #: memory of ``comm_transport="auto"``); None: ``pg``'s
+    transport: Transport | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         local = self.local_world_size or local_world_size_from_env(self.world_size)

@@ -13,8 +13,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv
-from lightning_shardrec.distributed.transport.connect import attach
-from lightning_shardrec.distributed.transport.per_host import HostTransport
+from lightning_shardrec.distributed.comm.same_host import attach_transport
 
 
 def live_group(group: dist.ProcessGroup | None) -> bool:
@@ -62,4 +61,4 @@ def new_group_like(env: ShardingEnv, timeout: timedelta | None = None) -> Shardi
     new = ShardingEnv.from_process_group(group, env.local_world_size)
     if env.transport is None:
         return new
-    return attach(new, "auto" if isinstance(env.transport, HostTransport) else "shm")
+    return attach_transport(new, env.transport.mode)

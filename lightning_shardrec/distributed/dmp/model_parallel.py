@@ -24,6 +24,7 @@ from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv, uses_cuda
 from lightning_shardrec.distributed.comm.groups import cached_group
 from lightning_shardrec.distributed.comm.qcomm import WirePrecision
+from lightning_shardrec.distributed.comm.same_host import attach_transport, dense_allreduce_hook
 from lightning_shardrec.distributed.dmp import dmp_state
 from lightning_shardrec.distributed.dmp.dmp_settings import (
     DataParallelWrapper,
@@ -48,8 +49,6 @@ from lightning_shardrec.distributed.sharded.plain_embeddings import (
     ShardedPlainMaxEmbeddingBag,
 )
 from lightning_shardrec.distributed.sharding import KernelSetup
-from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
-from lightning_shardrec.distributed.transport.connect import attach
 from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
@@ -211,7 +210,7 @@ class DistributedModelParallel(nn.Module):
         undecided = undecided_tables(module, in_backward, embedding_optimizer)
         # ranks per host: the planner's topology when given, so plan and execution see the same hosts
         env = ShardingEnv.from_process_group(pg, planner.topology.local_world_size if planner else 0)  # type: ignore[arg-type]
-        self.env = attach(env, comm_transport)  # collective: shared-memory all-to-alls when every rank can
+        self.env = attach_transport(env, comm_transport)  # collective: shared-memory all-to-alls when every rank can
         self.device = torch.device(device) if device is not None else default_device(self.env)
         if planner is None:
             topology = Topology.from_process_group(pg, local_world_size=self.env.local_world_size)
@@ -271,7 +270,7 @@ class DistributedModelParallel(nn.Module):
         in_backward = any(hasattr(p, "_in_backward_optimizers") for n, p in module.named_parameters() if n not in skip)
         if self.env.transport is not None and not in_backward:  # DDP's own hook steps in-backward optimizers
             # every rank alike: the dense all-reduce through shared memory too
-            use_shm_allreduce(ddp, dense_pg)
+            dense_allreduce_hook(ddp, dense_pg)
         return ddp
 
     @property

@@ -122,6 +122,9 @@ class HostTransport:
     """All-to-alls among the ranks of ``pg``: shared memory inside this rank's host, ``pg`` point to point
     between hosts (see the module docstring). Made by :func:`connect_hosts`."""
 
+    #: the ``comm_transport`` that attaches one again (for a new group over the same ranks)
+    mode = "auto"
+
     def __init__(
         self,
         pg: dist.ProcessGroup | None,
