@@ -260,9 +260,9 @@ TORCHREC_MODULES = TORCHREC_MODULES | frozenset(("ir", "linter"))
 #: A package row also serves its children (``distributed.planner.types``) unless a longer row names them.
 ALIASES: dict[str, str] = {
     "datasets": "compat.torchrec.datasets",
-    "distributed.embedding": "distributed.sharded.embedding",
+    "distributed.embedding": "compat.torchrec.distributed.embedding",
     "distributed.embedding_types": "compat.torchrec.distributed.embedding_types",
-    "distributed.embeddingbag": "distributed.sharded.embeddingbag",
+    "distributed.embeddingbag": "compat.torchrec.distributed.embeddingbag",
     "distributed.fbgemm_qcomm_codec": "distributed.comm.fbgemm_qcomm_codec",
     "distributed.model_parallel": "distributed.dmp.model_parallel",
     "distributed.planner": "compat.torchrec.distributed.planner",

@@ -20,7 +20,7 @@ Dynamic tables are refused by name: their rows are slots, saved with their id ma
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -28,11 +28,29 @@ from torch import Tensor, nn
 
 from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.distributed.comm.band_gather import BandGather, LocalTensor
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
 from lightning_shardrec.errors import ShardedStateError
 from lightning_shardrec.planner import ShardingPlan, ShardingType
 
-if TYPE_CHECKING:
-    from lightning_shardrec.distributed.dmp.model_parallel import DistributedModelParallel
+
+class ShardedModel(Protocol):
+    """What these functions read of a :class:`~lightning_shardrec.distributed.dmp.model_parallel.
+    DistributedModelParallel` (which imports this module): its collections, model, plan, env and device."""
+
+    @property
+    def sharded(self) -> Mapping[str, Any]: ...
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def plan(self) -> Any: ...
+
+    @property
+    def env(self) -> ShardingEnv: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
 
 class IncompatibleKeys(NamedTuple):
@@ -40,7 +58,7 @@ class IncompatibleKeys(NamedTuple):
     unexpected_keys: list[str]
 
 
-def _tables(dmp: DistributedModelParallel) -> list[tuple[str, Any, Any, list[tuple[Any, Tensor]]]]:
+def _tables(dmp: ShardedModel) -> list[tuple[str, Any, Any, list[tuple[Any, Tensor]]]]:
     """``(key, config, sharding, local shards)`` of every sharded table, in the same order on every rank."""
     out = []
     for path, coll in dmp.sharded.items():
@@ -59,7 +77,7 @@ def _tables(dmp: DistributedModelParallel) -> list[tuple[str, Any, Any, list[tup
     return out
 
 
-def _dense_keys(dmp: DistributedModelParallel) -> dict[str, Tensor]:
+def _dense_keys(dmp: ShardedModel) -> dict[str, Tensor]:
     paths = [p for p in dmp.sharded if p]
     if "" in dmp.sharded:
         return {}
@@ -67,7 +85,7 @@ def _dense_keys(dmp: DistributedModelParallel) -> dict[str, Tensor]:
     return {k: v for k, v in state.items() if not any(k.startswith(f"{p}.") for p in paths)}
 
 
-def state_dict(dmp: DistributedModelParallel, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+def state_dict(dmp: ShardedModel, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
     """The model's keys; sharded tables as ShardedTensors of this rank's shards. Not collective: the
     global layout comes from the plan every rank holds (as TorchRec's), so one rank may call it alone."""
     out: dict[str, Any] = {}
@@ -105,7 +123,7 @@ def _sharded_tensor(
     return compat.sharded_tensor_from_layout((cfg.num_embeddings, cfg.embedding_dim), dtype, entries, local, pg)
 
 
-def load_state_dict(dmp: DistributedModelParallel, state: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
+def load_state_dict(dmp: ShardedModel, state: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
     """Copy ``state`` (this layout, or full tensors for the tables) into the model; not collective."""
     tables = {key: (cfg, shards) for key, cfg, _, shards in _tables(dmp)}
     dense = _dense_keys(dmp)
@@ -165,7 +183,7 @@ def _load_table(key: str, cfg: Any, shards: list[tuple[Any, Tensor]], value: Any
         w.copy_(value[r : r + h, c : c + d])
 
 
-def full_state_dict(dmp: DistributedModelParallel, dst: int | None = None) -> dict[str, Tensor]:
+def full_state_dict(dmp: ShardedModel, dst: int | None = None) -> dict[str, Tensor]:
     """Collective: the unsharded model's state dict, every table gathered whole, in host memory.
 
     On rank ``dst`` of the model's process group (``None``: on every rank; other ranks get

@@ -24,6 +24,8 @@ from torch import Tensor, nn
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.comm.fbgemm_qcomm_codec import QCommsRegistry
 from lightning_shardrec.distributed.comm.qcomm import CommPrecision, WirePrecision
+from lightning_shardrec.distributed.sharded.embedding import ShardedEmbeddingCollection
+from lightning_shardrec.distributed.sharded.embeddingbag import ShardedEmbeddingBagCollection
 from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.optim.fused_settings import config_of_fused_params
@@ -123,8 +125,6 @@ class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]
 
     @property
     def sharded_module_type(self) -> type[nn.Module]:
-        from lightning_shardrec.distributed.sharded.embeddingbag import ShardedEmbeddingBagCollection
-
         return ShardedEmbeddingBagCollection
 
 
@@ -137,8 +137,6 @@ class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
 
     @property
     def sharded_module_type(self) -> type[nn.Module]:
-        from lightning_shardrec.distributed.sharded.embedding import ShardedEmbeddingCollection
-
         return ShardedEmbeddingCollection
 
 

@@ -174,6 +174,4 @@ def _split_by_width(plan: ParameterSharding) -> list[tuple[int, ParameterShardin
     return out
 
 
-from lightning_shardrec.distributed.dmp.sharders import EmbeddingCollectionSharder  # noqa: E402  TorchRec's path
-
-__all__ = ["EmbeddingCollectionSharder", "ShardedEmbeddingCollection"]
+__all__ = ["ShardedEmbeddingCollection"]

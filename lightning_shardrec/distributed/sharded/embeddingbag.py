@@ -154,6 +154,4 @@ def _prefix(sizes: list[int]) -> list[int]:
     return out
 
 
-from lightning_shardrec.distributed.dmp.sharders import EmbeddingBagCollectionSharder  # noqa: E402  TorchRec's path
-
-__all__ = ["EmbeddingBagCollectionSharder", "ShardedEmbeddingBagCollection"]
+__all__ = ["ShardedEmbeddingBagCollection"]
