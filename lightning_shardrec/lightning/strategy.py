@@ -34,7 +34,7 @@ from lightning_shardrec.checkpoint import param_layout, table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv
 from lightning_shardrec.distributed.comm.groups import live_group, new_group_like
-from lightning_shardrec.distributed.comm.same_host import attach_transport, dense_allreduce_hook
+from lightning_shardrec.distributed.comm.same_host import attach_transport, use_shm_allreduce
 from lightning_shardrec.distributed.comm.transport import Transport
 from lightning_shardrec.distributed.dmp.dmp_settings import check_fused, in_backward_tables, undecided_tables
 from lightning_shardrec.distributed.dmp.model_parallel import find_collections, kernel_labels, shard_modules
@@ -384,7 +384,7 @@ class ShardRecStrategy(RankFailureHandling):
         )
         transport = next(iter(self.sharded.values())).env.transport
         if transport is not None:  # every rank alike: the dense all-reduce through shared memory too
-            self._dense_transport = dense_allreduce_hook(ddp, self._dense_pg)  # closed in teardown
+            self._dense_transport = use_shm_allreduce(ddp, self._dense_pg)  # closed in teardown
         return ddp
 
     def collective(self) -> AbstractContextManager[None]:

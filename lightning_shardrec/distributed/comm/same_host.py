@@ -30,7 +30,7 @@ def attach_transport(env: ShardingEnv, mode: str | None = None, timeout: float |
     return attach(env, mode, timeout)  # type: ignore[no-any-return]
 
 
-def dense_allreduce_hook(ddp: Any, pg: dist.ProcessGroup) -> Transport | None:
+def use_shm_allreduce(ddp: Any, pg: dist.ProcessGroup) -> Transport | None:
     """Collective over ``pg``: DDP's gradient all-reduce through shared memory where every rank (or every host's
     ranks) can share it; returns the transport (the caller closes it), or None where DDP keeps its own."""
     return _same_host("allreduce_hook").use_shm_allreduce(ddp, pg)  # type: ignore[no-any-return]

@@ -24,7 +24,7 @@ from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv, uses_cuda
 from lightning_shardrec.distributed.comm.groups import cached_group
 from lightning_shardrec.distributed.comm.qcomm import WirePrecision
-from lightning_shardrec.distributed.comm.same_host import attach_transport, dense_allreduce_hook
+from lightning_shardrec.distributed.comm.same_host import attach_transport, use_shm_allreduce
 from lightning_shardrec.distributed.dmp import dmp_state
 from lightning_shardrec.distributed.dmp.dmp_settings import (
     DataParallelWrapper,
@@ -270,7 +270,7 @@ class DistributedModelParallel(nn.Module):
         in_backward = any(hasattr(p, "_in_backward_optimizers") for n, p in module.named_parameters() if n not in skip)
         if self.env.transport is not None and not in_backward:  # DDP's own hook steps in-backward optimizers
             # every rank alike: the dense all-reduce through shared memory too
-            dense_allreduce_hook(ddp, dense_pg)
+            use_shm_allreduce(ddp, dense_pg)
         return ddp
 
     @property
