@@ -60,7 +60,8 @@ class _Clock:
 
 def _instrument() -> _Clock:
     """Time the blocking input-comm calls of both paths (same work: header, all-to-alls, regroup)."""
-    from lightning_shardrec.distributed import batch_dist, input_dist
+    from lightning_shardrec.distributed.comm import input_dist
+    from lightning_shardrec.distributed.sharded import batch_dist
     from lightning_shardrec.distributed.sharding import piecewise, row_blocks
 
     clock = _Clock()

@@ -39,17 +39,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_shardrec.distributed import comm, pooled_all_to_all, qcomm
-from lightning_shardrec.distributed.batch_dist import _header, _read_header, _read_rows
-from lightning_shardrec.distributed.comm import (
-    ShardingEnv,
-    all_to_all_grad,
-    reduce_scatter_rows,
-)
-from lightning_shardrec.distributed.hierarchy import HolderExchange, Unit
-from lightning_shardrec.distributed.input_dist import Routed
-from lightning_shardrec.distributed.pooled_all_to_all import ColumnBlocks, all_to_all_pooled
-from lightning_shardrec.distributed.qcomm import CommPrecision, fp16_exponent
+from lightning_shardrec.distributed.comm import collectives as comm
+from lightning_shardrec.distributed.comm import pooled_all_to_all, qcomm
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv, all_to_all_grad, reduce_scatter_rows
+from lightning_shardrec.distributed.comm.hierarchy import HolderExchange, Unit
+from lightning_shardrec.distributed.comm.input_dist import Routed
+from lightning_shardrec.distributed.comm.pooled_all_to_all import ColumnBlocks, all_to_all_pooled
+from lightning_shardrec.distributed.comm.qcomm import CommPrecision, fp16_exponent
+from lightning_shardrec.distributed.sharded.batch_dist import _header, _read_header, _read_rows
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 LOCAL = 8  # ranks per host

@@ -15,7 +15,7 @@ import importlib
 import sys
 from typing import TYPE_CHECKING
 
-from lightning_shardrec import torchrec_paths as _torchrec_paths
+from lightning_shardrec.compat.torchrec import paths as _torchrec_paths
 
 if TYPE_CHECKING:
     from lightning_shardrec.configs import (
@@ -155,6 +155,7 @@ _LIGHTNING_FREE = frozenset(
         "_compat",
         "_fbgemm",
         "checkpoint",
+        "compat",
         "configs",
         "data",
         "datasets",
@@ -169,7 +170,6 @@ _LIGHTNING_FREE = frozenset(
         "planner",
         "sparse",
         "testing",
-        "torchrec_paths",
         "user_cache",
     )
 )

@@ -84,6 +84,9 @@ def missing_names(module: str, names: dict[str, str]) -> Callable[[str], NoRetur
     Any other unknown attribute raises ``AttributeError`` as usual (``hasattr`` keeps working).
     """
 
+    # a mirror in compat/torchrec/ is served at TorchRec's path: its messages name that path
+    module = module.replace("lightning_shardrec.compat.torchrec.", "lightning_shardrec.", 1)
+
     def __getattr__(name: str) -> NoReturn:
         if name in names:
             raise MissingTorchRecFeatureError(

@@ -284,7 +284,7 @@ def ddp_ignore(module: torch.nn.Module, names: list[str]) -> None:
         setattr(module, "_ddp_params_and_buffers_to_ignore", names)  # noqa: B010  (what torch's setter sets)
 
 
-# --- ShardedTensor: the sharded checkpoint's tables (checkpoint/, distributed/dmp_state.py, inference/) -------------
+# --- ShardedTensor: the sharded checkpoint's tables (checkpoint/, distributed/dmp/dmp_state.py, inference/) ---------
 # ``torch.distributed._shard.sharded_tensor`` (since torch 1.10, deprecated for DTensor since 2.4) is the type
 # sharded checkpoints and ``DistributedModelParallel.state_dict()`` hold, as in TorchRec: a table's shards sit at
 # any offsets the plan gives (DTensor's even placements cannot say them), and DCP saves its metadata in the

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.configs import BaseEmbeddingConfig
-from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection
 from lightning_shardrec.modules.dynamic.layout import BUFFERS, DynamicLayout, layout_problems
 from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
 

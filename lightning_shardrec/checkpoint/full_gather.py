@@ -1,6 +1,6 @@
 """Full tensors of sharded tables gathered on one rank in bands of rows (a full-format save).
 
-:class:`FullGather` describes every rank's pieces (:class:`~lightning_shardrec.distributed.band_gather.BandGather`:
+:class:`FullGather` describes every rank's pieces (:class:`~lightning_shardrec.distributed.comm.band_gather.BandGather`:
 small int64 tensors, no pickles), so rank ``dst`` knows every full tensor (each table's weight,
 each of its fused optimizer states) before any values travel; then :meth:`FullGather.bands`
 gathers each tensor's rows in bands of at most
@@ -24,8 +24,8 @@ from torch import Tensor
 
 from lightning_shardrec.checkpoint import sharded_state
 from lightning_shardrec.checkpoint.dynamic_state import DynamicLayout, dynamic_configs, local_mappers, mapper_prefix
-from lightning_shardrec.distributed.band_gather import BandGather, LocalTensor
-from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.distributed.comm.band_gather import BandGather, LocalTensor
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection
 from lightning_shardrec.modules.dynamic.layout import BUFFERS
 
 Shards = list[tuple[tuple[int, int], Tensor]]

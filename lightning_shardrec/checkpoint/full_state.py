@@ -31,7 +31,7 @@ from lightning_shardrec.checkpoint.dynamic_state import (
 )
 from lightning_shardrec.checkpoint.full_gather import state_key
 from lightning_shardrec.checkpoint.validate import pooled
-from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.modules.dynamic.layout import BUFFERS
 

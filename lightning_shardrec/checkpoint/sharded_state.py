@@ -68,7 +68,7 @@ from lightning_shardrec.checkpoint.validate import (
     raise_if_any,
     undecodable,
 )
-from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection
 from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.planner import ShardingType, ShardMetadata
 

@@ -1,15 +1,15 @@
 """Sharded embedding collections and ``DistributedModelParallel``."""
 
-from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
-from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from lightning_shardrec.distributed.model_parallel import DistributedModelParallel, find_collections
-from lightning_shardrec.distributed.sharders import (
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+from lightning_shardrec.distributed.dmp.model_parallel import DistributedModelParallel, find_collections
+from lightning_shardrec.distributed.dmp.sharders import (
     EmbeddingBagCollectionSharder,
     EmbeddingCollectionSharder,
     ModuleSharder,
 )
-from lightning_shardrec.distributed.train_pipeline import TrainPipelineSparseDist
+from lightning_shardrec.distributed.pipelines.sparse_dist import TrainPipelineSparseDist
+from lightning_shardrec.distributed.sharded.embedding import ShardedEmbeddingCollection
+from lightning_shardrec.distributed.sharded.embeddingbag import ShardedEmbeddingBagCollection
 
 __all__ = [
     "DistributedModelParallel",

@@ -41,9 +41,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_shardrec.checkpoint.full_gather import gather_full_state
-from lightning_shardrec.distributed.collection import ShardedCollection
-from lightning_shardrec.distributed.embedding import ShardedEmbeddingCollection
-from lightning_shardrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection
+from lightning_shardrec.distributed.sharded.embedding import ShardedEmbeddingCollection
+from lightning_shardrec.distributed.sharded.embeddingbag import ShardedEmbeddingBagCollection
 from lightning_shardrec.lightning.guards import ShardedGuard
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.modules.dynamic.tables import DynamicTables

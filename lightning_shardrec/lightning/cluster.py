@@ -5,7 +5,7 @@ Lightning numbers ranks ``global_rank = node_rank * num_processes + local_rank``
 supports (its own subprocess launcher, torchrun, SLURM, LSF, MPI, Kubeflow), so the
 ranks of node ``h`` are ``h*L .. h*L+L-1`` with ``L = num_processes`` (devices per node):
 exactly the host layout :class:`~lightning_shardrec.planner.Topology` and
-:class:`~lightning_shardrec.distributed.comm.ShardingEnv` assume. Environment variables
+:class:`~lightning_shardrec.distributed.comm.collectives.ShardingEnv` assume. Environment variables
 (``LOCAL_WORLD_SIZE``, ``SLURM_NTASKS_PER_NODE``, ...) are only the fallback when the
 strategy's numbers do not describe the process group (a group created outside Lightning).
 """

@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lightning_shardrec.distributed.groups import live_group
+from lightning_shardrec.distributed.comm.groups import live_group
 
 #: the device every control flag is built on: the host, whatever the accelerator
 CONTROL_DEVICE = torch.device("cpu")

@@ -17,10 +17,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardrec._compat import torch as compat
-from lightning_shardrec.distributed.groups import live_group
-from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
-from lightning_shardrec.distributed.transport.per_host import HostTransport
-from lightning_shardrec.distributed.transport.shm import ShmTransport
+from lightning_shardrec.distributed.comm.groups import live_group
+from lightning_shardrec.distributed.comm.same_host import use_shm_allreduce
+from lightning_shardrec.distributed.comm.transport import Transport
 from lightning_shardrec.lightning.fused_params import fused_names
 from lightning_shardrec.lightning.tables import ShardedTables
 from lightning_shardrec.lightning.teardown import destroy_groups
@@ -33,13 +32,13 @@ class DenseReplicas:
     def __init__(
         self,
         new_group: Callable[[], dist.ProcessGroup],
-        allreduce_hook: Callable[[Any, dist.ProcessGroup], ShmTransport | HostTransport | None] = use_shm_allreduce,
+        allreduce_hook: Callable[[Any, dist.ProcessGroup], Transport | None] = use_shm_allreduce,
     ) -> None:
         self.new_group = new_group
         self.allreduce_hook = allreduce_hook
         self.groups: list[dist.ProcessGroup] = []  # every group made for this strategy (destroyed in destroy)
         self.pg: dist.ProcessGroup | None = None  # DDP's; a repeated fit reuses it
-        self.transport: ShmTransport | HostTransport | None = None  # the DDP hook's (closed with its wrapper)
+        self.transport: Transport | None = None  # the DDP hook's (closed with its wrapper)
 
     def wrap(
         self, tables: ShardedTables, model: torch.nn.Module, device_ids: list[int] | None, **ddp_kwargs: Any

@@ -19,7 +19,7 @@ A callback, like Lightning's ``LearningRateMonitor`` and ``DeviceStatsMonitor``:
 works under a plain ``Trainer`` (add it to ``callbacks``) and under
 ``strategy="shardrec"``, which adds one when the model has dynamic tables
 (``ShardRecStrategy(log_dynamic_stats=False)`` turns that off). For sharded tables the
-figures are the sums over ranks (:func:`~lightning_shardrec.distributed.dynamic_stats.dynamic_stats`,
+figures are the sums over ranks (:func:`~lightning_shardrec.distributed.sharded.dynamic_stats.dynamic_stats`,
 a collective): every rank gathers them at the same ``global_step`` values, which all
 ranks share, and rank 0's loggers write them.
 """
@@ -33,7 +33,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_shardrec.distributed.dynamic_stats import dynamic_stats, full_table_warnings, has_dynamic_tables
+from lightning_shardrec.distributed.sharded.dynamic_stats import dynamic_stats, full_table_warnings, has_dynamic_tables
 from lightning_shardrec.errors import DynamicTableFullWarning
 
 

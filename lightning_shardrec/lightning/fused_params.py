@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection
 
 ANCHOR = "shardrec_anchor"  # an empty parameter per sharded collection; its param group trains the fused tables
 

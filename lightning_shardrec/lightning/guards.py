@@ -29,7 +29,7 @@ from typing import Any
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
-from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection
 from lightning_shardrec.errors import CollectiveCallError, ShardedStateError, UnevenBatchesError
 
 NORM_CLIPPING = (

@@ -15,18 +15,18 @@ from typing import Any
 import torch
 
 from lightning_shardrec.configs import FusedOptimConfig
-from lightning_shardrec.distributed.comm import CommPrecision
-from lightning_shardrec.distributed.dmp_settings import (
+from lightning_shardrec.distributed.comm.collectives import CommPrecision
+from lightning_shardrec.distributed.comm.qcomm import WirePrecision, parse_wire
+from lightning_shardrec.distributed.comm.transport import parse_transport
+from lightning_shardrec.distributed.dmp.dmp_settings import (
     fused_only,
     in_backward_tables,
     resolve_comm_precision,
     resolve_fused_config,
 )
-from lightning_shardrec.distributed.model_parallel import pooling_of
-from lightning_shardrec.distributed.qcomm import WirePrecision, parse_wire
-from lightning_shardrec.distributed.sharders import ModuleSharder, check_sharders
+from lightning_shardrec.distributed.dmp.model_parallel import pooling_of
+from lightning_shardrec.distributed.dmp.sharders import ModuleSharder, check_sharders
 from lightning_shardrec.distributed.sharding import KernelSetup
-from lightning_shardrec.distributed.transport.connect import parse_transport
 from lightning_shardrec.kernels import KernelBackend, parse_backend
 from lightning_shardrec.lightning.optimizers import Holder, derive_fused_config
 from lightning_shardrec.lightning.uneven import check_mode as check_uneven_mode

@@ -8,8 +8,8 @@ import os
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_shardrec import _fbgemm as fbgemm
-from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.transport.per_host import transport_report
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+from lightning_shardrec.distributed.comm.same_host import transport_report
 from lightning_shardrec.lightning.deferred import deferral_line
 from lightning_shardrec.planner import ShardingPlan
 from lightning_shardrec.planner.memory import peak_line

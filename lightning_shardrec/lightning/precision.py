@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_shardrec.distributed.collection import ShardedCollection
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection
 from lightning_shardrec.optim import ScaledTableUpdates
 from lightning_shardrec.sparse import JaggedTensor, KeyedTensor
 

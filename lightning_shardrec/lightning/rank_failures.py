@@ -1,7 +1,7 @@
 """What the strategy does when a rank fails: name it, stop every rank, say how to resume.
 
 A plain object both strategies hold (:class:`FailureHandling`); it runs the
-:class:`~lightning_shardrec.distributed.health.RankMonitor` (heartbeats in the rendezvous
+:class:`~lightning_shardrec.distributed.health.heartbeats.RankMonitor` (heartbeats in the rendezvous
 store): a rank that raised reports its error, a killed or hung one is named by the
 watchdog or after a failed collective, and every rank exits with that name instead of a
 transport error or a 10-minute collective timeout.
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from lightning_shardrec.distributed.health import RankMonitor, default_store, deferred_to, is_comm_failure
+from lightning_shardrec.distributed.health.heartbeats import RankMonitor, default_store, deferred_to, is_comm_failure
 from lightning_shardrec.lightning.data_errors import DATA_ADVICE
 
 _GRACE_S = 10.0  # seconds the main thread's failure report may take before the watchdog exits anyway

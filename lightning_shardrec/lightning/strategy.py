@@ -27,9 +27,9 @@ from typing_extensions import override
 
 from lightning_shardrec._compat.lightning import attached_trainer, optimizers_to_device
 from lightning_shardrec.configs import FusedOptimConfig
-from lightning_shardrec.distributed.groups import new_group_like
-from lightning_shardrec.distributed.sharders import ModuleSharder
-from lightning_shardrec.distributed.transport.allreduce_hook import use_shm_allreduce
+from lightning_shardrec.distributed.comm.groups import new_group_like
+from lightning_shardrec.distributed.comm.same_host import use_shm_allreduce
+from lightning_shardrec.distributed.dmp.sharders import ModuleSharder
 from lightning_shardrec.errors import IdOutOfRangeError
 from lightning_shardrec.lightning import guards, summary
 from lightning_shardrec.lightning.after_fit import gather_to_rank_zero

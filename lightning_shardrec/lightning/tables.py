@@ -22,11 +22,11 @@ import torch
 
 from lightning_shardrec.checkpoint import gather_full_state, param_layout, table_parameter_keys
 from lightning_shardrec.configs import FusedOptimConfig
-from lightning_shardrec.distributed.collection import ShardedCollection
-from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.dmp_settings import check_fused, in_backward_tables, undecided_tables
-from lightning_shardrec.distributed.model_parallel import find_collections, kernel_labels, shard_modules
-from lightning_shardrec.distributed.transport.connect import attach
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+from lightning_shardrec.distributed.comm.same_host import attach_transport
+from lightning_shardrec.distributed.dmp.dmp_settings import check_fused, in_backward_tables, undecided_tables
+from lightning_shardrec.distributed.dmp.model_parallel import find_collections, kernel_labels, shard_modules
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.lightning.optimizers import Holder, add_params, find_group, group_at, group_slot, remove_params
 from lightning_shardrec.lightning.options import ShardRecOptions
@@ -81,7 +81,7 @@ class ShardedTables:
         undecided = undecided_tables(module, fused_tables, self.options.embedding_optimizer)
         mesh = host_mesh(local_world_size)  # collective the first time: (hosts, local) from Lightning's numbers
         env = ShardingEnv.from_process_group(local_world_size=mesh_layout(mesh)[1])
-        env = attach(env, self.options.comm_transport)  # collective; waits as long as the group's timeout
+        env = attach_transport(env, self.options.comm_transport)  # collective; waits as long as the group's timeout
         self.topology = Topology.from_device_mesh(mesh, compute_device=device.type)
         planner = self.options.planner(self.topology, fused_tables, config)
         self.plan = planner.collective_plan(module, fixed=self.options.plan)  # type: ignore[arg-type]

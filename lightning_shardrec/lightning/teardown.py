@@ -23,7 +23,7 @@ So, in order:
 * at interpreter exit, while the interpreter is whole (:func:`shutdown_at_exit`, registered when
   this module is imported, so for any program that imports the library, Lightning or not):
   every health monitor still running is stopped, the library's other threads are joined (a
-  bounded wait), the groups the library cached (:func:`lightning_shardrec.distributed.groups.cached_group`)
+  bounded wait), the groups the library cached (:func:`lightning_shardrec.distributed.comm.groups.cached_group`)
   are destroyed, every group is destroyed when the strategy created the default group (a
   ``trainer.save_checkpoint`` after ``fit`` still needs it until then), and the library's
   references to groups are dropped and collected, so each group's threads stop now.
@@ -44,8 +44,8 @@ from collections.abc import Iterable
 
 import torch.distributed as dist
 
-from lightning_shardrec.distributed import groups as _groups
-from lightning_shardrec.distributed import health
+from lightning_shardrec.distributed.comm import groups as _groups
+from lightning_shardrec.distributed.health import heartbeats as health
 
 log = logging.getLogger(__name__)
 #: the library's thread names start with this (heartbeat, store timer, explain, SIGTERM watcher)

@@ -154,7 +154,7 @@ class DLRMTrain(nn.Module):
     """TorchRec's training wrapper: ``forward(batch) -> (loss, (loss, logits, labels))``, all detached but ``loss``.
 
     ``batch`` has ``dense_features``, ``sparse_features`` and ``labels`` (a
-    :class:`~lightning_shardrec.datasets.utils.Batch`; a ``RecBatch`` works too). The loss is
+    :class:`~lightning_shardrec.compat.torchrec.datasets.utils.Batch`; a ``RecBatch`` works too). The loss is
     ``BCEWithLogitsLoss`` over the ``[B]`` logits.
     """
 

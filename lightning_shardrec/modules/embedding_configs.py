@@ -42,7 +42,7 @@ __getattr__ = missing_names(
     __name__,
     {
         "VirtualTableConfig": "virtual (key-value) tables are not supported; size num_embeddings",
-        "ShardingType": "import it from lightning_shardrec.distributed.types",
+        "ShardingType": "import it from lightning_shardrec.compat.torchrec.distributed.types",
     },
 )
 

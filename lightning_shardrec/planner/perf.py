@@ -11,7 +11,7 @@ a shard of ``rows x cols`` holding the share ``f = rows / table_rows``:
   ranks (``(W-1)/W`` of it leaves the rank; charged at one NIC per GPU).
 - table_row_wise / grid_shard (a grid table's column pieces, each row-blocked inside one
   host): a block costs its ids and lookup as row_wise. The pooled output is reduced among
-  the piece's ``k`` holders only (``distributed/hierarchy.py``),
+  the piece's ``k`` holders only (``distributed/comm/hierarchy.py``),
   :func:`holder_output_seconds` per holder: of its ``[B*Q, cols]`` partial, ``(k-1)/k``
   goes to the other holders (intra-host link; each sums its chunk of the sources) and its
   summed ``1/k`` goes to the sources as an all-to-all. Ranks of the host that hold no
@@ -180,7 +180,7 @@ def holder_output_seconds(
 
     Of the holder's ``[B*Q, cols]`` partial (``P`` bytes): ``2 (k-1)/k P`` over the intra-host
     link (step 1 and its backward), then step 2 and the gradient back: every source of the holder's
-    chunk (``distributed/hierarchy.py``: source ``s`` to holder ``s * k // W``, contiguous ranks)
+    chunk (``distributed/comm/hierarchy.py``: source ``s`` to holder ``s * k // W``, contiguous ranks)
     gets its ``[B, cols]`` sums, over the intra-host link when it is on the holder's host, over the
     network when not, nothing for the holder itself. ``rank`` and ``index`` (the holder's position
     among the piece's holders, by rank) say which chunk; without them, the dearest a holder's chunk

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_shardrec.distributed.bounded_cache import BoundedCache
-from lightning_shardrec.distributed.comm import backend_uses_cuda
-from lightning_shardrec.distributed.pooled_all_to_all import ColumnBlocks
+from lightning_shardrec.distributed.comm.bounded_cache import BoundedCache
+from lightning_shardrec.distributed.comm.collectives import backend_uses_cuda
+from lightning_shardrec.distributed.comm.pooled_all_to_all import ColumnBlocks
 
 
 @pytest.mark.parametrize(

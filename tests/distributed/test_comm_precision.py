@@ -12,7 +12,7 @@ from _plans import kjt_of, splits
 from test_sharded_ebc import LR, MIXED, TYPES, Rec, loss_fn, make_data, make_optimizers, plan_for
 
 from lightning_shardrec.configs import FusedOptimConfig, PoolingType
-from lightning_shardrec.distributed.qcomm import (
+from lightning_shardrec.distributed.comm.qcomm import (
     FP16_TARGET,
     CommPrecision,
     WirePrecision,
@@ -82,8 +82,8 @@ def test_wire_precision_per_direction_parses_and_names_bad_values():
 
 def _mixed_all_to_all(rank, world):
     """all_to_all_grad and all_to_all_pooled with a WirePrecision vs the wire format of each direction."""
-    from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_grad
-    from lightning_shardrec.distributed.pooled_all_to_all import ColumnBlocks, all_to_all_pooled
+    from lightning_shardrec.distributed.comm.collectives import ShardingEnv, all_to_all_grad
+    from lightning_shardrec.distributed.comm.pooled_all_to_all import ColumnBlocks, all_to_all_pooled
 
     env = ShardingEnv.from_process_group()
     rows = [[2, 3], [1, 4]]  # rows[s][d]: rows source s sends destination d (uneven: one scale per sender)
@@ -236,7 +236,7 @@ def test_sequence_outputs_follow_comm_precision():
 
 def _quantized_reduce_scatter(rank, world, layouts):
     """reduce_scatter_rows in bf16/fp16 vs the per-sender wire format applied block by block."""
-    from lightning_shardrec.distributed.comm import ShardingEnv, reduce_scatter_rows
+    from lightning_shardrec.distributed.comm.collectives import ShardingEnv, reduce_scatter_rows
 
     env = ShardingEnv.from_process_group()
     same = []

@@ -99,7 +99,7 @@ def dense_groups(rank, world):
     from test_sharded_ebc import plan_for
 
     from lightning_shardrec.distributed import DistributedModelParallel
-    from lightning_shardrec.distributed.groups import cached_group, live_group
+    from lightning_shardrec.distributed.comm.groups import cached_group, live_group
     from lightning_shardrec.planner import ShardingPlan
 
     def build():

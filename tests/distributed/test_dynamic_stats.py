@@ -82,7 +82,7 @@ def test_sums_over_ranks_equal_the_unsharded_module():
 
 def sharded_windows(rank: int, world: int):
     from lightning_shardrec.distributed import DistributedModelParallel
-    from lightning_shardrec.distributed.dynamic_stats import full_table_warnings
+    from lightning_shardrec.distributed.sharded.dynamic_stats import full_table_warnings
 
     dmp = DistributedModelParallel(_module(), plan=_plan(world), embedding_optimizer="sgd")
     lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
@@ -97,7 +97,7 @@ def sharded_windows(rank: int, world: int):
 
 def test_windows_and_full_table_warnings_over_ranks_equal_one_process():
     """Two windows (steps 0-1, 2-4): lookups, misses, distinct ids, miss rate, suggestion and warnings."""
-    from lightning_shardrec.distributed.dynamic_stats import dynamic_stats, full_table_warnings
+    from lightning_shardrec.distributed.sharded.dynamic_stats import dynamic_stats, full_table_warnings
 
     plain, want = _module(), []
     for step, (lengths, values) in enumerate(_batches()):

@@ -68,7 +68,7 @@ def _right(weight: torch.Tensor, table: int) -> bool:
 def gather_peaks(rank: int, world: int) -> dict[str, object]:
     """Peak over the resident size before each gather to rank 0, and whether rank 0 got the right tables."""
     from lightning_shardrec.checkpoint import sharded_state
-    from lightning_shardrec.distributed import band_gather
+    from lightning_shardrec.distributed.comm import band_gather
 
     defaults = sharded_state.PIECE_BYTES, band_gather.BAND_BYTES
     sharded_state.PIECE_BYTES, band_gather.BAND_BYTES = BAND, BAND

@@ -15,9 +15,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from lightning_shardrec.distributed import health
-from lightning_shardrec.distributed.health import RankMonitor, is_comm_failure
-from lightning_shardrec.distributed.whereabouts import Whereabouts
+from lightning_shardrec.distributed.health import heartbeats as health
+from lightning_shardrec.distributed.health.heartbeats import RankMonitor, is_comm_failure
+from lightning_shardrec.distributed.health.whereabouts import Whereabouts
 
 PREFIX = "shardrec/health"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_shardrec.distributed.pooled_all_to_all import ColumnBlocks, merged_layout
+from lightning_shardrec.distributed.comm.pooled_all_to_all import ColumnBlocks, merged_layout
 from lightning_shardrec.testing import run_ranks
 
 #: per group: (keys, lengths dtype, ids dtype, weights dtype or None)
@@ -22,7 +22,7 @@ GROUPS = [
 
 
 def _routed(rank: int, world: int, keys: int, dtypes: tuple, batch: int, seed: int):
-    from lightning_shardrec.distributed.input_dist import Routed
+    from lightning_shardrec.distributed.comm.input_dist import Routed
 
     g = torch.Generator().manual_seed(100 * seed + rank)
     lengths_dt, ids_dt, weights_dt = dtypes
@@ -35,8 +35,8 @@ def _routed(rank: int, world: int, keys: int, dtypes: tuple, batch: int, seed: i
 
 
 def _compare(rank: int, world: int) -> None:
-    from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all
-    from lightning_shardrec.distributed.input_dist import exchange, exchange_packed_async
+    from lightning_shardrec.distributed.comm.collectives import ShardingEnv, all_to_all
+    from lightning_shardrec.distributed.comm.input_dist import exchange, exchange_packed_async
 
     env = ShardingEnv.from_process_group()
     batch_sizes = [2 + r for r in range(world)]  # uneven

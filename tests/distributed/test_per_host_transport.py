@@ -69,7 +69,7 @@ def test_all_to_alls_equal_gloo_with_shared_memory_inside_each_host(layout, host
 def _attach(rank, world, layout, mode):
     import torch.distributed as dist
 
-    from lightning_shardrec.distributed.comm import ShardingEnv
+    from lightning_shardrec.distributed.comm.collectives import ShardingEnv
     from lightning_shardrec.distributed.transport.connect import attach
     from lightning_shardrec.distributed.transport.per_host import transport_report
 

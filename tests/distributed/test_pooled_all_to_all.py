@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_shardrec.distributed.pooled_all_to_all import ColumnBlocks
+from lightning_shardrec.distributed.comm.pooled_all_to_all import ColumnBlocks
 from lightning_shardrec.testing import run_ranks
 
 
@@ -33,13 +33,9 @@ def test_column_blocks_rejects_a_non_permutation():
 
 
 def _exchange(rank, world, batch_sizes, width, columns, gather_above=16):
-    from lightning_shardrec.distributed import pooled_all_to_all as pooled
-    from lightning_shardrec.distributed.comm import (
-        ShardingEnv,
-        all_to_all_grad,
-        scale_grad,
-    )
-    from lightning_shardrec.distributed.pooled_all_to_all import ColumnBlocks, all_to_all_pooled
+    from lightning_shardrec.distributed.comm import pooled_all_to_all as pooled
+    from lightning_shardrec.distributed.comm.collectives import ShardingEnv, all_to_all_grad, scale_grad
+    from lightning_shardrec.distributed.comm.pooled_all_to_all import ColumnBlocks, all_to_all_pooled
 
     env = ShardingEnv.from_process_group()
     torch.manual_seed(rank)
@@ -80,7 +76,7 @@ def test_pooled_all_to_all_matches_the_unfused_chain(world, batch_sizes, width, 
 
 
 def _reduce_scatter(rank, world, rows):
-    from lightning_shardrec.distributed.comm import ShardingEnv, reduce_scatter_grad, reduce_scatter_rows
+    from lightning_shardrec.distributed.comm.collectives import ShardingEnv, reduce_scatter_grad, reduce_scatter_rows
 
     env = ShardingEnv.from_process_group()
     torch.manual_seed(rank)

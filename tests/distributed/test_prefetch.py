@@ -17,7 +17,7 @@ from lightning_shardrec.testing import run_ranks
 
 def train(rank, world, kind, pipelined, weighted=True, miss_at=None):
     from lightning_shardrec.distributed import DistributedModelParallel
-    from lightning_shardrec.distributed.groups import new_group_like
+    from lightning_shardrec.distributed.comm.groups import new_group_like
     from lightning_shardrec.planner import ShardingPlan
 
     dmp = DistributedModelParallel(
@@ -83,7 +83,7 @@ def sequence(rank, world, pipelined, kind):
     from test_sharded_ec import plan_for as seq_plan
 
     from lightning_shardrec.distributed import DistributedModelParallel
-    from lightning_shardrec.distributed.groups import new_group_like
+    from lightning_shardrec.distributed.comm.groups import new_group_like
     from lightning_shardrec.planner import ShardingPlan
 
     dmp = DistributedModelParallel(Seq(), plan=ShardingPlan({"ec": seq_plan(kind, world)}), kernel="torch")
@@ -117,7 +117,7 @@ def bad_prefetch(rank, world):
     from test_sharded_ebc import plan_for as ebc_plan
 
     from lightning_shardrec.distributed import DistributedModelParallel
-    from lightning_shardrec.distributed.groups import new_group_like
+    from lightning_shardrec.distributed.comm.groups import new_group_like
     from lightning_shardrec.planner import ShardingPlan
 
     dmp = DistributedModelParallel(

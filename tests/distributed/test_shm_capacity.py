@@ -69,7 +69,7 @@ def test_chunks_without_room_for_their_pages_go_point_to_point():
 
 
 def _too_small(rank, world, room):
-    from lightning_shardrec.distributed.comm import ShardingEnv
+    from lightning_shardrec.distributed.comm.collectives import ShardingEnv
     from lightning_shardrec.distributed.transport import records, shm
     from lightning_shardrec.distributed.transport.connect import attach
 

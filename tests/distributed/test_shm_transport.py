@@ -112,7 +112,7 @@ def test_a_transport_waits_as_long_as_its_group():
 
 def _fallback(rank, world, bad_ranks, mode):
     mode = mode[rank] if isinstance(mode, list) else mode
-    from lightning_shardrec.distributed.comm import ShardingEnv
+    from lightning_shardrec.distributed.comm.collectives import ShardingEnv
     from lightning_shardrec.distributed.transport import connect as shm_connect
     from lightning_shardrec.distributed.transport import shm as shm_transport
 
@@ -146,7 +146,7 @@ def test_every_rank_falls_back_when_one_rank_cannot_share_memory():
 
 def test_an_unknown_transport_lists_the_choices(monkeypatch):
     from lightning_shardrec import ShardRecStrategy
-    from lightning_shardrec.distributed.comm import ShardingEnv
+    from lightning_shardrec.distributed.comm.collectives import ShardingEnv
     from lightning_shardrec.distributed.transport.connect import TRANSPORT_ENV, attach
 
     with pytest.raises(ValueError, match="unknown comm_transport 'tcp'; available: auto, shm, pg"):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from lightning_shardrec.distributed.whereabouts import Whereabouts, pid_namespace, start_time
+from lightning_shardrec.distributed.health.whereabouts import Whereabouts, pid_namespace, start_time
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PID namespaces and /proc are Linux's")
 

@@ -191,7 +191,7 @@ def _agree_worker(rank, world, cache_dir):
 def _agree(rank, world, cache_dir):
     import os
 
-    from lightning_shardrec.distributed.comm import ShardingEnv, sum_over_ranks
+    from lightning_shardrec.distributed.comm.collectives import ShardingEnv, sum_over_ranks
 
     os.environ[autotune.CACHE_ENV] = os.path.join(cache_dir, f"rank{rank}")
     os.environ.pop(autotune.PIN_ENV, None)

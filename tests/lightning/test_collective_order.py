@@ -18,7 +18,7 @@ from test_strategy_dynamic import DynamicRec
 from test_strategy_dynamic import data as dynamic_data
 from test_uneven_batches import Batches, SumRec, rank_batches
 
-from lightning_shardrec.distributed.collective_log import Call, first_difference, record_collectives
+from lightning_shardrec.distributed.comm.collective_log import Call, first_difference, record_collectives
 from lightning_shardrec.testing import run_ranks
 
 STEPS, BATCH = 6, 4

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lightning_shardrec.distributed import groups, health
+from lightning_shardrec.distributed.comm import groups
+from lightning_shardrec.distributed.health import heartbeats as health
 from lightning_shardrec.lightning import teardown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ SCRIPT = textwrap.dedent(
         print("left at exit:", names, flush=True)
 
     atexit.register(left)
-    from lightning_shardrec.distributed.health import RankMonitor
+    from lightning_shardrec.distributed.health.heartbeats import RankMonitor
 
     store = dist.HashStore()
     monitors = [RankMonitor(store, r, 4, interval=1e-4, dead_after=None) for r in range(4)]

@@ -31,8 +31,8 @@ STYLES = {
 def _layout_under(rank: int, world: int, style: str) -> tuple:
     import torch.distributed as dist
 
-    from lightning_shardrec.distributed.comm import ShardingEnv
-    from lightning_shardrec.distributed.hierarchy import host_group
+    from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+    from lightning_shardrec.distributed.comm.hierarchy import host_group
 
     variables, lightning = STYLES[style]
     saved = {k: os.environ.get(k) for k in (*LAUNCHER_VARS, *variables)}

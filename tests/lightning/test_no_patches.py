@@ -70,7 +70,7 @@ before = snapshot()
 assert "shardrec" not in StrategyRegistry
 import lightning_shardrec
 after = snapshot()
-from lightning_shardrec.torchrec_paths import TorchRecPathFinder
+from lightning_shardrec.compat.torchrec.paths import TorchRecPathFinder
 added = [f for f in after["meta_path"] if f not in before["meta_path"]]
 changed = sorted(k for k in before if k != "meta_path" and before[k] != after[k])
 print(json.dumps({

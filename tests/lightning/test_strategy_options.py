@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_shardrec import FusedOptimConfig, ParameterConstraints, ShardRecStrategy
-from lightning_shardrec.distributed.comm import CommPrecision
+from lightning_shardrec.distributed.comm.collectives import CommPrecision
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.lightning import ShardRecOptions
 

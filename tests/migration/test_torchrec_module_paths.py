@@ -120,13 +120,13 @@ def test_signatures_keep_torchrec_positions():
 
 
 def test_sharder_and_qcomm_settings():
-    from lightning_shardrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
-    from lightning_shardrec.distributed.sharders import (
+    from lightning_shardrec.distributed.dmp.sharders import (
         EmbeddingBagCollectionSharder,
         EmbeddingCollectionSharder,
         check_sharders,
         sharder_comm_precision,
     )
+    from lightning_shardrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
     from lightning_shardrec.modules import EmbeddingBagCollection
 
     assert get_qcomm_codecs_registry(None) is None

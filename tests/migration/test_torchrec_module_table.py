@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 
 import lightning_shardrec  # noqa: F401  (installs the TorchRec path finder)
+from lightning_shardrec.compat.torchrec.paths import TORCHREC_MODULES
 from lightning_shardrec.errors import MissingTorchRecFeatureError
-from lightning_shardrec.torchrec_paths import TORCHREC_MODULES
 
 DOC = Path(__file__).parents[2] / "docs" / "migrating.md"
 

@@ -8,7 +8,7 @@ import re
 import torch
 
 from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from lightning_shardrec.distributed.dynamic_stats import dynamic_stats, full_table_warnings
+from lightning_shardrec.distributed.sharded.dynamic_stats import dynamic_stats, full_table_warnings
 from lightning_shardrec.modules.dynamic.stats import saved_figures, suggested_capacity
 
 

@@ -5,6 +5,9 @@ table-row-wise and grid tables, whose blocks share a host, reduce inside the hos
 send each source its share across hosts (:class:`HostRowBlockSharding`). Dynamic tables
 run the table-wise or row-wise mechanism with their id mapping added
 (:class:`DynamicTableSharding`, :class:`DynamicRowSharding`, both a :class:`DynamicMapping`).
+
+One file per sharding type. May import comm/, kernels, modules, optim, planner, sparse; never sharded/, dmp/,
+health/ or pipelines/ (a new type: a file here, a row in the registry below, and the planner's cost for it).
 """
 
 from lightning_shardrec.configs import BaseEmbeddingConfig

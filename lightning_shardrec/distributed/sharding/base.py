@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_shardrec.configs import BaseEmbeddingConfig, FusedOptimConfig
-from lightning_shardrec.distributed.comm import CommPrecision, ShardingEnv, sum_over_ranks
-from lightning_shardrec.distributed.input_dist import Routed
-from lightning_shardrec.distributed.qcomm import WirePrecision, parse_wire
+from lightning_shardrec.distributed.comm.collectives import CommPrecision, ShardingEnv, sum_over_ranks
+from lightning_shardrec.distributed.comm.input_dist import Routed
+from lightning_shardrec.distributed.comm.qcomm import WirePrecision, parse_wire
 from lightning_shardrec.kernels import (
     BatchedEmbeddingKernel,
     KernelBackend,
@@ -68,7 +68,7 @@ class KernelSetup:
     ``batch_size`` (per rank) and ``pooling`` (table name -> mean ids per bag, default 1)
     shape the batch ``backend="auto"`` times the candidate kernels on. ``comm_precision``:
     ``"fp32"`` (exact), ``"bf16"`` or ``"fp16"`` for the pooled-output all-to-alls /
-    reduce-scatters and their gradients (see :mod:`lightning_shardrec.distributed.qcomm`);
+    reduce-scatters and their gradients (see :mod:`lightning_shardrec.distributed.comm.qcomm`);
     ``"fp16/bf16"`` or a ``WirePrecision``: one per direction (forward/backward).
     """
 

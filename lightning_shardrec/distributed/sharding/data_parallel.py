@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.input_dist import Routed
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+from lightning_shardrec.distributed.comm.input_dist import Routed
 from lightning_shardrec.distributed.sharding.base import (
     EmbeddingSharding,
     KernelSetup,

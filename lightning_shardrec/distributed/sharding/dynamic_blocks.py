@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.configs import BaseEmbeddingConfig
-from lightning_shardrec.distributed.comm import ShardingEnv
-from lightning_shardrec.distributed.input_dist import BucketRows, Routed, route_by_row
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+from lightning_shardrec.distributed.comm.input_dist import BucketRows, Routed, route_by_row
 from lightning_shardrec.distributed.sharding.base import EmbeddingSharding, KernelSetup, TableSharding
 from lightning_shardrec.distributed.sharding.piecewise import PiecewiseSharding
 from lightning_shardrec.distributed.sharding.row_blocks import RowBlockSharding

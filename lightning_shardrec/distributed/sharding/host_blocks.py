@@ -4,7 +4,7 @@ The ids travel as for row-wise (:mod:`.row_blocks`); only the pooled way back di
 A table-row-wise table (or a grid table's column piece) has its blocks on ranks of one
 host, its *holders*; each holder pools partials ``[sum_s B_s, cols]`` of the piece for the
 global batch, and the kernel's output holds only the pieces this rank has blocks of.
-Then (:mod:`~lightning_shardrec.distributed.hierarchy`):
+Then (:mod:`~lightning_shardrec.distributed.comm.hierarchy`):
 
 1. an all-to-all inside the host sends each holder of a piece the rows of its chunk of
    the sources from the other holders, which it sums (NVLink on GPUs); ranks of the
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import ShardingEnv, scale_grad
-from lightning_shardrec.distributed.hierarchy import HolderExchange, Unit, host_group
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv, scale_grad
+from lightning_shardrec.distributed.comm.hierarchy import HolderExchange, Unit, host_group
 from lightning_shardrec.distributed.sharding.base import KernelSetup, TableSharding
 from lightning_shardrec.distributed.sharding.row_blocks import RowBlockSharding
 from lightning_shardrec.sparse import KeyedJaggedTensor

@@ -20,13 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import (
-    ShardingEnv,
-    all_to_all_grad,
-    scale_grad,
-)
-from lightning_shardrec.distributed.input_dist import Routed, exchange, route_by_key, source_major
-from lightning_shardrec.distributed.pooled_all_to_all import ColumnBlocks, all_to_all_pooled
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv, all_to_all_grad, scale_grad
+from lightning_shardrec.distributed.comm.input_dist import Routed, exchange, route_by_key, source_major
+from lightning_shardrec.distributed.comm.pooled_all_to_all import ColumnBlocks, all_to_all_pooled
 from lightning_shardrec.distributed.sharding.base import (
     EmbeddingSharding,
     KernelSetup,

@@ -28,8 +28,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import ShardingEnv, all_to_all_grad, reduce_scatter_rows, scale_grad
-from lightning_shardrec.distributed.input_dist import Routed, RowBlocks, exchange, route_by_row, source_major
+from lightning_shardrec.distributed.comm.collectives import (
+    ShardingEnv,
+    all_to_all_grad,
+    reduce_scatter_rows,
+    scale_grad,
+)
+from lightning_shardrec.distributed.comm.input_dist import Routed, RowBlocks, exchange, route_by_row, source_major
 from lightning_shardrec.distributed.sharding.base import (
     EmbeddingSharding,
     KernelSetup,

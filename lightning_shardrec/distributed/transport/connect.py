@@ -1,6 +1,6 @@
 """Setting up the same-host transport: ``comm_transport=None (pg) | "pg" | "auto" | "shm"``.
 
-:func:`attach` gives a :class:`~lightning_shardrec.distributed.comm.ShardingEnv` a
+:func:`attach` gives a :class:`~lightning_shardrec.distributed.comm.collectives.ShardingEnv` a
 :class:`~lightning_shardrec.distributed.transport.shm.ShmTransport` when its mode allows and
 :func:`connect` (collective) finds that every rank of the gloo group can share memory with every
 other: each rank creates its region and the FIFOs it reads under ``/dev/shm``, opens the
@@ -11,6 +11,7 @@ shared ``/dev/shm`` never match), and unlinks its files once every rank has open
 from __future__ import annotations
 
 import contextlib
+import importlib
 import mmap
 import os
 import secrets
@@ -19,24 +20,21 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+
+# the modes and their parsing belong to the core's transport protocol (which resolves this module by name)
+from lightning_shardrec.distributed.comm.transport import (  # noqa: F401  (TRANSPORTS: still importable here)
+    DEFAULT_TRANSPORT,
+    TRANSPORT_ENV,
+    TRANSPORTS,
+    parse_transport,
+)
 from lightning_shardrec.distributed.transport import records, shm
 from lightning_shardrec.distributed.transport.shm import RESERVED_BYTES, SLOT_BYTES, SLOTS, ShmTransport
-from lightning_shardrec.errors import unknown_name
 
-TRANSPORT_ENV = "LIGHTNING_SHARDREC_TRANSPORT"
-TRANSPORTS = ("auto", "shm", "pg")
-DEFAULT_TRANSPORT = "pg"  # chosen by measurement: docs/operations.md#same-host-communication
-
-
-def parse_transport(value: str | None, owner: str = "comm_transport") -> str | None:
-    """``"auto"`` / ``"shm"`` / ``"pg"`` (any case) or None (the default), else a ``ValueError`` listing them."""
-    if value is None:
-        return None
-    mode = str(value).lower()
-    if mode not in TRANSPORTS:
-        raise unknown_name(owner, value, list(TRANSPORTS))
-    return mode
+#: the several-hosts form, which builds on :func:`connect`: resolved by name when ``"auto"`` finds no shared
+#: memory across all ranks (it imports this module, so this module does not import it)
+PER_HOST = "lightning_shardrec.distributed.transport.per_host"
 
 
 def attach(env: ShardingEnv, mode: str | None = None, timeout: float | None = None) -> ShardingEnv:
@@ -70,9 +68,8 @@ def attach(env: ShardingEnv, mode: str | None = None, timeout: float | None = No
         if mode == "pg":
             return env
         transport, why = connect(env.pg, timeout)
-        if transport is None and mode == "auto":  # several hosts: shared memory inside each (per_host imports us)
-            from lightning_shardrec.distributed.transport.per_host import connect_hosts
-
+        if transport is None and mode == "auto":  # several hosts: shared memory inside each
+            connect_hosts = importlib.import_module(PER_HOST).connect_hosts
             host_transport, _ = connect_hosts(env.pg, timeout)
             if host_transport is not None:
                 return replace(env, transport=host_transport)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_shardrec.distributed.comm import ShardingEnv
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
 from lightning_shardrec.distributed.transport import shm
 from lightning_shardrec.distributed.transport.connect import connect, group_timeout
 from lightning_shardrec.distributed.transport.records import RecvInto, Sent
@@ -121,6 +121,9 @@ def _host_group(pg: dist.ProcessGroup | None, hosts: list[list[int]], host: list
 class HostTransport:
     """All-to-alls among the ranks of ``pg``: shared memory inside this rank's host, ``pg`` point to point
     between hosts (see the module docstring). Made by :func:`connect_hosts`."""
+
+    #: the ``comm_transport`` that attaches one again (for a new group over the same ranks)
+    mode = "auto"
 
     def __init__(
         self,

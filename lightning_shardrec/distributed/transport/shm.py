@@ -105,6 +105,9 @@ class ShmTransport:
     ops in the same order, as on a process group.
     """
 
+    #: the ``comm_transport`` that attaches one again (for a new group over the same ranks)
+    mode = "shm"
+
     def __init__(
         self,
         pg: dist.ProcessGroup | None,

@@ -1,0 +1,44 @@
+"""Sharding types at TorchRec's path (``torchrec.distributed.types``)."""
+
+from __future__ import annotations
+
+from lightning_shardrec.compat.torchrec.distributed.awaitables import Awaitable, LazyAwaitable, NoWait
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+from lightning_shardrec.distributed.dmp.sharders import ModuleSharder
+from lightning_shardrec.errors import missing_names
+from lightning_shardrec.planner import (
+    EmbeddingComputeKernel,
+    ParameterSharding,
+    ShardingPlan,
+    ShardingType,
+    ShardMetadata,
+)
+from lightning_shardrec.planner.table_params import CacheParams, KeyValueParams
+
+__getattr__ = missing_names(
+    __name__,
+    {
+        "ShardedTensor": "DistributedModelParallel.state_dict() holds DTensors (see docs/migrating.md, 'State dicts')",
+        "ShardedModule": "the sharded collections are ShardedEmbeddingBagCollection / ShardedEmbeddingCollection",
+        "ShardingPlanner": "use EmbeddingShardingPlanner",
+        "EnumerableShardingSpec": "shards are described by ShardMetadata",
+        "QuantizedCommCodecs": "use get_qcomm_codecs_registry from lightning_shardrec.distributed.fbgemm_qcomm_codec",
+        "ShardingEnv2D": "2D parallelism is not supported",
+        "PipelineType": "the pipeline is TrainPipelineSparseDist or ShardRecStrategy(pipeline=True)",
+    },
+)
+
+__all__ = [
+    "Awaitable",
+    "CacheParams",
+    "KeyValueParams",
+    "LazyAwaitable",
+    "NoWait",
+    "EmbeddingComputeKernel",
+    "ModuleSharder",
+    "ParameterSharding",
+    "ShardMetadata",
+    "ShardingEnv",
+    "ShardingPlan",
+    "ShardingType",
+]
