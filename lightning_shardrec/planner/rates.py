@@ -84,11 +84,14 @@ class Calls:
 #: table_row_wise / grid_shard also reduce among a piece's holders inside the host, and back.
 #: data_parallel tables make none of their own: their gradient joins DDP's all-reduce.
 MECHANISM_CALLS: dict[frozenset[str], Calls] = {
-    frozenset({"table_wise", "column_wise"}): Calls(all_to_all=4),
-    frozenset({"row_wise"}): Calls(all_to_all=2, reduce_scatter=1, all_gather=1),
-    frozenset({"table_row_wise", "grid_shard"}): Calls(all_to_all=4, host_all_to_all=2),
+    frozenset({"table_wise", "column_wise"}): Calls(all_to_all=2),  # pooled rows home, their gradients back
+    frozenset({"row_wise"}): Calls(reduce_scatter=1, all_gather=1),
+    frozenset({"table_row_wise", "grid_shard"}): Calls(all_to_all=2, host_all_to_all=2),
     frozenset({"data_parallel"}): Calls(),
 }
+#: per sharded collection and step with a sharded group: one all-to-all for every group's lengths, ids and
+#: weights (``distributed.comm.input_dist.PackedExchange``)
+INPUT_CALLS = Calls(all_to_all=1)
 #: per sharded collection and step: the header all-to-all (batch sizes, id counts)
 HEADER_CALLS = Calls(all_to_all=1)
 #: what the fixed step (``Rates.step_seconds``: a tiny replicated table) makes: the header and the dense
@@ -163,14 +166,17 @@ def as_rates(rates: Rates | str | Path | None) -> Rates | None:
 def step_calls(plan: Any, local_world_size: int) -> Calls:
     """The collective calls one training step of ``plan`` makes, by kind, from its sharding types and tables.
 
-    Per collection: the header and each mechanism's :data:`MECHANISM_CALLS` (the host all-to-alls
-    only with several ranks per host); DDP's all-reduce: one per :data:`DDP_BUCKET_BYTES` of
+    Per collection: the header, the packed input exchange (:data:`INPUT_CALLS`, where a group is
+    sharded) and each mechanism's :data:`MECHANISM_CALLS` (the host all-to-alls only with several
+    ranks per host); DDP's all-reduce: one per :data:`DDP_BUCKET_BYTES` of
     replicated tables, at least one (the dense model's).
     """
     calls, replicated = Calls(), 0
     for tables in plan.plan.values():
         kinds = {ps.sharding_type.value for ps in tables.values()}
         calls += HEADER_CALLS
+        if kinds - {"data_parallel"}:
+            calls += INPUT_CALLS
         for types, made in MECHANISM_CALLS.items():
             if kinds & types:
                 calls += made if local_world_size > 1 else replace(made, host_all_to_all=0)

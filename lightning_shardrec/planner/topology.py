@@ -8,7 +8,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol
 
 from lightning_shardrec.planner.memory import cuda_capacity, host_memory
-from lightning_shardrec.planner.mesh import built_mesh, launcher_local_world_size, mesh_layout
+from lightning_shardrec.planner.mesh import launcher_local_world_size, mesh_layout
 from lightning_shardrec.planner.rates import Rates, as_rates
 from lightning_shardrec.planner.types import parse_enum
 
@@ -162,9 +162,9 @@ class Topology:
         (``torch.cuda.get_device_properties``) unless given; on ``cpu``, ``ddr_cap`` is this
         host's memory (:func:`~lightning_shardrec.planner.memory.host_memory`) shared by the
         ranks on the host unless given; else the named default. Ranks per host (``local_world_size``) unless
-        given: the host mesh's where one was built on this world (:func:`~lightning_shardrec.planner.mesh.host_mesh`;
-        never built here: this call is not collective, so a planner may be made on one rank alone), else the
-        launcher's.
+        given: the launcher's, the layout :func:`~lightning_shardrec.planner.mesh.host_mesh` builds from it (not
+        built here: this call is not collective, so a planner may be made on one rank alone; the strategies
+        pass their mesh, :meth:`from_device_mesh`).
         """
         import torch.distributed as dist
 
@@ -180,11 +180,8 @@ class Topology:
             if found is not None:
                 overrides.setdefault("hbm_cap", found[0])
         world = dist.get_world_size(pg)
-        if "local_world_size" not in overrides:  # the host mesh's layout (a subgroup has none: the launcher's)
-            world_group = pg is None or pg is dist.group.WORLD
-            mesh = built_mesh(world) if world_group else None
-            local = mesh_layout(mesh)[1] if mesh is not None else launcher_local_world_size(world)
-            overrides["local_world_size"] = local
+        if "local_world_size" not in overrides:  # the launcher's: the layout the host mesh is built with
+            overrides["local_world_size"] = launcher_local_world_size(world)
         if overrides["compute_device"] in (ComputeDevice.CPU, "cpu") and "ddr_cap" not in overrides:
             host = host_memory()
             if host is not None:

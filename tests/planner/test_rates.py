@@ -121,22 +121,22 @@ def test_data_parallel_cost_follows_the_table_size_and_the_measured_rates() -> N
 @pytest.mark.parametrize(
     ("kinds", "calls"),
     [
-        # one mechanism: the header, its four all-to-alls (ids: lengths + values; output and gradient), DDP's
-        ({"t0": "table_wise", "t1": "column_wise", "t2": "table_wise"}, Calls(all_to_all=5, all_reduce=1)),
-        # row_wise: ids by all-to-all, the output reduce-scattered and its gradient all-gathered
+        # one mechanism: the header, the packed ids (lengths + values), output and gradient; DDP's
+        ({"t0": "table_wise", "t1": "column_wise", "t2": "table_wise"}, Calls(all_to_all=4, all_reduce=1)),
+        # row_wise: the packed ids, the output reduce-scattered and its gradient all-gathered
         (
             {"t0": "row_wise", "t1": "row_wise", "t2": "row_wise"},
-            Calls(all_to_all=3, reduce_scatter=1, all_gather=1, all_reduce=1),
+            Calls(all_to_all=2, reduce_scatter=1, all_gather=1, all_reduce=1),
         ),
         # table_row_wise and grid_shard share one mechanism: + the holders' two in-host all-to-alls
         (
             {"t0": "grid_shard", "t1": "table_row_wise", "t2": "table_row_wise"},
-            Calls(all_to_all=5, host_all_to_all=2, all_reduce=1),
+            Calls(all_to_all=4, host_all_to_all=2, all_reduce=1),
         ),
-        # three mechanisms; data_parallel tables only join DDP's all-reduce
+        # three mechanisms, one packed exchange of their ids; data_parallel tables only join DDP's all-reduce
         (
             {"t0": "row_wise", "t1": "table_wise", "t2": "data_parallel"},
-            Calls(all_to_all=7, reduce_scatter=1, all_gather=1, all_reduce=1),
+            Calls(all_to_all=4, reduce_scatter=1, all_gather=1, all_reduce=1),
         ),
         (dict.fromkeys(("t0", "t1", "t2"), "data_parallel"), Calls(all_to_all=1, all_reduce=1)),
     ],
@@ -149,7 +149,7 @@ def test_step_calls_are_derived_per_mechanism_from_the_plan(kinds: dict[str, str
 
 def test_host_all_to_alls_need_several_ranks_per_host_and_replicated_tables_fill_ddp_buckets() -> None:
     one_per_host = plan(dict.fromkeys(("t0", "t1", "t2"), "table_row_wise"), local=1)
-    assert step_calls(one_per_host, 1) == Calls(all_to_all=5, all_reduce=1)
+    assert step_calls(one_per_host, 1) == Calls(all_to_all=4, all_reduce=1)
     big = EmbeddingBagCollection(
         [EmbeddingBagConfig(num_embeddings=300_000, embedding_dim=64, name="big", feature_names=["f"])], device="meta"
     )
@@ -164,13 +164,13 @@ def test_step_estimate_adds_the_fixed_step_calls_groups_and_tables() -> None:
     topo = Topology(4, compute_device="cpu", local_world_size=2, rates=RATES)
     one_type = plan({"t0": "table_wise", "t1": "table_wise", "t2": "table_wise"})
     assert groups(one_type) == 1
-    # beyond the fixed step: table-wise's 4 all-to-alls; 2 further tables
-    assert step_estimate(one_type, topo) == pytest.approx(critical_path(one_type, RATES) + 5e-3 + 4 * 5e-4 + 2 * 2e-4)
+    # beyond the fixed step: the packed ids and table-wise's 2 all-to-alls; 2 further tables
+    assert step_estimate(one_type, topo) == pytest.approx(critical_path(one_type, RATES) + 5e-3 + 3 * 5e-4 + 2 * 2e-4)
     mixed = plan({"t0": "table_row_wise", "t1": "row_wise", "t2": "table_wise"})
     assert groups(mixed) == 3
     beyond = collectives(mixed, 2)
-    assert beyond == Calls(all_to_all=2 + 4 + 4, host_all_to_all=2, reduce_scatter=1, all_gather=1)
-    assert calls_seconds(beyond, RATES) == pytest.approx(10 * 5e-4 + 2 * 7e-4 + 2 * 2e-3)
+    assert beyond == Calls(all_to_all=1 + 2 + 2, host_all_to_all=2, reduce_scatter=1, all_gather=1)
+    assert calls_seconds(beyond, RATES) == pytest.approx(5 * 5e-4 + 2 * 7e-4 + 2 * 2e-3)
     assert step_estimate(mixed, topo) == pytest.approx(
         critical_path(mixed, RATES) + 5e-3 + calls_seconds(beyond, RATES) + 2 * 3e-3 + 2 * 2e-4
     )
@@ -182,7 +182,7 @@ def test_step_estimate_adds_the_fixed_step_calls_groups_and_tables() -> None:
     # a replicated table beside a sharded group: looked up locally, no further group
     beside = plan({"t0": "table_wise", "t1": "table_wise", "t2": "data_parallel"})
     assert groups(beside) == 1
-    assert step_estimate(beside, topo) == pytest.approx(critical_path(beside, RATES) + 5e-3 + 4 * 5e-4 + 2 * 2e-4)
+    assert step_estimate(beside, topo) == pytest.approx(critical_path(beside, RATES) + 5e-3 + 3 * 5e-4 + 2 * 2e-4)
     with pytest.raises(ValueError, match=r"step_estimate: the topology has no measured rates; build it with"):
         step_estimate(mixed, Topology(4, compute_device="cpu", local_world_size=2))
 
