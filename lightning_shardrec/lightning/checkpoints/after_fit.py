@@ -19,7 +19,7 @@ banded tensor collectives), per ``ShardRecStrategy(full_tables_after_fit=...)``:
 * ``False``: never.
 
 Rank 0's ``model.state_dict()`` then holds them under the unsharded names
-(:class:`~lightning_shardrec.lightning.guards.ShardedGuard`), and a forward of a sharded module
+(:class:`~lightning_shardrec.lightning.training.guards.ShardedGuard`), and a forward of a sharded module
 outside the loops on rank 0 alone runs its unsharded twin over those tables (:func:`replica`,
 built on first use, on the inputs' device): an ``EmbeddingBagCollection`` or
 ``EmbeddingCollection`` (static or dynamic tables) of the same configs, or the ``nn.Embedding`` /
@@ -44,7 +44,7 @@ from lightning_shardrec.checkpoint.full_gather import gather_full_state
 from lightning_shardrec.distributed.sharded.collection import ShardedCollection
 from lightning_shardrec.distributed.sharded.embedding import ShardedEmbeddingCollection
 from lightning_shardrec.distributed.sharded.embeddingbag import ShardedEmbeddingBagCollection
-from lightning_shardrec.lightning.guards import ShardedGuard
+from lightning_shardrec.lightning.training.guards import ShardedGuard
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.modules.dynamic.tables import DynamicTables
 from lightning_shardrec.modules.plain_embeddings import PlainSpec
@@ -105,7 +105,7 @@ def gather_to_rank_zero(
     """Collective (every rank, at the end of fit): rank 0 keeps the full tables when they fit.
 
     Rank 0's decision is a CPU flag on ``control`` (the strategy's gloo control group,
-    :mod:`lightning_shardrec.lightning.control`; the default group when None). ``always`` False
+    :mod:`lightning_shardrec.lightning.training.control`; the default group when None). ``always`` False
     (the default mode): only tables of at most :data:`AUTO_BYTES` (decided on every rank alike
     from the configs, with no collective when they are larger).
     """

@@ -50,7 +50,8 @@ def is_shardrec_checkpoint(checkpoint: Any) -> bool:
 
 def in_plain_layout(checkpoint: Any) -> bool:
     """Whether a shardrec checkpoint holds the tables' optimizer state where a plain run keeps it
-    (a full file: :meth:`~lightning_shardrec.lightning.checkpointing.ShardedCheckpointing._plain_layout`)."""
+    (a full file:
+    :meth:`~lightning_shardrec.lightning.checkpoints.checkpointing.ShardedCheckpointing._plain_layout`)."""
     fused = checkpoint.get("shardrec_fused_optimizer") if isinstance(checkpoint, dict) else None
     return isinstance(fused, dict) and fused.get("layout") == "plain"
 

@@ -38,8 +38,8 @@ from lightning_shardrec.checkpoint import (
 from lightning_shardrec.checkpoint.mapped_file import MappedFile, load_mapped, mappable
 from lightning_shardrec.checkpoint.streamed_file import Stored
 from lightning_shardrec.errors import CheckpointError
-from lightning_shardrec.lightning.checkpoint_io import ShardRecCheckpointIO
-from lightning_shardrec.lightning.tables import ShardedTables
+from lightning_shardrec.lightning.checkpoints.checkpoint_io import ShardRecCheckpointIO
+from lightning_shardrec.lightning.parameters.tables import ShardedTables
 
 log = logging.getLogger(__name__)
 FUSED_KEY = "shardrec_fused_optimizer"
@@ -57,7 +57,7 @@ class Ranks(Protocol):
 
 
 class ShardedCheckpoints:
-    """The checkpoints of one model's :class:`~lightning_shardrec.lightning.tables.ShardedTables`.
+    """The checkpoints of one model's :class:`~lightning_shardrec.lightning.parameters.tables.ShardedTables`.
 
     A plain object both strategies hold: what a checkpoint of the tables holds beside the
     caller's state (the plan, the fused optimizer's param group), the sharded (DCP) and full

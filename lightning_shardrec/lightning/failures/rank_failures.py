@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from lightning_shardrec.distributed.health.heartbeats import RankMonitor, default_store, deferred_to, is_comm_failure
-from lightning_shardrec.lightning.data_errors import DATA_ADVICE
+from lightning_shardrec.lightning.failures.data_errors import DATA_ADVICE
 
 _GRACE_S = 10.0  # seconds the main thread's failure report may take before the watchdog exits anyway
 _RESUME = "Restart the job and resume with trainer.fit(model, ckpt_path='last')"

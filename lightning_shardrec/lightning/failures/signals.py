@@ -1,10 +1,10 @@
 """``FitSignals``: SIGTERM during a multi-rank fit, one plain object per strategy.
 
-Two pieces of :mod:`lightning_shardrec.lightning.sigterm`, installed at fit start and removed
+Two pieces of :mod:`lightning_shardrec.lightning.failures.sigterm`, installed at fit start and removed
 at teardown: Lightning's per-batch SIGTERM broadcast made asynchronous
-(:class:`~lightning_shardrec.lightning.sigterm.LaggedSigterm`, on the control group) and a
+(:class:`~lightning_shardrec.lightning.failures.sigterm.LaggedSigterm`, on the control group) and a
 deadline that ends a rank within seconds of SIGTERM, also inside a collective
-(:class:`~lightning_shardrec.lightning.sigterm.SigtermDeadline`).
+(:class:`~lightning_shardrec.lightning.failures.sigterm.SigtermDeadline`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_shardrec.lightning.sigterm import LaggedSigterm, SigtermDeadline
+from lightning_shardrec.lightning.failures.sigterm import LaggedSigterm, SigtermDeadline
 
 
 class FitSignals:

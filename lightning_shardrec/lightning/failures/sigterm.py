@@ -19,7 +19,7 @@ later (1 to 4 where Lightning's check takes 1). A rank that receives the signal 
 still stops at the end of its batch (Lightning's own check, untouched).
 
 The flag is a control message: a CPU tensor on the strategy's gloo control group
-(:mod:`lightning_shardrec.lightning.control`), shared with the other control flags, so under
+(:mod:`lightning_shardrec.lightning.training.control`), shared with the other control flags, so under
 NCCL no communicator is made for it and no ``.item()`` reads a GPU tensor back.
 """
 
@@ -45,7 +45,7 @@ class LaggedSigterm:
     """Replaces the fit loop's per-batch SIGTERM broadcast by a lagged async one on ``group``.
 
     ``group`` spans every rank: a gloo group (the flag is a CPU tensor), the strategy's control
-    group (:class:`~lightning_shardrec.lightning.control.ControlGroup`), whose other messages
+    group (:class:`~lightning_shardrec.lightning.training.control.ControlGroup`), whose other messages
     are sent from the main thread too, in the same order on every rank. Call :meth:`install` on
     every rank (same point) when training starts, and :meth:`remove` on every rank when it ends;
     the group's owner destroys it.

@@ -20,9 +20,9 @@ from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.distributed.comm.groups import live_group
 from lightning_shardrec.distributed.comm.same_host import use_shm_allreduce
 from lightning_shardrec.distributed.comm.transport import Transport
-from lightning_shardrec.lightning.fused_params import fused_names
-from lightning_shardrec.lightning.tables import ShardedTables
-from lightning_shardrec.lightning.teardown import destroy_groups
+from lightning_shardrec.lightning.failures.teardown import destroy_groups
+from lightning_shardrec.lightning.parameters.fused_params import fused_names
+from lightning_shardrec.lightning.parameters.tables import ShardedTables
 
 
 class DenseReplicas:

@@ -3,10 +3,10 @@
 It holds what sharding a model produced (the sharded collections by module path, the plan,
 the topology the planner assumed, the fused optimizer and its rule) and does the steps both
 :class:`~lightning_shardrec.lightning.ShardRecStrategy` (Trainer) and
-:class:`~lightning_shardrec.lightning.fabric.ShardRecFabricStrategy` (Fabric) take: find the
+:class:`~lightning_shardrec.lightning.strategies.fabric.ShardRecFabricStrategy` (Fabric) take: find the
 tables, plan and shard them (collective), build the fused optimizer with its lr linked to the
 param group the tables came from, and read the dense and full state (the dense rest:
-:mod:`lightning_shardrec.lightning.dense`). It needs an initialized process group and nothing of Lightning::
+:mod:`lightning_shardrec.lightning.parameters.dense`). It needs an initialized process group and nothing of Lightning::
 
     tables = ShardedTables(ShardRecOptions(kernel="torch"))
     tables.shard(model, tables.options.fused_config(None, None), torch.device("cpu"), local_world_size=1)
@@ -28,13 +28,20 @@ from lightning_shardrec.distributed.dmp.dmp_settings import check_fused, in_back
 from lightning_shardrec.distributed.dmp.model_parallel import find_collections, kernel_labels, shard_modules
 from lightning_shardrec.distributed.sharded.collection import ShardedCollection
 from lightning_shardrec.kernels import KernelBackend
-from lightning_shardrec.lightning.optimizers import Holder, add_params, find_group, group_at, group_slot, remove_params
-from lightning_shardrec.lightning.options import ShardRecOptions
-from lightning_shardrec.lightning.plan_report import print_plan, print_transport
+from lightning_shardrec.lightning.parameters.optimizers import (
+    Holder,
+    add_params,
+    find_group,
+    group_at,
+    group_slot,
+    remove_params,
+)
+from lightning_shardrec.lightning.reports.plan_report import print_plan, print_transport
+from lightning_shardrec.lightning.strategies.options import ShardRecOptions
 from lightning_shardrec.modules.plain_embeddings import swap_embedding_modules
 from lightning_shardrec.optim import FusedOptimizer
 from lightning_shardrec.planner import ShardingPlan, Topology
-from lightning_shardrec.planner.mesh import host_mesh, mesh_layout
+from lightning_shardrec.planner.machine.mesh import host_mesh, mesh_layout
 
 
 class ShardedTables:

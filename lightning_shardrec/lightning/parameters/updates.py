@@ -1,10 +1,10 @@
 """``StepUpdates``: how the tables' fused updates meet the optimizer step, one plain object per strategy.
 
 The fused tables are updated in backward, unless the step needs otherwise: under ``"16-mixed"``
-the GradScaler decides whether they count (:class:`~lightning_shardrec.lightning.precision.ScalerGlue`);
-a clip value clamps the fused rows, norm clipping is refused (:mod:`~lightning_shardrec.lightning.guards`);
+the GradScaler decides whether they count (:class:`~lightning_shardrec.lightning.training.precision.ScalerGlue`);
+a clip value clamps the fused rows, norm clipping is refused (:mod:`~lightning_shardrec.lightning.training.guards`);
 under gradient accumulation or norm clipping, or once a table is looked up twice in a step,
-they wait for the optimizer step (:class:`~lightning_shardrec.lightning.deferred.DeferredGlue`);
+they wait for the optimizer step (:class:`~lightning_shardrec.lightning.training.deferred.DeferredGlue`);
 ``check_finite`` checks the loss and the rows (:class:`~lightning_shardrec.kernels.finite.FiniteGuard`).
 This object holds those for one fit and routes the step through them; it needs a precision
 plugin, the tables' process group and the kernels, not a Trainer.
@@ -19,11 +19,11 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_shardrec.kernels.finite import FiniteGuard, check_loss
-from lightning_shardrec.lightning import guards
-from lightning_shardrec.lightning.deferred import DeferredGlue, deferral_line, watch_repeats
-from lightning_shardrec.lightning.optimizers import Holder, rule_report
-from lightning_shardrec.lightning.precision import ScalerGlue
-from lightning_shardrec.lightning.tables import ShardedTables
+from lightning_shardrec.lightning.parameters.optimizers import Holder, rule_report
+from lightning_shardrec.lightning.parameters.tables import ShardedTables
+from lightning_shardrec.lightning.training import guards
+from lightning_shardrec.lightning.training.deferred import DeferredGlue, deferral_line, watch_repeats
+from lightning_shardrec.lightning.training.precision import ScalerGlue
 from lightning_shardrec.optim import RepeatedLookups, ScaledTableUpdates
 
 
@@ -37,7 +37,7 @@ class StepUpdates:
         self._device = root_device
         self._plugin = precision_plugin
         self.scaler_glue: ScalerGlue | None = None  # "16-mixed": table updates follow the GradScaler
-        self.deferred_glue: DeferredGlue | None = None  # updates at the optimizer step (lightning/deferred.py)
+        self.deferred_glue: DeferredGlue | None = None  # updates at the optimizer step (lightning/training/deferred.py)
         self.repeats: RepeatedLookups | None = None  # a table looked up twice in a step: summed
         self.finite: FiniteGuard | None = None
 
@@ -65,7 +65,8 @@ class StepUpdates:
 
     def guard_fit(self, tables: ShardedTables, holder: Holder | None, trainer: Any, deferral: str | None) -> None:
         """At every fit: report (or, strict, refuse) each table's rule; clip fused rows by value or refuse norm
-        clipping (``deferral``: the updates wait for the step, where clipping is done, lightning/deferred.py)."""
+        clipping (``deferral``: the updates wait for the step, where clipping is done,
+        lightning/training/deferred.py)."""
         groups = [g for s in tables.sharded.values() for g in s._groups()]
         fused = sorted({t.config.name for g in groups if g.fused for t in g.tables})
         dense = sorted({t.config.name for g in groups if not g.fused for t in g.tables})

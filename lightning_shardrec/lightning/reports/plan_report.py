@@ -10,9 +10,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_shardrec import _fbgemm as fbgemm
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv
 from lightning_shardrec.distributed.comm.same_host import transport_report
-from lightning_shardrec.lightning.deferred import deferral_line
+from lightning_shardrec.lightning.training.deferred import deferral_line
 from lightning_shardrec.planner import ShardingPlan
-from lightning_shardrec.planner.memory import peak_line
+from lightning_shardrec.planner.machine.memory import peak_line
 
 
 @rank_zero_only

@@ -12,7 +12,7 @@ strategy's numbers do not describe the process group (a group created outside Li
 
 from __future__ import annotations
 
-from lightning_shardrec.planner.topology import local_world_size_from_env
+from lightning_shardrec.planner.machine.topology import local_world_size_from_env
 
 
 def ranks_per_host(world_size: int, num_nodes: int, num_processes: int) -> int:

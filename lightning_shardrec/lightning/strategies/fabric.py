@@ -3,7 +3,7 @@
 Lightning's own strategies come in pairs over one implementation (``lightning.fabric.strategies.ddp``
 under ``lightning.pytorch.strategies.ddp``); so do ours: this class holds the same plain objects as
 :class:`~lightning_shardrec.lightning.ShardRecStrategy`, built from the same
-:class:`~lightning_shardrec.lightning.options.ShardRecOptions`: ``tables`` (planner step, sharding,
+:class:`~lightning_shardrec.lightning.strategies.options.ShardRecOptions`: ``tables`` (planner step, sharding,
 fused optimizer), ``dense`` (DDP on its own group), ``checkpoints`` (the same sharded or full
 checkpoints) and ``failures`` (rank failures named)::
 
@@ -39,15 +39,15 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_shardrec.errors import RepeatedLookupError
-from lightning_shardrec.lightning.checkpoint_io import ShardRecCheckpointIO
-from lightning_shardrec.lightning.checkpointing import FUSED_KEY, ShardedCheckpoints, default_io, remote
-from lightning_shardrec.lightning.cluster import ranks_per_host
-from lightning_shardrec.lightning.dense import DenseReplicas
-from lightning_shardrec.lightning.optimizers import rule_report
-from lightning_shardrec.lightning.options import ShardRecOptions, with_strategy_args
-from lightning_shardrec.lightning.rank_failures import FailureHandling
-from lightning_shardrec.lightning.tables import ShardedTables
-from lightning_shardrec.lightning.teardown import destroy_default_group_at_exit
+from lightning_shardrec.lightning.checkpoints.checkpoint_io import ShardRecCheckpointIO
+from lightning_shardrec.lightning.checkpoints.checkpointing import FUSED_KEY, ShardedCheckpoints, default_io, remote
+from lightning_shardrec.lightning.failures.rank_failures import FailureHandling
+from lightning_shardrec.lightning.failures.teardown import destroy_default_group_at_exit
+from lightning_shardrec.lightning.parameters.dense import DenseReplicas
+from lightning_shardrec.lightning.parameters.optimizers import rule_report
+from lightning_shardrec.lightning.parameters.tables import ShardedTables
+from lightning_shardrec.lightning.strategies.cluster import ranks_per_host
+from lightning_shardrec.lightning.strategies.options import ShardRecOptions, with_strategy_args
 from lightning_shardrec.optim import RepeatedLookups
 
 #: the options that act on the Trainer's loop only (a value other than the default is refused under Fabric)
@@ -56,7 +56,8 @@ TRAINER_ONLY = {"pipeline": False, "uneven_batches": "pad", "full_tables_after_f
 
 class ShardRecFabricStrategy(DDPStrategy):
     """Embedding tables sharded and trained in backward, dense layers data-parallel, under Fabric. Takes
-    Fabric's ``DDPStrategy`` arguments and the options of :class:`~lightning_shardrec.lightning.options.ShardRecOptions`
+    Fabric's ``DDPStrategy`` arguments and the options of
+    :class:`~lightning_shardrec.lightning.strategies.options.ShardRecOptions`
     as keywords; ``pipeline``, ``uneven_batches`` and ``full_tables_after_fit`` (the Trainer's loop) keep their
     defaults, ``log_dynamic_stats`` logs nothing."""
 
@@ -192,7 +193,7 @@ class ShardRecFabricStrategy(DDPStrategy):
             self.repeats.new_step()  # the next lookups belong to the next step
         return out
 
-    # --- checkpoints: the Trainer strategy's (lightning_shardrec.lightning.checkpointing) --------------
+    # --- checkpoints: the Trainer strategy's (lightning_shardrec.lightning.checkpoints.checkpointing) --------------
     def _model_key(self, state: Any) -> str | None:
         """The entry of ``state`` holding the model whose tables are sharded."""
         if not isinstance(state, dict) or self.module is None:

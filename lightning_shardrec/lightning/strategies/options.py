@@ -28,8 +28,8 @@ from lightning_shardrec.distributed.dmp.model_parallel import pooling_of
 from lightning_shardrec.distributed.dmp.sharders import ModuleSharder, check_sharders
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.kernels import KernelBackend, parse_backend
-from lightning_shardrec.lightning.optimizers import Holder, derive_fused_config
-from lightning_shardrec.lightning.uneven import check_mode as check_uneven_mode
+from lightning_shardrec.lightning.parameters.optimizers import Holder, derive_fused_config
+from lightning_shardrec.lightning.training.uneven import check_mode as check_uneven_mode
 from lightning_shardrec.modules.plain_embeddings import check_embedding_options
 from lightning_shardrec.planner import (
     EmbeddingShardingPlanner,
@@ -38,7 +38,7 @@ from lightning_shardrec.planner import (
     ShardingPlan,
     Topology,
 )
-from lightning_shardrec.planner.memory import DEFAULT_RESERVE, check_reserve
+from lightning_shardrec.planner.machine.memory import DEFAULT_RESERVE, check_reserve
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +71,7 @@ class ShardRecOptions:
             printed at fit start per host), ``"shm"`` (required) or ``"pg"``. Results are identical
             either way (2 ranks: bit for bit).
         pipeline: overlap the next batch's input distribution (id all-to-alls, host-to-device copy)
-            with this batch's forward/backward (see :mod:`lightning_shardrec.lightning.pipeline`);
+            with this batch's forward/backward (see :mod:`lightning_shardrec.lightning.training.pipeline`);
             results are identical to ``pipeline=False``.
         planner_batch_size: per-rank batch size the planner's cost model assumes.
         planner_reserve: fraction of each device's memory the planner keeps free for the dense
@@ -92,17 +92,17 @@ class ShardRecOptions:
         strict_optimizer: refuse to train fused tables with an update rule that differs from
             what the user's optimizer does in one process (lazy Adam, row-sparse weight decay;
             the rule each table gets is printed at every fit start).
-        log_dynamic_stats: add a :class:`~lightning_shardrec.lightning.dynamic_monitor.DynamicTableMonitor`
+        log_dynamic_stats: add a :class:`~lightning_shardrec.lightning.reports.dynamic_monitor.DynamicTableMonitor`
             (each dynamic table's occupancy, admissions, evictions, misses, ... summed over ranks, logged
             every ``log_every_n_steps``) when the model has dynamic tables and the Trainer has none.
         uneven_batches: ``"pad"`` (default): a rank whose training data ends before the others' trains
             on with empty batches (zero rows, no update from it) until every rank's data has ended, so
             every batch of every rank trains once and the epoch ends together
-            (:mod:`lightning_shardrec.lightning.uneven`: one small all-reduce per batch); ``"error"``:
+            (:mod:`lightning_shardrec.lightning.training.uneven`: one small all-reduce per batch); ``"error"``:
             the strict mode, every rank stops with ``UnevenBatchesError`` at the last batch they share.
         full_tables_after_fit: at the end of every fit, while every rank is still there, gather the full
             tables to rank 0, so that ``model.state_dict()`` and ``model(batch)`` work on rank 0 alone after
-            fit (:mod:`lightning_shardrec.lightning.after_fit`): ``None`` (the default) when they take at
+            fit (:mod:`lightning_shardrec.lightning.checkpoints.after_fit`): ``None`` (the default) when they take at
             most 64 MiB and fit in a quarter of its available host memory (larger tables stay sharded:
             every rank holds its share); ``True`` whenever they fit in that quarter; ``False`` never. Cost:
             one gather per fit, and rank 0 holds every table until the next fit.
@@ -267,7 +267,7 @@ STRATEGY_ARGS = """Args:
         when they take at most 64 MiB, ``True`` whenever they fit in its memory, ``False`` never.
 
 Each of the strategy's own options is explained in full, and checked, by
-:class:`~lightning_shardrec.lightning.options.ShardRecOptions` (``self.options``).
+:class:`~lightning_shardrec.lightning.strategies.options.ShardRecOptions` (``self.options``).
 Only these options exist (no ``**kwargs`` passed through to ``DistributedDataParallel``),
 so a config's ``class_path: lightning_shardrec.ShardRecStrategy`` lists exactly them.
 """

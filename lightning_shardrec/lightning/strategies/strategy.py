@@ -1,8 +1,8 @@
 """``ShardRecStrategy`` (``strategy="shardrec"``): shard embedding tables, DDP the rest.
 
 A thin layer over Lightning's ``DDPStrategy`` whose hooks hand off to plain objects built from
-:class:`~lightning_shardrec.lightning.options.ShardRecOptions`, the same ones the Fabric strategy
-(:mod:`~lightning_shardrec.lightning.fabric`) holds: ``tables`` (planner step, sharding, fused
+:class:`~lightning_shardrec.lightning.strategies.options.ShardRecOptions`, the same ones the Fabric strategy
+(:mod:`~lightning_shardrec.lightning.strategies.fabric`) holds: ``tables`` (planner step, sharding, fused
 optimizer), ``dense`` (DDP on its own group), ``checkpoints``, ``failures`` (rank failures),
 ``updates`` (the step's table updates under precision, deferral, NaN checks), ``signals``.
 """
@@ -31,32 +31,33 @@ from lightning_shardrec.distributed.comm.groups import new_group_like
 from lightning_shardrec.distributed.comm.same_host import use_shm_allreduce
 from lightning_shardrec.distributed.dmp.sharders import ModuleSharder
 from lightning_shardrec.errors import IdOutOfRangeError
-from lightning_shardrec.lightning import guards, summary
-from lightning_shardrec.lightning.after_fit import gather_to_rank_zero
-from lightning_shardrec.lightning.checkpoint_io import ShardRecCheckpointIO, resumable
-from lightning_shardrec.lightning.checkpointing import ShardedCheckpoints, default_io, remote
-from lightning_shardrec.lightning.cluster import ranks_per_host
-from lightning_shardrec.lightning.control import ControlGroup
-from lightning_shardrec.lightning.data_errors import explain_bad_id
-from lightning_shardrec.lightning.deferred import deferral_reason
-from lightning_shardrec.lightning.dense import DenseReplicas
-from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
-from lightning_shardrec.lightning.fused_params import add_anchors, fused_params
-from lightning_shardrec.lightning.optimizers import Holder
-from lightning_shardrec.lightning.options import ShardRecOptions, with_strategy_args
-from lightning_shardrec.lightning.pipeline import TrainPipeline, prefetch_line
-from lightning_shardrec.lightning.plan_report import save_plan
-from lightning_shardrec.lightning.precision import convert_dense
-from lightning_shardrec.lightning.rank_failures import FailureHandling
-from lightning_shardrec.lightning.signals import FitSignals
-from lightning_shardrec.lightning.table_memory import has_meta_tables, tables_hidden
-from lightning_shardrec.lightning.tables import ShardedTables
-from lightning_shardrec.lightning.teardown import destroy_default_group_at_exit
-from lightning_shardrec.lightning.uneven import BatchPadding, is_empty, zero_loss
-from lightning_shardrec.lightning.updates import StepUpdates
+from lightning_shardrec.lightning.checkpoints.after_fit import gather_to_rank_zero
+from lightning_shardrec.lightning.checkpoints.checkpoint_io import ShardRecCheckpointIO, resumable
+from lightning_shardrec.lightning.checkpoints.checkpointing import ShardedCheckpoints, default_io, remote
+from lightning_shardrec.lightning.failures.data_errors import explain_bad_id
+from lightning_shardrec.lightning.failures.rank_failures import FailureHandling
+from lightning_shardrec.lightning.failures.signals import FitSignals
+from lightning_shardrec.lightning.failures.teardown import destroy_default_group_at_exit
+from lightning_shardrec.lightning.parameters.dense import DenseReplicas
+from lightning_shardrec.lightning.parameters.fused_params import add_anchors, fused_params
+from lightning_shardrec.lightning.parameters.optimizers import Holder
+from lightning_shardrec.lightning.parameters.table_memory import has_meta_tables, tables_hidden
+from lightning_shardrec.lightning.parameters.tables import ShardedTables
+from lightning_shardrec.lightning.parameters.updates import StepUpdates
+from lightning_shardrec.lightning.reports import summary
+from lightning_shardrec.lightning.reports.dynamic_monitor import add_dynamic_monitor
+from lightning_shardrec.lightning.reports.plan_report import save_plan
+from lightning_shardrec.lightning.strategies.cluster import ranks_per_host
+from lightning_shardrec.lightning.strategies.options import ShardRecOptions, with_strategy_args
+from lightning_shardrec.lightning.training import guards
+from lightning_shardrec.lightning.training.control import ControlGroup
+from lightning_shardrec.lightning.training.deferred import deferral_reason
+from lightning_shardrec.lightning.training.pipeline import TrainPipeline, prefetch_line
+from lightning_shardrec.lightning.training.precision import convert_dense
+from lightning_shardrec.lightning.training.uneven import BatchPadding, is_empty, zero_loss
 from lightning_shardrec.modules.table_init import tables_on_meta
 from lightning_shardrec.planner import ParameterConstraints, ParameterSharding, ShardingPlan
-from lightning_shardrec.planner.memory import DEFAULT_RESERVE
+from lightning_shardrec.planner.machine.memory import DEFAULT_RESERVE
 
 
 def _held(part: str, name: str, settable: bool = False) -> Any:
@@ -73,7 +74,8 @@ def _held(part: str, name: str, settable: bool = False) -> Any:
 
 class ShardRecStrategy(DDPStrategy):
     """Embedding tables sharded and trained in backward; dense layers data-parallel. Takes ``DDPStrategy``'s
-    process-group arguments and the options of :class:`~lightning_shardrec.lightning.options.ShardRecOptions`."""
+    process-group arguments and the options of
+    :class:`~lightning_shardrec.lightning.strategies.options.ShardRecOptions`."""
 
     strategy_name = "shardrec"
 
@@ -122,10 +124,10 @@ class ShardRecStrategy(DDPStrategy):
         self.checkpoints = ShardedCheckpoints(self.tables, self)
         self.failures = FailureHandling(self.options.heartbeat_timeout, kill=self._kill_launched)  # rank failures
         self.updates = StepUpdates(lambda: self.root_device, lambda: self.precision_plugin)
-        self.control = ControlGroup(timeout)  # gloo, CPU: every control flag (lightning/control.py)
-        self.padding = BatchPadding(self.control)  # uneven training data (lightning/uneven.py)
+        self.control = ControlGroup(timeout)  # gloo, CPU: every control flag (lightning/training/control.py)
+        self.padding = BatchPadding(self.control)  # uneven training data (lightning/training/uneven.py)
         self.pipeline: TrainPipeline | None = None
-        self.signals = FitSignals()  # SIGTERM during a multi-rank fit (lightning/signals.py)
+        self.signals = FitSignals()  # SIGTERM during a multi-rank fit (lightning/failures/signals.py)
         self.dense = DenseReplicas(self._new_group, lambda ddp, pg: use_shm_allreduce(ddp, pg))  # read at each fit
         self.guard: guards.ShardedGuard | None = None
         self._deferral: str | None = None  # why this fit's table updates wait for the optimizer step
@@ -217,7 +219,8 @@ class ShardRecStrategy(DDPStrategy):
         return self.tables.pick_holder(self.optimizers, table_params)
 
     def _fit_helpers(self, kernels: list[Any], holder: Holder | None) -> None:
-        """Fit, after precision: optimizers on the device, the step's glue (lightning/updates.py), the pipeline."""
+        """Fit, after precision: optimizers on the device, the step's glue (lightning/parameters/updates.py),
+        the pipeline."""
         optimizers_to_device(self.optimizers, self.root_device)
         group = next(iter(self.sharded.values())).env.pg
         deferred = self._deferral is not None and any(g.fused for s in self.sharded.values() for g in s._groups())
@@ -249,7 +252,7 @@ class ShardRecStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        """The training loader of a sharded fit on several ranks: padded past its end (lightning/uneven.py)."""
+        """The training loader of a sharded fit on several ranks: padded past its end (lightning/training/uneven.py)."""
         trainer = attached_trainer(self.lightning_module)
         if self._pads() and trainer is not None and trainer.training and dist.is_initialized():
             return self.padding.wrap(dataloader)  # collective: every rank sets up its training loader here
@@ -294,7 +297,7 @@ class ShardRecStrategy(DDPStrategy):
         self.signals.end()
         after_fit = self.options.full_tables_after_fit
         if after_fit is not False and self.guard is not None and dist.is_initialized():  # every rank together:
-            # rank 0 keeps the full tables when they fit (lightning/after_fit.py)
+            # rank 0 keeps the full tables when they fit (lightning/checkpoints/after_fit.py)
             gather_to_rank_zero(self.sharded, self.guard, self.control.group(), after_fit is True)
         super().on_train_end()
 

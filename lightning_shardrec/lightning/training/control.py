@@ -1,10 +1,10 @@
 """One gloo group with CPU tensors for the strategy's control messages, never an NCCL communicator.
 
 The ranks agree on a few things that are not training data: whether rank 0 received SIGTERM
-(:class:`~lightning_shardrec.lightning.sigterm.LaggedSigterm`, every 4th batch), whether any rank
-still has a batch (:class:`~lightning_shardrec.lightning.uneven.BatchPadding`, every batch of an
+(:class:`~lightning_shardrec.lightning.failures.sigterm.LaggedSigterm`, every 4th batch), whether any rank
+still has a batch (:class:`~lightning_shardrec.lightning.training.uneven.BatchPadding`, every batch of an
 uneven epoch) and whether rank 0 keeps the full tables after fit
-(:func:`~lightning_shardrec.lightning.after_fit.gather_to_rank_zero`). Each is a one-element
+(:func:`~lightning_shardrec.lightning.checkpoints.after_fit.gather_to_rank_zero`). Each is a one-element
 flag the host decides. Under NCCL a flag on a device group is copied to the GPU, sent by a
 communicator of its own (one more NCCL communicator: its memory, its streams, its kernels
 interleaved with the data path's) and read back with ``.item()`` (a host sync). So every control
@@ -57,6 +57,6 @@ class ControlGroup:
         it); a later fit makes another."""
         group, self._group = self._group, None
         if group is not None and dist.is_initialized():
-            from lightning_shardrec.lightning.teardown import destroy_groups
+            from lightning_shardrec.lightning.failures.teardown import destroy_groups
 
             destroy_groups([group])

@@ -8,7 +8,7 @@ and :class:`DeferredGlue` does, around each step of the optimizer that trains th
 what one process does to their ``.grad``:
 
 * ``16-mixed``: the kept gradients' NaN/inf check joins the scaler's (as
-  :class:`~lightning_shardrec.lightning.precision.ScalerGlue`), then they are unscaled with the dense ones;
+  :class:`~lightning_shardrec.lightning.training.precision.ScalerGlue`), then they are unscaled with the dense ones;
 * ``clip_gradients`` by value clamps them; by norm, the total norm is
   ``sqrt(|dense grads|^2 + sum over ranks of |kept rows|^2)`` (each table row is held by one rank,
   a column-wise shard holds its columns: the sum counts every element once; data-parallel tables
@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_shardrec.kernels import KernelBackend
-from lightning_shardrec.lightning.precision import poison_one_grad
+from lightning_shardrec.lightning.training.precision import poison_one_grad
 from lightning_shardrec.optim import DeferredTableUpdates, RepeatedLookups
 
 
@@ -71,7 +71,7 @@ def watch_repeats(owner: Any, kernels: list[Any], holder: Any, group: Any) -> Re
     """Count ``kernels``' lookups per step (the strategy calls ``new_step``); at a table's second lookup in a
     step whose updates run in backward, this fit's updates wait for the optimizer step from then on
     (``owner.deferred_glue``, on the torch kernels; ``owner``: the strategy's
-    :class:`~lightning_shardrec.lightning.updates.StepUpdates`), where the step's lookups are summed."""
+    :class:`~lightning_shardrec.lightning.parameters.updates.StepUpdates`), where the step's lookups are summed."""
 
     def defer() -> None:
         torch_kernels = [k for k in kernels if k.backend is KernelBackend.TORCH]

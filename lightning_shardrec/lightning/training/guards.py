@@ -3,14 +3,14 @@
 * Gradient clipping (:func:`fused_clip_value`, :func:`guard_clipping`): by value is applied per
   row inside the fused update (a table's dense gradient is the per-row sum of its ids'
   gradients, which the fused update clamps before its rule: exact); by norm defers the table
-  updates to the optimizer step (:mod:`lightning_shardrec.lightning.deferred`); a norm clip the
+  updates to the optimizer step (:mod:`lightning_shardrec.lightning.training.deferred`); a norm clip the
   strategy was not told of at setup (the tables already updated) is refused.
 * :class:`ShardedGuard`, installed on every sharded collection:
 
   - ``state_dict()`` of a sharded collection (so of the LightningModule) raises
     :class:`ShardedStateError`: it would hold one rank's shards under the unsharded names; except
     on rank 0 after a fit whose tables fit in its memory: the strategy gathered them there at the
-    end of fit (:mod:`lightning_shardrec.lightning.after_fit`), and the state dict holds the full
+    end of fit (:mod:`lightning_shardrec.lightning.checkpoints.after_fit`), and the state dict holds the full
     tables under the unsharded names (``torch.save(model.state_dict())`` on rank 0 works);
   - a forward outside ``trainer.fit/validate/test/predict`` raises :class:`CollectiveCallError`
     at once (it is collective: called on one rank it would hang or die in the transport),
@@ -44,7 +44,7 @@ NORM_CLIPPING = (
 def fused_clip_value(trainer: Any) -> float | None:
     """The value the fused updates clamp each row's gradient to (None: no clipping by value).
 
-    Norm clipping is not done here: it defers the table updates (:mod:`lightning_shardrec.lightning.deferred`).
+    Norm clipping is not done here: it defers the table updates (:mod:`lightning_shardrec.lightning.training.deferred`).
     """
     value = trainer.gradient_clip_val
     algorithm = trainer.gradient_clip_algorithm

@@ -40,7 +40,7 @@ from lightning_shardrec._compat.lightning import DataFetcher, PrefetchDataFetche
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv, on_stream
 from lightning_shardrec.distributed.sharded.batch_dist import EndOfData, PrefetchHandle
 from lightning_shardrec.distributed.sharded.collection import ShardedCollection
-from lightning_shardrec.lightning.handover import hand_over, tensors_in
+from lightning_shardrec.lightning.training.handover import hand_over, tensors_in
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 

@@ -4,7 +4,7 @@ With per-rank ``IterableDataset`` s and streaming data the ranks' batch counts d
 step of a sharded model is collective, so a rank that left the loop would hang the others.
 :class:`EvenBatches` wraps each rank's training loader: every ``next()`` first agrees with
 the other ranks (one all-reduce of a flag on the strategy's gloo control group, CPU tensors:
-:mod:`lightning_shardrec.lightning.control`) whether any rank still has a
+:mod:`lightning_shardrec.lightning.training.control`) whether any rank still has a
 batch; a rank that has none then yields :func:`empty_like` of its last batch (the same
 structure with zero rows: zero ids through every collective, zero gradient, no update from
 it) until every rank's data has ended, and the epoch ends on every rank at once::
@@ -22,7 +22,7 @@ step weights each present rank's mean by ``1/W`` (as DDP does with unequal per-r
 A sized loader keeps a length: the longest rank's (the lengths are agreed once, when the
 loader is wrapped). ``ShardRecStrategy(uneven_batches="error")`` keeps the strict mode instead:
 every rank stops with :class:`~lightning_shardrec.errors.UnevenBatchesError` at the last batch
-the ranks share (:mod:`lightning_shardrec.lightning.guards`).
+the ranks share (:mod:`lightning_shardrec.lightning.training.guards`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_shardrec.lightning.control import ControlGroup
-from lightning_shardrec.lightning.handover import tensors_in
+from lightning_shardrec.lightning.training.control import ControlGroup
+from lightning_shardrec.lightning.training.handover import tensors_in
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 UNEVEN_MODES = ("pad", "error")

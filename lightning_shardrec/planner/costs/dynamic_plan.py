@@ -3,7 +3,7 @@
 A dynamic table's rows are slots that raw ids are admitted into; besides its weights
 and optimizer state, its id map holds 4 int64 per slot (and a 4-byte window bitmap) and 3 per admission candidate
 (plus 5 counters per bucket), and the planner counts those bytes like the weights
-(:func:`~lightning_shardrec.planner.storage.id_map_bytes`). The plan printout lists::
+(:func:`~lightning_shardrec.planner.costs.storage.id_map_bytes`). The plan printout lists::
 
     dynamic tables (raw int64 ids -> slots):
       <root>.t_user: capacity 4096 = 256 buckets x 16 slots, 16 candidates/bucket;
@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from lightning_shardrec.planner.memory import size_text
-from lightning_shardrec.planner.perf import Workload
-from lightning_shardrec.planner.storage import id_map_bytes, resident_bytes
-from lightning_shardrec.planner.tables import TableSpec
+from lightning_shardrec.planner.costs.perf import Workload
+from lightning_shardrec.planner.costs.storage import id_map_bytes, resident_bytes
+from lightning_shardrec.planner.machine.memory import size_text
+from lightning_shardrec.planner.plans.tables import TableSpec
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,11 +27,11 @@ so for them every output term scales with ``f``.
 
 Each shard's cost is kept per :class:`Phase` (:func:`shard_phases`; :func:`shard_perf` is their sum,
 what the planner balances). With calibrated rates (``Topology(rates=...)``,
-:mod:`lightning_shardrec.planner.rates`) each shard's lookup also pays the kernel's fixed
+:mod:`lightning_shardrec.planner.machine.rates`) each shard's lookup also pays the kernel's fixed
 ``lookup_seconds``, row_wise's reduce-scatter runs at the measured ``reduce_scatter_bw``, and the plan
 records every rank's seconds per phase of each group (:func:`phase_loads`, ``PlanStats.phase_cost``):
 the step estimate charges each phase its slowest rank; the fixed step, the calls counted from the plan
-and the further groups and pieces are per plan (:func:`~lightning_shardrec.planner.rates.step_estimate`).
+and the further groups and pieces are per plan (:func:`~lightning_shardrec.planner.machine.rates.step_estimate`).
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 from lightning_shardrec.configs import EmbOptimType
-from lightning_shardrec.planner.rates import MECHANISM_CALLS
-from lightning_shardrec.planner.tables import TableSpec
-from lightning_shardrec.planner.topology import Topology
-from lightning_shardrec.planner.types import ShardingType
+from lightning_shardrec.planner.machine.rates import MECHANISM_CALLS
+from lightning_shardrec.planner.machine.topology import Topology
+from lightning_shardrec.planner.plans.tables import TableSpec
+from lightning_shardrec.planner.plans.types import ShardingType
 
 ID_BYTES = 8  # int64 ids
 OUT_BYTES = 4  # fp32 pooled outputs and gradients
@@ -282,7 +282,7 @@ def phase_loads(
     """Per phase of each group (``"output/row_wise"``), every rank's seconds in it.
 
     ``placed``: per table, its sharding type and shards ``(rank, col0, rows, cols)``. The slowest rank
-    of each phase sets the step (:func:`~lightning_shardrec.planner.rates.critical_path`).
+    of each phase sets the step (:func:`~lightning_shardrec.planner.machine.rates.critical_path`).
     """
     out: dict[str, list[float]] = {}
     world = work.topology.world_size

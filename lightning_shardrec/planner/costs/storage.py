@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from lightning_shardrec.planner.perf import ID_BYTES, OUT_BYTES, STATE_BYTES, Workload
-from lightning_shardrec.planner.tables import TableSpec
-from lightning_shardrec.planner.types import ShardingType
+from lightning_shardrec.planner.costs.perf import ID_BYTES, OUT_BYTES, STATE_BYTES, Workload
+from lightning_shardrec.planner.plans.tables import TableSpec
+from lightning_shardrec.planner.plans.types import ShardingType
 
 
 def _resident(t: TableSpec, w: Workload, rows: int, cols: int) -> float:

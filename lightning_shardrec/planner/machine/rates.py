@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_shardrec.planner.topology import Topology
+    from lightning_shardrec.planner.machine.topology import Topology
 
 #: DDP's gradient bucket (``bucket_cap_mb=25``): replicated tables' gradients join the dense all-reduce
 DDP_BUCKET_BYTES = 25 * 1024**2

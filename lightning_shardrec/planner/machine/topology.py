@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol
 
-from lightning_shardrec.planner.memory import cuda_capacity, host_memory
-from lightning_shardrec.planner.mesh import built_mesh, launcher_local_world_size, mesh_layout
-from lightning_shardrec.planner.rates import Rates, as_rates
-from lightning_shardrec.planner.types import parse_enum
+from lightning_shardrec.planner.machine.memory import cuda_capacity, host_memory
+from lightning_shardrec.planner.machine.mesh import built_mesh, launcher_local_world_size, mesh_layout
+from lightning_shardrec.planner.machine.rates import Rates, as_rates
+from lightning_shardrec.planner.plans.types import parse_enum
 
 GiB = 1024**3
 
@@ -71,9 +71,9 @@ class Topology:
 
     Unset capacities and bandwidths take ``DEVICE_DEFAULTS[compute_device]``. On
     ``cuda`` tables live in HBM (``hbm_cap`` per rank), on ``cpu`` in DDR (``ddr_cap``).
-    ``rates`` (a :class:`~lightning_shardrec.planner.rates.Rates` or the path of a file
+    ``rates`` (a :class:`~lightning_shardrec.planner.machine.rates.Rates` or the path of a file
     ``benchmarks/calibrate.py`` wrote) opts in to the calibrated cost model: its bandwidths
-    replace the unset ones and the per-call latencies are charged (``planner/perf.py``).
+    replace the unset ones and the per-call latencies are charged (``planner/costs/perf.py``).
     """
 
     world_size: int
@@ -160,9 +160,10 @@ class Topology:
 
         On ``cuda`` with a visible GPU, ``hbm_cap`` is the current device's total memory
         (``torch.cuda.get_device_properties``) unless given; on ``cpu``, ``ddr_cap`` is this
-        host's memory (:func:`~lightning_shardrec.planner.memory.host_memory`) shared by the
+        host's memory (:func:`~lightning_shardrec.planner.machine.memory.host_memory`) shared by the
         ranks on the host unless given; else the named default. Ranks per host (``local_world_size``) unless
-        given: the host mesh's where one was built on this world (:func:`~lightning_shardrec.planner.mesh.host_mesh`;
+        given: the host mesh's where one was built on this world
+        (:func:`~lightning_shardrec.planner.machine.mesh.host_mesh`;
         never built here: this call is not collective, so a planner may be made on one rank alone), else the
         launcher's.
         """

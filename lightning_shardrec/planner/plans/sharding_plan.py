@@ -6,9 +6,14 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lightning_shardrec.planner.dynamic_plan import DynamicLayout, DynamicLayouts, dynamic_lines, layouts_from_dict
-from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, size_text
-from lightning_shardrec.planner.types import ParameterSharding, ShardingType, torchrec_repr
+from lightning_shardrec.planner.costs.dynamic_plan import (
+    DynamicLayout,
+    DynamicLayouts,
+    dynamic_lines,
+    layouts_from_dict,
+)
+from lightning_shardrec.planner.machine.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, size_text
+from lightning_shardrec.planner.plans.types import ParameterSharding, ShardingType, torchrec_repr
 
 GiB = 1024**3
 

@@ -9,11 +9,7 @@ from torch import nn
 
 from lightning_shardrec.configs import BaseEmbeddingConfig, EmbeddingConfig
 from lightning_shardrec.errors import PlannerError
-from lightning_shardrec.planner.types import (
-    EmbeddingComputeKernel,
-    ParameterConstraints,
-    ShardingType,
-)
+from lightning_shardrec.planner.plans.types import EmbeddingComputeKernel, ParameterConstraints, ShardingType
 
 DEFAULT_MIN_PARTITION = 32  # columns: the narrowest piece a column cut makes unless the world needs narrower
 NARROW_MIN_PARTITION = 8  # from NARROW_FROM_RANKS ranks on

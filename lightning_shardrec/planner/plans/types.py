@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from lightning_shardrec.errors import UnsupportedFeatureError, unknown_name
-from lightning_shardrec.planner.table_params import (
+from lightning_shardrec.planner.plans.table_params import (
     BoundsCheckMode,
     CacheParams,
     KeyValueParams,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from lightning_shardrec.planner.tables import DYNAMIC_TYPES, TableSpec
-from lightning_shardrec.planner.topology import Topology
-from lightning_shardrec.planner.types import (
+from lightning_shardrec.planner.machine.topology import Topology
+from lightning_shardrec.planner.plans.tables import DYNAMIC_TYPES, TableSpec
+from lightning_shardrec.planner.plans.types import (
     EmbeddingComputeKernel,
     ParameterSharding,
     ShardingType,

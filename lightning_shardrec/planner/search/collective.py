@@ -7,9 +7,9 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_shardrec.errors import PlannerError
-from lightning_shardrec.planner.planner import EmbeddingShardingPlanner, FixedPlan
-from lightning_shardrec.planner.sharding_plan import ShardingPlan
-from lightning_shardrec.planner.tables import TablesInput
+from lightning_shardrec.planner.plans.sharding_plan import ShardingPlan
+from lightning_shardrec.planner.plans.tables import TablesInput
+from lightning_shardrec.planner.search.planner import EmbeddingShardingPlanner, FixedPlan
 
 
 def collective_plan(

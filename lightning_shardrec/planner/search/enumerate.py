@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_shardrec.planner.perf import Workload, shard_perf
-from lightning_shardrec.planner.storage import STORAGE, shard_storage
-from lightning_shardrec.planner.tables import COLUMN_ALIGN, TableSpec
-from lightning_shardrec.planner.types import EmbeddingComputeKernel, ShardingType
+from lightning_shardrec.planner.costs.perf import Workload, shard_perf
+from lightning_shardrec.planner.costs.storage import STORAGE, shard_storage
+from lightning_shardrec.planner.plans.tables import COLUMN_ALIGN, TableSpec
+from lightning_shardrec.planner.plans.types import EmbeddingComputeKernel, ShardingType
 
 # data_parallel is chosen automatically only for tables this small (share of one rank's memory).
 DP_MAX_SHARE_OF_MEMORY = 0.01

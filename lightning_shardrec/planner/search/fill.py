@@ -17,11 +17,11 @@ from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from lightning_shardrec.planner.enumerate import Affine, TableOptions
-from lightning_shardrec.planner.perf import Workload, holder_output_seconds, shard_perf
-from lightning_shardrec.planner.storage import shard_storage
-from lightning_shardrec.planner.tables import COLUMN_ALIGN, TableSpec
-from lightning_shardrec.planner.types import ShardingType
+from lightning_shardrec.planner.costs.perf import Workload, holder_output_seconds, shard_perf
+from lightning_shardrec.planner.costs.storage import shard_storage
+from lightning_shardrec.planner.plans.tables import COLUMN_ALIGN, TableSpec
+from lightning_shardrec.planner.plans.types import ShardingType
+from lightning_shardrec.planner.search.enumerate import Affine, TableOptions
 
 # Step times within this relative margin count as a tie, broken by memory balance.
 TIE_EPS = 1e-3

@@ -1,9 +1,9 @@
 """Grid cuts: a table cut into column pieces, each piece row-blocked over ranks of one host.
 
 The 2-D cut TorchRec calls ``grid_shard``. Each piece is placed like a table_row_wise
-table (:func:`~lightning_shardrec.planner.fill.fill_host_rows`), after the pieces before
+table (:func:`~lightning_shardrec.planner.search.fill.fill_host_rows`), after the pieces before
 it, so the pieces of one table spread over the emptiest ranks; different pieces may
-land on different hosts. Every column cut of :func:`~lightning_shardrec.planner.enumerate.column_cuts`
+land on different hosts. Every column cut of :func:`~lightning_shardrec.planner.search.enumerate.column_cuts`
 is tried and the cheapest in total work wins (each piece's output, charged to its holders, included)::
 
     dim 128, 4 pieces of 32 columns, each in 2 row blocks on one host:
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_shardrec.planner.enumerate import GridPiece, TableOptions
-from lightning_shardrec.planner.fill import Piece, Placement, RankLoads, Strip, fill_host_rows
-from lightning_shardrec.planner.perf import Workload, holder_output_seconds
-from lightning_shardrec.planner.types import ShardingType
+from lightning_shardrec.planner.costs.perf import Workload, holder_output_seconds
+from lightning_shardrec.planner.plans.types import ShardingType
+from lightning_shardrec.planner.search.enumerate import GridPiece, TableOptions
+from lightning_shardrec.planner.search.fill import Piece, Placement, RankLoads, Strip, fill_host_rows
 
 
 def fill_grid(

@@ -5,9 +5,9 @@ cost: a table that fits whole goes table-wise to the fullest rank it still fits
 (best fit); otherwise it is cut, filling the emptiest ranks up to ``T`` with column
 shards, row blocks inside one host, or a grid (column pieces, each in row
 blocks inside one host), each sized in closed form to the rank's remaining time and
-memory (see :mod:`~lightning_shardrec.planner.fill`), and the cut with the least total
+memory (see :mod:`~lightning_shardrec.planner.search.fill`), and the cut with the least total
 work wins; row_wise, TorchRec's meaning, puts an equal contiguous block on every rank
-(:func:`~lightning_shardrec.planner.fill.fill_all_rows`). The best plan over all targets is kept.
+(:func:`~lightning_shardrec.planner.search.fill.fill_all_rows`). The best plan over all targets is kept.
 
 Best fit packs equal-cost tables onto as few ranks as it can, whatever their size. So
 once the fastest step time ``T*`` is known, one more pass spreads the tables instead
@@ -16,7 +16,7 @@ most free memory) under ``T* * (1 + TIE_EPS)``; it replaces the best plan when i
 to that time and leaves more memory free on the fullest rank.
 
 With measured rates (``Topology(rates=...)``) a plan also pays per plan: its collective calls, its
-sharding groups and its pieces (:func:`~lightning_shardrec.planner.rates.step_estimate`), which no
+sharding groups and its pieces (:func:`~lightning_shardrec.planner.machine.rates.step_estimate`), which no
 rank's load shows. The planner then passes a ``score`` (the plan's step estimate), and the plan the
 loads alone pick competes with the best the search finds by that score and with the best plan of
 whole tables: cutting a table to level the ranks can cost more than it saves.
@@ -28,8 +28,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from lightning_shardrec.planner.enumerate import TableOptions
-from lightning_shardrec.planner.fill import (
+from lightning_shardrec.planner.costs.perf import Workload
+from lightning_shardrec.planner.plans.types import ShardingType
+from lightning_shardrec.planner.search.enumerate import TableOptions
+from lightning_shardrec.planner.search.fill import (
     TIE_EPS,
     Piece,
     Placement,
@@ -39,9 +41,7 @@ from lightning_shardrec.planner.fill import (
     fill_host_rows,
     strip,
 )
-from lightning_shardrec.planner.grid import fill_grid
-from lightning_shardrec.planner.perf import Workload
-from lightning_shardrec.planner.types import ShardingType
+from lightning_shardrec.planner.search.grid import fill_grid
 
 _SEARCH_STEPS = 40
 _SEARCH_TOLERANCE = 1e-3

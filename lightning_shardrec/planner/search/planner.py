@@ -18,25 +18,25 @@ from torch import nn
 
 from lightning_shardrec.configs import EmbOptimType
 from lightning_shardrec.errors import PlannerError, UnsupportedFeatureError
-from lightning_shardrec.planner.dynamic_plan import dynamic_layouts
-from lightning_shardrec.planner.enumerate import TableOptions, prefers_data_parallel, table_options
-from lightning_shardrec.planner.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, check_reserve
-from lightning_shardrec.planner.partition import Placement, RankLoads, makespan, partition
-from lightning_shardrec.planner.perf import Workload, host_charges, phase_loads, shard_perf
-from lightning_shardrec.planner.rates import step_estimate
-from lightning_shardrec.planner.sharding_plan import GiB, PlanStats, ShardingPlan
-from lightning_shardrec.planner.storage import resident_bytes, shard_storage
-from lightning_shardrec.planner.table_params import with_constraint_fields
-from lightning_shardrec.planner.tables import TablesInput, TableSpec, find_tables, table_specs
-from lightning_shardrec.planner.topology import ComputeDevice, Topology
-from lightning_shardrec.planner.types import (
+from lightning_shardrec.planner.costs.dynamic_plan import dynamic_layouts
+from lightning_shardrec.planner.costs.perf import Workload, host_charges, phase_loads, shard_perf
+from lightning_shardrec.planner.costs.storage import resident_bytes, shard_storage
+from lightning_shardrec.planner.machine.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, check_reserve
+from lightning_shardrec.planner.machine.rates import step_estimate
+from lightning_shardrec.planner.machine.topology import ComputeDevice, Topology
+from lightning_shardrec.planner.plans.sharding_plan import GiB, PlanStats, ShardingPlan
+from lightning_shardrec.planner.plans.table_params import with_constraint_fields
+from lightning_shardrec.planner.plans.tables import TablesInput, TableSpec, find_tables, table_specs
+from lightning_shardrec.planner.plans.types import (
     EmbeddingComputeKernel,
     ParameterConstraints,
     ParameterSharding,
     ShardingType,
     ShardMetadata,
 )
-from lightning_shardrec.planner.validate import sharding_problems
+from lightning_shardrec.planner.plans.validate import sharding_problems
+from lightning_shardrec.planner.search.enumerate import TableOptions, prefers_data_parallel, table_options
+from lightning_shardrec.planner.search.partition import Placement, RankLoads, makespan, partition
 
 FixedPlan = ShardingPlan | Mapping[str, ParameterSharding]
 Key = tuple[str, str]
@@ -81,7 +81,7 @@ class EmbeddingShardingPlanner:
 
     ``reserve`` (default 0.15) is the fraction of each rank's memory kept free for what the
     planner cannot see (dense model, activations, communication buffers, CUDA context,
-    allocator slack; see :mod:`~lightning_shardrec.planner.memory`): tables, their optimizer
+    allocator slack; see :mod:`~lightning_shardrec.planner.machine.memory`): tables, their optimizer
     state and buffers get ``memory_cap * (1 - reserve)`` per rank.
     """
 
@@ -158,7 +158,7 @@ class EmbeddingShardingPlanner:
 
         Without an initialized process group this is just :meth:`plan`.
         """
-        from lightning_shardrec.planner.collective import collective_plan
+        from lightning_shardrec.planner.search.collective import collective_plan
 
         _check_sharders(sharders)
         return collective_plan(self, module, fixed, pg=pg)
