@@ -14,8 +14,8 @@ from dataclasses import replace
 from _calibrate_runs import BATCH, HOSTS, LOCAL, POOLING, WORLD, blocks, plan_layout, round_steps, shards
 
 from lightning_shardrec.planner import ParameterSharding, Rates, ShardingPlan, ShardMetadata, Topology
-from lightning_shardrec.planner.perf import distinct_rows
-from lightning_shardrec.planner.rates import critical_path
+from lightning_shardrec.planner.costs.perf import distinct_rows
+from lightning_shardrec.planner.machine.rates import critical_path
 
 TINY = (4, 8)  # rows, dim of a tiny table: one row per rank row-wise, two per rank in a host
 
@@ -66,7 +66,7 @@ def step_parts(rates: Rates, per_rank: list[dict[str, list[list[float]]]]) -> di
     rows' term), so no byte is counted twice. First the rates: the all-to-all bandwidths slowed as a wide
     table's step shows, the replicated rates scaled to a large replicated table's step. Then, net of the
     critical path at those rates: the fixed step; by the calls
-    :data:`~lightning_shardrec.planner.rates.MECHANISM_CALLS` counts, the seconds per all-to-all (table-wise's
+    :data:`~lightning_shardrec.planner.machine.rates.MECHANISM_CALLS` counts, the seconds per all-to-all (table-wise's
     4), per in-host all-to-all (table-row-wise's 2 more), per reduce-scatter or all-gather (row-wise's, beside
     its 2 all-to-alls); a further piece's and a further group's seconds; the seconds per byte of distinct
     distinct row and byte of it a lookup and update touch (twelve tables of many rows, 64 and 16 wide,

@@ -10,7 +10,7 @@ from _calibrate_runs import BATCH, LOCAL, POOLING, TABLES, WORLD, Measured
 from _comm_count import Tally
 
 from lightning_shardrec.planner import Rates
-from lightning_shardrec.planner.rates import Calls
+from lightning_shardrec.planner.machine.rates import Calls
 
 SECTION = "## Cost model against measured steps"
 #: the counter's ``kind@group`` -> the cost model's :class:`Calls` field

@@ -17,7 +17,7 @@ on all ranks at once, as they run in a step) writes a JSON file ``Topology(rates
   the bucketed all-reduce adds (overlapping the backward, as in a step) gives ``allreduce_bw``;
 - probe steps, interleaved in rounds (``_calibrate_probes.PROBES``): the fixed step (a tiny replicated
   table), then one table per mechanism; the seconds each adds, divided by the calls it adds (counted,
-  ``planner/rates.py``), give the in-step seconds per all-to-all, in-host all-to-all and
+  ``planner/machine/rates.py``), give the in-step seconds per all-to-all, in-host all-to-all and
   reduce-scatter/all-gather; pairs of mechanisms the seconds per further group, six tables per table,
   tables of many rows the seconds per byte of distinct rows, a large replicated table the in-step
   replicated rates (``_calibrate_probes.step_parts``).
@@ -50,7 +50,7 @@ from harness import cpu_model, replace_section  # noqa: E402
 from lightning_shardrec import FusedOptimConfig
 from lightning_shardrec.configs import EmbOptimType
 from lightning_shardrec.planner import Rates, Topology, step_estimate
-from lightning_shardrec.planner.rates import step_calls
+from lightning_shardrec.planner.machine.rates import step_calls
 from lightning_shardrec.testing import local_world_size, run_ranks
 
 #: (rows, dim, batch) the kernel is timed on: 4 rows, so its rows stay in cache and the fit is the cost per id;
@@ -60,7 +60,7 @@ SHAPES = [(4, 16, 256), (4, 64, 256), (4, 128, 256), (4, 64, 1024), (4, 32, 2048
 
 # --- measure ---------------------------------------------------------------------------------
 def kernel_bytes(ids: float, cols: int) -> float:
-    """The bytes the cost model charges a lookup + adagrad update (``planner/perf.py``: ``_compute``)."""
+    """The bytes the cost model charges a lookup + adagrad update (``planner/costs/perf.py``: ``_compute``)."""
     state = EmbOptimType.ADAGRAD.state_per_row(cols)
     return ids * cols * 4 + ids * (cols * 4 + 2 * cols * 4 + 2 * state * 4)
 

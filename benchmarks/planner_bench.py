@@ -76,8 +76,8 @@ def table_wise_baseline(planner: EmbeddingShardingPlanner, tables: dict) -> floa
 
     Memory is ignored (some mixed tables exceed one GPU), which only flatters the baseline.
     """
-    from lightning_shardrec.planner.enumerate import table_options
-    from lightning_shardrec.planner.tables import table_specs
+    from lightning_shardrec.planner.plans.tables import table_specs
+    from lightning_shardrec.planner.search.enumerate import table_options
 
     topo = planner.topology
     opts = [
@@ -144,7 +144,7 @@ def section(cmd: str, batch_size: int, lws: int, table: list[str]) -> str:
         "network; adagrad).  ",
         f"Machine: {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}, "
         "pure-Python planner, no GPU needed. Costs are the planner's own estimates "
-        "(`lightning_shardrec/planner/perf.py`); plan time is CPU seconds (the machine is shared).",
+        "(`lightning_shardrec/planner/costs/perf.py`); plan time is CPU seconds (the machine is shared).",
         "",
         "- **lower bound** = sum over tables of the cheapest arrangement's total work (table-wise, or "
         "data-parallel where allowed) / world size: the slowest rank if work were perfectly divisible.",

@@ -105,7 +105,7 @@ def run_rank(rank: int, world: int, rows: int, tables: int, steps: int, ckpt_in:
     import torch
 
     from lightning_shardrec import ParameterConstraints, ShardRecStrategy
-    from lightning_shardrec.planner.memory import RANK_ALLOWANCE
+    from lightning_shardrec.planner.machine.memory import RANK_ALLOWANCE
 
     launched = {"WORLD_SIZE": world, "RANK": rank, "LOCAL_RANK": rank, "NODE_RANK": 0, "LOCAL_WORLD_SIZE": world}
     os.environ.update({k: str(v) for k, v in launched.items()}, MASTER_ADDR="127.0.0.1")  # as torchrun would

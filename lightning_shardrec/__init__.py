@@ -89,7 +89,7 @@ _LAZY: dict[str, str] = {
 }
 
 
-_STRATEGY = "lightning_shardrec.lightning.strategy"  # importing it registers strategy="shardrec"
+_STRATEGY = "lightning_shardrec.lightning.strategies.strategy"  # importing it registers strategy="shardrec"
 
 
 def _register_if_lightning_is_loaded() -> bool:

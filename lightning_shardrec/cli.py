@@ -31,8 +31,8 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from typing_extensions import override
 
 import lightning_shardrec  # noqa: F401  (registers strategy="shardrec")
-from lightning_shardrec.lightning.curves import TrainingCurves
-from lightning_shardrec.planner.types import EmbeddingComputeKernel, ShardingType, parse_enum
+from lightning_shardrec.lightning.reports.curves import TrainingCurves
+from lightning_shardrec.planner.plans.types import EmbeddingComputeKernel, ShardingType, parse_enum
 
 
 def _register_plan_enums() -> None:

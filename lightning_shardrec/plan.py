@@ -48,7 +48,8 @@ from lightning_shardrec.planner import (
     ShardingPlan,
     Topology,
 )
-from lightning_shardrec.planner.memory import (
+from lightning_shardrec.planner.costs.storage import id_map_bytes, resident_bytes
+from lightning_shardrec.planner.machine.memory import (
     DEFAULT_RESERVE,
     RESERVED_FOR,
     cuda_capacity,
@@ -56,8 +57,7 @@ from lightning_shardrec.planner.memory import (
     peak_line,
     size_text,
 )
-from lightning_shardrec.planner.storage import id_map_bytes, resident_bytes
-from lightning_shardrec.planner.tables import TRAIN_WEIGHT_BYTES, table_specs
+from lightning_shardrec.planner.plans.tables import TRAIN_WEIGHT_BYTES, table_specs
 
 CONFIG_KEYS = ("name", "num_embeddings", "embedding_dim", "feature_names", "data_type")
 CONSTRAINT_KEYS = (

@@ -54,7 +54,7 @@ def _worker(rank: int, world_size: int, backend: str, port: int, jobs: Any, resu
             results.put((rank, True, fn(rank, world_size, *args)))
         except BaseException:  # report everything; the parent decides
             results.put((rank, False, traceback.format_exc()))
-    from lightning_shardrec.lightning.teardown import shutdown_at_exit
+    from lightning_shardrec.lightning.failures.teardown import shutdown_at_exit
 
     shutdown_at_exit()  # monitors and threads a test left running, the library's cached groups
     if dist.is_initialized():

@@ -61,9 +61,10 @@ def forked_python() -> Iterator[ForkedPython]:
 def _clean_exit() -> Iterator[None]:
     """At the session's end, while the interpreter is whole: the rank pools' workers exit cleanly, and every
     health monitor, library thread and process group a test left in this process is stopped, joined and
-    destroyed (a daemon thread inside a torch call at interpreter exit aborts pytest: lightning/teardown.py)."""
+    destroyed (a daemon thread inside a torch call at interpreter exit aborts pytest:
+    lightning/failures/teardown.py)."""
     yield
-    from lightning_shardrec.lightning.teardown import shutdown_at_exit
+    from lightning_shardrec.lightning.failures.teardown import shutdown_at_exit
     from lightning_shardrec.testing import close_pools
 
     close_pools()

@@ -7,7 +7,7 @@ caller gets a clear error; nothing here raises ``AttributeError`` from Lightning
 
 Not here, because they are members of the class the strategy extends rather than names it
 imports: ``DDPStrategy._timeout``, ``_ddp_kwargs``, ``_get_process_group_backend()`` and
-``_register_ddp_hooks()`` (2.0 to 2.6), used by ``lightning/strategy.py`` as Lightning's own
+``_register_ddp_hooks()`` (2.0 to 2.6), used by ``lightning/strategies/strategy.py`` as Lightning's own
 subclasses use them. No fallback: a release that renames them fails the strategy's tests at setup.
 """
 
@@ -48,7 +48,7 @@ def fit_data_fetcher(trainer: Any) -> Any:
 
 
 #: ``_TrainingEpochLoop._broadcast_sigterm_tensor``: the fit loop's per-batch broadcast of rank 0's SIGTERM
-#: flag (2.4 to 2.6). :class:`~lightning_shardrec.lightning.sigterm.LaggedSigterm` shadows it on one loop
+#: flag (2.4 to 2.6). :class:`~lightning_shardrec.lightning.failures.sigterm.LaggedSigterm` shadows it on one loop
 #: instance while training. Fallback when missing: nothing is shadowed (Lightning's own check stays).
 SIGTERM_LOOP_CHECK = "_broadcast_sigterm_tensor"
 

@@ -239,7 +239,7 @@ def aoti_compile_and_package(program: Any, package_path: str, inductor_configs: 
     return compile_package(program, package_path=package_path, inductor_configs=dict(inductor_configs))
 
 
-# --- distributed (optim/, distributed/, lightning/strategy.py) -----------------------------------------------------
+# --- distributed (optim/, distributed/, lightning/strategies/strategy.py) -------------------------------------------
 
 
 def apply_optimizer_in_backward(

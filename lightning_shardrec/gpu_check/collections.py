@@ -31,7 +31,7 @@ from lightning_shardrec import (
 from lightning_shardrec.configs import EmbOptimType
 from lightning_shardrec.gpu_check.env import Mode, one_rank_group
 from lightning_shardrec.gpu_check.report import Check, Report, Status
-from lightning_shardrec.lightning.optimizers import derive_fused_config
+from lightning_shardrec.lightning.parameters.optimizers import derive_fused_config
 from lightning_shardrec.planner import (
     ComputeDevice,
     EmbeddingShardingPlanner,

@@ -134,7 +134,7 @@ def exactness(mode: MultiMode, rank: int, device: torch.device, kernel: str) -> 
     """Max |diff| of this rank's outputs (every step, then an eval) against one process on the global
     batches, and whether every output is within :data:`~lightning_shardrec.gpu_check.collections.TOL`."""
     from lightning_shardrec.configs import EmbOptimType
-    from lightning_shardrec.lightning.optimizers import derive_fused_config
+    from lightning_shardrec.lightning.parameters.optimizers import derive_fused_config
 
     bags = mode.sizes.exact_batch
     data = exact_batches(mode.world, bags, mode.sizes.exact_steps)

@@ -35,7 +35,7 @@ def __getattr__(name: str) -> object:
 
         return importlib.import_module("lightning_shardrec.inference.modules")
     if name == "QuantizedPredictor":
-        from lightning_shardrec.lightning.predictor import QuantizedPredictor
+        from lightning_shardrec.lightning.reports.predictor import QuantizedPredictor
 
         return QuantizedPredictor
     raise AttributeError(f"module 'lightning_shardrec.inference' has no attribute {name!r}")

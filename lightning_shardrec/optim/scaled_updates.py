@@ -9,7 +9,7 @@ graph, and backward keeps the gradient that reaches the kernel (``[B, sum D]`` p
 
 1. :meth:`found_inf`: 1.0 if any kept gradient holds NaN/inf (a 0-d tensor on the
    kernels' device; no host sync). Combine it over ranks (each holds other shards) and
-   with the dense gradients' check (see :class:`~lightning_shardrec.lightning.precision.ScalerGlue`);
+   with the dense gradients' check (see :class:`~lightning_shardrec.lightning.training.precision.ScalerGlue`);
 2. :meth:`apply` with the scale of that backward: each kept lookup is replayed (one extra
    lookup) and its gradient divided by the scale reaches the kernel, which updates as
    in an unscaled run (a kernel looked up several times in the step: its replays' row

@@ -4,21 +4,21 @@ Pure: plans for a pretend world size from table configs; ``collective_plan`` is 
 only part that talks to a process group.
 """
 
-from lightning_shardrec.planner.collective import collective_plan
-from lightning_shardrec.planner.perf import Workload, shard_perf
-from lightning_shardrec.planner.planner import EmbeddingShardingPlanner
-from lightning_shardrec.planner.rates import Rates, step_estimate
-from lightning_shardrec.planner.sharding_plan import PlanStats, ShardingPlan
-from lightning_shardrec.planner.storage import shard_storage
-from lightning_shardrec.planner.topology import DEVICE_DEFAULTS, ComputeDevice, Topology
-from lightning_shardrec.planner.types import (
+from lightning_shardrec.planner.costs.perf import Workload, shard_perf
+from lightning_shardrec.planner.costs.storage import shard_storage
+from lightning_shardrec.planner.machine.rates import Rates, step_estimate
+from lightning_shardrec.planner.machine.topology import DEVICE_DEFAULTS, ComputeDevice, Topology
+from lightning_shardrec.planner.plans.sharding_plan import PlanStats, ShardingPlan
+from lightning_shardrec.planner.plans.types import (
     EmbeddingComputeKernel,
     ParameterConstraints,
     ParameterSharding,
     ShardingType,
     ShardMetadata,
 )
-from lightning_shardrec.planner.validate import sharding_problems
+from lightning_shardrec.planner.plans.validate import sharding_problems
+from lightning_shardrec.planner.search.collective import collective_plan
+from lightning_shardrec.planner.search.planner import EmbeddingShardingPlanner
 
 __all__ = [
     "DEVICE_DEFAULTS",

@@ -18,7 +18,7 @@ from _calibrate_report import Row, as_calls, order_agreement  # noqa: E402
 from _calibrate_runs import LOCAL, WORLD, Measured, plan_for  # noqa: E402
 from _comm_count import Tally  # noqa: E402
 
-from lightning_shardrec.planner.rates import Calls, step_calls  # noqa: E402
+from lightning_shardrec.planner.machine.rates import Calls, step_calls  # noqa: E402
 from lightning_shardrec.testing import run_ranks  # noqa: E402
 
 #: every mechanism at least once (mixed: table-wise, row-wise and replicated), and DDP with 2 buckets

@@ -1,6 +1,6 @@
 """After fit, ``torch.save(model.state_dict())`` on rank 0 alone (what DDP users do) works when the tables fit.
 
-At the end of fit every rank gathers the full tables to rank 0 (lightning/after_fit.py: by default
+At the end of fit every rank gathers the full tables to rank 0 (lightning/checkpoints/after_fit.py: by default
 when they take at most 64 MiB, with ``full_tables_after_fit=True`` whenever they fit); rank 0's
 ``model.state_dict()`` then equals the collective ``trainer.strategy.full_state_dict()`` and loads
 into the plain model. Elsewhere, or where the tables do not fit, ``ShardedStateError`` says why.
@@ -12,7 +12,7 @@ import pytest
 import torch
 from _models import Rec, data, external_launch, trainer
 
-from lightning_shardrec.lightning import after_fit
+from lightning_shardrec.lightning.checkpoints import after_fit
 from lightning_shardrec.testing import run_ranks
 
 

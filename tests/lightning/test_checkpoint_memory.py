@@ -370,7 +370,7 @@ def resume_plain(rank: int, world: int, path: str) -> dict[str, object]:
     memory-mapped (today), then read whole by Lightning's loader (before); peaks and the state both reach."""
     from lightning_shardrec import ParameterConstraints, ShardRecStrategy
     from lightning_shardrec.checkpoint import mapped_file
-    from lightning_shardrec.lightning import checkpointing
+    from lightning_shardrec.lightning.checkpoints import checkpointing
 
     external_launch(rank, world)
     out: dict[str, object] = {}

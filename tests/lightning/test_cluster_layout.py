@@ -15,7 +15,7 @@ import pytest
 import torch
 from _models import Rec, data, trainer
 
-from lightning_shardrec.lightning.cluster import ranks_per_host
+from lightning_shardrec.lightning.strategies.cluster import ranks_per_host
 from lightning_shardrec.testing import pretend_hosts, run_ranks
 
 STEPS = 3
@@ -25,7 +25,7 @@ TYPES = {"mid": "grid_shard", "tiny": "row_wise"}
 
 def two_nodes(rank, world, layout=None):
     from lightning_shardrec import ParameterConstraints, ParameterSharding, ShardRecStrategy
-    from lightning_shardrec.lightning import strategy as strategy_module
+    from lightning_shardrec.lightning.strategies import strategy as strategy_module
     from lightning_shardrec.planner import ShardMetadata
 
     for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "NUM_NODES", "SLURM_NNODES", "NNODES"):

@@ -23,7 +23,7 @@ from lightning_shardrec.testing import run_ranks
 
 STEPS, BATCH = 6, 4
 FIT_S = 600.0  # a fit of 2 ranks on 2 cores shared with other jobs (load 30 measured) outlasts the 180 s default
-CONTROL = ("lightning/sigterm.py", "lightning/uneven.py", "lightning/after_fit.py")
+CONTROL = ("lightning/failures/sigterm.py", "lightning/training/uneven.py", "lightning/checkpoints/after_fit.py")
 KINDS = {"t_big": "row_wise", "t_mid": "table_wise", "t_tiny": "data_parallel"}
 
 
@@ -71,9 +71,10 @@ def test_every_rank_issues_the_same_collectives_in_the_same_order(case: str) -> 
         others = [c for c in calls if c.group == group and c.op != "new_group" and not c.caller.endswith(CONTROL)]
         assert not others, f"rank {rank}: the control group carries other collectives: " + "; ".join(map(str, others))
     if case == "uneven":  # a next() agreement per step: 3 steps and the end of the epoch
-        assert sum(c.caller.endswith("lightning/uneven.py") and c.op == "all_reduce" for c in sequences[0]) >= 4
+        uneven = "lightning/training/uneven.py"
+        assert sum(c.caller.endswith(uneven) and c.op == "all_reduce" for c in sequences[0]) >= 4
     if case == "static":  # the after-fit decision joined the SIGTERM flag on the control group
-        assert any(c.caller.endswith("lightning/after_fit.py") for c in sequences[0])
+        assert any(c.caller.endswith("lightning/checkpoints/after_fit.py") for c in sequences[0])
 
 
 def _swapped(rank: int, world: int) -> list[Call]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_shardrec.lightning.curves import CurveHistory, TrainingCurves, plot_curves
+from lightning_shardrec.lightning.reports.curves import CurveHistory, TrainingCurves, plot_curves
 
 STEPS_PER_EPOCH = 4
 

@@ -364,8 +364,8 @@ class ClipsItself(Rec):
 def test_the_plan_printout_and_the_fit_start_line_say_why_updates_wait(capsys):
     from types import SimpleNamespace
 
-    from lightning_shardrec.lightning.deferred import deferral_line, deferral_reason
-    from lightning_shardrec.lightning.plan_report import print_plan
+    from lightning_shardrec.lightning.reports.plan_report import print_plan
+    from lightning_shardrec.lightning.training.deferred import deferral_line, deferral_reason
     from lightning_shardrec.planner import EmbeddingShardingPlanner, Topology
 
     def fit(k=1, clip=None, algorithm=None):

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingBagConfig, SyntheticRecDataModule
 from lightning_shardrec.errors import DynamicTableFullWarning
 from lightning_shardrec.lightning import DynamicTableMonitor
-from lightning_shardrec.lightning.dynamic_monitor import add_dynamic_monitor
+from lightning_shardrec.lightning.reports.dynamic_monitor import add_dynamic_monitor
 from lightning_shardrec.modules.dynamic.mapper import WINDOW_FIELDS
 from lightning_shardrec.modules.dynamic.stats import DERIVED, FIELDS
 from lightning_shardrec.testing import run_ranks

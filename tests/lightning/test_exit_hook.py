@@ -1,4 +1,4 @@
-"""The exit hook (lightning/teardown.py): nothing the library started outlives the interpreter.
+"""The exit hook (lightning/failures/teardown.py): nothing the library started outlives the interpreter.
 
 A daemon thread inside a torch store call when the interpreter finalizes ends the process with
 ``terminate called without an active exception`` (SIGABRT). Health monitors beating every 0.1 ms
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from lightning_shardrec.distributed.comm import groups
 from lightning_shardrec.distributed.health import heartbeats as health
-from lightning_shardrec.lightning import teardown
+from lightning_shardrec.lightning.failures import teardown
 
 ROOT = Path(__file__).resolve().parents[2]
 

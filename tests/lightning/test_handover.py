@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_shardrec import KeyedJaggedTensor
-from lightning_shardrec.lightning.handover import hand_over, tensors_in
+from lightning_shardrec.lightning.training.handover import hand_over, tensors_in
 
 
 def kjt() -> KeyedJaggedTensor:

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_shardrec.lightning.cluster import ranks_per_host
+from lightning_shardrec.lightning.strategies.cluster import ranks_per_host
 from lightning_shardrec.planner import Topology
-from lightning_shardrec.planner.mesh import host_mesh, launcher_local_world_size, mesh_layout
+from lightning_shardrec.planner.machine.mesh import host_mesh, launcher_local_world_size, mesh_layout
 from lightning_shardrec.testing import run_ranks
 
 LAUNCHER_VARS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES", "NUM_NODES", "NNODES")
@@ -42,7 +42,7 @@ def _layout_under(rank: int, world: int, style: str) -> tuple:
         for k, v in variables.items():
             os.environ[k] = v.format(local=rank % 2, host=rank // 2)
         local = ranks_per_host(world, *lightning) if lightning is not None else 0  # Lightning's cluster numbers
-        mesh = host_mesh(local)  # as the strategy does (lightning/strategy.py ``_shard``)
+        mesh = host_mesh(local)  # as the strategy does (lightning/strategies/strategy.py ``_shard``)
         env = ShardingEnv.from_process_group(local_world_size=mesh_layout(mesh)[1])
         host = host_group(env)
         topo = Topology.from_device_mesh(mesh, compute_device="cpu")
@@ -136,7 +136,7 @@ def _planner_on_rank_zero_alone(rank: int, world: int) -> int | None:
     import torch.distributed as dist
 
     from lightning_shardrec.planner import EmbeddingShardingPlanner
-    from lightning_shardrec.planner import mesh as mesh_module
+    from lightning_shardrec.planner.machine import mesh as mesh_module
 
     saved, saved_env = dict(mesh_module._MESHES), os.environ.get("LOCAL_WORLD_SIZE")
     mesh_module._MESHES.clear()  # no mesh built on this world yet: nothing to read it from

@@ -73,7 +73,7 @@ def test_the_deferred_updates_line_prints_once():
 
 
 def test_the_advice_after_a_rank_failed_on_data_is_to_fix_the_data():
-    from lightning_shardrec.lightning.rank_failures import advice
+    from lightning_shardrec.lightning.failures.rank_failures import advice
 
     data = advice("rank 1 failed with IdOutOfRangeError: feature 'big' (table 't_big'): id 7 outside [0, 3)")
     assert data.startswith("This is a data error: fix the ids") and "ckpt_path" not in data
@@ -84,7 +84,7 @@ def test_the_advice_after_a_rank_failed_on_data_is_to_fix_the_data():
 
 
 def test_where_in_batch_names_the_keys_holding_an_id():
-    from lightning_shardrec.lightning.data_errors import where_in_batch
+    from lightning_shardrec.lightning.failures.data_errors import where_in_batch
     from lightning_shardrec.sparse import KeyedJaggedTensor
 
     kjt = KeyedJaggedTensor(keys=["u", "i"], values=torch.tensor([1, 9, 2]), lengths=torch.tensor([1, 1, 1, 0]))
@@ -117,7 +117,7 @@ def fit_pipelined_collections_and_plain_modules(rank, world):
 
 
 def test_pipeline_on_plain_modules_says_what_it_prefetches():
-    from lightning_shardrec.lightning.pipeline import prefetch_line
+    from lightning_shardrec.lightning.training.pipeline import prefetch_line
 
     ((line,),) = run_ranks(fit_pipelined_collections_and_plain_modules, 1)
     assert line == (

@@ -157,7 +157,7 @@ def fit_and_inspect(rank: int, world: int) -> dict[str, object]:
         signal_connector,
         sigterm_notifier,
     )
-    from lightning_shardrec.lightning.pipeline import LookaheadFetcher
+    from lightning_shardrec.lightning.training.pipeline import LookaheadFetcher
 
     external_launch(rank, world)
     seen: dict[str, object] = {}

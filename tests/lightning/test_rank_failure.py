@@ -63,7 +63,7 @@ def test_hung_rank_is_named_by_the_heartbeat_watchdog(tmp_path, forked_python):
 @pytest.mark.parametrize("report_finishes", [True, False])
 def test_a_declaration_during_a_failure_report_exits_only_if_the_report_is_stuck(monkeypatch, report_finishes):
     from lightning_shardrec import ShardRecStrategy
-    from lightning_shardrec.lightning import rank_failures
+    from lightning_shardrec.lightning.failures import rank_failures
 
     class Stopped:
         def stop(self) -> None:

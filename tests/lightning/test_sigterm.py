@@ -18,7 +18,7 @@ def _batches(rank, world, signal_at, every=1):
     import torch.distributed as dist
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lightning_shardrec.lightning.sigterm import LaggedSigterm
+    from lightning_shardrec.lightning.failures.sigterm import LaggedSigterm
 
     trainer = SimpleNamespace(received_sigterm=False, fit_loop=SimpleNamespace(epoch_loop=_Loop()))
     loop = trainer.fit_loop.epoch_loop
@@ -54,7 +54,7 @@ def test_flag_sent_every_4_batches_stops_within_4(signal_at, expected):
 
 def test_every_must_be_positive():
 
-    from lightning_shardrec.lightning.sigterm import LaggedSigterm
+    from lightning_shardrec.lightning.failures.sigterm import LaggedSigterm
 
     with pytest.raises(ValueError, match="every must be >= 1 batch, got 0"):
         LaggedSigterm(None, every=0)  # type: ignore[arg-type]
@@ -69,7 +69,7 @@ def test_no_sigterm_no_stop_and_the_loop_gets_its_check_back():
 def _install_without_check(rank, world):
     import torch.distributed as dist
 
-    from lightning_shardrec.lightning.sigterm import LaggedSigterm
+    from lightning_shardrec.lightning.failures.sigterm import LaggedSigterm
 
     trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
     installed = LaggedSigterm(dist.new_group(backend="gloo")).install(trainer)

@@ -63,7 +63,7 @@ def _running_in_group(pgid: int) -> list[int]:
 
 
 def test_a_bad_grace_is_named(monkeypatch):
-    from lightning_shardrec.lightning.sigterm import GRACE_ENV, SigtermDeadline
+    from lightning_shardrec.lightning.failures.sigterm import GRACE_ENV, SigtermDeadline
 
     monkeypatch.setenv(GRACE_ENV, "soon")
     with pytest.raises(

@@ -46,7 +46,7 @@ COLLECTIVES = (
     "irecv",
 )
 #: the SIGTERM flag's lagged all-reduce: the control path (#42 item 4)
-CONTROL = ("lightning_shardrec/lightning/sigterm.py",)
+CONTROL = ("lightning_shardrec/lightning/failures/sigterm.py",)
 
 
 def _site() -> str:

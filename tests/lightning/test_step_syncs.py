@@ -19,7 +19,7 @@ from lightning_shardrec.testing import run_ranks
 BOUND = {"static": 2, "dynamic": 4}
 STEPS = 6
 #: the SIGTERM flag's read (every few steps) is the control path's (#42 item 4), on a host tensor
-CONTROL = ("lightning_shardrec/lightning/sigterm.py",)
+CONTROL = ("lightning_shardrec/lightning/failures/sigterm.py",)
 
 
 class CountSyncs(L.Callback):

@@ -12,7 +12,7 @@ from _models import Rec, data, external_launch, trainer
 import lightning_shardrec  # noqa: F401
 from lightning_shardrec import FusedOptimConfig, ShardRecStrategy
 from lightning_shardrec.errors import PlannerError
-from lightning_shardrec.lightning.optimizers import derive_fused_config, find_group, remove_params
+from lightning_shardrec.lightning.parameters.optimizers import derive_fused_config, find_group, remove_params
 from lightning_shardrec.testing import run_ranks
 
 
@@ -64,7 +64,8 @@ def fit_with(rank, world, what):
         model = Rec("sgd")
         model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     elif what == "reserve":  # the CPU ranks' memory just above what the tables need: refused by the reserve
-        from lightning_shardrec.planner import EmbeddingShardingPlanner, Topology, topology
+        from lightning_shardrec.planner import EmbeddingShardingPlanner, Topology
+        from lightning_shardrec.planner.machine import topology
 
         need = EmbeddingShardingPlanner(Topology(world, compute_device="cpu"), reserve=0.0).plan(Rec()).stats
         topology.host_memory = lambda: world * int(need.max_storage / 0.95)  # the host's, shared by its ranks
@@ -75,7 +76,7 @@ def fit_with(rank, world, what):
         model = Rec()
         model.ebc = torch.nn.Identity()
         model.training_step = lambda batch, batch_idx: model.mlp(torch.nn.functional.pad(batch.dense, (0, 24))).mean()
-    from lightning_shardrec.planner import memory, topology
+    from lightning_shardrec.planner.machine import memory, topology
 
     try:
         t.fit(model, data(4, 2))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from _models import Rec, data, external_launch, trainer
 
 from lightning_shardrec import FusedOptimConfig
-from lightning_shardrec.lightning.optimizers import derive_fused_config, rule_report
+from lightning_shardrec.lightning.parameters.optimizers import derive_fused_config, rule_report
 from lightning_shardrec.testing import run_ranks
 
 BATCH = 6  # per rank

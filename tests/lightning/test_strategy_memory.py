@@ -127,7 +127,7 @@ def test_resume_from_a_plain_checkpoint_keeps_only_the_share(tmp_path) -> None:
 def refused(rank: int, world: int) -> tuple[str, int]:
     from lightning_shardrec import ShardRecStrategy
     from lightning_shardrec.errors import PlannerError
-    from lightning_shardrec.planner import memory, topology
+    from lightning_shardrec.planner.machine import memory, topology
 
     external_launch(rank, world)
     _warm_up(world)

@@ -36,11 +36,11 @@ def plain_loop(rank, world, path):
 
     from lightning_shardrec import ParameterConstraints
     from lightning_shardrec.errors import NonFiniteError
-    from lightning_shardrec.lightning.checkpointing import ShardedCheckpoints
-    from lightning_shardrec.lightning.dense import DenseReplicas
-    from lightning_shardrec.lightning.options import ShardRecOptions
-    from lightning_shardrec.lightning.tables import ShardedTables
-    from lightning_shardrec.lightning.updates import StepUpdates
+    from lightning_shardrec.lightning.checkpoints.checkpointing import ShardedCheckpoints
+    from lightning_shardrec.lightning.parameters.dense import DenseReplicas
+    from lightning_shardrec.lightning.parameters.tables import ShardedTables
+    from lightning_shardrec.lightning.parameters.updates import StepUpdates
+    from lightning_shardrec.lightning.strategies.options import ShardRecOptions
 
     row_wise = {f"t_{f}": ParameterConstraints(sharding_types=["row_wise"]) for f, *_ in TABLES}
     tables = ShardedTables(ShardRecOptions(constraints=row_wise))
@@ -95,7 +95,7 @@ def test_the_plain_objects_train_and_checkpoint_without_a_trainer(tmp_path):
 
 
 def test_failure_handling_names_the_rank_and_ends_the_launched_ranks(monkeypatch, capsys):
-    from lightning_shardrec.lightning import rank_failures
+    from lightning_shardrec.lightning.failures import rank_failures
 
     exits: list[int] = []
     killed: list[bool] = []

@@ -55,7 +55,7 @@ def test_load_from_checkpoint_copies_every_weight_from_the_files(saved, monkeypa
         return checkpoint
 
     monkeypatch.setattr(StoredTensor, "read_into", spy_read)
-    monkeypatch.setattr("lightning_shardrec.lightning.checkpoint_io.read_full", spy_full)
+    monkeypatch.setattr("lightning_shardrec.lightning.checkpoints.checkpoint_io.read_full", spy_full)
     loaded = load_from_checkpoint(Rec, path)
     assert_same(loaded.state_dict(), want, "load_from_checkpoint, streamed")
     assert sorted(read) == sorted(want)  # each weight read once, straight into the model's own tensor

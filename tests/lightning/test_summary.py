@@ -26,7 +26,7 @@ class Lines(logging.Handler):
 
 def fit_with_summary(rank, world):
     from lightning_shardrec import ParameterConstraints, ShardRecStrategy
-    from lightning_shardrec.lightning.summary import ShardedModelSummary
+    from lightning_shardrec.lightning.reports.summary import ShardedModelSummary
 
     external_launch(rank, world)
     kinds = {"t_big": "row_wise", "t_mid": "table_wise", "t_tiny": "table_wise"}

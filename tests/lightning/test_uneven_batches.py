@@ -4,7 +4,7 @@ Each rank reads its own ``IterableDataset`` of a different length; a rank whose 
 trains on with empty batches until every rank's has ended. The result equals one process
 (no strategy) over the same per-step global batches: step ``k`` is the rows of every rank
 that still had a batch ``k``. The loss sums over rows and divides by a constant, so DDP's
-average over ranks (``1/W Σ_r``) is the one process's ``sum / (W * B)`` (lightning/uneven.py).
+average over ranks (``1/W Σ_r``) is the one process's ``sum / (W * B)`` (lightning/training/uneven.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from _models import Rec, data, external_launch, trainer
 
 from lightning_shardrec import KeyedJaggedTensor
 from lightning_shardrec.data import RecBatch
-from lightning_shardrec.lightning.uneven import empty_like, is_empty, zero_loss
+from lightning_shardrec.lightning.training.uneven import empty_like, is_empty, zero_loss
 from lightning_shardrec.testing import run_ranks
 
 BATCH = 4  # rows per rank and step

@@ -13,7 +13,7 @@ from lightning_shardrec.distributed.types import CacheParams, KeyValueParams, Pa
 from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.modules.embedding_configs import DataType
 from lightning_shardrec.planner import ShardingPlan
-from lightning_shardrec.planner.table_params import BoundsCheckMode
+from lightning_shardrec.planner.plans.table_params import BoundsCheckMode
 
 TORCHREC_REPR = (
     "ParameterSharding(sharding_type='table_wise', compute_kernel='fused', ranks=[2], "

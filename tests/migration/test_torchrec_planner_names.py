@@ -3,7 +3,7 @@
 ``hash_planner_context_inputs``, ``validate_compute_kernels``; and the names refused with a reason.
 
 Expected values are TorchRec 1.8's rules (``/work/venvs/torchrec``, ``torchrec/distributed/types.py`` and
-``planner/types.py``): ``CacheParams``' hash leaves out ``stats``; ``Storage`` adds, subtracts and orders
+``planner/plans/types.py``): ``CacheParams``' hash leaves out ``stats``; ``Storage`` adds, subtracts and orders
 field by field (hbm, ddr, ssd) and ``fits_in`` compares every field; ``str(Shard)`` is
 ``Shard size: (r, c), offset: (r, c), storage: ..., perf: ..., rank: r``; ``TrainerConfig.validate`` needs a
 world size and a pod size within it; ``validate_compute_kernels`` lists every violation at once.

@@ -8,7 +8,7 @@ import torch
 from lightning_shardrec import FusedOptimConfig, KeyedJaggedTensor
 from lightning_shardrec._fbgemm import fbgemm_available
 from lightning_shardrec.kernels import TableSpec, make_kernel
-from lightning_shardrec.lightning.precision import poison_one_grad
+from lightning_shardrec.lightning.training.precision import poison_one_grad
 from lightning_shardrec.optim import ScaledTableUpdates
 
 BACKENDS = ["torch"] + (["fbgemm"] if fbgemm_available() else [])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from lightning_shardrec.configs import EmbeddingBagConfig, EmbeddingConfig
 from lightning_shardrec.planner import Rates, ShardingPlan, Topology, sharding_problems
-from lightning_shardrec.planner.memory import MemoryBudget
-from lightning_shardrec.planner.tables import table_specs
+from lightning_shardrec.planner.machine.memory import MemoryBudget
+from lightning_shardrec.planner.plans.tables import table_specs
 
 
 def bag(name: str, rows: int, dim: int = 64) -> EmbeddingBagConfig:

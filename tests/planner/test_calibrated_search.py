@@ -85,7 +85,7 @@ def test_the_chosen_plan_is_estimated_no_slower_than_whole_tables_or_no_replicas
 
 
 def test_without_rates_the_search_levels_the_slowest_rank_as_before(monkeypatch) -> None:
-    import lightning_shardrec.planner.planner as planner_module
+    import lightning_shardrec.planner.search.planner as planner_module
 
     def no_estimate(*args, **kwargs) -> float:  # type: ignore[no-untyped-def]
         raise AssertionError("a plan without rates was scored by step_estimate")
@@ -100,10 +100,10 @@ def test_without_rates_the_search_levels_the_slowest_rank_as_before(monkeypatch)
 
 def test_partition_keeps_the_plan_its_score_prefers() -> None:
     """Given a score, the plan partition returns scores no worse than the load-only plan's."""
-    from lightning_shardrec.planner.enumerate import table_options
-    from lightning_shardrec.planner.partition import makespan, partition
-    from lightning_shardrec.planner.perf import Workload
-    from lightning_shardrec.planner.tables import find_tables, table_specs
+    from lightning_shardrec.planner.costs.perf import Workload
+    from lightning_shardrec.planner.plans.tables import find_tables, table_specs
+    from lightning_shardrec.planner.search.enumerate import table_options
+    from lightning_shardrec.planner.search.partition import makespan, partition
 
     work = Workload(topology=Topology(4, compute_device="cpu", local_world_size=2), batch_size=256)
     opts = [table_options(s, work) for s in table_specs(find_tables(ebc()), {}, 4)]

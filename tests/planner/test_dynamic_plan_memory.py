@@ -7,8 +7,8 @@ import pytest
 from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
 from lightning_shardrec.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingPlan, Topology
-from lightning_shardrec.planner.dynamic_plan import DynamicLayout
-from lightning_shardrec.planner.memory import size_text
+from lightning_shardrec.planner.costs.dynamic_plan import DynamicLayout
+from lightning_shardrec.planner.machine.memory import size_text
 
 
 def _tables(dynamic: DynamicConfig | None) -> list[EmbeddingBagConfig]:

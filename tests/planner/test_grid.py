@@ -19,9 +19,9 @@ from lightning_shardrec.planner import (
     Workload,
     shard_perf,
 )
-from lightning_shardrec.planner.enumerate import column_cuts
-from lightning_shardrec.planner.perf import holder_output_seconds, host_charges
-from lightning_shardrec.planner.tables import table_specs
+from lightning_shardrec.planner.costs.perf import holder_output_seconds, host_charges
+from lightning_shardrec.planner.plans.tables import table_specs
+from lightning_shardrec.planner.search.enumerate import column_cuts
 
 ROWS = 1_000_000
 GRID = ShardingType.GRID_SHARD
@@ -269,9 +269,9 @@ def test_grid_only_on_a_narrow_table_names_the_reason() -> None:
 def test_skipping_grid_cuts_keeps_the_cheapest(world: int) -> None:
     """fill_grid skips cuts whose least total is above the best found: it returns what trying every cut
     (ties to the earlier cut) returns."""
-    from lightning_shardrec.planner.enumerate import table_options
-    from lightning_shardrec.planner.fill import RankLoads
-    from lightning_shardrec.planner.grid import _place_cut, fill_grid
+    from lightning_shardrec.planner.search.enumerate import table_options
+    from lightning_shardrec.planner.search.fill import RankLoads
+    from lightning_shardrec.planner.search.grid import _place_cut, fill_grid
 
     topo = Topology(world, local_world_size=8)
     work = Workload(topology=topo, batch_size=16384)

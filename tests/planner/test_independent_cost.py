@@ -85,6 +85,6 @@ def test_criteo_plan_at_64_gpus_within_1_10_of_the_bound() -> None:
 
 
 def test_narrow_pieces_only_from_32_ranks() -> None:
-    from lightning_shardrec.planner.tables import default_min_partition
+    from lightning_shardrec.planner.plans.tables import default_min_partition
 
     assert [default_min_partition(w) for w in (1, 2, 16, 31, 32, 64, 1024)] == [32, 32, 32, 32, 8, 8, 8]

@@ -19,11 +19,11 @@ from lightning_shardrec.planner import (
     Topology,
     Workload,
 )
-from lightning_shardrec.planner import topology as topology_module
-from lightning_shardrec.planner.memory import MemoryBudget
-from lightning_shardrec.planner.storage import resident_bytes
-from lightning_shardrec.planner.tables import table_specs
-from lightning_shardrec.planner.topology import GiB
+from lightning_shardrec.planner.costs.storage import resident_bytes
+from lightning_shardrec.planner.machine import topology as topology_module
+from lightning_shardrec.planner.machine.memory import MemoryBudget
+from lightning_shardrec.planner.machine.topology import GiB
+from lightning_shardrec.planner.plans.tables import table_specs
 
 ROWS, DIM = 1000, 16
 CASES = [("torch", o) for o in EmbOptimType] + [
@@ -139,14 +139,14 @@ def test_live_topology_takes_the_gpu_capacity(monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_capacity_is_the_device_total() -> None:
-    from lightning_shardrec.planner.memory import cuda_capacity
+    from lightning_shardrec.planner.machine.memory import cuda_capacity
 
     found = cuda_capacity(0)
     assert found is not None and found[0] == torch.cuda.get_device_properties(0).total_memory
 
 
 def test_host_memory_is_the_lower_of_meminfo_and_the_cgroup_limit(tmp_path) -> None:
-    from lightning_shardrec.planner.memory import host_memory
+    from lightning_shardrec.planner.machine.memory import host_memory
 
     meminfo, cgroup = tmp_path / "meminfo", tmp_path / "memory.max"
     meminfo.write_text("MemTotal:       25165824 kB\nMemFree:         1000 kB\n")  # 24 GiB

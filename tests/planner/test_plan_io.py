@@ -17,7 +17,7 @@ from lightning_shardrec.planner import (
     ShardMetadata,
     Topology,
 )
-from lightning_shardrec.planner.topology import GiB
+from lightning_shardrec.planner.machine.topology import GiB
 
 
 def test_json_round_trip_equal(small_tables: dict) -> None:
@@ -296,7 +296,7 @@ def test_cli_host_and_reserve_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_cli_on_cpu_shares_the_host_memory_and_prints_the_peak(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lightning_shardrec.planner.memory import RANK_ALLOWANCE
+    from lightning_shardrec.planner.machine.memory import RANK_ALLOWANCE
 
     assert main(_cli(tmp_path, "--device", "cpu", "--host-memory-gib", "8", world=4)) == 0
     text = capsys.readouterr().out

@@ -13,7 +13,7 @@ from lightning_shardrec.planner import (
     ShardingType,
     Topology,
 )
-from lightning_shardrec.planner.topology import GiB
+from lightning_shardrec.planner.machine.topology import GiB
 
 ALL_BUT_DP = [s for s in ShardingType if s is not ShardingType.DATA_PARALLEL]
 

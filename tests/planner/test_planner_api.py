@@ -18,7 +18,7 @@ from lightning_shardrec.planner import (
     ShardingType,
     Topology,
 )
-from lightning_shardrec.planner.planner import DEFAULT_BATCH_SIZE
+from lightning_shardrec.planner.search.planner import DEFAULT_BATCH_SIZE
 
 
 def test_torchrec_positional_order() -> None:
@@ -87,7 +87,7 @@ def test_pinned_plan_goes_by_keyword() -> None:
 
 def test_debug_logs_the_plan(caplog: pytest.LogCaptureFixture) -> None:
     tables = {"ebc": [bag("t", 100)]}
-    with caplog.at_level(logging.INFO, logger="lightning_shardrec.planner.planner"):
+    with caplog.at_level(logging.INFO, logger="lightning_shardrec.planner.search.planner"):
         EmbeddingShardingPlanner(Topology(2), debug=False).plan(tables)
         assert not caplog.records
         EmbeddingShardingPlanner(Topology(2)).plan(tables)

@@ -20,7 +20,7 @@ from lightning_shardrec.planner import (
     shard_perf,
     step_estimate,
 )
-from lightning_shardrec.planner.rates import (
+from lightning_shardrec.planner.machine.rates import (
     BASE_CALLS,
     DDP_BUCKET_BYTES,
     Calls,
@@ -32,7 +32,7 @@ from lightning_shardrec.planner.rates import (
     pieces,
     step_calls,
 )
-from lightning_shardrec.planner.tables import find_tables, table_specs
+from lightning_shardrec.planner.plans.tables import find_tables, table_specs
 
 
 def ebc() -> EmbeddingBagCollection:
@@ -281,7 +281,7 @@ def test_further_pieces_count_column_pieces_and_host_pieces_add_their_own() -> N
 @pytest.mark.parametrize("rates", [None, RATES, replace(RATES, row_seconds=1e-7)])
 @pytest.mark.parametrize("kind", list(ShardingType))
 def test_a_shards_phases_add_up_to_its_cost(kind: ShardingType, rates: Rates | None) -> None:
-    from lightning_shardrec.planner.perf import shard_phases
+    from lightning_shardrec.planner.costs.perf import shard_phases
 
     spec = table_specs(find_tables(ebc()), {}, 4)[0]
     work = Workload(topology=Topology(4, compute_device="cpu", local_world_size=2, rates=rates), batch_size=64)
@@ -292,7 +292,7 @@ def test_a_shards_phases_add_up_to_its_cost(kind: ShardingType, rates: Rates | N
 
 
 def test_distinct_rows_of_uniform_ids() -> None:
-    from lightning_shardrec.planner.perf import distinct_rows
+    from lightning_shardrec.planner.costs.perf import distinct_rows
 
     assert distinct_rows(0, 100) == 0.0 and distinct_rows(5, 0) == 0.0
     assert distinct_rows(4096, 4) == pytest.approx(4.0)  # every row, many times over
@@ -309,7 +309,7 @@ def test_distinct_rows_of_uniform_ids() -> None:
 def test_a_shard_pays_per_distinct_row(kind: ShardingType) -> None:
     """Calibrated with ``row_seconds``: a shard pays each distinct row it touches, in a phase of its own,
     whatever its width (a column piece misses on its own rows); a table of few rows pays for those few."""
-    from lightning_shardrec.planner.perf import Phase, distinct_rows, shard_phases
+    from lightning_shardrec.planner.costs.perf import Phase, distinct_rows, shard_phases
 
     spec = table_specs(find_tables(ebc()), {}, 4)[0]  # 10_000 x 64, pooling 1
     rates = replace(RATES, row_seconds=1e-7)

@@ -7,7 +7,7 @@ import pytest
 from planner_helpers import bag, check_plan
 
 from lightning_shardrec.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
-from lightning_shardrec.planner.topology import GiB
+from lightning_shardrec.planner.machine.topology import GiB
 
 ROW_WISE = ParameterConstraints(sharding_types=["row_wise"])
 

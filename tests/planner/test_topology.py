@@ -3,7 +3,7 @@
 import pytest
 
 from lightning_shardrec.planner import DEVICE_DEFAULTS, ComputeDevice, Topology
-from lightning_shardrec.planner.topology import GiB
+from lightning_shardrec.planner.machine.topology import GiB
 
 
 def test_cuda_defaults_h100_class() -> None:

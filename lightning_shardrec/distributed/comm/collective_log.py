@@ -75,7 +75,7 @@ class Call:
     devices: tuple[str, ...]  # the device types of the tensors passed
     dtypes: tuple[str, ...]
     numel: int | None  # elements passed, where every rank passes the same; else None
-    caller: str  # the calling file, from the package root ("lightning_shardrec/lightning/sigterm.py")
+    caller: str  # the calling file, from the package root ("lightning_shardrec/lightning/failures/sigterm.py")
     thread: str
 
     def key(self) -> tuple[object, ...]:
@@ -102,7 +102,7 @@ class CollectiveLog:
         return [c for c in self.calls if c.group == name]
 
     def from_file(self, *suffixes: str) -> list[Call]:
-        """The calls whose caller ends with one of ``suffixes`` (e.g. ``"lightning/sigterm.py"``)."""
+        """The calls whose caller ends with one of ``suffixes`` (e.g. ``"lightning/failures/sigterm.py"``)."""
         return [c for c in self.calls if c.caller.endswith(suffixes)]
 
 

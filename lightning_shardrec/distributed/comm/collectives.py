@@ -30,8 +30,8 @@ from lightning_shardrec.distributed.comm.qcomm import (
     wire_width,
 )
 from lightning_shardrec.distributed.comm.transport import Transport, Waitable
-from lightning_shardrec.planner.mesh import host_mesh, mesh_layout
-from lightning_shardrec.planner.topology import local_world_size_from_env
+from lightning_shardrec.planner.machine.mesh import host_mesh, mesh_layout
+from lightning_shardrec.planner.machine.topology import local_world_size_from_env
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class ShardingEnv:
 
     Ranks ``h*L .. h*L+L-1`` form host ``h`` (``L = local_world_size``), as the planner's
     ``Topology`` assumes. On the default group :meth:`from_process_group` takes the layout from the
-    host mesh (:func:`~lightning_shardrec.planner.mesh.host_mesh`); ``local_world_size=0`` otherwise takes
+    host mesh (:func:`~lightning_shardrec.planner.machine.mesh.host_mesh`); ``local_world_size=0`` otherwise takes
     ``LOCAL_WORLD_SIZE`` (or the SLURM / ``NUM_NODES`` equivalents) when it divides ``world_size``, else one host.
     """
 

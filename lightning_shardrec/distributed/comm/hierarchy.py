@@ -35,14 +35,14 @@ from lightning_shardrec.distributed.comm.bounded_cache import BoundedCache
 from lightning_shardrec.distributed.comm.collectives import CommPrecision, ShardingEnv, all_to_all_grad, uses_cuda
 from lightning_shardrec.distributed.comm.groups import cached_group
 from lightning_shardrec.distributed.comm.qcomm import WirePrecision
-from lightning_shardrec.planner.mesh import built_mesh
+from lightning_shardrec.planner.machine.mesh import built_mesh
 
 
 def host_group(env: ShardingEnv) -> ShardingEnv:
     """Collective over ``env``'s ranks (every rank, same order): this rank's host (rank = local index).
 
     One host reuses ``env``'s group; one rank per host needs none. On the default group, the host
-    mesh's ``"local"`` group (:func:`~lightning_shardrec.planner.mesh.host_mesh`); on another group
+    mesh's ``"local"`` group (:func:`~lightning_shardrec.planner.machine.mesh.host_mesh`); on another group
     every rank creates all ``H`` host groups (same backend, ``env``'s timeout).
     """
     local, hosts = env.local_world_size, env.num_hosts

@@ -30,7 +30,7 @@ from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.optim.fused_settings import config_of_fused_params
 from lightning_shardrec.planner import EmbeddingComputeKernel, ShardingType
-from lightning_shardrec.planner.types import parse_enum
+from lightning_shardrec.planner.plans.types import parse_enum
 
 M = TypeVar("M", bound=nn.Module)
 #: the order TorchRec's sharders list the types in

@@ -316,7 +316,7 @@ class RankMonitor:
 
         Joins every thread of the monitor (up to ``timeout`` s each): a daemon thread still inside a
         store call when the interpreter exits aborts the process (``terminate called without an
-        active exception``, lightning/teardown.py). Returns the names of threads still running.
+        active exception``, lightning/failures/teardown.py). Returns the names of threads still running.
         """
         first = not self._stop.is_set()
         self._stop.set()

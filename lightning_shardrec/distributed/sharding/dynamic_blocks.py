@@ -44,7 +44,7 @@ from lightning_shardrec.modules.dynamic.tables import fresh_rows, fresh_seeds
 from lightning_shardrec.modules.table_dict import TableDict
 from lightning_shardrec.modules.table_init import write_uniform_rows
 from lightning_shardrec.planner import ParameterSharding, ShardingType, ShardMetadata
-from lightning_shardrec.planner.tables import DYNAMIC_TYPES
+from lightning_shardrec.planner.plans.tables import DYNAMIC_TYPES
 from lightning_shardrec.sparse import KeyedJaggedTensor
 from lightning_shardrec.sparse.ops import segment_ids
 
@@ -227,7 +227,7 @@ class DynamicRowSharding(DynamicMapping, RowBlockSharding):
         return route_by_row(lanes, self._lane_sub_t, self.blocks, self.env.world_size, self._buckets)
 
 
-#: Mechanism per sharding type of a dynamic table (:data:`~lightning_shardrec.planner.tables.DYNAMIC_TYPES`).
+#: Mechanism per sharding type of a dynamic table (:data:`~lightning_shardrec.planner.plans.tables.DYNAMIC_TYPES`).
 DYNAMIC_SHARDINGS: dict[ShardingType, type[EmbeddingSharding]] = {
     ShardingType.TABLE_WISE: DynamicTableSharding,
     ShardingType.ROW_WISE: DynamicRowSharding,

@@ -13,7 +13,7 @@ from lightning_shardrec.planner import (
     ShardingType,
     ShardMetadata,
 )
-from lightning_shardrec.planner.table_params import CacheParams, KeyValueParams
+from lightning_shardrec.planner.plans.table_params import CacheParams, KeyValueParams
 
 __getattr__ = missing_names(
     __name__,

@@ -16,7 +16,7 @@ from typing import Any
 
 from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.planner import ParameterConstraints, Topology
-from lightning_shardrec.planner.topology import ComputeDevice
+from lightning_shardrec.planner.machine.topology import ComputeDevice
 
 #: TorchRec's backward/forward compute ratio (its planner constant BWD_COMPUTE_MULTIPLIER)
 BWD_COMPUTE_MULTIPLIER = 2.0
