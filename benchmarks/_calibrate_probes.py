@@ -108,10 +108,12 @@ def step_parts(rates: Rates, per_rank: list[dict[str, list[list[float]]]]) -> di
     def d(a: str, b: str) -> float:
         return gap(a, b, charged)
 
-    a2a = max(0.0, d("tw", "base") / 4)
+    # table-wise beyond the base (replicated only): the packed ids' all-to-all, the output's and its gradient's
+    a2a = max(0.0, d("tw", "base") / 3)
     table = max(0.0, d("tw x12", "tw") / 11)
-    # two mechanisms against each alone: a further group, and a further piece (``table``)
-    pair = statistics.fmean([d("tw+rw", "tw") - d("rw", "base"), d("tw+host", "tw") - d("host", "base")]) - table
+    # two mechanisms against each alone: a further group and a further piece (``table``), less the packed ids'
+    # all-to-all the second mechanism shares with the first
+    pair = statistics.fmean([d("tw+rw", "tw") - d("rw", "base"), d("tw+host", "tw") - d("host", "base")]) - table + a2a
     # per rank: three tables of 65,536 rows, each with the global batch's ids; a row's weights and adagrad
     # state, 64 or 16 wide
     touched = 3 * distinct_rows(BATCH * WORLD * POOLING, PROBES["rows x12"][1])
@@ -121,7 +123,7 @@ def step_parts(rates: Rates, per_rank: list[dict[str, list[list[float]]]]) -> di
         "step_seconds": statistics.median(rounds["base"]) - charged["base"],
         "collective_seconds": a2a,
         "host_call_seconds": max(0.0, d("host", "tw") / 2),  # its 4 all-to-alls are table-wise's
-        "reduce_scatter_seconds": max(0.0, (d("rw", "base") - 2 * a2a) / 2),
+        "reduce_scatter_seconds": max(0.0, (d("rw", "base") - a2a) / 2),  # beyond its packed ids
         "group_seconds": max(0.0, pair),
         "table_seconds": table,
         "host_table_seconds": max(0.0, (d("host x6", "tw x6") - d("host", "tw")) / 5),

@@ -53,7 +53,7 @@ def _site() -> str:
     """``path:line`` of the innermost frame of this package that led to the call (past the ``comm`` wrappers)."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         at = frame.filename.replace("\\", "/")
-        if "/lightning_shardrec/" in at and not at.endswith(("/distributed/comm.py", "/testing.py")):
+        if "/lightning_shardrec/" in at and not at.endswith(("/distributed/comm/collectives.py", "/testing.py")):
             return f"lightning_shardrec/{at.rsplit('/lightning_shardrec/', 1)[1]}:{frame.lineno}"
     return "elsewhere"
 
