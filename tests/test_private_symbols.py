@@ -1,4 +1,4 @@
-"""Private torch and Lightning symbols live in ``lightning_shardrec/_compat/`` only (issue #40).
+"""Private torch symbols live in ``lightning_shardrec/_compat/`` only, Lightning's in ``lightning/pl_compat/`` (#40).
 
 Every module of the package is parsed with ``ast`` (nothing is imported) and each use of a private name of
 torch or Lightning is listed: an attribute chain ``torch.a._b`` (also through an alias such as
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_shardrec"
-COMPAT = PACKAGE / "_compat"
+COMPAT = (PACKAGE / "_compat", PACKAGE / "lightning" / "pl_compat")  # torch's (core); Lightning's (its layer)
 ROOTS = ("torch", "lightning", "lightning_fabric", "pytorch_lightning")
 
 
@@ -126,7 +126,7 @@ def scan_package(package: Path = PACKAGE) -> list[PrivateUse]:
 
 
 def _outside_compat(found: list[PrivateUse]) -> list[PrivateUse]:
-    return [use for use in found if COMPAT not in use.path.parents]
+    return [use for use in found if not any(c in use.path.parents for c in COMPAT)]
 
 
 def _torch_only(found: list[PrivateUse]) -> list[PrivateUse]:
@@ -135,19 +135,21 @@ def _torch_only(found: list[PrivateUse]) -> list[PrivateUse]:
 
 def test_no_private_torch_symbol_outside_compat() -> None:
     stray = _torch_only(_outside_compat(scan_package()))
-    assert not stray, "private torch symbols outside lightning_shardrec/_compat/:\n" + "\n".join(map(str, stray))
+    assert not stray, "private torch symbols outside the compat modules:\n" + "\n".join(map(str, stray))
 
 
 def test_no_private_lightning_symbol_outside_compat() -> None:
     stray = [use for use in _outside_compat(scan_package()) if use.symbol.split(".")[0] != "torch"]
-    assert not stray, "private Lightning symbols outside lightning_shardrec/_compat/:\n" + "\n".join(map(str, stray))
+    assert not stray, "private Lightning symbols outside the compat modules:\n" + "\n".join(map(str, stray))
 
 
 def test_compat_module_is_where_the_private_uses_are() -> None:
-    """The compat module does hold the torch privates (so the scan sees them: a scan that finds nothing proves
-    nothing)."""
-    inside = [use for use in scan_package() if COMPAT in use.path.parents]
-    assert any(use.symbol.startswith("torch.serialization._") for use in inside), [str(use) for use in inside]
+    """The compat modules do hold the torch and Lightning privates (so the scan sees them: a scan that finds
+    nothing proves nothing)."""
+    torch_side = [use for use in scan_package() if COMPAT[0] in use.path.parents]
+    assert any(use.symbol.startswith("torch.serialization._") for use in torch_side), [str(u) for u in torch_side]
+    lightning_side = [use for use in scan_package() if COMPAT[1] in use.path.parents]
+    assert any(use.symbol.startswith("lightning.") for use in lightning_side), [str(u) for u in lightning_side]
 
 
 @pytest.mark.parametrize(

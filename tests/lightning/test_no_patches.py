@@ -150,7 +150,7 @@ def fit_and_inspect(rank: int, world: int) -> dict[str, object]:
     import lightning as L
 
     from lightning_shardrec import ShardRecStrategy
-    from lightning_shardrec._compat.lightning import (
+    from lightning_shardrec.lightning.pl_compat import (
         SIGTERM_LOOP_CHECK,
         PrefetchDataFetcher,
         fit_data_fetcher,

@@ -148,7 +148,7 @@ def test_load_from_checkpoint_takes_lightnings_arguments(saved, tmp_path):
 
 
 def test_the_fallback_for_a_lightning_without_load_state_builds_the_same_model(saved):
-    from lightning_shardrec._compat.lightning import _load_state_fallback
+    from lightning_shardrec.lightning.pl_compat import _load_state_fallback
 
     path, want = saved
     loaded = _load_state_fallback(Rec, read_full(path, lazy=True), None, lr=0.25)

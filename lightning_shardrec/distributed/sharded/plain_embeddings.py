@@ -32,11 +32,26 @@ def _rows_of(module: Any) -> int | str:
         return "N"
 
 
-class _NoFullWeight:
-    """``.weight`` of a sharded plain module: a named error (this rank holds only shards of the table).
-
-    An ``AttributeError`` (``hasattr`` is False, ``getattr(m, "weight", None)`` is None) with a message.
+class _ShardedPlain:
+    """What the three sharded plain modules share: the torch module's ``spec``, the table saved under
+    ``<path>.weight``, and ``.weight`` a named error (this rank holds only shards of the table: an
+    ``AttributeError``, so ``hasattr`` is False and ``getattr(m, "weight", None)`` is None, with a message).
     """
+
+    weight_prefix = ""
+
+    def __init__(
+        self,
+        module: PlainEmbeddingBag | PlainMaxEmbeddingBag | PlainEmbedding,
+        plan: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        setup: KernelSetup,
+    ) -> None:
+        super().__init__(module, plan, env, setup)  # type: ignore[call-arg]
+        self.spec = module.spec
+
+    def state_key(self, table: str) -> str:
+        return "weight"
 
     def __getattr__(self, name: str) -> Any:
         if name == "weight":
@@ -56,46 +71,13 @@ class _NoFullWeight:
         return super().__getattr__(name)  # type: ignore[misc]
 
 
-class ShardedPlainEmbeddingBag(_NoFullWeight, EmbeddingBagCall, ShardedEmbeddingBagCollection):
+class ShardedPlainEmbeddingBag(_ShardedPlain, EmbeddingBagCall, ShardedEmbeddingBagCollection):
     """A sharded ``nn.EmbeddingBag`` (mode sum/mean): same call, same result, ``<path>.weight`` in checkpoints."""
 
-    weight_prefix = ""
 
-    def __init__(
-        self, module: PlainEmbeddingBag, plan: dict[str, ParameterSharding], env: ShardingEnv, setup: KernelSetup
-    ) -> None:
-        super().__init__(module, plan, env, setup)
-        self.spec = module.spec
-
-    def state_key(self, table: str) -> str:
-        return "weight"
-
-
-class ShardedPlainMaxEmbeddingBag(_NoFullWeight, EmbeddingBagCall, ShardedEmbeddingCollection):
+class ShardedPlainMaxEmbeddingBag(_ShardedPlain, EmbeddingBagCall, ShardedEmbeddingCollection):
     """A sharded ``nn.EmbeddingBag(mode="max")``: rows per id, max-pooled after the output distribution."""
 
-    weight_prefix = ""
 
-    def __init__(
-        self, module: PlainMaxEmbeddingBag, plan: dict[str, ParameterSharding], env: ShardingEnv, setup: KernelSetup
-    ) -> None:
-        super().__init__(module, plan, env, setup)
-        self.spec = module.spec
-
-    def state_key(self, table: str) -> str:
-        return "weight"
-
-
-class ShardedPlainEmbedding(_NoFullWeight, EmbeddingCall, ShardedEmbeddingCollection):
+class ShardedPlainEmbedding(_ShardedPlain, EmbeddingCall, ShardedEmbeddingCollection):
     """A sharded ``nn.Embedding``: same call (any input shape), same result."""
-
-    weight_prefix = ""
-
-    def __init__(
-        self, module: PlainEmbedding, plan: dict[str, ParameterSharding], env: ShardingEnv, setup: KernelSetup
-    ) -> None:
-        super().__init__(module, plan, env, setup)
-        self.spec = module.spec
-
-    def state_key(self, table: str) -> str:
-        return "weight"

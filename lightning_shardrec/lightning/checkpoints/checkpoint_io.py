@@ -30,9 +30,9 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.core.saving import load_hparams_from_tags_csv, load_hparams_from_yaml
 from typing_extensions import override
 
-from lightning_shardrec._compat.lightning import load_state
 from lightning_shardrec.checkpoint import is_sharded_checkpoint, read_full
 from lightning_shardrec.errors import CheckpointError
+from lightning_shardrec.lightning.pl_compat import load_state
 
 PLAIN_RESUME = (
     "checkpoint '{path}' was written by ShardRecStrategy: its embedding tables train in a fused optimizer whose "
@@ -51,7 +51,7 @@ def is_shardrec_checkpoint(checkpoint: Any) -> bool:
 def in_plain_layout(checkpoint: Any) -> bool:
     """Whether a shardrec checkpoint holds the tables' optimizer state where a plain run keeps it
     (a full file:
-    :meth:`~lightning_shardrec.lightning.checkpoints.checkpointing.ShardedCheckpointing._plain_layout`)."""
+    :meth:`~lightning_shardrec.lightning.checkpoints.checkpointing.ShardedCheckpoints.plain_layout`)."""
     fused = checkpoint.get("shardrec_fused_optimizer") if isinstance(checkpoint, dict) else None
     return isinstance(fused, dict) and fused.get("layout") == "plain"
 

@@ -24,9 +24,7 @@ class FitSignals:
         self.lagged: LaggedSigterm | None = None
         self.deadline: SigtermDeadline | None = None
 
-    def start(
-        self, trainer: Any, rank: int, world_size: int, group: Callable[[], dist.ProcessGroup]
-    ) -> None:
+    def start(self, trainer: Any, rank: int, world_size: int, group: Callable[[], dist.ProcessGroup]) -> None:
         """Fit start on ``world_size`` > 1 ranks; ``group()``: the control group (gloo, collective the first time)."""
         if world_size <= 1:
             return

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_shardrec._compat.lightning import SIGTERM_LOOP_CHECK as _LOOP_CHECK
-from lightning_shardrec._compat.lightning import signal_connector, sigterm_notifier
+from lightning_shardrec.lightning.pl_compat import SIGTERM_LOOP_CHECK as _LOOP_CHECK
+from lightning_shardrec.lightning.pl_compat import signal_connector, sigterm_notifier
 
 
 class LaggedSigterm:

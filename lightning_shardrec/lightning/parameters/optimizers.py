@@ -131,6 +131,7 @@ def add_params(holder: Holder, params: list[nn.Parameter]) -> None:
         if p in fresh.state and p not in opt.state:
             opt.state[p] = fresh.state[p]
 
+
 _LAZY_ADAM = (
     "row-sparse ('lazy') {name}: a row a batch does not touch keeps its weight and moments, while torch.optim.{name} "
     "decays every row's moments and keeps moving every row that has any; the two agree after one step and differ "

@@ -53,8 +53,9 @@ class DynamicTableMonitor(Callback):
     def __init__(
         self, every_n_steps: int | None = None, prefix: str = "dynamic", miss_rate_warning: float | None = 0.1
     ) -> None:
-        if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
-                                          or every_n_steps < 1):
+        if every_n_steps is not None and (
+            isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
+        ):
             raise ValueError(
                 f"DynamicTableMonitor: every_n_steps must be an int >= 1 or None (the Trainer's "
                 f"log_every_n_steps), got {every_n_steps!r}"

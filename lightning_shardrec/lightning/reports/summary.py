@@ -6,7 +6,7 @@ so they counted 0 (and a data-parallel table its full size). :class:`ShardedMode
 each sharded collection's full tables (rows x dim of every table, less what the collection
 already holds as parameters) to its layer, to the totals and to the model size; the strategy
 makes the Trainer's summary callbacks (``ModelSummary``, ``RichModelSummary``) print it during
-its fits (:func:`~lightning_shardrec._compat.lightning.summarize_through`). Outside the Trainer::
+its fits (:func:`~lightning_shardrec.lightning.pl_compat.summarize_through`). Outside the Trainer::
 
     print(ShardedModelSummary(model, max_depth=1, sharded=trainer.strategy.sharded))
 """
@@ -20,7 +20,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch import nn
 
-from lightning_shardrec._compat.lightning import summarize_plain, summarize_through
+from lightning_shardrec.lightning.pl_compat import summarize_plain, summarize_through
 
 
 def unheld_numel(coll: nn.Module) -> int:

@@ -25,7 +25,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_shardrec._compat.lightning import attached_trainer, optimizers_to_device
 from lightning_shardrec.configs import FusedOptimConfig
 from lightning_shardrec.distributed.comm.groups import new_group_like
 from lightning_shardrec.distributed.comm.same_host import use_shm_allreduce
@@ -44,6 +43,7 @@ from lightning_shardrec.lightning.parameters.optimizers import Holder
 from lightning_shardrec.lightning.parameters.table_memory import has_meta_tables, tables_hidden
 from lightning_shardrec.lightning.parameters.tables import ShardedTables
 from lightning_shardrec.lightning.parameters.updates import StepUpdates
+from lightning_shardrec.lightning.pl_compat import attached_trainer, optimizers_to_device
 from lightning_shardrec.lightning.reports import summary
 from lightning_shardrec.lightning.reports.dynamic_monitor import add_dynamic_monitor
 from lightning_shardrec.lightning.reports.plan_report import save_plan

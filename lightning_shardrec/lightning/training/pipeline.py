@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_shardrec._compat.lightning import DataFetcher, PrefetchDataFetcher, fit_data_fetcher
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv, on_stream
 from lightning_shardrec.distributed.sharded.batch_dist import EndOfData, PrefetchHandle
 from lightning_shardrec.distributed.sharded.collection import ShardedCollection
+from lightning_shardrec.lightning.pl_compat import DataFetcher, PrefetchDataFetcher, fit_data_fetcher
 from lightning_shardrec.lightning.training.handover import hand_over, tensors_in
 from lightning_shardrec.sparse import KeyedJaggedTensor
 

@@ -1,5 +1,8 @@
 """The private Lightning names the Lightning layer needs, each with what it is, since when, and the fallback.
 
+Inside the Lightning layer, so nothing below it imports Lightning; may import ``lightning`` and the
+layers below the Lightning layer, never another room of it.
+
 Checked against Lightning 2.5 and 2.6 (the declared range). Every use here acts on one
 trainer's own objects, from the strategy's setup to its teardown; importing this module
 changes nothing. Where a name is missing the feature it serves degrades as stated, or the
