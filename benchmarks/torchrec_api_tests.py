@@ -105,7 +105,7 @@ def _last_error_line(case: ET.Element) -> str:
 
 
 def parse_junit(xml_path: Path, written: list[Path], files: tuple[str, ...]) -> list[FileCounts]:
-    by_stem = {p.stem: FileCounts(f) for p, f in zip(written, files)}
+    by_stem = {p.stem: FileCounts(f) for p, f in zip(written, files, strict=True)}
     for case in ET.parse(xml_path).getroot().iter("testcase"):
         classname = case.get("classname", "")
         stem = classname.split(".")[0] if classname else case.get("name", "")
@@ -142,8 +142,21 @@ def main() -> int:
         dest.mkdir(parents=True, exist_ok=True)
         written = write_tests(args.mirror, args.rev, files, dest)
         xml_path = dest / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml_path}",
-               "--rootdir", str(dest), "-o", "junit_family=xunit1", "--continue-on-collection-errors", *map(str, written)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={xml_path}",
+            "--rootdir",
+            str(dest),
+            "-o",
+            "junit_family=xunit1",
+            "--continue-on-collection-errors",
+            *map(str, written),
+        ]
         if args.k:
             cmd += ["-k", args.k]
         if args.show_failures:
@@ -156,10 +169,14 @@ def main() -> int:
     for c in counts:
         short = c.file.removeprefix("torchrec/")
         print(f"{short:<58} {c.passed:>5} {c.skipped:>5} {c.failed:>5} {c.errors:>4}  {c.collection_error[:90]}")
-    total = FileCounts("total", *(sum(getattr(c, f) for c in counts) for f in ("passed", "skipped", "failed", "errors")))
+    total = FileCounts(
+        "total", *(sum(getattr(c, f) for c in counts) for f in ("passed", "skipped", "failed", "errors"))
+    )
     stopped = [c for c in counts if c.collection_error]
-    print(f"{'total':<58} {total.passed:>5} {total.skipped:>5} {total.failed:>5} {total.errors:>4}  "
-          f"{len(stopped)} files stop at import")
+    print(
+        f"{'total':<58} {total.passed:>5} {total.skipped:>5} {total.failed:>5} {total.errors:>4}  "
+        f"{len(stopped)} files stop at import"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(c) for c in counts], indent=1))
     return 0
