@@ -8,7 +8,7 @@ missing weight; a KJT also compares its keys in order, per-key lengths/offsets a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -61,6 +61,22 @@ def regroup_kts(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[
     from lightning_shardrec.sparse.keyed_tensor import KeyedTensor
 
     return KeyedTensor.regroup(keyed_tensors, groups)
+
+
+#: TorchRec's other paths to ``regroup_kts`` (its reference implementation, the fbgemm multi-permute op and the
+#: pooled-embedding permute): one implementation here, the same results and gradients
+_regroup_keyed_tensors = regroup_kts
+permute_multi_embedding = regroup_kts
+_fbgemm_permute_pooled_embs = regroup_kts
+
+
+def _kt_regroup_arguments(*args: object, **kwargs: object) -> NoReturn:
+    """TorchRec's argument builder for fbgemm's ``permute_multi_embedding`` op: refused (see the message)."""
+    raise NotImplementedError(
+        "lightning_shardrec.sparse.jagged_tensor._kt_regroup_arguments (TorchRec's index tensors for fbgemm's "
+        "permute_multi_embedding op) is not provided: regroup KeyedTensors with regroup_kts or "
+        "KeyedTensor.regroup. See docs/migrating.md, 'Sparse types'"
+    )
 
 
 __all__ = ["jt_is_equal", "kjt_is_equal", "regroup_kts"]

@@ -316,6 +316,12 @@ def _check_data(
         raise ValueError(f"{where}: lengths sum to {total} but there are {num_values} values")
 
 
+_EQUALITY_NAMES = frozenset(
+    ("jt_is_equal", "kjt_is_equal", "regroup_kts", "_regroup_keyed_tensors", "permute_multi_embedding",
+     "_fbgemm_permute_pooled_embs", "_kt_regroup_arguments")
+)  # fmt: skip
+
+
 def __getattr__(name: str) -> object:
     """TorchRec's ``torchrec.sparse.jagged_tensor`` also holds the keyed types (imported late: they import this)."""
     if name == "KeyedJaggedTensor":
@@ -330,7 +336,7 @@ def __getattr__(name: str) -> object:
         from lightning_shardrec.sparse import convert_modules
 
         return getattr(convert_modules, name)
-    if name in ("jt_is_equal", "kjt_is_equal", "regroup_kts"):
+    if name in _EQUALITY_NAMES:
         from lightning_shardrec.sparse import equality
 
         return getattr(equality, name)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.sparse import formatting
-from lightning_shardrec.sparse.fx_proxy import ProxyableConstruction
+from lightning_shardrec.sparse.fx_proxy import ProxyableConstruction, _tracer_of
 
 
 class KeyedTensor(metaclass=ProxyableConstruction):
@@ -128,6 +128,8 @@ class KeyedTensor(metaclass=ProxyableConstruction):
     @staticmethod
     def regroup(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[Tensor]:
         """One tensor per group: the named keys' columns, from whichever KeyedTensor holds them."""
+        if (tracer := _tracer_of((keyed_tensors, groups), {})) is not None:  # fx: one node, as TorchRec's
+            return tracer.create_proxy("call_function", KeyedTensor.regroup, (keyed_tensors, groups), {})
         where: dict[str, Tensor] = {}
         for kt in keyed_tensors:
             if kt.key_dim() != 1:
@@ -142,6 +144,8 @@ class KeyedTensor(metaclass=ProxyableConstruction):
     def regroup_as_dict(
         keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]], keys: Sequence[str]
     ) -> dict[str, Tensor]:
+        if (tracer := _tracer_of((keyed_tensors, groups, keys), {})) is not None:
+            return tracer.create_proxy("call_function", KeyedTensor.regroup_as_dict, (keyed_tensors, groups, keys), {})
         if len(groups) != len(keys):
             raise ValueError(f"regroup_as_dict: {len(groups)} groups but {len(keys)} keys")
         return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups), strict=True))

@@ -274,6 +274,7 @@ ALIASES: dict[str, str] = {
     "distributed.types": "compat.torchrec.distributed.types",
     "modules.embedding_modules": "compat.torchrec.modules.embedding_modules",
     "modules.mc_modules": "compat.torchrec.modules.mc_modules",
+    "sparse.tests": "compat.torchrec.sparse.tests",
 }
 _PACKAGE = "lightning_shardrec"
 _MIRRORS = "compat.torchrec."

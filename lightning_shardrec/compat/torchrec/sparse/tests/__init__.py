@@ -1,0 +1,1 @@
+"""What TorchRec's own sparse tests import from ``torchrec.sparse.tests`` (:mod:`.utils`)."""

@@ -1,0 +1,100 @@
+"""TorchRec's other regroup names at ``torchrec.sparse.jagged_tensor``, its ``sparse.tests.utils`` helpers, and
+``torch.fx`` tracing of ``KeyedTensor.regroup`` / ``regroup_as_dict`` (issue 43: TorchRec's test_keyed_tensor.py).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lightning_shardrec.sparse.jagged_tensor import (
+    KeyedTensor,
+    _fbgemm_permute_pooled_embs,
+    _kt_regroup_arguments,
+    _regroup_keyed_tensors,
+    permute_multi_embedding,
+    regroup_kts,
+)
+from lightning_shardrec.sparse.tests.utils import build_groups, build_kts
+
+
+def _kts() -> list[KeyedTensor]:
+    torch.manual_seed(0)
+    return build_kts(dense_features=3, sparse_features=4, dim_dense=2, dim_sparse=5, batch_size=6,
+                     device=torch.device("cpu"), run_backward=True)  # fmt: skip
+
+
+def test_build_kts_makes_a_dense_and_a_sparse_keyed_tensor() -> None:
+    dense, sparse = _kts()
+    assert dense.keys() == ["dense_0", "dense_1", "dense_2"] and dense.length_per_key() == [2, 2, 2]
+    assert sparse.keys() == [f"sparse_{i}" for i in range(4)] and sparse.length_per_key() == [5] * 4
+    assert dense.values().shape == (6, 6) and sparse.values().shape == (6, 20)
+
+
+def test_build_groups_deals_every_key_once_then_skips_and_duplicates() -> None:
+    kts = _kts()
+    keys = [*kts[0].keys(), *kts[1].keys()]
+    random.seed(1)
+    groups = build_groups(kts, num_groups=3)
+    assert len(groups) == 3 and sorted(k for g in groups for k in g) == sorted(keys)
+    random.seed(1)
+    skipped = build_groups(kts, num_groups=3, skips=True, duplicates=True)
+    for full, short in zip(groups, skipped, strict=True):
+        dropped = 1 if len(full) > 1 else 0
+        assert len(short) == len(full) - dropped + 1 and short[-1] in keys
+    with pytest.raises(ValueError, match="build_groups: num_groups must be >= 1, got 0"):
+        build_groups(kts, num_groups=0)
+
+
+@pytest.mark.parametrize("fn", [_regroup_keyed_tensors, permute_multi_embedding, _fbgemm_permute_pooled_embs])
+def test_torchrecs_other_regroup_names_give_regroup_kts_values_and_gradients(fn: object) -> None:
+    groups = [["dense_0", "sparse_1", "dense_2"], ["sparse_3", "dense_0"], ["sparse_0"]]
+    kts = _kts()
+    weights = [torch.randn(6, n) for n in (9, 7, 5)]  # a different weight per output column
+    got = fn(kts, groups)  # type: ignore[operator]
+    got_grads = torch.autograd.grad(
+        sum((g * w).sum() for g, w in zip(got, weights, strict=True)), [kt.values() for kt in kts]
+    )
+    want = regroup_kts(kts, groups)
+    want_grads = torch.autograd.grad(
+        sum((g * w).sum() for g, w in zip(want, weights, strict=True)), [kt.values() for kt in kts]
+    )
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
+    assert torch.equal(got[0][:, 2:7], kts[1].to_dict()["sparse_1"])
+    assert torch.equal(got_grads[0][:, 0:2], weights[0][:, 0:2] + weights[1][:, 5:7])  # dense_0 is in two groups
+
+
+def test_the_fbgemm_argument_builder_is_refused_by_name() -> None:
+    with pytest.raises(NotImplementedError, match=r"_kt_regroup_arguments \(TorchRec's index tensors for fbgemm"):
+        _kt_regroup_arguments(torch.empty(0), [["a"]], [[1]], [["a"]])
+
+
+class _Regroup(torch.nn.Module):
+    def forward(self, inputs: list[KeyedTensor], groups: list[list[str]]) -> list[torch.Tensor]:
+        return KeyedTensor.regroup(inputs, groups)
+
+
+class _RegroupAsDict(torch.nn.Module):
+    def forward(self, inputs: list[KeyedTensor]) -> dict[str, torch.Tensor]:
+        return KeyedTensor.regroup_as_dict(inputs, [["dense_1", "sparse_0"], ["sparse_2"]], ["a", "b"])
+
+
+def test_fx_traces_regroup_as_one_node_that_equals_eager() -> None:
+    kts, groups = _kts(), [["dense_0", "sparse_1"], ["dense_2"]]
+    gm = torch.fx.symbolic_trace(_Regroup())
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert [n.target for n in calls] == [KeyedTensor.regroup]
+    got, want = gm(kts, groups), _Regroup()(kts, groups)
+    assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_fx_traces_regroup_as_dict_as_one_node_that_equals_eager() -> None:
+    kts = _kts()
+    gm = torch.fx.symbolic_trace(_RegroupAsDict())
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [KeyedTensor.regroup_as_dict]
+    got, want = gm(kts), _RegroupAsDict()(kts)
+    assert got.keys() == want.keys() == {"a", "b"}
+    assert all(torch.equal(got[k], want[k]) for k in want)
