@@ -11,11 +11,14 @@ dicts, so an LR scheduler on the wrapper reaches them.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_shardrec._compat.torch import is_sharded_tensor
 
 
 class KeyedOptimizer(torch.optim.Optimizer):
@@ -35,8 +38,7 @@ class KeyedOptimizer(torch.optim.Optimizer):
         strays = [k for k in state if id(k) not in known] if isinstance(state, dict) else []  # combined: checked inside
         if strays:
             names = [
-                k if isinstance(k, str) else f"{type(k).__name__} {tuple(getattr(k, 'shape', ()))}"
-                for k in strays
+                k if isinstance(k, str) else f"{type(k).__name__} {tuple(getattr(k, 'shape', ()))}" for k in strays
             ]
             raise ValueError(f"KeyedOptimizer: All state keys must be params. Not among params: {names}")
         # Optimizer.__init__ sets up what every optimizer has (hooks, step profiling, defaults); it
@@ -89,28 +91,37 @@ class KeyedOptimizer(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"state": {name: state}, "param_groups": [{..., "params": [names]}]}``."""
+        """``{"state": {name: state}, "param_groups": [{..., "params": [names]}]}``.
+
+        As TorchRec's: nested dicts of a state are walked, and a state object with a ``state_dict()``
+        method (not a tensor) is saved as what that returns.
+        """
         name_of = {id(t): n for n, t in self.params.items()}
-        state = {name_of[id(p)]: s for p, s in self.state.items() if id(p) in name_of}
+        state = {name_of[id(p)]: _saved_form(s) for p, s in self.state.items() if id(p) in name_of}
         groups = [{**g, "params": [name_of[id(p)] for p in g["params"]]} for g in self.param_groups]
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a :meth:`state_dict`: state tensors copied per name, hyper-parameters per group."""
+        """Load a :meth:`state_dict`: state tensors copied per name, hyper-parameters per group.
+
+        As TorchRec's: nested dicts are loaded into the live ones, a state object with a
+        ``load_state_dict()`` method loads its entry, a ``ShardedTensor`` copies shard by shard.
+        """
         unknown = sorted(set(state_dict["state"]) - set(self.params))
         if unknown:
             raise KeyError(
                 f"KeyedOptimizer.load_state_dict: unknown parameter names {unknown}; known: {sorted(self.params)}"
             )
         for name, saved in state_dict["state"].items():
-            mine = self.state[self.params[name]]
-            for k, v in saved.items():
-                if isinstance(v, Tensor) and isinstance(mine.get(k), Tensor):
-                    mine[k].copy_(v)
-                else:
-                    mine[k] = v
+            _load_into(self._live_state(self.params[name]), saved, name)
         for group, saved in zip(self.param_groups, state_dict.get("param_groups", []), strict=False):
             group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def _live_state(self, param: Tensor) -> dict[str, Any]:
+        """The optimizer's own state dict of ``param`` (created empty when it has none yet)."""
+        if param not in self.state:
+            self.state[param] = {}  # type: ignore[index]
+        return self.state[param]  # type: ignore[no-any-return]
 
     def post_load_state_dict(self) -> None:
         """Hook run after :meth:`load_state_dict` (nothing to do here)."""
@@ -174,7 +185,7 @@ class CombinedOptimizer(KeyedOptimizer):
 
     ``params`` are ``"<prefix>.<name>"`` (the prefix left out when empty); an optimizer that is not
     keyed (``DistributedModelParallel.fused_optimizer``) names its tables, or ``param_<i>``.
-    ``state_dict()`` holds one entry per optimizer: its prefix, or its position when it has none.
+    ``state_dict()`` is TorchRec's: ``{"state": {name: state}, "param_groups": [...]}`` over those names.
     """
 
     def __init__(self, optims: Sequence[torch.optim.Optimizer | tuple[str, torch.optim.Optimizer]]) -> None:
@@ -235,20 +246,54 @@ class CombinedOptimizer(KeyedOptimizer):
             if isinstance(opt, KeyedOptimizer):
                 opt.post_load_state_dict()
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{key: optimizer.state_dict()}``, key the prefix (or the position when there is none)."""
-        return {self._key(i): opt.state_dict() for i, (_, opt) in enumerate(self._optims)}
-
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        keys = [self._key(i) for i in range(len(self._optims))]
-        if sorted(state_dict) != sorted(keys):
-            raise KeyError(f"CombinedOptimizer.load_state_dict: got keys {sorted(state_dict)}, expected {keys}")
-        for key, (_, opt) in zip(keys, self._optims, strict=True):
-            opt.load_state_dict(state_dict[key])
+        """TorchRec's layout (:meth:`state_dict` is KeyedOptimizer's over :attr:`params`): each parameter's
+        state is loaded into its optimizer's live state, the groups into the optimizers' groups, in place."""
+        super().load_state_dict(state_dict)
         self.post_load_state_dict()
 
-    def _key(self, i: int) -> str:
-        return self._optims[i][0] or str(i)
+    def _live_state(self, param: Tensor) -> dict[str, Any]:
+        for _, opt in self._optims:
+            if any(p is param for g in opt.param_groups for p in g["params"]):
+                if param not in opt.state:
+                    opt.state[param] = {}
+                return opt.state[param]  # type: ignore[no-any-return]
+        raise KeyError(f"CombinedOptimizer: parameter of shape {tuple(param.shape)} is in none of the optimizers")
+
+
+def _saved_form(state: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out[k] = _saved_form(v)
+        elif not isinstance(v, Tensor) and callable(getattr(v, "state_dict", None)):
+            out[k] = v.state_dict()
+        else:
+            out[k] = v
+    return out
+
+
+def _load_into(mine: dict[str, Any], saved: Mapping[str, Any], where: str) -> None:
+    """Load ``saved`` into the live state ``mine`` in place (``where``: the path, for errors)."""
+    for k, v in saved.items():
+        cur = mine.get(k)
+        if isinstance(cur, dict) and isinstance(v, Mapping):
+            _load_into(cur, v, f"{where}.{k}")
+        elif cur is not None and not isinstance(cur, Tensor) and callable(getattr(cur, "load_state_dict", None)):
+            cur.load_state_dict(v)
+        elif is_sharded_tensor(cur) and is_sharded_tensor(v):
+            mine_shards, new_shards = cur.local_shards(), v.local_shards()
+            if len(mine_shards) != len(new_shards):
+                raise ValueError(
+                    f"KeyedOptimizer.load_state_dict: state '{where}.{k}' has {len(new_shards)} local shards, "
+                    f"this optimizer's has {len(mine_shards)}"
+                )
+            for shard, new in zip(mine_shards, new_shards, strict=True):
+                shard.tensor.detach().copy_(new.tensor)
+        elif isinstance(cur, Tensor) and isinstance(v, Tensor):
+            cur.detach().copy_(v)
+        else:
+            mine[k] = v if isinstance(v, Tensor) else copy.deepcopy(v)
 
 
 def _named(opt: torch.optim.Optimizer) -> dict[str, Tensor]:
