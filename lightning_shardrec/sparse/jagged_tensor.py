@@ -25,6 +25,14 @@ from lightning_shardrec.sparse.fx_proxy import ProxyableConstruction
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def _optional_mask(t: Tensor | None, mask: Tensor) -> Tensor | None:
+    """``t[mask]``, or None without ``t``: one fx node, so a traced ``from_dense_lengths`` takes either."""
+    return None if t is None else t[mask]
+
+
+torch.fx.wrap("_optional_mask")
+
+
 def _lengths_from_offsets(offsets: Tensor) -> Tensor:
     return offsets[1:] - offsets[:-1]
 
@@ -100,8 +108,7 @@ class JaggedTensor(metaclass=ProxyableConstruction):
     def from_dense_lengths(values: Tensor, lengths: Tensor, weights: Tensor | None = None) -> JaggedTensor:
         """Bags from the first ``lengths[b]`` entries of each row of a padded ``[B, L]``."""
         mask = torch.arange(values.shape[1], device=values.device) < lengths.unsqueeze(1)
-        w = weights[mask] if weights is not None else None
-        return JaggedTensor(values[mask], w, lengths=lengths)
+        return JaggedTensor(values[mask], _optional_mask(weights, mask), lengths=lengths)
 
     # --- accessors ----------------------------------------------------------------
     def values(self) -> Tensor:
