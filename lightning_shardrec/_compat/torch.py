@@ -299,6 +299,11 @@ def _sharded_tensor_module() -> Any:
     return sharded_tensor
 
 
+def sharded_tensor_type() -> type[ShardedTensor]:
+    """torch's ``ShardedTensor`` class (what TorchRec's ``torchrec.distributed.types.ShardedTensor`` is)."""
+    return _sharded_tensor_module().ShardedTensor  # type: ignore[no-any-return]
+
+
 def is_sharded_tensor(value: Any) -> TypeGuard[ShardedTensor]:
     """Whether ``value`` is a ``ShardedTensor`` (a ``Tensor`` subclass). ``torch.distributed._shard`` is not
     imported for this: until something imported it, no value can be one."""

@@ -65,7 +65,6 @@ def test_the_same_class_behind_every_path():
     ("path", "name", "match"),
     [
         ("distributed.types", "ShardingEnv2D", "2D parallelism is not supported"),
-        ("distributed.types", "ShardedTensor", "state_dict"),
         ("distributed.planner.types", "Enumerator", "the planner's stages are built in"),
         ("modules.embedding_configs", "VirtualTableConfig", "tables are not supported; size num_embeddings"),
         ("models.dlrm", "DLRM_DCN", "use lightning_shardrec.models.DCNv2"),

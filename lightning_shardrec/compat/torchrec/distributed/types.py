@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lightning_shardrec._compat.torch import sharded_tensor_type
 from lightning_shardrec.compat.torchrec.distributed.awaitables import Awaitable, LazyAwaitable, NoWait
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv
 from lightning_shardrec.distributed.dmp.sharders import ModuleSharder
@@ -15,10 +16,9 @@ from lightning_shardrec.planner import (
 )
 from lightning_shardrec.planner.plans.table_params import CacheParams, KeyValueParams
 
-__getattr__ = missing_names(
+_missing = missing_names(
     __name__,
     {
-        "ShardedTensor": "DistributedModelParallel.state_dict() holds DTensors (see docs/migrating.md, 'State dicts')",
         "ShardedModule": "the sharded collections are ShardedEmbeddingBagCollection / ShardedEmbeddingCollection",
         "ShardingPlanner": "use EmbeddingShardingPlanner",
         "EnumerableShardingSpec": "shards are described by ShardMetadata",
@@ -27,6 +27,15 @@ __getattr__ = missing_names(
         "PipelineType": "the pipeline is TrainPipelineSparseDist or ShardRecStrategy(pipeline=True)",
     },
 )
+
+
+def __getattr__(name: str) -> object:
+    """``ShardedTensor`` is torch's (what ``DistributedModelParallel.state_dict()`` holds for a sharded table),
+    imported on first use as TorchRec's module does; TorchRec's names not provided are refused by name."""
+    if name == "ShardedTensor":
+        return sharded_tensor_type()
+    return _missing(name)
+
 
 __all__ = [
     "Awaitable",
