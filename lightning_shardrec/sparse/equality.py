@@ -8,10 +8,12 @@ missing weight; a KJT also compares its keys in order, per-key lengths/offsets a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from lightning_shardrec._fbgemm import describe, fbgemm_available, fbgemm_ops_on
 
 if TYPE_CHECKING:
     from lightning_shardrec.sparse.jagged_tensor import JaggedTensor
@@ -70,13 +72,21 @@ permute_multi_embedding = regroup_kts
 _fbgemm_permute_pooled_embs = regroup_kts
 
 
-def _kt_regroup_arguments(*args: object, **kwargs: object) -> NoReturn:
-    """TorchRec's argument builder for fbgemm's ``permute_multi_embedding`` op: refused (see the message)."""
-    raise NotImplementedError(
-        "lightning_shardrec.sparse.jagged_tensor._kt_regroup_arguments (TorchRec's index tensors for fbgemm's "
-        "permute_multi_embedding op) is not provided: regroup KeyedTensors with regroup_kts or "
-        "KeyedTensor.regroup. See docs/migrating.md, 'Sparse types'"
-    )
+def _kt_regroup_arguments(
+    value: Tensor, keys: list[list[str]], key_lengths: list[list[int]], groups: list[list[str]]
+) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+    """TorchRec's argument builder for fbgemm's ``permute_multi_embedding`` op: ``(permutes, in_shapes,
+    out_shapes, out_lengths)``, computed by fbgemm's own ``kt_regroup_arguments`` operator (the same arguments
+    and results). Where fbgemm's operators do not run for ``value``'s device it is refused by name."""
+    device = value.device.type
+    if not (fbgemm_available() and (device in ("cpu", "meta") or fbgemm_ops_on(device))):
+        raise NotImplementedError(
+            "lightning_shardrec.sparse.jagged_tensor._kt_regroup_arguments (TorchRec's index tensors for fbgemm's "
+            f"permute_multi_embedding op) needs fbgemm's operators on {device}, and they do not run here "
+            f"({describe()}): regroup KeyedTensors with regroup_kts or KeyedTensor.regroup. "
+            "See docs/migrating.md, 'Sparse types'"
+        )
+    return torch.ops.fbgemm.kt_regroup_arguments(value, keys, key_lengths, groups)  # type: ignore[no-any-return]
 
 
 __all__ = ["jt_is_equal", "kjt_is_equal", "regroup_kts"]

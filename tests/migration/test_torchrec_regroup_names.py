@@ -9,6 +9,8 @@ import random
 import pytest
 import torch
 
+from lightning_shardrec._fbgemm import fbgemm_available
+from lightning_shardrec.sparse import equality
 from lightning_shardrec.sparse.jagged_tensor import (
     KeyedTensor,
     _fbgemm_permute_pooled_embs,
@@ -67,7 +69,28 @@ def test_torchrecs_other_regroup_names_give_regroup_kts_values_and_gradients(fn:
     assert torch.equal(got_grads[0][:, 0:2], weights[0][:, 0:2] + weights[1][:, 5:7])  # dense_0 is in two groups
 
 
-def test_the_fbgemm_argument_builder_is_refused_by_name() -> None:
+@pytest.mark.skipif(not fbgemm_available(), reason="fbgemm's operators do not load here")
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_fbgemm_argument_builder_gives_torchrecs_layout(device: str) -> None:
+    """Rows ``[input tensor, output tensor, input start, output start, length, jump]``, one per grouped key."""
+    keys, lengths, groups = [["f1", "f2"], ["f3"]], [[3, 4], [5]], [["f1", "f3"], ["f2"]]
+    permutes, in_shapes, out_shapes, out_lengths = _kt_regroup_arguments(
+        torch.empty(2, 7, device=device), keys, lengths, groups
+    )
+    assert out_lengths == [8, 4] and permutes.shape == (3, 6) and permutes.device.type == device
+    if device == "cpu":
+        assert permutes.tolist() == [[0, 0, 0, 0, 3, 0], [1, 0, 0, 3, 5, 0], [0, 1, 3, 0, 4, 0]]
+        assert in_shapes.tolist() == [7, 5] and out_shapes.tolist() == [8, 4]
+        kts = [KeyedTensor.from_tensor_list(["f1", "f2"], [torch.randn(2, 3), torch.randn(2, 4)]),
+               KeyedTensor.from_tensor_list(["f3"], [torch.randn(2, 5)])]  # fmt: skip
+        got = torch.ops.fbgemm.permute_multi_embedding(
+            [kt.values() for kt in kts], permutes, in_shapes, out_shapes, out_lengths
+        )
+        assert all(torch.equal(a, b) for a, b in zip(got, regroup_kts(kts, groups), strict=True))
+
+
+def test_the_fbgemm_argument_builder_is_refused_by_name_without_fbgemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(equality, "fbgemm_available", lambda: False)
     with pytest.raises(NotImplementedError, match=r"_kt_regroup_arguments \(TorchRec's index tensors for fbgemm"):
         _kt_regroup_arguments(torch.empty(0), [["a"]], [[1]], [["a"]])
 
