@@ -179,17 +179,22 @@ class _PooledAllToAll(torch.autograd.Function):
         if len(layout.widths) > GATHER_ABOVE:
             _, backward = layout.gathers(b, grad.device)
             back = grad.reshape(-1, g).index_select(0, backward).view(-1)
+            if scale != 1.0:
+                back.mul_(scale)
         else:
             back = grad.new_empty(sum(recv_splits))
             for part, w, index, sl in zip(
                 back.split(recv_splits), layout.widths, layout.index, layout.slices, strict=True
             ):
+                dst = part.view(b, w // g, g)
                 if sl is None:
-                    torch.index_select(grad, 1, index, out=part.view(b, w // g, g))
+                    torch.index_select(grad, 1, index, out=dst)
+                    if scale != 1.0:
+                        dst.mul_(scale)
+                elif scale != 1.0:  # the scale in the copy: one pass over the gradient, the same product
+                    torch.mul(grad[:, sl], scale, out=dst)
                 else:
-                    part.view(b, w // g, g).copy_(grad[:, sl])
-        if scale != 1.0:
-            back.mul_(scale)
+                    dst.copy_(grad[:, sl])
         if env.world_size == 1:
             return back.view(shape), None, None, None, None, None
         if precision is not CommPrecision.FP32:
