@@ -1,6 +1,6 @@
-"""The house's layout (issue 45): distributed/ and planner/ without import circles, a core that imports neither TorchRec's
-mirrors (compat/torchrec/) nor the opt-in same-host transport, and TorchRec's paths served by the finder as the
-same module objects. Imports are read with ``ast``: lazy (in-function) and ``TYPE_CHECKING`` imports count.
+"""The house's layout (issue 45): distributed/ and planner/ without import circles, a core that imports neither
+TorchRec's mirrors (compat/torchrec/) nor the opt-in same-host transport, and TorchRec's paths served by the finder
+as the same module objects. Imports are read with ``ast``: lazy (in-function) and ``TYPE_CHECKING`` imports count.
 """
 
 from __future__ import annotations
