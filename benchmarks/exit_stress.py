@@ -1,17 +1,23 @@
 """Exit stress: short fits and pytest sessions run again and again beside a CPU hog; every process must exit 0.
 
     python benchmarks/exit_stress.py [--fits 200] [--sessions 20] [--hogs 1] [--steps 3]
-                                     [--kinds lightning,pipeline,dmp] [--tests tests/distributed ...]
+                                     [--kinds lightning,pipeline,dmp,fabric,fabric_launch]
+                                     [--tests tests/distributed ...]
 
 A *fit* starts 2 fresh processes, launched as a job scheduler would (``MASTER_ADDR``/``RANK``/
-``WORLD_SIZE`` set, gloo on CPU), of one kind in turn (``--kinds``):
+``WORLD_SIZE`` set, gloo on CPU), of one kind in turn (``--kinds``, default the first three):
 
 * ``lightning``: a tiny DLRM, ``ShardRecStrategy()``, ``--steps`` steps, then ``trainer.save_checkpoint``;
   the process returns from the script (the strategy's groups, the health monitor's threads,
   the shared-memory transports and the default group are the library's to shut down);
 * ``pipeline``: the same with ``ShardRecStrategy(pipeline=True)`` (the prefetch group too);
 * ``dmp``: a TorchRec-style program: ``init_process_group``, ``DistributedModelParallel``,
-  ``--steps`` steps, then ``dist.destroy_process_group()`` on each rank *without* a barrier.
+  ``--steps`` steps, then ``dist.destroy_process_group()`` on each rank *without* a barrier;
+* ``fabric``: a Fabric script, ``Fabric(strategy="shardrec")``, ``fabric.setup(model, optimizer)``,
+  ``--steps`` steps, ``fabric.save``, and no ``teardown``: the process returns from the script with
+  the Fabric object, the model and the optimizer still referenced (a script's globals);
+* ``fabric_launch``: the same script started once as a user does (``python script.py``, no rank in
+  the environment): Fabric's launcher starts the second rank, whose output comes through the first's.
 
 A *session* is ``python -m pytest -q -p no:cacheprovider`` over ``--tests`` (default: the
 distributed tests), the way CI runs them. Meanwhile ``--hogs`` processes spin on the CPU
@@ -37,8 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import cpu_model, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("lightning", "pipeline", "dmp")
+KINDS = ("lightning", "pipeline", "dmp", "fabric", "fabric_launch")
+DEFAULT_KINDS = ("lightning", "pipeline", "dmp")
 ABORT = "terminate called"
+#: what faulthandler prints when a process dies of a signal (a launched rank's exit code is not seen here)
+CRASH = "Fatal Python error"
 
 
 def _hog(limit: float, parent: int) -> None:
@@ -119,6 +128,40 @@ def dmp_worker(steps: int) -> None:
     print(f"rank {rank} done: {done} steps, saved=True", flush=True)
 
 
+#: what a script written at top level keeps in its globals until the interpreter finalizes (``fabric``)
+SCRIPT_NAMES: dict[str, object] = {}
+
+
+def fabric_worker(root: str, steps: int) -> None:
+    """One rank of a Fabric script: ``steps`` steps, ``fabric.save``, return (no ``teardown``, no destroy)."""
+    import lightning as L
+    import torch
+
+    from lightning_shardrec import DLRM, EmbeddingBagCollection, SyntheticRecDataModule
+
+    torch.set_num_threads(1)
+    fabric = L.Fabric(strategy="shardrec", accelerator="cpu", devices=2)
+    fabric.launch()  # started alone (``fabric_launch``): starts the second rank
+    data = SyntheticRecDataModule(num_dense=4, tables=_tables(), batch_size=8, num_batches=steps, val_batches=0)
+    data.setup("fit")
+    torch.manual_seed(0)
+    model = DLRM(EmbeddingBagCollection(tables=data.embedding_tables(4)), 4, [8, 4], [8, 1])
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
+    model, opt = fabric.setup(model, opt)
+    done = 0
+    for batch in data.train_dataloader():
+        logits = model(batch.dense, batch.sparse).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        opt.zero_grad()
+        fabric.backward(loss)
+        opt.step()
+        done += 1
+    path = os.path.join(root, "fabric.ckpt")
+    fabric.save(path, {"model": model, "optimizer": opt, "step": done})
+    print(f"rank {fabric.global_rank} done: {done} steps, saved={os.path.isdir(path)}", flush=True)
+    SCRIPT_NAMES.update(fabric=fabric, model=model, optimizer=opt)  # as a script's own names, alive to the end
+
+
 def _env(rank: int, port: str) -> dict[str, str]:
     return {
         **os.environ,
@@ -135,25 +178,29 @@ def _env(rank: int, port: str) -> dict[str, str]:
     }
 
 
+def _launch_env(port: str) -> dict[str, str]:
+    """``python script.py`` on one machine: no rank in the environment (Fabric's launcher starts the others)."""
+    launcher_set = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+    env = {k: v for k, v in _env(0, port).items() if k not in launcher_set}
+    return env
+
+
 def one_fit(kind: str, steps: int, timeout: float) -> tuple[list[int | None], bool, int, str]:
-    """Both ranks' exit codes (None: killed after ``timeout``), whether both reported ``steps`` steps,
-    the count of ``terminate called`` lines, and the tail of their stderr."""
+    """The ranks' exit codes (None: killed after ``timeout``; ``fabric_launch``: the first rank's only), whether
+    every rank reported ``steps`` steps and none crashed (faulthandler's report: a launched rank's exit code is
+    not seen), the count of ``terminate called`` lines, and the tail of their stderr."""
     port = str(free_port())
+    cmd = [sys.executable, __file__, "--worker", kind, "--steps", str(steps)]
+    envs = [_launch_env(port)] if kind == "fabric_launch" else [_env(rank, port) for rank in range(2)]
     with tempfile.TemporaryDirectory(prefix="shardrec_exit_") as root:
         procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, "--worker", kind, "--root", root, "--steps", str(steps)],
-                env=_env(rank, port),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for rank in range(2)
+            subprocess.Popen([*cmd, "--root", root], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for env in envs
         ]
         codes: list[int | None] = []
-        tails, aborts, finished = [], 0, True
+        tails, aborts, reported, crashed = [], 0, 0, False
         deadline = time.monotonic() + timeout
-        for p in procs:
+        for p in procs:  # a launched rank writes to its launcher's pipes: they close when both have exited
             try:
                 out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
                 codes.append(p.returncode)
@@ -161,10 +208,12 @@ def one_fit(kind: str, steps: int, timeout: float) -> tuple[list[int | None], bo
                 p.kill()
                 out, err = p.communicate()
                 codes.append(None)
-            finished &= f"done: {steps} steps, saved=True" in (out or "")
+            reported += (out or "").count(f"done: {steps} steps, saved=True")
             aborts += (err or "").count(ABORT)
+            crashed |= CRASH in (err or "")
             tails.append(err[-1500:] if err else "")
-    return codes, finished, aborts, " | ".join(t.strip().replace("\n", " / ")[-1200:] for t in tails if t.strip())
+    tail = " | ".join(t.strip().replace("\n", " / ")[-1200:] for t in tails if t.strip())
+    return codes, reported == 2 and not crashed, aborts, tail
 
 
 def one_session(tests: list[str], timeout: float) -> tuple[int | None, int, str]:
@@ -192,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fits", type=int, default=200, help="2-rank fits (the kinds in turn)")
     p.add_argument("--sessions", type=int, default=20, help="pytest sessions over --tests")
-    p.add_argument("--kinds", default=",".join(KINDS), help=f"fit kinds, comma-separated, of {', '.join(KINDS)}")
+    p.add_argument(
+        "--kinds", default=",".join(DEFAULT_KINDS), help=f"fit kinds, comma-separated, of {', '.join(KINDS)}"
+    )
     p.add_argument("--tests", nargs="*", default=["tests/distributed"], help="what each pytest session runs")
     p.add_argument("--hogs", type=int, default=1, help="CPU-spinning processes during the runs")
     p.add_argument("--hog-limit", type=float, default=4 * 3600.0, help="seconds after which a hog stops anyway")
@@ -205,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker is not None:
         if a.worker == "dmp":
             dmp_worker(a.steps)
+        elif a.worker.startswith("fabric"):
+            fabric_worker(str(a.root), a.steps)
         else:
             lightning_worker(str(a.root), a.steps, a.worker == "pipeline")
         return 0

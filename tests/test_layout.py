@@ -1,6 +1,6 @@
-"""The house's layout (issue 45): distributed/ without import circles, a core that imports neither TorchRec's
-mirrors (compat/torchrec/) nor the opt-in same-host transport, and TorchRec's paths served by the finder as the
-same module objects. Imports are read with ``ast``: lazy (in-function) and ``TYPE_CHECKING`` imports count.
+"""The house's layout (issue 45): distributed/ and planner/ without import circles, a core that imports neither
+TorchRec's mirrors (compat/torchrec/) nor the opt-in same-host transport, and TorchRec's paths served by the finder
+as the same module objects. Imports are read with ``ast``: lazy (in-function) and ``TYPE_CHECKING`` imports count.
 """
 
 from __future__ import annotations
@@ -16,12 +16,6 @@ from lightning_shardrec.compat.torchrec.paths import ALIASES
 
 ROOT = Path(lightning_shardrec.__file__).parent
 PKG = "lightning_shardrec"
-
-#: the one circle left, behind a lazy import: TorchRec's ``ModuleSharder.shard()`` (the sharders are
-#: DistributedModelParallel's settings, below it) calls ``shard_collection``, built on DMP's pieces
-KNOWN_CIRCLES = [{"distributed.dmp.sharders", "distributed.dmp.shard", "distributed.dmp.model_parallel",
-                  "distributed.dmp.dmp_settings"}]  # fmt: skip
-
 
 def _modules(root: Path = ROOT) -> dict[str, Path]:
     out = {}
@@ -111,12 +105,10 @@ def test_circles_are_found():
     assert _circles(graph) == [{"a", "b", "c"}]
 
 
-def test_distributed_has_no_import_circle():
-    got = [{m.removeprefix(PKG + ".") for m in c} for c in _circles(_graph(f"{PKG}.distributed"))]
-    new = [sorted(c) for c in got if c not in KNOWN_CIRCLES]
-    gone = [sorted(c) for c in KNOWN_CIRCLES if c not in got]
-    assert not new, f"import circles in distributed/ (lazy and TYPE_CHECKING imports count): {new}"
-    assert not gone, f"a known circle is gone: take it off KNOWN_CIRCLES: {gone}"
+@pytest.mark.parametrize("package", ["distributed", "planner"])
+def test_the_package_has_no_import_circle(package):
+    got = sorted(sorted(m.removeprefix(PKG + ".") for m in c) for c in _circles(_graph(f"{PKG}.{package}")))
+    assert not got, f"import circles in {package}/ (lazy and TYPE_CHECKING imports count): {got}"
 
 
 # the package root installs the finder; the transport's own modules, and the test helper that simulates hosts

@@ -82,13 +82,13 @@ def test_bad_input_on_one_rank_stops_every_rank_without_hanging():
     [(0, {"LOCAL_RANK": "3"}, 8, 3), (2, {"LOCAL_RANK": "3"}, 8, 2), (0, {}, 8, 0), (0, {"LOCAL_RANK": "x"}, 8, 0)],
 )
 def test_cuda_index_falls_back_to_local_rank(current, environ, count, want):
-    from lightning_shardrec.distributed.model_parallel import cuda_index
+    from lightning_shardrec.distributed.dmp.shardable import cuda_index
 
     assert cuda_index(current, environ, count) == want
 
 
 def test_cuda_index_rejects_a_local_rank_without_its_gpu():
-    from lightning_shardrec.distributed.model_parallel import cuda_index
+    from lightning_shardrec.distributed.dmp.shardable import cuda_index
 
     with pytest.raises(ValueError, match="LOCAL_RANK 4 but only 2 GPUs are visible; pass device="):
         cuda_index(0, {"LOCAL_RANK": "4"}, 2)

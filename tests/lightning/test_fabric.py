@@ -282,3 +282,47 @@ def test_a_filter_on_the_sharded_model_a_missing_entry_and_a_second_setup_are_re
         assert "has no ['step'], which the state to restore holds (pass strict=False" in missing
         assert rest == []
         assert "the model's tables were sharded by an earlier fabric.setup; set a model up once" in again
+
+
+EXIT_SCRIPT = """
+import atexit
+import torch
+import torch.distributed as dist
+
+made = []
+
+
+def after_the_library():  # registered before the library's exit hook, so it runs after it
+    from lightning_shardrec.distributed.comm.groups import live_group
+    print("groups live at exit:", [live_group(g) for g in made], flush=True)
+
+
+atexit.register(after_the_library)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the script's own default group
+import lightning as L
+from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+fabric = L.Fabric(strategy="shardrec", accelerator="cpu", devices=1)
+fabric.launch()
+tables = [EmbeddingBagConfig(num_embeddings=8, embedding_dim=4, name="t", feature_names=["f"])]
+model = torch.nn.ModuleDict({"ebc": EmbeddingBagCollection(tables), "mlp": torch.nn.Linear(4, 1)})
+model, optimizer = fabric.setup(model, torch.optim.Adagrad(model.parameters(), lr=0.05))
+made.extend(fabric.strategy.dense.groups)
+print("groups made:", len(made), flush=True)
+# the script ends without fabric.strategy.teardown(): fabric, model and optimizer stay referenced
+"""
+
+
+def test_a_fabric_script_that_never_tears_down_has_its_groups_destroyed_at_exit(tmp_path):
+    """Fabric calls no ``teardown``: the exit hook destroys the groups the strategy made (here the dense layers'
+    DDP group) as the Trainer's teardown does, also where the script made the default group itself (then the hook
+    does not destroy every group); a group left to torch's registry is freed after the interpreter is gone."""
+    script = tmp_path / "fabric_no_teardown.py"
+    script.write_text(EXIT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        env.pop(name, None)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and "terminate called" not in out.stderr, out.stderr[-3000:]
+    assert "groups made: 1" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "groups live at exit: [False]" in out.stdout, out.stdout[-2000:]

@@ -6,6 +6,8 @@
   (one fused optimizer per model); a table with none of these takes the others' (or is
   ``data_parallel``, stepped by the dense optimizer, as under TorchRec);
 * the wire precision: ``comm_precision=``, else the sharders' ``qcomm_codecs_registry``;
+* a sharder is read here only as the settings it carries (:class:`SharderSettings`: :func:`sharder_optim`,
+  :func:`sharder_comm_precision`); :mod:`.sharders` defines TorchRec's sharder classes on top of this;
 * ``env=``: its process group (a ``ShardingEnv.from_local`` env uses the default group when
   one is initialised with that world size);
 * ``init_parameters=True``: dense parameters left on ``meta`` are allocated and reset.
@@ -16,7 +18,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,15 +26,60 @@ from torch import Tensor, nn
 
 from lightning_shardrec.configs import EmbOptimType, FusedOptimConfig
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv
+from lightning_shardrec.distributed.comm.fbgemm_qcomm_codec import QCommsRegistry
 from lightning_shardrec.distributed.comm.qcomm import CommPrecision, WirePrecision, parse_wire
-from lightning_shardrec.distributed.dmp.sharders import ModuleSharder, sharder_comm_precision, sharder_optim
 from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.modules.plain_embeddings import PlainEmbedding, PlainEmbeddingBag, PlainMaxEmbeddingBag
-from lightning_shardrec.optim.fused_settings import in_backward_config
+from lightning_shardrec.optim.fused_settings import config_of_fused_params, in_backward_config
 from lightning_shardrec.planner import EmbeddingComputeKernel, ParameterConstraints
 
 _COLLECTIONS = (EmbeddingBagCollection, EmbeddingCollection, PlainEmbeddingBag, PlainMaxEmbeddingBag, PlainEmbedding)
+#: where the errors about sharders send the reader
+SHARDERS_SECTION = "see docs/migrating.md, 'Sharders'"
+
+
+class SharderSettings(Protocol):
+    """What a module sharder (:class:`~.sharders.ModuleSharder`) carries here: the collection type it is for and
+    its comm codecs; ``fused_params`` where it has them (read with ``getattr``)."""
+
+    @property
+    def module_type(self) -> type[nn.Module]: ...
+
+    @property
+    def qcomm_codecs_registry(self) -> Mapping[str, Any] | None: ...
+
+
+def sharder_optim(
+    sharders: Sequence[SharderSettings], base: FusedOptimConfig, where: str
+) -> dict[type, FusedOptimConfig]:
+    """Collection type -> fused config its sharder's ``fused_params`` give (types without one: absent)."""
+    out: dict[type, FusedOptimConfig] = {}
+    for s in sharders:
+        params = getattr(s, "fused_params", None)
+        if params:
+            out[s.module_type] = config_of_fused_params(params, base, f"{where}: {type(s).__name__}")
+    return out
+
+
+def sharder_comm_precision(sharders: Sequence[SharderSettings], where: str) -> CommPrecision | WirePrecision | None:
+    """The one wire precision the sharders' ``qcomm_codecs_registry`` ask for (None: none asked)."""
+    found: set[CommPrecision | WirePrecision] = set()
+    for s in sharders:
+        registry = s.qcomm_codecs_registry
+        if registry is None:
+            continue
+        if not isinstance(registry, QCommsRegistry):
+            raise UnsupportedFeatureError(
+                f"{where}: {type(s).__name__}(qcomm_codecs_registry={type(registry).__name__}) is not supported; "
+                f"build it with get_qcomm_codecs_registry(QCommsConfig(...)) ({SHARDERS_SECTION})"
+            )
+        found.add(registry.precision(f"{where}: {type(s).__name__}"))
+    if len(found) > 1:
+        raise UnsupportedFeatureError(
+            f"{where}: sharders ask for different comm precisions {sorted(p.value for p in found)}; one per model"
+        )
+    return found.pop() if found else None
 
 
 class DataParallelWrapper(abc.ABC):
@@ -82,7 +129,7 @@ def _table_configs(module: nn.Module) -> list[tuple[str, type, FusedOptimConfig 
     return out
 
 
-def in_backward_tables(module: nn.Module, sharders: Sequence[ModuleSharder[Any]] = ()) -> set[str]:
+def in_backward_tables(module: nn.Module, sharders: Sequence[SharderSettings] = ()) -> set[str]:
     """Names of the tables ``apply_optimizer_in_backward`` (or a sharder's ``fused_params``) gave an optimizer:
     they must be fused, not ``data_parallel`` (plain weights, all-reduced by DDP, stepped by the dense optimizer).
     A table of a collection whose other tables have one but not itself is free to be ``data_parallel`` (TorchRec)."""
@@ -150,7 +197,7 @@ def undecided_tables(module: nn.Module, in_backward: set[str], explicit: object)
 def resolve_fused_config(
     module: nn.Module,
     explicit: FusedOptimConfig | str | None,
-    sharders: Sequence[ModuleSharder[Any]],
+    sharders: Sequence[SharderSettings],
     where: str,
 ) -> FusedOptimConfig:
     """The one fused config every table of ``module`` trains with (see the module docstring)."""
@@ -182,7 +229,7 @@ def _describe(c: FusedOptimConfig) -> str:
 
 def resolve_comm_precision(
     explicit: str | WirePrecision | None,
-    sharders: Sequence[ModuleSharder[Any]],
+    sharders: Sequence[SharderSettings],
     where: str = "DistributedModelParallel",
 ) -> CommPrecision | WirePrecision:
     """``comm_precision=`` (``"bf16"``, ``"fp16/bf16"``) else the sharders' qcomm config, else fp32; both must agree."""

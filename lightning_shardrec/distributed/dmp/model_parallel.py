@@ -10,7 +10,6 @@ Plain PyTorch (no Lightning)::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -21,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.configs import FusedOptimConfig
-from lightning_shardrec.distributed.comm.collectives import ShardingEnv, uses_cuda
+from lightning_shardrec.distributed.comm.collectives import ShardingEnv
 from lightning_shardrec.distributed.comm.groups import cached_group
 from lightning_shardrec.distributed.comm.qcomm import WirePrecision
 from lightning_shardrec.distributed.comm.same_host import attach_transport, use_shm_allreduce
@@ -39,23 +38,19 @@ from lightning_shardrec.distributed.dmp.dmp_settings import (
     resolve_fused_config,
     undecided_tables,
 )
+from lightning_shardrec.distributed.dmp.shardable import (
+    SHARDED,
+    ShardedCollection,
+    default_device,
+    find_collections,
+    table_names,
+)
 from lightning_shardrec.distributed.dmp.sharders import ModuleSharder, check_sharders
 from lightning_shardrec.distributed.sharded.dynamic_stats import dynamic_stats
-from lightning_shardrec.distributed.sharded.embedding import ShardedEmbeddingCollection
-from lightning_shardrec.distributed.sharded.embeddingbag import ShardedEmbeddingBagCollection
-from lightning_shardrec.distributed.sharded.plain_embeddings import (
-    ShardedPlainEmbedding,
-    ShardedPlainEmbeddingBag,
-    ShardedPlainMaxEmbeddingBag,
-)
 from lightning_shardrec.distributed.sharding import KernelSetup
 from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.kernels import KernelBackend
-from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.modules.plain_embeddings import (
-    PlainEmbedding,
-    PlainEmbeddingBag,
-    PlainMaxEmbeddingBag,
     swap_embedding_modules,
 )
 from lightning_shardrec.optim import FusedOptimizer
@@ -68,48 +63,6 @@ from lightning_shardrec.planner import (
     Topology,
 )
 
-ShardedCollection = ShardedEmbeddingBagCollection | ShardedEmbeddingCollection
-
-_SHARDED: dict[type[nn.Module], type[ShardedCollection]] = {
-    EmbeddingBagCollection: ShardedEmbeddingBagCollection,
-    EmbeddingCollection: ShardedEmbeddingCollection,
-    PlainEmbeddingBag: ShardedPlainEmbeddingBag,
-    PlainMaxEmbeddingBag: ShardedPlainMaxEmbeddingBag,
-    PlainEmbedding: ShardedPlainEmbedding,
-}
-
-
-def find_collections(module: nn.Module) -> dict[str, nn.Module]:
-    """Module path -> every embedding collection this library can shard."""
-    return {name: m for name, m in module.named_modules() if type(m) in _SHARDED}
-
-
-def table_names(collection: nn.Module) -> set[str]:
-    """Names of a collection's tables, pooled (``embedding_bag_configs``) or sequence."""
-    if isinstance(collection, EmbeddingCollection | ShardedEmbeddingCollection):
-        return {t.name for t in collection.embedding_configs()}
-    return {t.name for t in collection.embedding_bag_configs()}  # type: ignore[operator]
-
-
-def default_device(env: ShardingEnv) -> torch.device:
-    """CPU under gloo; under NCCL (``"nccl"``, ``"cpu:gloo,cuda:nccl"``, ...) this rank's GPU (:func:`cuda_index`)."""
-    if dist.is_initialized() and uses_cuda(env.pg):
-        index = cuda_index(torch.cuda.current_device(), os.environ, torch.cuda.device_count())
-        return torch.device("cuda", index)
-    return torch.device("cpu")
-
-
-def cuda_index(current: int, environ: Mapping[str, str], count: int) -> int:
-    """The GPU of this rank: the current device when set (not 0), else ``LOCAL_RANK`` (torchrun, Lightning,
-    SLURM via Lightning), else 0. Without the fallback every rank that never called ``set_device`` lands on GPU 0.
-    """
-    local = environ.get("LOCAL_RANK", "")
-    if current != 0 or not local.isdigit():
-        return current
-    if count and int(local) >= count:
-        raise ValueError(f"default device: LOCAL_RANK {local} but only {count} GPUs are visible; pass device=")
-    return int(local)
-
 
 def shard_modules(
     module: nn.Module, plan: ShardingPlan, env: ShardingEnv, setup: KernelSetup
@@ -120,7 +73,7 @@ def shard_modules(
         tables = plan.get_plan_for_module(path)
         if tables is None:
             raise ValueError(f"the sharding plan has no entry for module '{path or '<root>'}'")
-        new = _SHARDED[type(coll)](coll, dict(tables), env, setup)
+        new = SHARDED[type(coll)](coll, dict(tables), env, setup)
         if path:
             parent, _, leaf = path.rpartition(".")
             setattr(module.get_submodule(parent) if parent else module, leaf, new)

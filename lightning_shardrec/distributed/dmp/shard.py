@@ -1,7 +1,7 @@
 """Sharding without ``DistributedModelParallel``, at TorchRec's path (``torchrec.distributed.shard``).
 
-* :func:`shard_collection`: one collection and its table shardings -> the sharded collection
-  (what ``EmbeddingBagCollectionSharder().shard(ebc, plan.plan[""], env, device)`` runs);
+* :func:`shard_collection` (from :mod:`.shardable`): one collection and its table shardings -> the sharded
+  collection (what ``EmbeddingBagCollectionSharder().shard(ebc, plan.plan[""], env, device)`` runs);
 * :func:`shard_modules` (TorchRec's ``shard_modules`` / ``_shard_modules``): every collection of a
   module, planned (collectively) when no plan is given, swapped in place; the module is returned.
 
@@ -15,7 +15,7 @@ each process, which on one rank is what TorchRec's one-rank sharded quantized co
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,66 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv
-from lightning_shardrec.distributed.dmp.dmp_settings import (
-    mark_in_backward,
-    materialize_meta,
-    resolve_comm_precision,
-    resolve_fused_config,
-)
-from lightning_shardrec.distributed.dmp.model_parallel import (
-    _SHARDED,
-    ShardedCollection,
-    default_device,
-    find_collections,
-    table_names,
-)
+from lightning_shardrec.distributed.dmp.shardable import find_collections, shard_collection
 from lightning_shardrec.distributed.dmp.sharders import ModuleSharder, check_sharders
-from lightning_shardrec.distributed.sharding import KernelSetup
-from lightning_shardrec.errors import UnsupportedFeatureError
-from lightning_shardrec.kernels import KernelBackend
-from lightning_shardrec.optim import FusedOptimizer
-from lightning_shardrec.planner import EmbeddingShardingPlanner, ParameterSharding, ShardingPlan, Topology
-
-
-def shard_collection(
-    module: nn.Module,
-    params: Mapping[str, ParameterSharding],
-    env: ShardingEnv | None = None,
-    device: torch.device | str | None = None,
-    sharders: Sequence[ModuleSharder[Any]] = (),
-    where: str = "shard",
-) -> ShardedCollection:
-    """``module`` (a collection) sharded as ``params`` (table name -> sharding) says, on ``env``
-    (default: the default process group) and ``device`` (default: CPU under gloo, this rank's GPU under
-    NCCL). The fused optimizer comes from ``apply_optimizer_in_backward`` on the tables, else the
-    sharders' ``fused_params``, else the default (adagrad, lr 0.01)."""
-    kind = _SHARDED.get(type(module))
-    if kind is None:
-        valid = ", ".join(sorted(t.__name__ for t in _SHARDED))
-        raise UnsupportedFeatureError(f"{where}: cannot shard a {type(module).__name__}; shardable: {valid}")
-    missing = sorted(table_names(module) - set(params))
-    if missing:
-        raise ValueError(
-            f"{where}: the plan has no entry for table(s) {', '.join(repr(t) for t in missing)} of "
-            f"{type(module).__name__}; it has {sorted(params)}"
-        )
-    env = env if env is not None else ShardingEnv.from_process_group(dist.group.WORLD)
-    sharders = check_sharders(sharders, where)
-    optim = resolve_fused_config(module, None, sharders, where)
-    target = torch.device(device) if device is not None else default_device(env)
-    setup = KernelSetup(
-        optim=optim,
-        backend=KernelBackend.AUTO,
-        device=target,
-        comm_precision=resolve_comm_precision(None, sharders, where),
-    )
-    plan = {name: params[name] for name in table_names(module)}
-    sharded = kind(module, plan, env, setup)  # type: ignore[arg-type]  # the type matched _SHARDED's key
-    materialize_meta(sharded, target)
-    sharded.to(target)
-    sharded.fused_optimizer = FusedOptimizer(sharded.kernels(), optim)  # type: ignore[assignment]
-    mark_in_backward({"": sharded}, sharded.fused_optimizer)  # type: ignore[arg-type]
-    return sharded
+from lightning_shardrec.planner import EmbeddingShardingPlanner, ShardingPlan, Topology
 
 
 def shard_modules(

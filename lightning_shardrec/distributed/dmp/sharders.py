@@ -5,7 +5,7 @@ settings* to :class:`~lightning_shardrec.distributed.DistributedModelParallel`, 
 ``ShardRecStrategy``:
 
 * ``fused_params`` -> the tables' :class:`~lightning_shardrec.configs.FusedOptimConfig`
-  (:func:`~lightning_shardrec.optim.fused_settings.config_of_fused_params`);
+  (:func:`~lightning_shardrec.distributed.dmp.dmp_settings.sharder_optim`);
 * ``qcomm_codecs_registry`` (``get_qcomm_codecs_registry(QCommsConfig(...))``) -> ``comm_precision``;
 * ``sharding_types()`` / ``compute_kernels()`` overridden to narrow the choice -> refused
   (say it with ``ParameterConstraints(sharding_types=...)``).
@@ -21,14 +21,12 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import Tensor, nn
 
-from lightning_shardrec.configs import FusedOptimConfig
-from lightning_shardrec.distributed.comm.fbgemm_qcomm_codec import QCommsRegistry
-from lightning_shardrec.distributed.comm.qcomm import CommPrecision, WirePrecision
+from lightning_shardrec.distributed.dmp.dmp_settings import SHARDERS_SECTION, sharder_comm_precision, sharder_optim
+from lightning_shardrec.distributed.dmp.shardable import shard_collection
 from lightning_shardrec.distributed.sharded.embedding import ShardedEmbeddingCollection
 from lightning_shardrec.distributed.sharded.embeddingbag import ShardedEmbeddingBagCollection
 from lightning_shardrec.errors import UnsupportedFeatureError
 from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
-from lightning_shardrec.optim.fused_settings import config_of_fused_params
 from lightning_shardrec.planner import EmbeddingComputeKernel, ShardingType
 from lightning_shardrec.planner.plans.types import parse_enum
 
@@ -42,7 +40,6 @@ _TORCHREC_ORDER = (
     ShardingType.TABLE_ROW_WISE,
     ShardingType.GRID_SHARD,
 )
-_SECTION = "see docs/migrating.md, 'Sharders'"
 
 
 class ModuleSharder(Generic[M]):
@@ -95,11 +92,8 @@ class ModuleSharder(Generic[M]):
             raise TypeError(
                 f"{type(self).__name__}.shard: expects a {self.module_type.__name__}, got {type(module).__name__}"
             )
-        # imported here: shard.py builds on DistributedModelParallel's pieces, which import this module
-        from lightning_shardrec.distributed.dmp.shard import shard_collection
-
         where = f"{type(self).__name__}.shard" + (f" ('{module_fqn}')" if module_fqn else "")
-        return shard_collection(module, params, env, device, [self], where)
+        return shard_collection(module, params, env, device, check_sharders([self], where), where)
 
 
 class BaseEmbeddingSharder(ModuleSharder[M]):
@@ -148,7 +142,7 @@ def check_sharders(sharders: Sequence[object] | None, where: str) -> list[Module
         if not isinstance(s, ModuleSharder):
             raise UnsupportedFeatureError(
                 f"{where}: sharders[{i}] is {type(s).__name__}; use EmbeddingBagCollectionSharder or "
-                f"EmbeddingCollectionSharder from lightning_shardrec.distributed ({_SECTION})"
+                f"EmbeddingCollectionSharder from lightning_shardrec.distributed ({SHARDERS_SECTION})"
             )
         kind = s.module_type
         if kind in seen:
@@ -159,42 +153,10 @@ def check_sharders(sharders: Sequence[object] | None, where: str) -> list[Module
             if getattr(type(s), method, None) is not getattr(base, method, None):
                 raise UnsupportedFeatureError(
                     f"{where}: {type(s).__name__}.{method}() is overridden; sharders do not choose sharding here. "
-                    f"Use ParameterConstraints(sharding_types=[...]) for the tables ({_SECTION})"
+                    f"Use ParameterConstraints(sharding_types=[...]) for the tables ({SHARDERS_SECTION})"
                 )
         out.append(s)
     return out
-
-
-def sharder_optim(
-    sharders: Sequence[ModuleSharder[Any]], base: FusedOptimConfig, where: str
-) -> dict[type, FusedOptimConfig]:
-    """Collection type -> fused config its sharder's ``fused_params`` give (types without one: absent)."""
-    out: dict[type, FusedOptimConfig] = {}
-    for s in sharders:
-        params = getattr(s, "fused_params", None)
-        if params:
-            out[s.module_type] = config_of_fused_params(params, base, f"{where}: {type(s).__name__}")
-    return out
-
-
-def sharder_comm_precision(sharders: Sequence[ModuleSharder[Any]], where: str) -> CommPrecision | WirePrecision | None:
-    """The one wire precision the sharders' ``qcomm_codecs_registry`` ask for (None: none asked)."""
-    found: set[CommPrecision | WirePrecision] = set()
-    for s in sharders:
-        registry = s.qcomm_codecs_registry
-        if registry is None:
-            continue
-        if not isinstance(registry, QCommsRegistry):
-            raise UnsupportedFeatureError(
-                f"{where}: {type(s).__name__}(qcomm_codecs_registry={type(registry).__name__}) is not supported; "
-                f"build it with get_qcomm_codecs_registry(QCommsConfig(...)) ({_SECTION})"
-            )
-        found.add(registry.precision(f"{where}: {type(s).__name__}"))
-    if len(found) > 1:
-        raise UnsupportedFeatureError(
-            f"{where}: sharders ask for different comm precisions {sorted(p.value for p in found)}; one per model"
-        )
-    return found.pop() if found else None
 
 
 __all__ = [

@@ -22,11 +22,13 @@ So, in order:
   references to them; the sharded collections keep theirs for a later fit, validate or predict;
 * at interpreter exit, while the interpreter is whole (:func:`shutdown_at_exit`, registered when
   this module is imported, so for any program that imports the library, Lightning or not):
-  every health monitor still running is stopped, the library's other threads are joined (a
-  bounded wait), the groups the library cached (:func:`lightning_shardrec.distributed.comm.groups.cached_group`)
-  are destroyed, every group is destroyed when the strategy created the default group (a
-  ``trainer.save_checkpoint`` after ``fit`` still needs it until then), and the library's
-  references to groups are dropped and collected, so each group's threads stop now.
+  what a strategy never torn down holds is released as its ``teardown`` would (:func:`release_at_exit`:
+  a Fabric script need not call ``fabric.strategy.teardown()``), every health monitor still running
+  is stopped, the library's other threads are joined (a bounded wait), the groups the library cached
+  (:func:`lightning_shardrec.distributed.comm.groups.cached_group`) are destroyed, every group is
+  destroyed when the strategy created the default group (a ``trainer.save_checkpoint`` after ``fit``
+  still needs it until then), and the library's references to groups are dropped and collected, so
+  each group's threads stop now.
 
 A thread stuck in a store call whose server never answers (a frozen host) cannot be joined;
 its name is logged at exit.
@@ -40,7 +42,9 @@ import gc
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch.distributed as dist
 
@@ -53,6 +57,31 @@ THREAD_PREFIX = "shardrec-"
 #: seconds the exit hook waits, in all, for the library's threads
 EXIT_JOIN_S = 30.0
 _STATE = {"default_group_is_ours": False}
+
+
+class Releasable(Protocol):
+    """A strategy whose ``release()`` stops its threads and destroys its groups (idempotent, never collective)."""
+
+    def release(self) -> None: ...
+
+
+#: strategies to release at exit (held weakly: one collected has nothing left to release)
+_TO_RELEASE: weakref.WeakSet[Releasable] = weakref.WeakSet()
+
+
+def release_at_exit(strategy: Releasable) -> None:
+    """Call ``strategy.release()`` at interpreter exit, before the groups are destroyed (a script may never
+    tear it down: Fabric calls no ``teardown``)."""
+    _TO_RELEASE.add(strategy)
+
+
+def _release_all() -> None:
+    for strategy in list(_TO_RELEASE):
+        try:
+            strategy.release()
+        except Exception:  # the others, and the rest of the shutdown, still run
+            log.debug("lightning_shardrec: release at exit of %s", type(strategy).__name__, exc_info=True)
+    _TO_RELEASE.clear()
 
 
 def destroy_groups(groups: Iterable[dist.ProcessGroup]) -> None:
@@ -81,6 +110,7 @@ def join_threads(timeout: float) -> list[str]:
 def shutdown_at_exit() -> None:
     """Stop, join, destroy and free what the library started (see the module docstring); never raises."""
     try:
+        _release_all()
         stuck = health.stop_all(timeout=EXIT_JOIN_S)
         stuck = sorted(set(stuck) | set(join_threads(EXIT_JOIN_S)))
         if stuck:

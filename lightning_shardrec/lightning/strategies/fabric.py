@@ -42,7 +42,7 @@ from lightning_shardrec.errors import RepeatedLookupError
 from lightning_shardrec.lightning.checkpoints.checkpoint_io import ShardRecCheckpointIO
 from lightning_shardrec.lightning.checkpoints.checkpointing import FUSED_KEY, ShardedCheckpoints, default_io, remote
 from lightning_shardrec.lightning.failures.rank_failures import FailureHandling
-from lightning_shardrec.lightning.failures.teardown import destroy_default_group_at_exit
+from lightning_shardrec.lightning.failures.teardown import destroy_default_group_at_exit, release_at_exit
 from lightning_shardrec.lightning.parameters.dense import DenseReplicas
 from lightning_shardrec.lightning.parameters.optimizers import rule_report
 from lightning_shardrec.lightning.parameters.tables import ShardedTables
@@ -128,6 +128,7 @@ class ShardRecFabricStrategy(DDPStrategy):
             destroy_default_group_at_exit()
         local = ranks_per_host(self.world_size, self.num_nodes, self.num_processes)
         self.failures.start(self.global_rank, self.world_size, local)
+        release_at_exit(self)  # a script need not call teardown: its threads and groups go at exit all the same
 
     def _new_group(self) -> dist.ProcessGroup:
         return dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)  # collective
@@ -294,8 +295,10 @@ class ShardRecFabricStrategy(DDPStrategy):
     def stop_monitor(self) -> None:
         self.failures.stop()
 
-    @override
-    def teardown(self) -> None:
+    def release(self) -> None:
+        """Stop the health monitor, close the dense all-reduce's transport and destroy the groups made for this
+        strategy (not after a failure); idempotent. ``teardown`` runs it, and the exit hook for a script that
+        never tears down (:func:`~lightning_shardrec.lightning.failures.teardown.release_at_exit`)."""
         self.failures.stop()
         if self.repeats is not None:
             self.repeats.detach()
@@ -303,6 +306,10 @@ class ShardRecFabricStrategy(DDPStrategy):
         self.dense.unwrap()
         if not self.failures.failing:
             self.dense.destroy()
+
+    @override
+    def teardown(self) -> None:
+        self.release()
         super().teardown()
 
     @classmethod

@@ -48,10 +48,7 @@ import json
 import math
 from dataclasses import MISSING, asdict, astuple, dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from lightning_shardrec.planner.machine.topology import Topology
+from typing import Any, Protocol
 
 #: DDP's gradient bucket (``bucket_cap_mb=25``): replicated tables' gradients join the dense all-reduce
 DDP_BUCKET_BYTES = 25 * 1024**2
@@ -255,7 +252,21 @@ def critical_path(plan: Any, rates: Rates) -> float:
     return sum(phase_seconds(name, per_rank, rates.ranks_per_core) for name, per_rank in phases.items())
 
 
-def step_estimate(plan: Any, topology: Topology) -> float:
+class TopologyLike(Protocol):
+    """What :func:`step_estimate` reads of a :class:`~lightning_shardrec.planner.machine.topology.Topology`
+    (which is built on this module: it loads its ``rates`` here)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def num_hosts(self) -> int: ...
+
+    @property
+    def rates(self) -> Rates | None: ...
+
+
+def step_estimate(plan: Any, topology: TopologyLike) -> float:
     """Seconds per training step of ``plan`` on ``topology`` (calibrated: ``Topology(rates=...)``).
 
     The plan's :func:`critical_path`, the fixed step, the calls beyond the fixed step's

@@ -245,3 +245,7 @@ def _stats_lines(stats: PlanStats) -> list[str]:
     )
     lines.append(stats.verdict())
     return lines
+
+
+#: a plan given whole or in part: the tables it pins (``EmbeddingShardingPlanner.plan(module, fixed=...)``)
+FixedPlan = ShardingPlan | Mapping[str, ParameterSharding]

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from lightning_shardrec.errors import PlannerError
-from lightning_shardrec.planner.plans.sharding_plan import ShardingPlan
+from lightning_shardrec.planner.plans.sharding_plan import FixedPlan, ShardingPlan
 from lightning_shardrec.planner.plans.tables import TablesInput
-from lightning_shardrec.planner.search.planner import EmbeddingShardingPlanner, FixedPlan
+
+
+class Planner(Protocol):
+    """What :func:`collective_plan` runs on rank ``src``: an
+    :class:`~lightning_shardrec.planner.search.planner.EmbeddingShardingPlanner` (built on this module)."""
+
+    def plan(self, module: TablesInput, *, fixed: FixedPlan | None = None) -> ShardingPlan: ...
 
 
 def collective_plan(
-    planner: EmbeddingShardingPlanner,
+    planner: Planner,
     module: TablesInput,
     fixed: FixedPlan | None = None,
     pg: Any = None,

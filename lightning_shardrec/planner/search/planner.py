@@ -24,7 +24,7 @@ from lightning_shardrec.planner.costs.storage import resident_bytes, shard_stora
 from lightning_shardrec.planner.machine.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, check_reserve
 from lightning_shardrec.planner.machine.rates import step_estimate
 from lightning_shardrec.planner.machine.topology import ComputeDevice, Topology
-from lightning_shardrec.planner.plans.sharding_plan import GiB, PlanStats, ShardingPlan
+from lightning_shardrec.planner.plans.sharding_plan import FixedPlan, GiB, PlanStats, ShardingPlan
 from lightning_shardrec.planner.plans.table_params import with_constraint_fields
 from lightning_shardrec.planner.plans.tables import TablesInput, TableSpec, find_tables, table_specs
 from lightning_shardrec.planner.plans.types import (
@@ -35,10 +35,10 @@ from lightning_shardrec.planner.plans.types import (
     ShardMetadata,
 )
 from lightning_shardrec.planner.plans.validate import sharding_problems
+from lightning_shardrec.planner.search.collective import collective_plan
 from lightning_shardrec.planner.search.enumerate import TableOptions, prefers_data_parallel, table_options
 from lightning_shardrec.planner.search.partition import Placement, RankLoads, makespan, partition
 
-FixedPlan = ShardingPlan | Mapping[str, ParameterSharding]
 Key = tuple[str, str]
 DEFAULT_BATCH_SIZE = 512  # per rank, TorchRec's default
 log = logging.getLogger(__name__)
@@ -158,8 +158,6 @@ class EmbeddingShardingPlanner:
 
         Without an initialized process group this is just :meth:`plan`.
         """
-        from lightning_shardrec.planner.search.collective import collective_plan
-
         _check_sharders(sharders)
         return collective_plan(self, module, fixed, pg=pg)
 
