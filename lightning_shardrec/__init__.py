@@ -12,6 +12,7 @@ first public name used (``from lightning_shardrec import ...``) once it is. To b
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from typing import TYPE_CHECKING
 
@@ -102,6 +103,9 @@ def _register_if_lightning_is_loaded() -> bool:
 def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
+        # `import torchrec; torchrec.distributed.X` works in TorchRec: a subpackage loads on first access too.
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")
         raise AttributeError(f"module 'lightning_shardrec' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     # A Lightning-free submodule imported the package before Lightning was: register on the next use of a

@@ -226,3 +226,23 @@ def test_state_dict_transform_refuses_what_is_not_a_tensor():
     assert gather == "state_dict_gather: 'a' is a int, not a tensor or ShardedTensor"
     assert to_device == "state_dict_to_device: 'a' is a int, not a tensor"
     assert moved == [1.0, 1.0]
+
+
+def test_subpackages_are_attributes_of_the_package_as_in_torchrec() -> None:
+    """``import torchrec; torchrec.distributed.X`` works in TorchRec: the same after the rename, in a fresh process."""
+    import subprocess
+    import sys
+
+    # a Lightning-free submodule first (as the intro tutorial does): the package root then loads nothing else
+    code = (
+        "from lightning_shardrec.sparse.jagged_tensor import KeyedJaggedTensor\n"
+        "import lightning_shardrec as t\n"
+        "print(t.distributed.DistributedModelParallel.__name__, t.sparse.jagged_tensor.KeyedJaggedTensor.__name__,"
+        " t.optim.keyed.CombinedOptimizer.__name__)\n"
+        "try:\n    t.no_such_package\nexcept AttributeError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == [
+        "DistributedModelParallel KeyedJaggedTensor CombinedOptimizer",
+        "module 'lightning_shardrec' has no attribute 'no_such_package'",
+    ]
