@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 from plan_cost import F32, ID, Cluster, Table, _dp, _hbm_bytes, _sharded_total
 
 COLUMN_ALIGN = 4
@@ -91,9 +90,7 @@ def _fits(budget: float, m: int, dim: int, t: Table, c: Cluster, batch: int, ali
     return c.world * widest[1] - (loss[missing] if missing > 0 else 0) >= m * dim
 
 
-def family_optimum(
-    tables: Mapping[str, Table], c: Cluster, batch: int, align: int = COLUMN_ALIGN
-) -> FamilyOptimum:
+def family_optimum(tables: Mapping[str, Table], c: Cluster, batch: int, align: int = COLUMN_ALIGN) -> FamilyOptimum:
     """The least slowest rank over whole-row plans (a lower bound; the plan that reaches it proves it)."""
     shapes = {(t.dim, t.pooling, t.state) for t in tables.values()}
     if len(shapes) != 1:

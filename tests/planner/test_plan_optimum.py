@@ -57,7 +57,8 @@ def _plan(choice: dict[str, Choice], tables: dict) -> ShardingPlan:
             continue
         widths, ranks = ch
         offsets = [sum(widths[:i]) for i in range(len(widths))]
-        metas = [ShardMetadata((0, o), (tables[name].rows, w), r) for o, w, r in zip(offsets, widths, ranks)]
+        spans = zip(offsets, widths, ranks, strict=True)
+        metas = [ShardMetadata((0, o), (tables[name].rows, w), r) for o, w, r in spans]
         per_table[name] = ParameterSharding("column_wise", "fused", list(ranks), metas)
     return ShardingPlan({"m": per_table})
 
@@ -79,7 +80,7 @@ def test_family_optimum_is_the_best_whole_row_plan(world: int, local: int, dim: 
     tables = {f"t{i}": plan_cost.Table(rows=n, dim=dim) for i, n in enumerate(rows)}
     per_table = [list(_choices(dim, world)) for _ in tables]
     best = min(
-        plan_cost.evaluate(_plan(dict(zip(tables, combo)), tables), tables, c, 1000).max
+        plan_cost.evaluate(_plan(dict(zip(tables, combo, strict=True)), tables), tables, c, 1000).max
         for combo in itertools.product(*per_table)
     )
     assert plan_optimum.family_optimum(tables, c, 1000).value == pytest.approx(best, rel=1e-9)
