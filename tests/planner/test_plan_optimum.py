@@ -3,7 +3,7 @@
 ``plan_cost.lower_bound`` is loose for Criteo-1TB at 128 GPUs: 1,408 sharded columns are 11 per rank, but
 column shards are multiples of 4 wide and each receives every source's ids. ``plan_optimum`` finds the
 least slowest rank any plan of replicated tables and whole-row column shards can have. These tests check
-it against every such plan of small worlds, then hold the planner's 128-GPU plan within 1.02x of it.
+it against every such plan of small worlds, then hold the planner's 64- and 128-GPU plans within 1.02x of it.
 """
 
 from __future__ import annotations
@@ -86,17 +86,20 @@ def test_family_optimum_is_the_best_whole_row_plan(world: int, local: int, dim: 
     assert plan_optimum.family_optimum(tables, c, 1000).value == pytest.approx(best, rel=1e-9)
 
 
-def test_criteo_plan_at_128_gpus_within_1_02_of_the_optimum() -> None:
-    """26 Criteo-1TB tables x 128 columns, 16384 per rank, 8 GPUs per host. The optimum over whole-row plans
-    shards the 11 largest tables and its dearest rank holds 12 columns in one shard (5.507 ms, 1.129x the
-    average bound); the planner's plan is that optimum (ratio 1.000 when written)."""
+@pytest.mark.parametrize(("world", "sharded", "widest", "shards"), [(64, 12, 24, 2), (128, 11, 12, 1)])
+def test_criteo_plan_within_1_02_of_the_optimum(world: int, sharded: int, widest: int, shards: int) -> None:
+    """26 Criteo-1TB tables x 128 columns, 16384 per rank, 8 GPUs per host. At 128 GPUs the optimum over
+    whole-row plans shards the 11 largest tables, its dearest rank 12 columns in one shard (5.507 ms, 1.129x the
+    average bound); at 64 it shards 12, the dearest rank 24 columns in two shards (4.967 ms, 1.066x). The
+    planner's plans are those optima (ratio 1.000 when written; at 64 it was 1.025 while the 12th table, 12,973
+    rows, stayed replicated: ``enumerate.next_to_shard``)."""
     check = _load("planner_check")
-    costs, cluster = check.criteo_costs(), plan_cost.Cluster(world=128, local=8)
-    plan, _ = check.plan_criteo(128, 16384)
+    costs, cluster = check.criteo_costs(), plan_cost.Cluster(world=world, local=8)
+    plan, _ = check.plan_criteo(world, 16384)
     ev = plan_cost.evaluate(plan, costs, cluster, 16384)
     opt = plan_optimum.family_optimum(costs, cluster, 16384)
-    assert (len(opt.sharded), opt.widest, opt.shards) == (11, 12, 1)
-    assert opt.value > 1.10 * ev.bound  # the average bound is out of reach of every whole-row plan
+    assert (len(opt.sharded), opt.widest, opt.shards) == (sharded, widest, shards)
+    assert opt.value > 1.06 * ev.bound  # the average bound is out of reach of every whole-row plan
     assert ev.max <= 1.02 * opt.value, f"max rank {ev.max * 1e3:.3f} ms, optimum {opt.value * 1e3:.3f} ms"
 
 
