@@ -138,8 +138,8 @@ a lower bound over that family (each rank's shards hold a multiple of 4 columns 
 source's ids; every table needs `ceil(128 / widest)` shards), reached where a plan attains it. Row-blocked
 pieces (row_wise, table_row_wise, grid_shard) are outside that family, so a plan using them can beat it.
 Tests: `tests/planner/test_independent_cost.py` (hand-worked plans, the 64-GPU plan within 1.10x of the bound),
-`tests/planner/test_plan_optimum.py` (the optimum against every whole-row plan of small worlds, the 128-GPU plan
-within 1.02x of it)."""
+`tests/planner/test_plan_optimum.py` (the optimum against every whole-row plan of small worlds, the 64- and
+128-GPU plans within 1.02x of it)."""
 
 
 def main() -> None:
