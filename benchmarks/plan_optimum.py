@@ -6,22 +6,25 @@ alignment, ``planner/plans/tables.py: COLUMN_ALIGN``), and each shard receives e
 This module finds the exact optimum of the same independent model over the family of plans whose
 every table is either replicated (data_parallel) or cut into column shards of whole rows
 (table_wise, column_wise), any widths that are multiples of ``align``, on any ranks. Row-blocked
-pieces (row_wise, table_row_wise, grid_shard) are outside the family; the planner's 128-GPU plan for
-Criteo-1TB is inside it.
+pieces (row_wise, table_row_wise, grid_shard) are outside the family; the planner's 64- and 128-GPU plans
+for Criteo-1TB are inside it.
 
 **Lower bound.** Let ``S`` be the sharded tables (the rest replicated). Every rank pays each replicated
-table's lookup, dense update and all-reduce (``plan_cost._dp``): ``F(S)``. The ranks hold all
-``C = sum(D_t, t in S)`` columns between them, a multiple of ``align`` each, so some rank holds at least
-``c* = align * ceil(C / (align * W))``. That rank sends ``[B, c*]`` to every other rank and receives the
-gradient (a phase's time is at least what it sends, or receives, over each link), receives every
-source's ids of at least one shard, and looks up ``B * W`` ids in ``c*`` columns. So the slowest rank
-costs at least ``F(S) + rank_cost(c*)``, and at least the average (``plan_cost``'s bound for this ``S``).
-With equal dims and pooling over the sharded tables (the Criteo case), both terms fall as the tables with
-the dearest replication join ``S``, so the best ``S`` of each size is the largest tables, and the
-optimum over the family is at least ``min over m of max(average, pigeonhole)`` for ``S`` = the ``m``
-largest. **Attained**: the bound is reached by a plan of the family (the optimum) where one exists whose
-slowest rank holds ``c*`` columns in one shard and pays no more than what it sends, as the planner's
-128-GPU plan does (``planner_check.py`` prints both).
+table's lookup, dense update and all-reduce (``plan_cost._dp``): ``F(S)``. A rank holding ``s`` shards of
+``k`` columns in all sends ``[B, k]`` to every other rank and receives the gradient (a phase's time is at
+least what it sends, or receives, over each link), receives every source's ids once per shard, and looks
+up ``B * W`` ids in ``k`` columns: ``rank_cost(k, s)``. For a budget ``T``, let ``widest[s]`` be the most
+columns (a multiple of ``align``) a rank of ``s`` shards can hold at ``rank_cost <= T - F(S)``. If every rank
+keeps to the budget, no shard is wider than ``widest[1]``, so each table needs ``ceil(D / widest[1])``
+shards, and the ranks must hold all ``sum(D_t, t in S)`` columns: ``_fits`` checks both (ranks of one
+shard hold the most columns; the shards missing come from ranks of several, at the least loss of columns,
+a small knapsack). The least ``T`` that passes (a binary search over every ``(k, s)`` a rank may hold)
+bounds the slowest rank from below, and so does the average (``plan_cost``'s bound for this ``S``). With
+equal dims and pooling (the Criteo case) both terms fall as the tables dearest to replicate join ``S``,
+so each size of ``S`` needs only its largest tables; the optimum over the family is at least the least,
+over the sizes, of the larger of the two. **Attained**: where a plan of the family reaches it, that is the
+optimum; the planner's 64- and 128-GPU plans do (``planner_check.py`` prints both), and
+``tests/planner/test_plan_optimum.py`` checks it against every plan of the family in small worlds.
 
     python benchmarks/plan_optimum.py [--worlds 64,128,512,1024]
 """
@@ -71,9 +74,9 @@ def _fits(budget: float, m: int, dim: int, t: Table, c: Cluster, batch: int, ali
     ``widest[1] - widest[s]`` columns; the least loss for the shards missing is a small knapsack.
     """
     widest: dict[int, int] = {}
-    for s in range(1, dim // align + 1):
+    for s in range(1, m * dim // align + 1):  # costs grow with the shards: stop at the first count that fits nowhere
         ks = np.arange(s * align, dim * m + 1, align)
-        fit = ks[rank_cost(ks, s, t, c, batch) <= budget]
+        fit = ks[rank_cost(ks, s, t, c, batch) <= budget * (1 + 1e-12)]  # (rounding counts for the ranks)
         if not fit.size:
             break
         widest[s] = int(fit.max())
@@ -109,18 +112,20 @@ def family_optimum(tables: Mapping[str, Table], c: Cluster, batch: int, align: i
         if m == 0:
             candidates = [(fixed, 0, 0)]
         else:
-            grid = [(k, s) for s in range(1, dim // align + 1) for k in range(s * align, m * dim + 1, align)]
-            ks, ss = np.array(grid).T
+            # every (columns, shards) a rank may hold; the slowest rank costs one of these
+            ss = np.concatenate([np.full(m * dim // align - s + 1, s) for s in range(1, m * dim // align + 1)])
+            ks = np.concatenate([np.arange(s * align, m * dim + 1, align) for s in range(1, m * dim // align + 1)])
             values = fixed + rank_cost(ks, ss, t, c, batch)
-            costs = [(float(values[i]), int(ks[i]), int(ss[i])) for i in np.argsort(values, kind="stable")]
-            lo, hi = 0, len(costs) - 1  # the whole world's columns on one rank always fits
+            order_ = np.argsort(values, kind="stable")
+            lo, hi = 0, len(order_) - 1  # the whole world's columns on one rank of one shard always fit
             while lo < hi:
                 mid = (lo + hi) // 2
-                if _fits(costs[mid][0] - fixed, m, dim, t, c, batch, align):
+                if _fits(float(values[order_[mid]]) - fixed, m, dim, t, c, batch, align):
                     hi = mid
                 else:
                     lo = mid + 1
-            candidates = [costs[lo]]
+            at = order_[lo]
+            candidates = [(float(values[at]), int(ks[at]), int(ss[at]))]
         value, widest, shards = candidates[0]
         value = max(value, average)
         if value < best.value:
