@@ -12,7 +12,9 @@ and prints per world size (the worst rank, or the median where it says so):
 - **step**: the median step after the first two, and its overhead over the 2-rank step;
 - **RSS per rank**: the resident peak (``VmHWM``), median and largest;
 - **store operations per second**: what the health monitor sent the rendezvous store
-  (:attr:`RankMonitor.store_ops` over the fit), per rank and all ranks together;
+  (:attr:`RankMonitor.store_ops` over the fit), per rank and all ranks together, and the steady
+  rate per rank: the counter read after the second step and at the end of training, over the
+  time between (set-up's operations left out);
 - **detection** (``--kill-at W``): rank W/2+1 SIGKILLs itself before step 3; seconds from the
   kill until every survivor has exited naming it.
 
@@ -60,6 +62,11 @@ def measure(world: int, steps: int, root: Path) -> dict[str, float]:
     worst = {k: max(float(f[k]) - launched for f in ranks) for k in ("started", "imported", "fit_start", "first_step")}
     steps_ = [statistics.median(f["step"][2:]) for f in ranks]  # type: ignore[index]
     ops = [float(f["store_ops"]) / (float(f["train_end"]) - float(f["fit_start"])) for f in ranks]  # type: ignore[arg-type]
+    windows = [
+        (float(f["store_ops"]) - float(f["steady_ops"]), float(f["train_end"]) - float(f["steady_at"]))  # type: ignore[arg-type]
+        for f in ranks
+        if "steady_ops" in f
+    ]
     peaks = [float(f["peak"]) for f in ranks]  # type: ignore[arg-type]
     return {
         "start": worst["started"],
@@ -72,6 +79,8 @@ def measure(world: int, steps: int, root: Path) -> dict[str, float]:
         "rss_max": max(peaks) / MiB,
         "ops_rank": statistics.median(ops),
         "ops_total": sum(ops),
+        "ops_steady": statistics.median(n / dt for n, dt in windows) if windows else float("nan"),
+        "steady_s": statistics.median(dt for _, dt in windows) if windows else float("nan"),
         "interval": float(ranks[0]["monitor_interval"]),  # type: ignore[arg-type]
     }
 
@@ -95,9 +104,10 @@ def main() -> None:
     print(f"machine: {_machine()} (shared with other engineers: figures under load)")
     header = (
         "| ranks | launch to 1st step (s) | interpreter / imports / setup / 1st step (s) | step (ms) | "
-        "over the 2-rank step (ms) | RSS peak per rank, median / max (MiB) | store ops/s per rank / all | beat (s) |"
+        "over the 2-rank step (ms) | RSS peak per rank, median / max (MiB) | store ops/s per rank / all | "
+        "steady store ops/s per rank (over s) | beat (s) |"
     )
-    print(header + "\n|---|---|---|---|---|---|---|---|", flush=True)
+    print(header + "\n|---|---|---|---|---|---|---|---|---|", flush=True)
     base: float | None = None
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:  # each row as it is measured (a long run keeps what it has)
@@ -107,7 +117,7 @@ def main() -> None:
                 f"| {world} | {r['to_first']:.1f} | {r['start']:.1f} / {r['imports']:.1f} / {r['setup']:.1f} / "
                 f"{r['first']:.1f} | {1e3 * r['step']:.1f} | {1e3 * (r['step'] - base):+.1f} | "
                 f"{r['rss_median']:.0f} / {r['rss_max']:.0f} | {r['ops_rank']:.1f} / {r['ops_total']:.0f} | "
-                f"{r['interval']:.2f} | (load {os.getloadavg()[0]:.1f})",
+                f"{r['ops_steady']:.1f} ({r['steady_s']:.0f}) | {r['interval']:.2f} | (load {os.getloadavg()[0]:.1f})",
                 flush=True,
             )
         for w in args.kill_at:

@@ -120,6 +120,9 @@ def main() -> None:
         def on_train_batch_end(self, trainer: L.Trainer, *_: object) -> None:
             times.setdefault("first_step", time.time())
             times["step"].append(time.perf_counter() - self.began)  # type: ignore[union-attr]
+            if len(times["step"]) == 2 and strategy.monitor is not None:  # type: ignore[arg-type]
+                times["steady_ops"] = strategy.monitor.store_ops  # set-up is over: from here, steady operations
+                times["steady_at"] = time.time()
 
         def on_train_end(self, trainer: L.Trainer, *_: object) -> None:
             monitor = strategy.monitor

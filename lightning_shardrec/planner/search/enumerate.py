@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from lightning_shardrec.planner.costs.perf import Workload, shard_perf
 from lightning_shardrec.planner.costs.storage import STORAGE, shard_storage
-from lightning_shardrec.planner.plans.tables import COLUMN_ALIGN, TableSpec
+from lightning_shardrec.planner.plans.tables import COLUMN_ALIGN, NARROW_FROM_RANKS, TableSpec
 from lightning_shardrec.planner.plans.types import EmbeddingComputeKernel, ShardingType
 
 # data_parallel is chosen automatically only for tables this small (share of one rank's memory).
@@ -178,3 +178,18 @@ def prefers_data_parallel(opt: TableOptions, memory_cap: int) -> bool:
         return True
     small = opt.dp_mem <= DP_MAX_SHARE_OF_MEMORY * memory_cap
     return small and opt.dp_cost * opt.world_size < opt.tw_cost
+
+
+SHARD_ONE_MORE_UP_TO = 256  # ranks; past this one more partition costs seconds of planning
+
+
+def next_to_shard(opts: list[TableOptions], memory_cap: int, world_size: int) -> TableOptions | None:
+    """The table replicated by choice that is nearest to being sharded (the largest ``dp_cost * W /
+    tw_cost``), to try sharded from ``NARROW_FROM_RANKS`` to :data:`SHARD_ONE_MORE_UP_TO` ranks; ``None``
+    outside them or where no table is replicated by choice. Shards are a multiple of 4 columns wide, so
+    one more sharded table can level the ranks: 64 GPUs of Criteo-1TB hold 12 tables as 24 columns per
+    rank, where 11 tables' 1,408 columns are 22 per rank, which no aligned cut levels."""
+    if not NARROW_FROM_RANKS <= world_size <= SHARD_ONE_MORE_UP_TO:
+        return None
+    chosen = [o for o in opts if prefers_data_parallel(o, memory_cap) and len(o.kinds) > 1 and o.tw_cost > 0]
+    return max(chosen, key=lambda o: (o.dp_cost * o.world_size / o.tw_cost, o.table.key), default=None)

@@ -36,7 +36,12 @@ from lightning_shardrec.planner.plans.types import (
 )
 from lightning_shardrec.planner.plans.validate import sharding_problems
 from lightning_shardrec.planner.search.collective import collective_plan
-from lightning_shardrec.planner.search.enumerate import TableOptions, prefers_data_parallel, table_options
+from lightning_shardrec.planner.search.enumerate import (
+    TableOptions,
+    next_to_shard,
+    prefers_data_parallel,
+    table_options,
+)
 from lightning_shardrec.planner.search.partition import Placement, RankLoads, makespan, partition
 
 Key = tuple[str, str]
@@ -189,7 +194,16 @@ class EmbeddingShardingPlanner:
         opts = [self._options(spec) for spec in specs if spec.key not in given]
         plan = self._place(specs, given, opts, auto_dp=True)
         cap = self.budget.tables
-        if topo.rates is None or not any(prefers_data_parallel(o, cap) and len(o.kinds) > 1 for o in opts):
+        if topo.rates is None:
+            nearest = next_to_shard(opts, cap, topo.world_size)
+            if nearest is None:
+                return plan
+            try:  # one more table sharded: kept where its slowest rank is cheaper
+                other = self._place(specs, given, opts, auto_dp=True, keep_sharded=nearest.table.key)
+            except PlannerError:
+                return plan
+            return other if _slowest(other) < _slowest(plan) else plan
+        if not any(prefers_data_parallel(o, cap) and len(o.kinds) > 1 for o in opts):
             return plan
         # measured rates: replicating a small table adds a group, which its own cost does not show
         try:
@@ -216,10 +230,15 @@ class EmbeddingShardingPlanner:
         return opt
 
     def _place(
-        self, specs: list[TableSpec], given: dict[Key, ParameterSharding], opts: list[TableOptions], auto_dp: bool
+        self,
+        specs: list[TableSpec],
+        given: dict[Key, ParameterSharding],
+        opts: list[TableOptions],
+        auto_dp: bool,
+        keep_sharded: Key | None = None,
     ) -> ShardingPlan:
         """The plan: ``given`` tables as given, small tables replicated (``auto_dp``: where cheaper in
-        total; else only those that must be), the rest partitioned."""
+        total, except ``keep_sharded``; else only those that must be), the rest partitioned."""
         topo, work = self.topology, self.work
         by_key = {s.key: s for s in specs}
         cap = self.budget.tables
@@ -237,7 +256,7 @@ class EmbeddingShardingPlanner:
         free_opts: list[TableOptions] = []
         for opt in opts:
             only = all(k is ShardingType.DATA_PARALLEL for k in opt.kinds)
-            if prefers_data_parallel(opt, cap) and (auto_dp or only):
+            if prefers_data_parallel(opt, cap) and ((auto_dp and opt.table.key != keep_sharded) or only):
                 ps = _data_parallel(opt.table, topo.world_size)
                 self._charge(opt.table, ps, load, used, owners)
                 result[opt.table.key] = ps
@@ -371,6 +390,10 @@ class EmbeddingShardingPlanner:
             f"{self.budget.describe()}; the reserve is kept for {RESERVED_FOR} "
             "(lower it with reserve=, or --reserve in plan on paper)"
         )
+
+
+def _slowest(plan: ShardingPlan) -> float:
+    return max(plan.stats.rank_cost) if plan.stats is not None else float("inf")
 
 
 def _data_parallel(spec: TableSpec, world_size: int) -> ParameterSharding:
