@@ -37,6 +37,7 @@ import torch
 
 from lightning_shardrec._fbgemm import installed_build
 from lightning_shardrec.configs import FusedOptimConfig
+from lightning_shardrec.kernels import native
 from lightning_shardrec.kernels.base import BatchedEmbeddingKernel, KernelBackend, TableSpec
 from lightning_shardrec.sparse import KeyedJaggedTensor
 from lightning_shardrec.user_cache import user_cache_dir
@@ -230,7 +231,8 @@ def _fbgemm_version() -> str:
 def cache_key(
     tables: list[TableSpec], num_features: int, optim: FusedOptimConfig, pooled: bool, device: torch.device, w: Workload
 ) -> str:
-    """Machine, optimizer, device, dims, and buckets (powers of 2) of rows, batch and pooling.
+    """Machine, optimizer, device, dims, and buckets (powers of 2) of rows, batch and pooling; on CPU which
+    build of the torch kernel's compiled loops runs (or none: its tensor ops, a slower kernel).
 
     It starts with :data:`TIMING`: verdicts of an older timing method are never read back.
     """
@@ -239,7 +241,7 @@ def cache_key(
     return (
         f"{TIMING} | {machine()} | {device.type} | {optim.optimizer.value} | {'pooled' if pooled else 'sequence'} | "
         f"dims {dims} | features {num_features} | rows 2^{_bucket(rows)} | batch 2^{_bucket(w.batch_size)} | "
-        f"pooling 2^{_bucket(w.pooling)}"
+        f"pooling 2^{_bucket(w.pooling)}" + (f" | torch {native.loops_tag()}" if device.type == "cpu" else "")
     )
 
 

@@ -117,6 +117,13 @@ def row_loops() -> RowLoops | None:
         return None
 
 
+def loops_tag() -> str:
+    """Which loops the torch kernel runs on CPU (``kernel="auto"``'s verdicts hold for one): ``loops <source
+    key>``, or ``tensor ops`` (no library, or switched off). Loads nothing."""
+    off = os.environ.get(NATIVE_ENV, "1").lower() in ("0", "off", "false", "no")
+    return "tensor ops" if off or library_path() is None else f"loops {source_key()}"
+
+
 def ptr(t: Tensor | None) -> int | None:
     """A tensor's data address for ctypes (None: NULL)."""
     return None if t is None else t.data_ptr()
