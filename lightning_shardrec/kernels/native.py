@@ -130,7 +130,10 @@ def ptr(t: Tensor | None) -> int | None:
 
 
 def takes(*tensors: Tensor | None) -> bool:
-    """The loops can run on these (None: absent): CPU, fp32 or int64, unit last stride, at most MAX_DIM wide."""
+    """The loops can run on these (None: absent): CPU, fp32 or int64, unit last stride, at most MAX_DIM wide;
+    never while torch.compile or export traces (they see the tensor ops, as before the loops)."""
+    if torch.compiler.is_compiling():
+        return False
     for t in tensors:
         if t is None:
             continue

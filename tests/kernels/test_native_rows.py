@@ -132,3 +132,13 @@ def test_without_the_library_the_kernel_warns_once_and_trains(monkeypatch):
         assert len(messages) == 1 and "installed without its compiled loops (no _rows.*" in messages[0]
     finally:
         native.row_loops.cache_clear()
+
+
+def test_torch_compile_traces_the_tensor_ops():
+    """Under torch.compile the kernel is traced as tensor ops (no raw pointers into fake tensors)."""
+    k = kernel("sgd")
+    kjt = batches(False, 1)[0]
+    with torch.no_grad():
+        want = k(kjt)
+        got = torch.compile(k.forward, backend="aot_eager", fullgraph=True)(kjt)
+    torch.testing.assert_close(got, want)
