@@ -36,7 +36,7 @@ LIBRARY_NAME = "_rows"
 MAX_DIM = 1024  # native_rows.c's MAX_DIM: wider rows take the tensor ops
 
 # native_rows.c's return codes and rule numbers
-BAD_OFFSETS, NO_MEMORY = -1, -3
+BAD_OFFSETS, NO_MEMORY, BAD_BAG_OFFSETS = -1, -3, -4
 RULE_NUMBER = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3, "adamw": 4}
 
 
@@ -80,7 +80,7 @@ def load(path: Path) -> RowLoops:
         lib.shardrec_apply_rule,
     )
     fwd.restype, group.restype, sums.restype, rule.restype = i64, i64, None, i64
-    fwd.argtypes = [i64, i64, *[ptr] * 5, i64, i64, ptr, ptr, i64, ptr]
+    fwd.argtypes = [i64, i64, ptr, i64, *[ptr] * 4, i64, i64, ptr, ptr, i64, ptr]
     group.argtypes = [i64, ptr, i64, ptr, i64, i64, i64, i64, *[ptr] * 4]
     sums.argtypes = [i64, *[ptr] * 5, i64, ptr]
     rule.argtypes = [ctypes.c_int, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, *[f64] * 7]

@@ -12,7 +12,8 @@
  *   Bag k = f * B + b (key-major, as a KJT's offsets) sums rows base[f] + ids[i], i in [offsets[k],
  *   offsets[k+1]), in id order (times psw[i] when psw != NULL), into out + b * ldo + f * D. Every id is
  *   checked against its feature's rows[f] before it is read; returns -1, or the index of the first bad id
- *   (the output is then partly written). flat != NULL: base[f] + ids[i] -> flat[i] (backward's rows).
+ *   (the output is then partly written), or BAD_BAG_OFFSETS for offsets that fall outside the n ids or
+ *   decrease (nothing read). flat != NULL: base[f] + ids[i] -> flat[i] (backward's rows).
  *
  * shardrec_group_rows: the unique rows of a batch's ids and, per row, its ids in batch order.
  *   A stable LSD radix sort of ids (11 bits a pass; ids < nrows <= 2^31). Writes rows[U] (ascending),
@@ -42,6 +43,7 @@
 
 #define BAD_OFFSETS (-1) /* shardrec_group_rows: offsets not non-decreasing within [0, n] */
 #define NO_MEMORY (-3)   /* a scratch allocation failed */
+#define BAD_BAG_OFFSETS (-4) /* shardrec_bag_forward: offsets not non-decreasing within [0, n] (nothing read) */
 #define MAX_DIM 1024     /* widest row the loops take (native.py sends wider ones to the tensor ops) */
 
 #define RULE_SGD 0
@@ -62,10 +64,13 @@
 /* The source this library was built from: native.py refuses a library built from another native_rows.c. */
 const char *shardrec_rows_source(void) { return SHARDREC_SOURCE; }
 
-int64_t shardrec_bag_forward(int64_t nfeat, int64_t batch, const int64_t *offsets, const int64_t *ids,
+int64_t shardrec_bag_forward(int64_t nfeat, int64_t batch, const int64_t *offsets, int64_t n, const int64_t *ids,
                              const int64_t *base, const int64_t *rows, const float *weight, int64_t ldw, int64_t dim,
                              const float *psw, float *out, int64_t ldo, int64_t *flat) {
     if (dim > MAX_DIM) return -2;
+    if (offsets[0] < 0 || offsets[nfeat * batch] > n) return BAD_BAG_OFFSETS;
+    for (int64_t k = 0; k < nfeat * batch; k++)
+        if (offsets[k + 1] < offsets[k]) return BAD_BAG_OFFSETS;
     float acc[MAX_DIM];
     for (int64_t f = 0; f < nfeat; f++) {
         const int64_t lim = rows[f], off = base[f];

@@ -233,10 +233,15 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
         out = torch.empty(batch, len(feats) * g.dim, dtype=weight.dtype)
         flat = torch.empty_like(ids) if rows_out else ids.new_empty(0)
         bad = loops.bag_forward(
-            len(feats), batch, native.ptr(offsets), native.ptr(ids), native.ptr(base), native.ptr(rows),
+            len(feats), batch, native.ptr(offsets), ids.numel(), native.ptr(ids), native.ptr(base), native.ptr(rows),
             native.ptr(weight), weight.stride(0), g.dim, native.ptr(psw), native.ptr(out), out.stride(0),
             native.ptr(flat) if rows_out else None,
         )  # fmt: skip
+        if bad == native.BAD_BAG_OFFSETS:
+            raise ValueError(
+                f"kernel='torch': the offsets of {len(feats)} features x {batch} bags must rise from 0 to at most "
+                f"the {ids.numel()} ids, got {native.offsets_text(offsets)}"
+            )
         if bad >= 0:
             raise RuntimeError(self._range_message(feats))
         return out, flat

@@ -142,3 +142,11 @@ def test_torch_compile_traces_the_tensor_ops():
         want = k(kjt)
         got = torch.compile(k.forward, backend="aot_eager", fullgraph=True)(kjt)
     torch.testing.assert_close(got, want)
+
+
+def test_the_compiled_lookup_checks_its_offsets_before_reading():
+    k = kernel("sgd")
+    g, ids = k._groups[0], torch.tensor([1, 2, 3])
+    for offsets in ([0, 2, 1, 3], [0, 1, 2, 4]):  # a bag ending before it starts; one past the 3 ids
+        with pytest.raises(ValueError, match=r"kernel='torch': the offsets of 3 features x 1 bags must rise from 0"):
+            k.native_forward(g, [0, 1, 2], ids, torch.tensor(offsets), None, rows_out=False)
