@@ -3,9 +3,10 @@
 Which kernel is faster depends on the machine and on whether the torch kernel's compiled
 loops are built (fbgemm's CPU TBE trained row-wise Adagrad 2x faster than the torch kernel's
 tensor ops on an AMD EPYC, 1.8x slower on an Intel Xeon; the loops train it 1.3x faster than
-fbgemm on an AMD EPYC), so ``auto`` measures instead of assuming. For one group of tables it builds each candidate backend on
-synthetic tables of the group's dims (rows capped at :data:`ROW_CAP`) and times forward,
-backward and the fused update on a batch shaped like the planner's inputs
+fbgemm on an AMD EPYC), so ``auto`` measures instead of assuming. For one group of tables it
+builds each candidate backend on synthetic tables of the group's dims (rows capped at
+:data:`ROW_CAP`) and times forward, backward and the fused update on a batch shaped like the
+planner's inputs
 (:class:`Workload`: batch size, ids per bag, power-law ids), a few repetitions, and keeps
 the fastest. The backends take turns (A B A B ...) and each keeps its fastest step: on a
 shared machine other jobs only ever add time, so the minimum is the kernel's own cost and

