@@ -34,12 +34,13 @@ Definitions (per timed pass over the batches, ``N`` ids looked up, ``D`` = 64, f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ from lightning_shardrec.data.synthetic import (
     benchmark_tables,
     to_features,
 )
-from lightning_shardrec.kernels import TableSpec, make_kernel
+from lightning_shardrec.kernels import TableSpec, make_kernel, native
 from lightning_shardrec.modules.features import check_ids
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
@@ -65,14 +66,31 @@ SECTION = "## Kernels"
 DIM = 64
 BYTES = 4  # fp32
 
-# (backend, optimizer): fbgemm's CPU TBE trains only the exact_* rules, so no adam there.
+# (backend, optimizer): fbgemm's CPU TBE trains only the exact_* rules, so no adam there. "torch-ops": the torch
+# kernel without its compiled loops (kernels/native_rows.c), as a package built without a C compiler runs it.
+TENSOR_OPS = "torch-ops"
 CASES = [
     ("fbgemm", "sgd"),
     ("fbgemm", "rowwise_adagrad"),
     ("torch", "sgd"),
     ("torch", "rowwise_adagrad"),
     ("torch", "adam"),
+    (TENSOR_OPS, "rowwise_adagrad"),
 ]
+
+
+@contextlib.contextmanager
+def loops_off(backend: str) -> Iterator[None]:
+    """While a ``torch-ops`` case runs, the torch kernel finds no compiled loops (its tensor ops run)."""
+    if backend != TENSOR_OPS:
+        yield
+        return
+    real = native.row_loops
+    native.row_loops = lambda: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        native.row_loops = real
 
 
 def workload_tables(shrink: int = 1) -> list[EmbeddingBagConfig]:
@@ -100,7 +118,7 @@ def build_kernel(
         FusedOptimConfig(optimizer=EmbOptimType.parse(optimizer), lr=1e-3),
         pooled=True,
         device="cpu",
-        kernel=backend,
+        kernel="torch" if backend == TENSOR_OPS else backend,
     )
     kernel.load_weights(weights)  # same initialised rows for every case
     return kernel
@@ -177,17 +195,25 @@ def run(
     def copy() -> None:
         dst.copy_(src)
 
-    def train(k: torch.nn.Module) -> Callable[[], None]:
-        return lambda: train_pass(k, batches, grads)
+    def train(k: torch.nn.Module, backend: str) -> Callable[[], None]:
+        def run() -> None:
+            with loops_off(backend):
+                train_pass(k, batches, grads)
 
-    def forward(k: torch.nn.Module) -> Callable[[], None]:
-        return lambda: forward_pass(k, batches)
+        return run
+
+    def forward(k: torch.nn.Module, backend: str) -> Callable[[], None]:
+        def run() -> None:
+            with loops_off(backend):
+                forward_pass(k, batches)
+
+        return run
 
     jobs: dict[str, Callable[[], None]] = {"gather": gather, "copy": copy}
     for (backend, optimizer), k in kernels.items():
-        jobs[f"train {backend} {optimizer}"] = train(k)
-    for backend in ("fbgemm", "torch"):
-        jobs[f"forward {backend}"] = forward(kernels[(backend, "sgd")])
+        jobs[f"train {backend} {optimizer}"] = train(k, backend)
+    for backend, optimizer in (("fbgemm", "sgd"), ("torch", "sgd"), (TENSOR_OPS, "rowwise_adagrad")):
+        jobs[f"forward {backend}"] = forward(kernels[(backend, optimizer)], backend)
     jobs["ebc validate_ids on/off"] = ebc_pair
     rows_of = [t.num_embeddings for t in tables]
     names_of = [t.name for t in tables]

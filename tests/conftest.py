@@ -16,17 +16,22 @@ torch.set_num_threads(1)
 
 
 def _build_loops() -> None:
-    """The package's compiled loops (``setup.py``), built once into a checkout that lacks them, as ``pip install
-    -e .`` does: the tests run both them and their tensor-op twins. Under a lock: parallel sessions share it."""
+    """The package's compiled loops (``setup.py``: dynamic tables', the torch kernel's), built once into a checkout
+    that lacks them, as ``pip install -e .`` does: the tests run both them and their tensor-op twins. Under a lock:
+    parallel sessions share it."""
     import fcntl
     import sys
     from pathlib import Path
 
+    from lightning_shardrec.kernels import native as kernel_native
     from lightning_shardrec.modules.dynamic import native
 
-    def current() -> bool:  # built from this native.c (its key is in the library; no dlopen: that would stick)
-        path = native.library_path()
-        return path is not None and native.source_key().encode() in path.read_bytes()
+    def current() -> bool:  # built from this native.c and native_rows.c (keys in the libraries; no dlopen: it sticks)
+        for module in (native, kernel_native):
+            path = module.library_path()
+            if path is None or module.source_key().encode() not in path.read_bytes():
+                return False
+        return True
 
     root = Path(__file__).resolve().parents[1]
     if current() or not (root / "setup.py").is_file() or shutil.which("cc") is None:

@@ -1,10 +1,12 @@
 """``kernel="auto"``: time every backend that can run a group here, keep the faster, remember it.
 
-Which kernel is faster depends on the machine (fbgemm's CPU TBE trains row-wise Adagrad
-2x faster than the torch kernel on an AMD EPYC, 1.8x slower on an Intel Xeon), so ``auto``
-measures instead of assuming. For one group of tables it builds each candidate backend on
-synthetic tables of the group's dims (rows capped at :data:`ROW_CAP`) and times forward,
-backward and the fused update on a batch shaped like the planner's inputs
+Which kernel is faster depends on the machine and on whether the torch kernel's compiled
+loops are built (fbgemm's CPU TBE trained row-wise Adagrad 2x faster than the torch kernel's
+tensor ops on an AMD EPYC, 1.8x slower on an Intel Xeon; the loops train it 1.3x faster than
+fbgemm on an AMD EPYC), so ``auto`` measures instead of assuming. For one group of tables it
+builds each candidate backend on synthetic tables of the group's dims (rows capped at
+:data:`ROW_CAP`) and times forward, backward and the fused update on a batch shaped like the
+planner's inputs
 (:class:`Workload`: batch size, ids per bag, power-law ids), a few repetitions, and keeps
 the fastest. The backends take turns (A B A B ...) and each keeps its fastest step: on a
 shared machine other jobs only ever add time, so the minimum is the kernel's own cost and
@@ -37,6 +39,7 @@ import torch
 
 from lightning_shardrec._fbgemm import installed_build
 from lightning_shardrec.configs import FusedOptimConfig
+from lightning_shardrec.kernels import native
 from lightning_shardrec.kernels.base import BatchedEmbeddingKernel, KernelBackend, TableSpec
 from lightning_shardrec.sparse import KeyedJaggedTensor
 from lightning_shardrec.user_cache import user_cache_dir
@@ -230,7 +233,8 @@ def _fbgemm_version() -> str:
 def cache_key(
     tables: list[TableSpec], num_features: int, optim: FusedOptimConfig, pooled: bool, device: torch.device, w: Workload
 ) -> str:
-    """Machine, optimizer, device, dims, and buckets (powers of 2) of rows, batch and pooling.
+    """Machine, optimizer, device, dims, and buckets (powers of 2) of rows, batch and pooling; on CPU which
+    build of the torch kernel's compiled loops runs (or none: its tensor ops, a slower kernel).
 
     It starts with :data:`TIMING`: verdicts of an older timing method are never read back.
     """
@@ -239,7 +243,7 @@ def cache_key(
     return (
         f"{TIMING} | {machine()} | {device.type} | {optim.optimizer.value} | {'pooled' if pooled else 'sequence'} | "
         f"dims {dims} | features {num_features} | rows 2^{_bucket(rows)} | batch 2^{_bucket(w.batch_size)} | "
-        f"pooling 2^{_bucket(w.pooling)}"
+        f"pooling 2^{_bucket(w.pooling)}" + (f" | torch {native.loops_tag()}" if device.type == "cpu" else "")
     )
 
 

@@ -5,11 +5,16 @@ gradient ``grad [U, D]``, the table's state tensors and the hyper-parameters,
 and updates weight and state in place. Formulas follow ``torch.optim`` (SGD,
 Adagrad, Adam, AdamW) so a row that is touched moves exactly as torch would move
 it; untouched rows do not move (the "lazy" row-sparse semantics).
+
+On CPU fp32 tables the package's compiled loops (:mod:`.native`) run the same rules and sums
+in place, without the temporaries (:func:`apply_rule`, :func:`accumulate_rows`); elsewhere the
+tensor ops below do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_shardrec.configs import EmbOptimType
+from lightning_shardrec.kernels import native
 
 State = dict[str, Tensor]
 Rule = Callable[[Tensor, Tensor, Tensor, State, Mapping[str, Any]], None]
@@ -119,6 +125,30 @@ RULES: dict[EmbOptimType, Rule] = {
 USES_STEP = frozenset({EmbOptimType.ADAM, EmbOptimType.ADAMW})
 
 
+def native_rule(optimizer: EmbOptimType, weight: Tensor, state: State, grad: Tensor | None = None) -> bool:
+    """The compiled loops can apply ``optimizer`` to these (fp32 on CPU, rows of unit stride, loops loaded)."""
+    tensors = [t for n, t in state.items() if n != "step"]
+    return (
+        weight.device.type == "cpu"
+        and all(t.dtype == torch.float32 for t in (weight, *tensors))
+        and native.takes(weight, grad, *tensors)
+        and (grad is None or (grad.dtype == torch.float32 and grad.is_contiguous()))
+        and native.row_loops() is not None
+    )
+
+
+def apply_rule(
+    optimizer: EmbOptimType, weight: Tensor, rows: Tensor, grad: Tensor, state: State, hp: Mapping[str, Any]
+) -> None:
+    """``RULES[optimizer]`` on unique ``rows`` of ``weight``: by the compiled loops where they take the tensors
+    (:func:`native_rule`), else by the tensor ops (the same formulas; sums of squares in another order)."""
+    loops = native.row_loops()
+    if loops is not None and native_rule(optimizer, weight, state, grad) and rows.dtype == torch.int64:
+        native.apply_rule(loops, optimizer.value, weight, rows.contiguous(), grad, state, hp)
+        return
+    RULES[optimizer](weight, rows, grad, state, hp)
+
+
 def accumulate_rows(
     ids: Tensor,
     grad: Tensor,
@@ -135,9 +165,27 @@ def accumulate_rows(
     keys where they fit: a radix sort with half the passes), and each row's
     contributions are summed by one ``embedding_bag`` over the sorted order; the
     stable sort keeps the batch order within a row, so the sum is deterministic.
-    ``num_rows`` (the table's rows) lets ids below 2**31 sort as int32.
+    ``num_rows`` (the table's rows) lets ids below 2**31 sort as int32, and on CPU (fp32) lets the compiled
+    loops do all of it (a radix sort, then each row's sum in batch order: the same sums bit for bit
+    unweighted; weighted, each product rounded before it is added).
     """
     narrow = num_rows is not None and num_rows <= torch.iinfo(torch.int32).max
+    loops = native.row_loops() if ids.device.type == "cpu" else None
+    if (
+        loops is not None
+        and narrow
+        and grad.dtype == torch.float32
+        and (weights is None or weights.dtype == torch.float32)
+        and native.takes(ids, grad, weights)
+        and grad.dim() == 2
+    ):
+        grad = grad.contiguous()
+        ids = ids.long().contiguous()
+        groups = native.group_rows(loops, ids, int(num_rows), None, 1, grad.stride(0), 0)  # type: ignore[arg-type]
+        if source is not None:
+            groups = replace(groups, src=source.long().index_select(0, groups.pos).mul_(grad.stride(0)))
+        summed = native.sum_rows(loops, groups, grad, None if weights is None else weights.contiguous(), grad.shape[1])
+        return groups.rows, summed
     keys, order = (ids.int() if narrow else ids).sort(stable=True)
     rows, counts = torch.unique_consecutive(keys, return_counts=True)
     rows = rows.long()

@@ -4,6 +4,11 @@ Tables of one dim share one flat ``[sum(rows), D]`` buffer, so a lookup over all
 of them is one ``embedding_bag`` (pooled) or ``index_select`` (sequence) call.
 Backward turns the output gradient into per-id gradients, sums them per unique
 row and hands those rows to the optimizer rule: no dense weight gradient exists.
+
+On CPU (fp32 rows, the package's compiled loops present: :mod:`.native`) a pooled lookup
+is one pass writing ``[B, F*D]`` directly, each id checked against its own table, and
+backward groups the ids by row once, sums each row's gradients from the ``[B, F*D]``
+gradient in place, and applies the rule to the touched rows in place.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from torch import Tensor
 
 from lightning_shardrec._compat.torch import assert_async
 from lightning_shardrec.configs import FusedOptimConfig
-from lightning_shardrec.kernels import row_updates
+from lightning_shardrec.kernels import native, row_updates
 from lightning_shardrec.kernels.base import BatchedEmbeddingKernel, KernelBackend, TableSpec
 from lightning_shardrec.sparse import KeyedJaggedTensor, ops
 
@@ -37,7 +42,10 @@ class _DimGroup:
 
 
 class _FusedLookup(torch.autograd.Function):
-    """Lookup whose backward updates rows in place (inputs: placeholder, then data)."""
+    """Lookup whose backward updates rows in place (inputs: placeholder, then data).
+
+    ``feats`` set: the compiled loops' pooled lookup of those features (raw ids; output ``[B, F*D]``);
+    None: tensor ops on ids already offset into the flat buffer (output ``[F*B, D]`` or ``[N, D]``)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -48,9 +56,14 @@ class _FusedLookup(torch.autograd.Function):
         ids: Tensor,
         offsets: Tensor | None,
         psw: Tensor | None,
+        feats: list[int] | None = None,
     ) -> Tensor:
         weight = kernel.get_buffer(group.buffer)
-        ctx.kernel, ctx.group = kernel, group
+        ctx.kernel, ctx.group, ctx.native = kernel, group, feats is not None
+        if feats is not None and offsets is not None:
+            out, flat = kernel.native_forward(group, feats, ids, offsets, psw, rows_out=placeholder.requires_grad)
+            ctx.save_for_backward(flat, offsets, psw)
+            return out
         ctx.save_for_backward(ids, offsets, psw)
         if offsets is None:
             return weight.index_select(0, ids)
@@ -59,10 +72,13 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:  # type: ignore[override]
         ids, offsets, psw = ctx.saved_tensors
+        if ctx.native:  # grad [B, F*D]: bag f * B + b reads grad[b, f*D:(f+1)*D]
+            ctx.kernel.apply_bag_update(ctx.group, ids, grad, offsets, psw)
+            return (None,) * 7
         # pooled: each id reads its bag's gradient row; sequence: its own
         bag = None if offsets is None else ops.segment_ids(offsets[1:] - offsets[:-1], total=ids.numel())
         ctx.kernel.apply_update(ctx.group, ids, grad, bag, psw)
-        return (None,) * 6
+        return (None,) * 7
 
 
 class TorchBatchedEmbedding(BatchedEmbeddingKernel):
@@ -132,7 +148,32 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
         self, g: _DimGroup, ids: Tensor, grad: Tensor, source: Tensor | None = None, weights: Tensor | None = None
     ) -> None:
         """Apply the rule to the rows of ``ids``; id ``i``'s gradient is ``grad[source[i]] * weights[i]``."""
-        rows, row_grad = row_updates.accumulate_rows(ids, grad, source, weights, num_rows=g.rows)
+        self._apply_summed(g, *row_updates.accumulate_rows(ids, grad, source, weights, num_rows=g.rows))
+
+    @torch.no_grad()
+    def apply_bag_update(
+        self, g: _DimGroup, flat: Tensor, grad: Tensor, offsets: Tensor, weights: Tensor | None
+    ) -> None:
+        """The compiled loops' backward: ``flat`` rows of the ids of bags ``offsets`` (key-major), their bag
+        gradients in ``grad [B, F*D]`` (bag ``f * B + b`` reads ``grad[b, f*D:(f+1)*D]``), ``weights`` per id."""
+        loops = native.row_loops()
+        assert loops is not None  # the forward ran them
+        if grad.dtype != torch.float32 or grad.stride(-1) != 1:
+            grad = grad.float().contiguous()
+        groups = native.group_rows(loops, flat, g.rows, offsets, grad.shape[0], grad.stride(0), g.dim)
+        weight, state = self.get_buffer(g.buffer), self._state(g)
+        if (
+            self.row_sink is None
+            and self.grad_clip_value is None
+            and row_updates.native_rule(self.optimizer, weight, state)
+        ):
+            if "step" in state:
+                state["step"].add_(1)
+            native.update_rows(loops, self.optimizer.value, weight, groups, grad, weights, state, self.hparams)
+            return
+        self._apply_summed(g, groups.rows, native.sum_rows(loops, groups, grad, weights, g.dim))
+
+    def _apply_summed(self, g: _DimGroup, rows: Tensor, row_grad: Tensor) -> None:
         if self.row_sink is not None:  # deferred to the optimizer step (optim.DeferredTableUpdates)
             self.row_sink.keep(self, g, rows, row_grad)
             return
@@ -146,10 +187,17 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
         state = self._state(g)
         if "step" in state:
             state["step"].add_(1)
-        row_updates.RULES[self.optimizer](self.get_buffer(g.buffer), rows, row_grad, state, self.hparams)
+        row_updates.apply_rule(self.optimizer, self.get_buffer(g.buffer), rows, row_grad, state, self.hparams)
 
     # --- lookup ---------------------------------------------------------------------
     def _lookup(self, g: _DimGroup, kjt: KeyedJaggedTensor, feats: list[int]) -> Tensor:
+        """Features ``feats`` (all of group ``g``'s dim) looked up: pooled ``[B, F*D]``, sequence ``[N, D]``."""
+        placeholder = torch.empty(0, device=kjt.values().device, requires_grad=torch.is_grad_enabled())
+        psw = kjt.weights_or_none()
+        if self._native_takes(g, kjt, psw):
+            ids, offsets = kjt.values().long().contiguous(), kjt.offsets().long().contiguous()
+            psw = None if psw is None else psw.contiguous()
+            return _FusedLookup.apply(placeholder, self, g, ids, offsets, psw, feats)  # type: ignore[no-any-return]
         ids = kjt.values().long()
         if kjt.stride() and ids.numel():  # each feature's ids, [F] counts from its first and last bag's offsets
             per_key = kjt.offsets()[:: kjt.stride()].diff().long()
@@ -158,9 +206,45 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
             if any(self._feature_row_offset[f] for f in feats):
                 ids = ids + offsets_t.repeat_interleave(per_key, output_size=ids.numel())
         offsets = kjt.offsets().long() if self.pooled else None
-        psw = kjt.weights_or_none()
-        placeholder = torch.empty(0, device=ids.device, requires_grad=torch.is_grad_enabled())
-        return _FusedLookup.apply(placeholder, self, g, ids, offsets, psw)
+        out = _FusedLookup.apply(placeholder, self, g, ids, offsets, psw)
+        return self._finish(out, kjt, len(feats))
+
+    def _native_takes(self, g: _DimGroup, kjt: KeyedJaggedTensor, psw: Tensor | None) -> bool:
+        """The compiled loops run this pooled lookup: fp32 rows on CPU, at most ``native.MAX_DIM`` wide."""
+        if not self.pooled or kjt.values().device.type != "cpu" or not kjt.stride():
+            return False
+        weight = self.get_buffer(g.buffer)
+        return (
+            weight.dtype == torch.float32
+            and (psw is None or psw.dtype == torch.float32)
+            and native.takes(weight)
+            and native.row_loops() is not None
+        )
+
+    def native_forward(
+        self, g: _DimGroup, feats: list[int], ids: Tensor, offsets: Tensor, psw: Tensor | None, *, rows_out: bool
+    ) -> tuple[Tensor, Tensor]:
+        """The compiled pooled lookup of ``feats``: ``[B, F*D]``, and (``rows_out``) each id's row in the flat
+        buffer, for backward (else an empty tensor)."""
+        loops = native.row_loops()
+        assert loops is not None  # _native_takes
+        base, rows = self._feature_tensors(feats, ids.device)
+        batch, weight = (offsets.numel() - 1) // len(feats), self.get_buffer(g.buffer)
+        out = torch.empty(batch, len(feats) * g.dim, dtype=weight.dtype)
+        flat = torch.empty_like(ids) if rows_out else ids.new_empty(0)
+        bad = loops.bag_forward(
+            len(feats), batch, native.ptr(offsets), ids.numel(), native.ptr(ids), native.ptr(base), native.ptr(rows),
+            native.ptr(weight), weight.stride(0), g.dim, native.ptr(psw), native.ptr(out), out.stride(0),
+            native.ptr(flat) if rows_out else None,
+        )  # fmt: skip
+        if bad == native.BAD_BAG_OFFSETS:
+            raise ValueError(
+                f"kernel='torch': the offsets of {len(feats)} features x {batch} bags must rise from 0 to at most "
+                f"the {ids.numel()} ids, got {native.offsets_text(offsets)}"
+            )
+        if bad >= 0:
+            raise RuntimeError(self._range_message(feats))
+        return out, flat
 
     def _feature_tensors(self, feats: list[int], device: torch.device) -> tuple[Tensor, Tensor]:
         """Per feature of ``feats``: its table's first row in the flat buffer, and its table's rows."""
@@ -176,19 +260,19 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
         """Every id inside its own table (else it would read another table's row in the flat buffer):
         on the device, no host sync (a device-side assert on CUDA; raises at once on CPU). The
         collections name the bad id before this (``validate_ids``); this holds without it too."""
+        assert_async(((ids >= 0) & (ids < rows)).all(), self._range_message(feats))
+
+    def _range_message(self, feats: list[int]) -> str:
         tables = sorted({self.feature_table[f] for f in feats})
         ranges = ", ".join(f"'{self.tables[t].name}' [0, {self.tables[t].num_embeddings})" for t in tables)
-        assert_async(
-            ((ids >= 0) & (ids < rows)).all(),
+        return (
             f"kernel='torch': an id is outside its table's rows (tables {ranges}); "
-            "pass validate_ids=True to the collection to have the id, feature and table named",
+            "pass validate_ids=True to the collection to have the id, feature and table named"
         )
 
     def forward(self, kjt: KeyedJaggedTensor) -> Tensor:
         if self._single:
-            return self._finish(
-                self._lookup(self._groups[0], kjt, list(range(len(self.feature_table)))), kjt, len(self.feature_table)
-            )
+            return self._lookup(self._groups[0], kjt, list(range(len(self.feature_table))))
         # Several dims: look each group's features up separately, then restore feature order.
         pieces: dict[int, Tensor] = {}
         for g in self._groups:
@@ -196,7 +280,7 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
             if not feats:
                 continue
             sub = kjt.permute(feats)
-            out = self._finish(self._lookup(g, sub, feats), sub, len(feats))
+            out = self._lookup(g, sub, feats)
             if self.pooled:
                 pieces.update(zip(feats, out.split(g.dim, dim=1), strict=True))
             else:

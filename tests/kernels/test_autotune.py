@@ -252,3 +252,16 @@ def test_all_ranks_agree(tmp_path):
     # rank 0 held nothing (empty timings); rank 1's figures alone decide
     assert [r[3] for r in results] == [KernelBackend.TORCH, KernelBackend.TORCH]
     assert results[0][4] == results[1][4] and len(results[0][4]) == 2
+
+
+def test_verdicts_hold_for_one_build_of_the_torch_kernels_loops(monkeypatch):
+    """A verdict timed on the torch kernel's tensor ops (no compiled loops) is never read back for the loops."""
+    from lightning_shardrec.kernels import native
+
+    key = lambda device: autotune.cache_key(SPECS, 2, OPTIM, True, torch.device(device), WORK)  # noqa: E731
+    with_loops = key("cpu")
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert key("cpu") != with_loops and key("cpu").endswith("| torch tensor ops")
+    assert "torch loops" not in key("meta") and "tensor ops" not in key("meta")
+    monkeypatch.delenv(native.NATIVE_ENV)
+    assert key("cpu") == with_loops and with_loops.endswith(f"| torch loops {native.source_key()}")
