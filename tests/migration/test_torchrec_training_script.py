@@ -5,12 +5,14 @@ plus the pieces it leans on, each checked on its own (pipeline epochs, detach/at
 
 from __future__ import annotations
 
+import os
 import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from lightning_shardrec.kernels.autotune import PIN_ENV
 from lightning_shardrec.testing import run_ranks
 
 PROGRAMS = Path(__file__).parent / "programs"
@@ -51,7 +53,17 @@ def load(name: str) -> types.ModuleType:
 
 
 def _ranking(rank, world):
-    losses, evals, names, dense_init, small = load("ranking_script").main()
+    # TorchRec's numbers are fbgemm's kernel's: pinned, as a user who wants them bit for bit does (kernel="auto"
+    # may pick the compiled torch kernel, which agrees with fbgemm's to fp32 rounding: docs/migrating.md)
+    before = os.environ.get(PIN_ENV)
+    os.environ[PIN_ENV] = "fbgemm"
+    try:
+        losses, evals, names, dense_init, small = load("ranking_script").main()
+    finally:
+        if before is None:
+            del os.environ[PIN_ENV]
+        else:
+            os.environ[PIN_ENV] = before
     return losses, evals, names, dense_init[0, :3].tolist(), float(small.sum())
 
 
