@@ -19,10 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import importlib.machinery
-import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-NATIVE_ENV = "LIGHTNING_SHARDREC_NATIVE"  # shared with the dynamic tables' loops
+from lightning_shardrec import native_library
+from lightning_shardrec.native_library import NATIVE_ENV  # shared with the dynamic tables' loops
+
 SOURCE = Path(__file__).with_name("native_rows.c")
 LIBRARY_NAME = "_rows"
 MAX_DIM = 1024  # native_rows.c's MAX_DIM: wider rows take the tensor ops
@@ -53,25 +51,17 @@ class RowLoops:
 
 def library_path(folder: Path = SOURCE.parent) -> Path | None:
     """The built library in ``folder`` (``_rows`` with this interpreter's extension suffix), or None."""
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = folder / f"{LIBRARY_NAME}{suffix}"
-        if path.is_file():
-            return path
-    return None
+    return native_library.library_path(folder, LIBRARY_NAME)
 
 
 def source_key() -> str:
     """What ``setup.py`` builds into the library: the first 16 hex digits of ``native_rows.c``'s sha256."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return native_library.source_key(SOURCE)
 
 
 def load(path: Path) -> RowLoops:
     """The loops of the library at ``path``; OSError where it was built from another ``native_rows.c``."""
-    lib = ctypes.CDLL(str(path))
-    lib.shardrec_rows_source.restype = ctypes.c_char_p
-    built, want = lib.shardrec_rows_source().decode(), source_key()
-    if built != want:
-        raise OSError(f"it was built from another native_rows.c (source {built}, this one is {want}); rebuild it")
+    lib = native_library.open_library(path, "shardrec_rows_source", SOURCE, source_key())
     i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
     fwd, group, sums, rule = (
         lib.shardrec_bag_forward,
@@ -94,34 +84,24 @@ def load(path: Path) -> RowLoops:
 @torch.compiler.disable  # under torch.compile: one graph break, the cached result (no tracing into the load)
 def row_loops() -> RowLoops | None:
     """The portable kernel's compiled loops; None (after one warning) where the package has none."""
-    if os.environ.get(NATIVE_ENV, "1").lower() in ("0", "off", "false", "no"):
-        return None
-    path = library_path()
-    if path is None:
-        warnings.warn(
-            "lightning_shardrec: kernel='torch' runs on CPU, but the package was installed without its compiled "
-            f"loops (no {LIBRARY_NAME}.* beside {SOURCE.name}), so its lookups and row updates run as tensor ops, "
-            "about 2x slower on one core; install a wheel, or build them where a C compiler is (`pip install .`, "
-            f"or `python setup.py build_ext --inplace` in a checkout), or set {NATIVE_ENV}=0 to silence this",
-            stacklevel=2,
-        )
-        return None
-    try:
-        return load(path)
-    except (OSError, AttributeError) as e:  # not loadable here (another machine's build, a noexec mount)
-        warnings.warn(
+    return native_library.load_or_warn(
+        load,
+        library_path(),
+        "lightning_shardrec: kernel='torch' runs on CPU, but the package was installed without its compiled "
+        f"loops (no {LIBRARY_NAME}.* beside {SOURCE.name}), so its lookups and row updates run as tensor ops, "
+        "about 2x slower on one core; install a wheel, or build them where a C compiler is (`pip install .`, "
+        f"or `python setup.py build_ext --inplace` in a checkout), or set {NATIVE_ENV}=0 to silence this",
+        lambda path, e: (
             f"lightning_shardrec: loading the compiled loops {path} failed ({e}); kernel='torch' runs its lookups "
-            f"and row updates as tensor ops, about 2x slower on one core (set {NATIVE_ENV}=0 to silence this)",
-            stacklevel=2,
-        )
-        return None
+            f"and row updates as tensor ops, about 2x slower on one core (set {NATIVE_ENV}=0 to silence this)"
+        ),
+    )
 
 
 def loops_tag() -> str:
     """Which loops the torch kernel runs on CPU (``kernel="auto"``'s verdicts hold for one): ``loops <source
     key>``, or ``tensor ops`` (no library, or switched off). Loads nothing."""
-    off = os.environ.get(NATIVE_ENV, "1").lower() in ("0", "off", "false", "no")
-    return "tensor ops" if off or library_path() is None else f"loops {source_key()}"
+    return "tensor ops" if native_library.switched_off() or library_path() is None else f"loops {source_key()}"
 
 
 def ptr(t: Tensor | None) -> int | None:

@@ -27,16 +27,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import importlib.machinery
-import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-NATIVE_ENV = "LIGHTNING_SHARDREC_NATIVE"
+from lightning_shardrec import native_library
+from lightning_shardrec.native_library import NATIVE_ENV
+
 SOURCE = Path(__file__).with_name("native.c")
 LIBRARY_NAME = "_loops"
 
@@ -53,26 +51,18 @@ class NativeLoops:
 
 def library_path(folder: Path = SOURCE.parent) -> Path | None:
     """The built library in ``folder`` (``_loops`` with this interpreter's extension suffix), or None."""
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = folder / f"{LIBRARY_NAME}{suffix}"
-        if path.is_file():
-            return path
-    return None
+    return native_library.library_path(folder, LIBRARY_NAME)
 
 
 def source_key() -> str:
     """What ``setup.py`` builds into the library: the first 16 hex digits of ``native.c``'s sha256."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return native_library.source_key(SOURCE)
 
 
 def load(path: Path) -> NativeLoops:
     """The loops of the library at ``path``, their argument types declared; OSError where it was built from
     another ``native.c`` than the one beside this file (a stale build: its functions may take other arguments)."""
-    lib = ctypes.CDLL(str(path))
-    lib.shardrec_source.restype = ctypes.c_char_p
-    built, want = lib.shardrec_source().decode(), source_key()
-    if built != want:
-        raise OSError(f"it was built from another native.c (source {built}, this one is {want}); rebuild it")
+    lib = native_library.open_library(path, "shardrec_source", SOURCE, source_key())
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     locate, place = lib.shardrec_locate, lib.shardrec_place
     serve, uniform = lib.shardrec_serve, lib.shardrec_uniform_rows
@@ -88,26 +78,17 @@ def load(path: Path) -> NativeLoops:
 @torch.compiler.disable  # under torch.compile: one graph break, the cached result (no tracing into the load)
 def native_loops() -> NativeLoops | None:
     """The compiled loops of dynamic tables; None (after one warning) where the package has none."""
-    if os.environ.get(NATIVE_ENV, "1").lower() in ("0", "off", "false", "no"):
-        return None
-    path = library_path()
-    if path is None:
-        warnings.warn(
-            "lightning_shardrec: a dynamic table (or its serving id map) is in use, but the package was installed "
-            f"without its compiled loops (no {LIBRARY_NAME}.* beside {SOURCE.name}), so its id mapping and fresh rows "
-            "run as tensor ops, several times slower on CPU (static tables are not affected); install a wheel, or "
-            "build them where a C compiler is (`pip install .`, or `python setup.py build_ext --inplace` in a "
-            f"checkout), or set {NATIVE_ENV}=0 to silence this",
-            stacklevel=2,
-        )
-        return None
-    try:
-        return load(path)
-    except (OSError, AttributeError) as e:  # not loadable here (another machine's build, a noexec mount)
-        warnings.warn(
+    return native_library.load_or_warn(
+        load,
+        library_path(),
+        "lightning_shardrec: a dynamic table (or its serving id map) is in use, but the package was installed "
+        f"without its compiled loops (no {LIBRARY_NAME}.* beside {SOURCE.name}), so its id mapping and fresh rows "
+        "run as tensor ops, several times slower on CPU (static tables are not affected); install a wheel, or "
+        "build them where a C compiler is (`pip install .`, or `python setup.py build_ext --inplace` in a "
+        f"checkout), or set {NATIVE_ENV}=0 to silence this",
+        lambda path, e: (
             f"lightning_shardrec: loading the compiled loops {path} failed ({e}); dynamic tables' id mapping and "
             f"fresh rows run as tensor ops, several times slower on CPU (static tables are not affected; set "
-            f"{NATIVE_ENV}=0 to silence this)",
-            stacklevel=2,
-        )
-        return None
+            f"{NATIVE_ENV}=0 to silence this)"
+        ),
+    )
