@@ -80,3 +80,12 @@ def test_make_gpu_check_without_torch_says_so_in_one_line(tmp_path: Path) -> Non
     want = f"gpu-check: {no_torch} has no torch: run 'make setup' (or install torch >= 2.11) first"
     assert out.stdout.strip() == want
     assert "Traceback" not in out.stderr and "ModuleNotFoundError" not in out.stderr
+
+
+def test_every_c_source_ships_with_the_package() -> None:
+    """Each loader hashes its C source to refuse a stale build: an installed package must carry every one."""
+    root = Path(__file__).resolve().parents[1]
+    package = root / "lightning_shardrec"
+    shipped = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    sources = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.c"))
+    assert sources and sorted(shipped["lightning_shardrec"]) == sources
