@@ -214,7 +214,11 @@ def cache_dir() -> Path | None:
 
 @functools.cache
 def machine() -> str:
-    """CPU model (and GPU name), torch and fbgemm versions: what a verdict holds for."""
+    """CPU model and vector ISA (and GPU name), torch and fbgemm versions: what a verdict holds for.
+
+    The ISA is torch's CPU capability (``AVX512``, ``AVX2``, ...): one cloud CPU model comes with AVX-512 on
+    some hosts and AVX2 on others, and both kernels run different code on each.
+    """
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -222,7 +226,8 @@ def machine() -> str:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "-"
-    return f"{cpu} | {gpu} | torch {torch.__version__} | fbgemm {_fbgemm_version()}"
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"{cpu} ({isa}) | {gpu} | torch {torch.__version__} | fbgemm {_fbgemm_version()}"
 
 
 def _fbgemm_version() -> str:

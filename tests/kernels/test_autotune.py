@@ -53,6 +53,20 @@ def test_a_slow_backend_loses(cache, slow):
     assert choice.label() == f"{fast.value} ({ratio:.1f}x {slow.value})"
 
 
+def test_a_verdict_holds_for_one_vector_isa(cache, monkeypatch):
+    """The same CPU model on an AVX-512 host and on an AVX2 host (one cloud type, two days): the verdict
+    measured on one is not read back on the other."""
+    monkeypatch.setattr(autotune, "STEADY", math.inf)
+    kernels = {KernelBackend.FBGEMM: SlowKernel, KernelBackend.TORCH: TorchBatchedEmbedding}
+    keys = []
+    for isa in ("AVX512", "AVX2"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda isa=isa: isa)
+        autotune.machine.cache_clear()
+        assert choose(kernels).source == "measured"
+        keys.append(next(k for k in json.loads(cache.read_text()) if k not in keys))
+    autotune.machine.cache_clear()
+    assert "(AVX512) |" in keys[0] and "(AVX2) |" in keys[1]
+
 def test_the_cached_verdict_is_reused(cache, monkeypatch):
     monkeypatch.setattr(autotune, "STEADY", math.inf)  # caching must not depend on this machine's load
     first = choose({KernelBackend.FBGEMM: SlowKernel, KernelBackend.TORCH: TorchBatchedEmbedding})
