@@ -126,3 +126,37 @@ def test_dmps_over_the_same_ranks_share_one_dense_group_until_it_is_destroyed():
     # each group holds transport threads until destroyed: building DMPs again and again must not leak them
     for shared, reused, fresh, made in run_ranks(dense_groups, 2):
         assert (shared, reused, fresh, made) == (True, True, True, 2)
+
+
+def timed_poolings(rank, world, poolings):
+    """The ids per bag each table group's ``kernel="auto"`` timing ran at (None: timed over a range)."""
+    from lightning_shardrec.distributed import DistributedModelParallel
+    from lightning_shardrec.distributed.sharding import base
+    from lightning_shardrec.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["workload"].pooling)
+        return choose(*args, **kwargs)
+
+    choose, base.choose = base.choose, spy
+    constraints = {
+        t: ParameterConstraints(sharding_types=["table_wise"], **({} if p is None else {"pooling_factors": [p]}))
+        for t, p in poolings.items()
+    }
+    planner = EmbeddingShardingPlanner(Topology(world, compute_device="cpu"), batch_size=8, constraints=constraints)
+    DistributedModelParallel(Rec(PoolingType.SUM, False), planner=planner)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("poolings", "timed"),
+    [
+        ({"t_big": 6.0, "t_small": 2.0}, 4.0),  # both declared: their mean
+        ({"t_big": 6.0, "t_small": None}, None),  # one table without: not declared, timed over a range
+        ({"t_big": None, "t_small": None}, None),  # constraints for the sharding type only ([1.0] by default)
+    ],
+)
+def test_kernel_auto_times_the_declared_pooling_or_a_range(poolings, timed):
+    assert run_ranks(timed_poolings, 1, poolings) == [[timed]]

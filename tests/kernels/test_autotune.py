@@ -67,6 +67,7 @@ def test_a_verdict_holds_for_one_vector_isa(cache, monkeypatch):
     autotune.machine.cache_clear()
     assert "(AVX512) |" in keys[0] and "(AVX2) |" in keys[1]
 
+
 def test_the_cached_verdict_is_reused(cache, monkeypatch):
     monkeypatch.setattr(autotune, "STEADY", math.inf)  # caching must not depend on this machine's load
     first = choose({KernelBackend.FBGEMM: SlowKernel, KernelBackend.TORCH: TorchBatchedEmbedding})
@@ -121,6 +122,36 @@ def test_a_burst_of_load_does_not_decide(cache, monkeypatch):
     assert choice.backend is KernelBackend.FBGEMM and choice.source == "measured"
     assert choice.seconds["fbgemm"] < 0.02 < choice.seconds["torch"]
     assert json.loads(cache.read_text()) == {next(iter(json.loads(cache.read_text()))): choice.seconds}
+
+
+def test_an_undeclared_pooling_is_timed_over_a_range(cache, monkeypatch):
+    """No pooling factors declared: each backend is timed at 1, 4 and 16 ids per bag and scored by the
+    geometric mean, so a kernel that wins only at 1 id per bag (the old assumption) does not win the run.
+    The verdict is cached under its own key."""
+    monkeypatch.setattr(autotune, "STEADY", math.inf)
+    timed: list[float] = []
+
+    def fake_time(classes, tables, feature_table, optim, *, pooled, device, kjt):
+        pooling = kjt.lengths().double().mean().item()  # ~ the workload's pooling (0..2x per bag)
+        timed.append(pooling)
+        # torch: 1.0 ms flat; fbgemm: 0.2 ms per id per bag (wins below 5, loses above)
+        return {"torch": [1e-3] * 3, "fbgemm": [2e-4 * pooling] * 3}
+
+    monkeypatch.setattr(autotune, "time_backends", fake_time)
+    run = lambda workload: autotune.choose_kernel(  # noqa: E731
+        KernelBackend.AUTO, BOTH, {KernelBackend.FBGEMM: SlowKernel, KernelBackend.TORCH: TorchBatchedEmbedding},
+        SPECS, [0, 1], OPTIM, pooled=True, device=torch.device("cpu"), workload=workload,
+    )  # fmt: skip
+    assert run(Workload(batch_size=16, pooling=1.0)).backend is KernelBackend.FBGEMM
+    assert run(Workload(batch_size=16, pooling=16.0)).backend is KernelBackend.TORCH
+    timed.clear()
+    undeclared = run(Workload(batch_size=16, pooling=None))
+    assert timed == pytest.approx([1, 4, 16], rel=0.3)  # bags of 0..2x the pooling: the sample mean
+    fbgemm = (2e-4**3 * timed[0] * timed[1] * timed[2]) ** (1 / 3)
+    assert undeclared.seconds == pytest.approx({"torch": 1e-3, "fbgemm": fbgemm})
+    assert undeclared.backend is (KernelBackend.FBGEMM if fbgemm < 1e-3 else KernelBackend.TORCH)
+    keys = list(json.loads(cache.read_text()))
+    assert any("| pooling undeclared 1,4,16" in k for k in keys) and len(keys) == 3
 
 
 def test_a_noisy_measurement_is_used_but_not_cached(cache):

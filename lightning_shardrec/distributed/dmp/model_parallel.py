@@ -82,8 +82,14 @@ def shard_modules(
 
 
 def pooling_of(constraints: Mapping[str, ParameterConstraints]) -> dict[str, float]:
-    """Table name -> mean ids per bag (the planner's pooling factors), for ``kernel="auto"``'s timing."""
-    return {name: sum(c.pooling_factors) / len(c.pooling_factors) for name, c in constraints.items()}
+    """Table name -> mean ids per bag (the planner's pooling factors), for ``kernel="auto"``'s timing. A
+    constraint with the default ``[1.0]`` declares none (it was given for its other fields): such a table's
+    kernel is timed over a range of poolings (:data:`~lightning_shardrec.kernels.autotune.UNDECLARED_POOLINGS`)."""
+    return {
+        name: sum(c.pooling_factors) / len(c.pooling_factors)
+        for name, c in constraints.items()
+        if list(c.pooling_factors) != [1.0]
+    }
 
 
 def kernel_labels(sharded: Mapping[str, ShardedCollection]) -> dict[tuple[str, str], str]:

@@ -65,9 +65,9 @@ class SequenceDist:
 class KernelSetup:
     """How to build this rank's kernels, and the precision of their pooled outputs' collectives.
 
-    ``batch_size`` (per rank) and ``pooling`` (table name -> mean ids per bag, default 1)
-    shape the batch ``backend="auto"`` times the candidate kernels on. ``comm_precision``:
-    ``"fp32"`` (exact), ``"bf16"`` or ``"fp16"`` for the pooled-output all-to-alls /
+    ``batch_size`` (per rank) and ``pooling`` (table name -> mean ids per bag; a group with a table
+    missing: not declared, timed over a range) shape the batch ``backend="auto"`` times the candidate
+    kernels on. ``comm_precision``: ``"fp32"`` (exact), ``"bf16"`` or ``"fp16"`` for the pooled-output all-to-alls /
     reduce-scatters and their gradients (see :mod:`lightning_shardrec.distributed.comm.qcomm`);
     ``"fp16/bf16"`` or a ``WirePrecision``: one per direction (forward/backward).
     """
@@ -148,10 +148,9 @@ class EmbeddingSharding(nn.Module):
             )
             for t, s in shards
         ]
-        pooling = [self.setup.pooling.get(t.config.name, 1.0) for t in self.tables]
-        workload = Workload(
-            batch_size=self.setup.batch_size * self.env.world_size, pooling=sum(pooling) / max(len(pooling), 1)
-        )
+        declared = [self.setup.pooling.get(t.config.name) for t in self.tables]
+        pooling = None if None in declared else sum(declared) / max(len(declared), 1)  # type: ignore[arg-type]
+        workload = Workload(batch_size=self.setup.batch_size * self.env.world_size, pooling=pooling)
         env = self.env
 
         def agree(local: dict[str, float], names: list[str]) -> dict[str, float]:
