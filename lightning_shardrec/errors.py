@@ -69,6 +69,11 @@ class RepeatedLookupError(ShardRecError):
     cannot be summed before its one update; the message names the tables and the way out."""
 
 
+class PrefetchedBatchEditedError(ShardRecError):
+    """A batch's KJT was changed in place after the pipeline started its input distribution (the ids sent
+    would be stale); the message names the collection, the features, and the two ways out."""
+
+
 class DynamicTableFullWarning(UserWarning):
     """A dynamic table missed more of its lookups than the threshold over a window: it is too small."""
 

@@ -120,3 +120,32 @@ def test_a_copied_kjt_misses_the_prefetch_and_warns():
     assert any(
         "ShardedEmbeddingBagCollection was not called with the prefetched KeyedJaggedTensor" in m for m in caught
     )
+
+
+class EditingRec(Rec):
+    """Edits the batch's KJT in place before the lookup (ids folded into the smallest table's rows)."""
+
+    def forward(self, batch):
+        batch.sparse.values().remainder_(2)
+        return super().forward(batch)
+
+
+def fit_editing(rank, world):
+    from lightning_shardrec import ShardRecStrategy
+    from lightning_shardrec.errors import PrefetchedBatchEditedError
+
+    external_launch(rank, world)
+    strategy = ShardRecStrategy(pipeline=True, heartbeat_timeout=None)
+    try:
+        trainer(strategy=strategy, devices=world, max_steps=3).fit(EditingRec("adagrad"), data(BATCH, 5))
+    except PrefetchedBatchEditedError as err:
+        return str(err)
+    return None
+
+
+def test_a_kjt_edited_in_place_after_its_prefetch_is_refused():
+    """Ids sent one step early then edited in place would train on the stale ids: every rank stops at the
+    first pipelined step, naming the collection and the way out (not a silent divergence)."""
+    for message in run_ranks(fit_editing, 2):
+        assert message is not None and "was changed in place" in message
+        assert "ShardedEmbeddingBagCollection over features" in message and "pipeline=False" in message

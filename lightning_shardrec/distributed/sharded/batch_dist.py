@@ -241,6 +241,8 @@ class PrefetchHandle:
         #: the header this rank sent (read with the received one), and the named id error's source
         self.sent: Tensor | None = None
         self.explain: Callable[[], None] | None = None
+        #: identity and in-place version of the KJT's tensors when its ids were sent (set by the collection)
+        self.versions: tuple[tuple[int, int], ...] = ()
 
     def progress(self) -> None:
         """Wait for the header, then issue the id all-to-alls (async). Idempotent; never raises.

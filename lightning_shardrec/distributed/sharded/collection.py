@@ -29,7 +29,7 @@ from lightning_shardrec.distributed.sharded.batch_dist import (
     start_input_dist,
 )
 from lightning_shardrec.distributed.sharding import DynamicMapping, EmbeddingSharding
-from lightning_shardrec.errors import ShardingError
+from lightning_shardrec.errors import PrefetchedBatchEditedError, ShardingError
 from lightning_shardrec.kernels import BatchedEmbeddingKernel, KernelBackend
 from lightning_shardrec.modules import features as id_checks
 from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
@@ -137,6 +137,7 @@ class ShardedCollection(nn.Module):
             self.batch_tag,
             self.id_check(),
         )
+        handle.versions = _versions(features)  # what the ids were sent from (an in-place edit shows here)
         self._prefetched = (*self._prefetched, handle)
         return handle
 
@@ -171,6 +172,15 @@ class ShardedCollection(nn.Module):
             return None
         for i, h in enumerate(self._prefetched):
             if h.features is features:
+                if _versions(features) != h.versions:
+                    raise PrefetchedBatchEditedError(
+                        f"{type(self).__name__} over features {self.feature_names()}: the batch's KeyedJaggedTensor "
+                        "was changed in place (its values, lengths, offsets or weights) after the pipeline sent its "
+                        "ids for this step, so the lookup would use the ids as they were. Build a new "
+                        "KeyedJaggedTensor from the edited tensors (e.g. KeyedJaggedTensor(keys, "
+                        "values=f(kjt.values()), lengths=kjt.lengths())): the step then redistributes it; "
+                        "or train with ShardRecStrategy(pipeline=False)."
+                    )
                 for older in self._prefetched[:i]:  # keep every rank's issue order: oldest first
                     older.progress()
                 self._prefetched = self._prefetched[:i] + self._prefetched[i + 1 :]
@@ -271,3 +281,8 @@ class ShardedCollection(nn.Module):
         """Each sharding group's output distribution (``group.output_dist``)."""
         return [g.output_dist for g in self._groups()]
 
+
+def _versions(kjt: KeyedJaggedTensor) -> tuple[tuple[int, int], ...]:
+    """Identity and in-place version of each tensor ``kjt`` holds (values, weights, lengths, offsets)."""
+    held = (kjt._values, kjt._weights, kjt._lengths, kjt._offsets)  # noqa: SLF001 (the KJT's own storage)
+    return tuple((id(t), t._version) if t is not None else (0, -1) for t in held)

@@ -88,7 +88,7 @@ class ShardRecStrategy(DDPStrategy):
         kernel: str = "auto",
         comm_precision: str = "fp32",
         comm_transport: str | None = None,
-        pipeline: bool = False,
+        pipeline: bool | None = None,
         process_group_backend: str | None = None,
         planner_batch_size: int = 512,
         planner_reserve: float = DEFAULT_RESERVE,
@@ -225,11 +225,12 @@ class ShardRecStrategy(DDPStrategy):
         group = next(iter(self.sharded.values())).env.pg
         deferred = self._deferral is not None and any(g.fused for s in self.sharded.values() for g in s._groups())
         self.updates.attach(kernels, holder, group, deferred, self.options.check_finite)
-        if self.options.pipeline and self.sharded and (self.pipeline is None or self.pipeline.closed):
+        pipeline = self.options.pipeline if self.options.pipeline is not None else self.world_size > 1
+        if pipeline and self.sharded and (self.pipeline is None or self.pipeline.closed):
             env = new_group_like(next(iter(self.sharded.values())).env, self._timeout)  # collective
             self.dense.own(env.pg)  # type: ignore[arg-type]
-            self.pipeline = TrainPipeline(self.sharded, env, self.root_device)
-            rank_zero_info(prefetch_line(self.sharded))
+            self.pipeline = TrainPipeline(self.sharded, env, self.root_device, by_default=self.options.pipeline is None)
+            rank_zero_info(prefetch_line(self.sharded, default=self.options.pipeline is None))
 
     def collective(self) -> AbstractContextManager[None]:
         """Enter on every rank to call the sharded model outside the Trainer's loops (same calls on every rank)."""

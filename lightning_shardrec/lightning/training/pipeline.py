@@ -24,7 +24,9 @@ object identity, which every rank shares when every rank runs the same code. A
 ``training_step`` that hands a collection a new KJT (a copy, a permutation) just
 misses the prefetched one; it is drained and the step redoes the input distribution.
 Ids are routed one step early: a ``training_step`` that edits its batch's KJT in place
-trains on the ids as they were when prefetched.
+(after the prefetch) would train on the ids as they were, so the collection compares the KJT's
+tensors and their in-place versions with those it sent and raises
+:class:`~lightning_shardrec.errors.PrefetchedBatchEditedError` naming the way out.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv, on_stream
 from lightning_shardrec.distributed.sharded.batch_dist import EndOfData, PrefetchHandle
@@ -112,8 +114,13 @@ class PipelineStats:
 class TrainPipeline:
     """The strategy's pipeline state: collections, the pre-moved next batch, handles in flight."""
 
-    def __init__(self, sharded: dict[str, ShardedCollection], env: ShardingEnv, device: torch.device) -> None:
+    def __init__(
+        self, sharded: dict[str, ShardedCollection], env: ShardingEnv, device: torch.device, by_default: bool = False
+    ) -> None:
         self.sharded, self.env = sharded, env
+        #: on by default (not asked for): a collection whose forward missed its prefetch is not prefetched again
+        self.by_default = by_default
+        self._missed: set[int] = set()  # id() of those collections
         for c in sharded.values():
             c.enable_prefetch(env)
         self.stats = PipelineStats()
@@ -149,7 +156,7 @@ class TrainPipeline:
             moved = move(nxt)
             kjts = [t for t in tensors_in(moved) if isinstance(t, KeyedJaggedTensor)]  # also in custom batch types
             for coll in self.sharded.values():
-                kjt = _input_of(coll, kjts)
+                kjt = None if id(coll) in self._missed else _input_of(coll, kjts)
                 if kjt is not None:
                     self._ahead.append((coll, coll.prefetch(kjt)))
         self.stats.prefetched += len(self._ahead)
@@ -206,7 +213,14 @@ class TrainPipeline:
             if coll.is_prefetched(handle):
                 self.stats.misses += 1
                 coll.drop_prefetched(handle)
-                if not self._warned:
+                if self.by_default:  # every rank alike: a miss depends on the code, not the data
+                    self._missed.add(id(coll))
+                    rank_zero_info(
+                        f"ShardRecStrategy: {type(coll).__name__} over {coll.feature_names()} is not called with the "
+                        "batch's own KeyedJaggedTensor (training_step builds or copies one), so its input "
+                        "distribution runs inside the step from now on (no overlap; pipeline=False says so up front)."
+                    )
+                elif not self._warned:
                     self._warned = True
                     rank_zero_warn(
                         f"ShardRecStrategy(pipeline=True): {type(coll).__name__} was not called with the prefetched "
@@ -251,7 +265,7 @@ def _input_of(coll: ShardedCollection, kjts: list[KeyedJaggedTensor]) -> KeyedJa
     return found[0] if len(found) == 1 else None
 
 
-def prefetch_line(sharded: dict[str, ShardedCollection]) -> str:
+def prefetch_line(sharded: dict[str, ShardedCollection], default: bool = False) -> str:
     """What ``pipeline=True`` prefetches for this model (the fit-start line): the collections fed a KJT of the
     batch; plain ``nn.Embedding``/``nn.EmbeddingBag`` modules build theirs in forward, so theirs is not."""
     plain = sorted(n for n, m in sharded.items() if hasattr(m, "spec"))
@@ -264,4 +278,9 @@ def prefetch_line(sharded: dict[str, ShardedCollection]) -> str:
             f"plain modules {plain} build their KJT from their call's ids inside forward, so their input "
             "distribution runs in the step as without the pipeline (same results, no overlap)"
         )
-    return "ShardRecStrategy(pipeline=True): " + "; ".join(parts)
+    head = (
+        "ShardRecStrategy: pipeline on (the default on 2+ ranks; pipeline=False turns it off): "
+        if default
+        else ("ShardRecStrategy(pipeline=True): ")
+    )
+    return head + "; ".join(parts)
