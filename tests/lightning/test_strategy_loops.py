@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _models import Rec, data, external_launch, trainer
 
@@ -39,20 +40,35 @@ def test_validate_and_predict_match_the_plain_model():
     assert results[0][0] == results[1][0]  # sync_dist: the same validation loss everywhere
 
 
-def bad_id_run(rank, world):
+class LoaderBadIdRec(Rec):
+    """Rank 1's second training batch holds an out-of-range id from the data (set as it reaches the device,
+    before the pipeline sends its ids)."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        self.moved = getattr(self, "moved", -1) + 1
+        if self.moved == 1 and self.global_rank == 1:
+            batch.sparse.values()[0] = 10**6
+        return batch
+
+
+def bad_id_run(rank, world, pipeline):
     from lightning_shardrec import ShardRecStrategy
 
     external_launch(rank, world)
-    t = trainer(strategy=ShardRecStrategy(), devices=world, max_steps=4)
+    t = trainer(strategy=ShardRecStrategy(pipeline=pipeline), devices=world, max_steps=4, limit_val_batches=0)
+    # without the pipeline the id is edited into the batch in training_step; with it (the default on 2 ranks,
+    # which refuses a batch edited in place after its prefetch) it comes with the data
+    model = Rec(bad_id_at=1) if pipeline is False else LoaderBadIdRec()
     try:
-        t.fit(Rec(bad_id_at=1), data(4, 4))
+        t.fit(model, data(4, 4))
     except Exception as e:  # noqa: BLE001 - the test inspects what each rank saw
         return f"{type(e).__name__}: {e}"
     return "finished"
 
 
-def test_bad_id_on_one_rank_stops_the_run():
-    r0, r1 = run_ranks(bad_id_run, 2, timeout=90)
+@pytest.mark.parametrize("pipeline", [False, None])
+def test_bad_id_on_one_rank_stops_the_run(pipeline):
+    r0, r1 = run_ranks(bad_id_run, 2, pipeline, timeout=90)
     assert r1.startswith("IdOutOfRangeError: feature 'big' (table 't_big'): id 1000000 outside [0, 120)")
     # the step and the batch key, and how to get past a data error (not a resume, which replays the batch)
     assert ", at training step 1 (batch_idx 1); the id is in batch.sparse['big']. This is a data error" in r1

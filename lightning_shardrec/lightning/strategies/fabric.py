@@ -51,7 +51,7 @@ from lightning_shardrec.lightning.strategies.options import ShardRecOptions, wit
 from lightning_shardrec.optim import RepeatedLookups
 
 #: the options that act on the Trainer's loop only (a value other than the default is refused under Fabric)
-TRAINER_ONLY = {"pipeline": False, "uneven_batches": "pad", "full_tables_after_fit": False}
+TRAINER_ONLY = {"pipeline": None, "uneven_batches": "pad", "full_tables_after_fit": False}
 
 
 class ShardRecFabricStrategy(DDPStrategy):
@@ -95,7 +95,8 @@ class ShardRecFabricStrategy(DDPStrategy):
         unknown = sorted(set(options) - set(valid))
         if unknown:
             raise TypeError(f"ShardRecFabricStrategy: unknown option(s) {unknown}; valid: {valid}")
-        loop_only = sorted(k for k, default in TRAINER_ONLY.items() if options.get(k, default) != default)
+        off = {"pipeline": False}  # saying no to a loop feature is fine too
+        loop_only = sorted(k for k, d in TRAINER_ONLY.items() if options.get(k, d) not in (d, off.get(k, d)))
         if loop_only:
             raise ValueError(
                 f"ShardRecFabricStrategy: {loop_only} act on the Trainer's loop; under Fabric leave them at their "

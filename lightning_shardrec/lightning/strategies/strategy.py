@@ -238,10 +238,10 @@ class ShardRecStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline is not None:
-            self.pipeline.before_step(self.lightning_module.trainer, super().batch_to_device)  # type: ignore[union-attr]
         self.updates.new_step()
         try:
+            if self.pipeline is not None:  # raises this batch's id error found at its prefetch (named below)
+                self.pipeline.before_step(self.lightning_module.trainer, super().batch_to_device)  # type: ignore[union-attr]
             out = super().training_step(*args, **kwargs)
         except IdOutOfRangeError as err:  # name the step and the batch key, and how to get past it
             step = self.lightning_module.trainer.global_step  # type: ignore[union-attr]
