@@ -149,3 +149,38 @@ def test_a_kjt_edited_in_place_after_its_prefetch_is_refused():
     for message in run_ranks(fit_editing, 2):
         assert message is not None and "was changed in place" in message
         assert "ShardedEmbeddingBagCollection over features" in message and "pipeline=False" in message
+
+
+def fit_copying_by_default(rank, world):
+    import warnings
+
+    from lightning_shardrec import ShardRecStrategy
+
+    external_launch(rank, world)
+    strategy = ShardRecStrategy(kernel="torch")  # the pipeline at its default: on, on 2 ranks
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(strategy=strategy, devices=world, max_steps=4).fit(CopyingRec("adagrad"), data(BATCH, 5))
+    state = {k: v.clone() for k, v in strategy.full_state_dict().items()}
+    return strategy.pipeline.stats, [str(w.message) for w in caught], state
+
+
+def fit_copying_unpipelined(rank, world):
+    from lightning_shardrec import ShardRecStrategy
+
+    external_launch(rank, world)
+    strategy = ShardRecStrategy(kernel="torch", pipeline=False)
+    trainer(strategy=strategy, devices=world, max_steps=4).fit(CopyingRec("adagrad"), data(BATCH, 5))
+    return {k: v.clone() for k, v in strategy.full_state_dict().items()}
+
+
+def test_by_default_a_collection_fed_a_copy_stops_being_prefetched():
+    """The default pipeline prefetches steps 1 and 2's batches (step 2's before step 1's forward missed), the
+    forwards miss them (copies), and the collection is not prefetched again (asked for, steps 1-3 would be):
+    two wasted exchanges in 4 steps, no warning, the same weights as pipeline=False."""
+    (stats, caught, state), _ = run_ranks(fit_copying_by_default, 2)
+    assert stats.prefetched == 2 and stats.misses == 2 and stats.hits == 0, stats
+    assert not any("was not called with the prefetched" in m for m in caught)
+    plain = run_ranks(fit_copying_unpipelined, 2)[0]
+    for k in plain:
+        assert torch.equal(state[k], plain[k]), k
