@@ -81,6 +81,8 @@ def test_the_advice_after_a_rank_failed_on_data_is_to_fix_the_data():
     assert advice("rank 1 is dead (no heartbeat for 60 s)") == (
         "Restart the job and resume with trainer.fit(model, ckpt_path='last')"
     )
+    edited = advice("rank 1 failed with PrefetchedBatchEditedError: ShardedEmbeddingBagCollection over features")
+    assert edited.startswith("This comes from how the program uses the library") and "ckpt_path" not in edited
 
 
 def test_where_in_batch_names_the_keys_holding_an_id():

@@ -22,9 +22,20 @@ _GRACE_S = 10.0  # seconds the main thread's failure report may take before the 
 _RESUME = "Restart the job and resume with trainer.fit(model, ckpt_path='last')"
 
 
+#: errors a rank raises for how the program uses the library: a restart would stop at the same point
+_PROGRAM_ERRORS = ("PrefetchedBatchEditedError", "RepeatedLookupError")
+_FIX_PROGRAM = (
+    "This comes from how the program uses the library, not from a lost rank: do what the error says "
+    "(resuming from a checkpoint would stop at the same point)"
+)
+
+
 def advice(what: str) -> str:
-    """What to do after ``what`` (a rank's failure): a data error's fix, else resume from the last checkpoint."""
-    return DATA_ADVICE if "IdOutOfRangeError" in what else _RESUME
+    """What to do after ``what`` (a rank's failure): a data error's fix, a program error's, else resume from the
+    last checkpoint."""
+    if "IdOutOfRangeError" in what:
+        return DATA_ADVICE
+    return _FIX_PROGRAM if any(name in what for name in _PROGRAM_ERRORS) else _RESUME
 
 
 class FailureHandling:
