@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.sparse import KeyedJaggedTensor
-from lightning_shardrec.sparse.keyed_jagged_tensor import async_copy, staged
+from lightning_shardrec.sparse.device_copy import mover
 
 
 @dataclass
@@ -47,8 +47,7 @@ class RecBatch:
             raise ValueError(f"RecBatch: dense has {b} rows but labels has {self.labels.shape[0]}")
         if self.sparse.keys() and self.sparse.stride() != b:
             raise ValueError(
-                f"RecBatch: dense has {b} rows but sparse (keys {self.sparse.keys()}) "
-                f"has stride {self.sparse.stride()}"
+                f"RecBatch: dense has {b} rows but sparse (keys {self.sparse.keys()}) has stride {self.sparse.stride()}"
             )
 
     @property
@@ -62,12 +61,8 @@ class RecBatch:
 
     def to(self, device: torch.device | str, non_blocking: bool | None = None) -> RecBatch:
         """``non_blocking=None``: asynchronous from host memory to CUDA (pageable memory is staged in pinned
-        memory first, see :func:`~lightning_shardrec.sparse.keyed_jagged_tensor.staged`)."""
-
-        def move(t: Tensor) -> Tensor:
-            t = staged(t, device, non_blocking)
-            return t.to(device, non_blocking=async_copy(t, device, non_blocking))
-
+        memory first, see :func:`~lightning_shardrec.sparse.device_copy.staged`)."""
+        move = mover(device, non_blocking)
         return RecBatch(move(self.dense), self.sparse.to(device, non_blocking=non_blocking), move(self.labels))
 
     def pin_memory(self) -> RecBatch:

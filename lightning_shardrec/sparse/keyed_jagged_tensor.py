@@ -22,26 +22,11 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec.sparse import formatting, kjt_ops, ops
+from lightning_shardrec.sparse.device_copy import mover
 from lightning_shardrec.sparse.errors import JaggedAssertionError
 from lightning_shardrec.sparse.fx_proxy import ProxyableConstruction
 from lightning_shardrec.sparse.jagged_tensor import JaggedTensor, _check_data, _check_weights_count
 from lightning_shardrec.sparse.kjt_checks import check_kjt_args, check_per_key, segment_sums, stride_per_key_of
-
-
-def async_copy(t: Tensor, device: torch.device | str, non_blocking: bool | None) -> bool:
-    """``non_blocking`` as given, or (None) whether ``t`` is pinned host memory bound for CUDA."""
-    if non_blocking is not None:
-        return non_blocking
-    return torch.device(device).type == "cuda" and t.device.type == "cpu" and t.is_pinned()
-
-
-def staged(t: Tensor, device: torch.device | str, non_blocking: bool | None) -> Tensor:
-    """``t``, or (``non_blocking=None``, pageable host memory bound for CUDA) a pinned copy of it: a copy
-    from pageable memory waits for the device (a host sync per batch); from pinned memory it does not,
-    and CUDA's host allocator keeps the pinned copy alive until the transfer is done."""
-    if non_blocking is None and torch.device(device).type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
-        return t.pin_memory()
-    return t
 
 
 class KeyedJaggedTensor(metaclass=ProxyableConstruction):
@@ -327,42 +312,15 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
 
     def dist_labels(self) -> list[str]:
         """Names of :meth:`dist_tensors` (TorchRec's): lengths, values, then strides (VBE), weights."""
-        labels = ["lengths", "values"]
-        if self.variable_stride_per_key():
-            labels.append("strides")
-        if self.weights_or_none() is not None:
-            labels.append("weights")
-        return labels
+        return kjt_ops.dist_labels(self)
 
     def dist_splits(self, key_splits: list[int]) -> list[list[int]]:
         """Per destination (keys cut in ``key_splits``): bags, ids, then keys (VBE) and ids (weights)."""
-        if sum(key_splits) != len(self._keys):
-            total = sum(key_splits)
-            raise ValueError(f"dist_splits: key_splits {key_splits} sum to {total}, not {len(self._keys)} keys")
-
-        def by_splits(values: list[int]) -> list[int]:
-            out, i = [], 0
-            for n in key_splits:
-                out.append(sum(values[i : i + n]))
-                i += n
-            return out
-
-        length_per_split = by_splits(self.length_per_key())
-        splits = [by_splits(self.stride_per_key()), length_per_split]
-        if self.variable_stride_per_key():
-            splits.append(list(key_splits))
-        if self.weights_or_none() is not None:
-            splits.append(length_per_split)
-        return splits
+        return kjt_ops.dist_splits(self, key_splits)
 
     def dist_tensors(self) -> list[Tensor]:
         """The tensors :meth:`dist_labels` names (strides as an int64 tensor on the values' device)."""
-        tensors = [self.lengths(), self.values()]
-        if self.variable_stride_per_key():
-            tensors.append(torch.tensor(self.stride_per_key(), device=self.values().device))
-        if self.weights_or_none() is not None:
-            tensors.append(self.weights())
-        return tensors
+        return kjt_ops.dist_tensors(self)
 
     def _key_index(self, key: str) -> int:
         try:
@@ -371,14 +329,7 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
             raise KeyError(f"key '{key}' not in KeyedJaggedTensor keys {self._keys}") from None
 
     def __getitem__(self, key: str) -> JaggedTensor:
-        i = self._key_index(key)
-        start, end = self.offset_per_key()[i], self.offset_per_key()[i + 1]
-        lopk = self.lengths_offset_per_key()
-        lengths = self.lengths()[lopk[i] : lopk[i + 1]]
-        weights = None if self._weights is None else self._weights[start:end]
-        out = JaggedTensor.__new__(JaggedTensor)
-        out._values, out._weights, out._lengths, out._offsets = self._values[start:end], weights, lengths, None
-        return out
+        return kjt_ops.getitem(self, self._key_index(key))
 
     def to_dict(self, compute_offsets: bool = True) -> dict[str, JaggedTensor]:
         """One JaggedTensor per key."""
@@ -395,52 +346,21 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
 
     def flatten_lengths(self) -> KeyedJaggedTensor:
         """The same KJT with 1-D lengths (lengths are always stored 1-D here)."""
-        return KeyedJaggedTensor._trusted(
-            self._keys,
-            self._values,
-            self._weights,
-            self.lengths().reshape(-1),
-            self._stride,
-            self.length_per_key(),
-            stride_per_key_per_rank=self._stride_per_key_per_rank,
-        )
+        return kjt_ops.flatten_lengths(self)
 
     # --- movement -----------------------------------------------------------------
     def _map(
         self, fn: Callable[[Tensor], Tensor], weights_fn: Callable[[Tensor], Tensor] | None = None
     ) -> KeyedJaggedTensor:
-        inverse = self._inverse_indices
-        out = KeyedJaggedTensor.__new__(KeyedJaggedTensor)
-        out._init(
-            self._keys,
-            fn(self._values),
-            None if self._weights is None else (weights_fn or fn)(self._weights),
-            None if self._lengths is None else fn(self._lengths),
-            None if self._offsets is None else fn(self._offsets),
-            self._stride,
-            self._length_per_key,
-            self._offset_per_key,
-            self._stride_per_key_per_rank,
-            None if inverse is None else (inverse[0], fn(inverse[1])),
-        )
-        return out
+        return kjt_ops.map_tensors(self, fn, weights_fn)
 
     def to(
         self, device: torch.device | str, non_blocking: bool | None = False, dtype: torch.dtype | None = None
     ) -> KeyedJaggedTensor:
         """A copy on ``device``; ``dtype`` (as TorchRec) converts the weights only. ``non_blocking`` defaults to
         False as TorchRec's; ``None`` (what ``RecBatch.to`` passes): asynchronous from host memory to CUDA
-        (stream-ordered, so safe; pageable memory is staged in pinned memory first, see :func:`staged`)."""
-
-        def move(t: Tensor) -> Tensor:
-            t = staged(t, device, non_blocking)
-            return t.to(device, non_blocking=async_copy(t, device, non_blocking))
-
-        def move_weights(t: Tensor) -> Tensor:
-            t = staged(t, device, non_blocking)
-            return t.to(device, dtype=dtype, non_blocking=async_copy(t, device, non_blocking))
-
-        return self._map(move, move_weights)
+        (stream-ordered, so safe; pageable memory is staged in pinned memory first, see :func:`.device_copy.staged`)."""
+        return self._map(mover(device, non_blocking), mover(device, non_blocking, dtype))
 
     def pin_memory(self) -> KeyedJaggedTensor:
         return self._map(lambda t: t.pin_memory())

@@ -7,7 +7,7 @@ key (VBE: key ``k`` has ``stride_per_key()[k]`` bags), exactly as TorchRec.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -245,3 +245,90 @@ def check_given_caches(kjt: KeyedJaggedTensor, given: dict[str, object]) -> None
         got = dict(value) if isinstance(value, dict) else list(value)  # type: ignore[call-overload]
         if got != want:
             raise ValueError(f"KeyedJaggedTensor(keys={kjt.keys()}): {name} {got} but the batch gives {want}")
+
+
+def getitem(kjt: KeyedJaggedTensor, i: int) -> JaggedTensor:
+    """Key ``i``'s bags as a JaggedTensor (views of the KJT's tensors)."""
+    start, end = kjt.offset_per_key()[i], kjt.offset_per_key()[i + 1]
+    lopk = kjt.lengths_offset_per_key()
+    lengths = kjt.lengths()[lopk[i] : lopk[i + 1]]
+    weights = None if kjt._weights is None else kjt._weights[start:end]
+    out = JaggedTensor.__new__(JaggedTensor)
+    out._values, out._weights, out._lengths, out._offsets = kjt._values[start:end], weights, lengths, None
+    return out
+
+
+def dist_labels(kjt: KeyedJaggedTensor) -> list[str]:
+    """Names of ``dist_tensors`` (TorchRec's): lengths, values, then strides (VBE), weights."""
+    labels = ["lengths", "values"]
+    if kjt.variable_stride_per_key():
+        labels.append("strides")
+    if kjt.weights_or_none() is not None:
+        labels.append("weights")
+    return labels
+
+
+def dist_splits(kjt: KeyedJaggedTensor, key_splits: list[int]) -> list[list[int]]:
+    """Per destination (keys cut in ``key_splits``): bags, ids, then keys (VBE) and ids (weights)."""
+    if sum(key_splits) != len(kjt._keys):
+        total = sum(key_splits)
+        raise ValueError(f"dist_splits: key_splits {key_splits} sum to {total}, not {len(kjt._keys)} keys")
+
+    def by_splits(values: list[int]) -> list[int]:
+        out, i = [], 0
+        for n in key_splits:
+            out.append(sum(values[i : i + n]))
+            i += n
+        return out
+
+    length_per_split = by_splits(kjt.length_per_key())
+    splits = [by_splits(kjt.stride_per_key()), length_per_split]
+    if kjt.variable_stride_per_key():
+        splits.append(list(key_splits))
+    if kjt.weights_or_none() is not None:
+        splits.append(length_per_split)
+    return splits
+
+
+def dist_tensors(kjt: KeyedJaggedTensor) -> list[Tensor]:
+    """The tensors ``dist_labels`` names (strides as an int64 tensor on the values' device)."""
+    tensors = [kjt.lengths(), kjt.values()]
+    if kjt.variable_stride_per_key():
+        tensors.append(torch.tensor(kjt.stride_per_key(), device=kjt.values().device))
+    if kjt.weights_or_none() is not None:
+        tensors.append(kjt.weights())
+    return tensors
+
+
+def map_tensors(
+    kjt: KeyedJaggedTensor, fn: Callable[[Tensor], Tensor], weights_fn: Callable[[Tensor], Tensor] | None = None
+) -> KeyedJaggedTensor:
+    """``kjt`` with ``fn`` applied to each tensor it holds (``weights_fn`` to the weights), caches kept."""
+    inverse = kjt._inverse_indices
+    out = type(kjt).__new__(type(kjt))
+    out._init(
+        kjt._keys,
+        fn(kjt._values),
+        None if kjt._weights is None else (weights_fn or fn)(kjt._weights),
+        None if kjt._lengths is None else fn(kjt._lengths),
+        None if kjt._offsets is None else fn(kjt._offsets),
+        kjt._stride,
+        kjt._length_per_key,
+        kjt._offset_per_key,
+        kjt._stride_per_key_per_rank,
+        None if inverse is None else (inverse[0], fn(inverse[1])),
+    )
+    return out
+
+
+def flatten_lengths(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """The same KJT with 1-D lengths (lengths are always stored 1-D here)."""
+    return type(kjt)._trusted(
+        kjt._keys,
+        kjt._values,
+        kjt._weights,
+        kjt.lengths().reshape(-1),
+        kjt._stride,
+        kjt.length_per_key(),
+        stride_per_key_per_rank=kjt._stride_per_key_per_rank,
+    )

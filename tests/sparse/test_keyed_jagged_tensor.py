@@ -522,7 +522,7 @@ def test_lengths_offsets_constructors_agree(kjt: KeyedJaggedTensor) -> None:
 
 
 def test_to_is_asynchronous_only_for_pinned_memory_going_to_cuda():
-    from lightning_shardrec.sparse.keyed_jagged_tensor import async_copy
+    from lightning_shardrec.sparse.device_copy import async_copy
 
     t = torch.ones(2)
     assert async_copy(t, "cuda", None) is False  # pageable host memory: a blocking copy

@@ -89,16 +89,14 @@ def find_tables(tables: TablesInput) -> dict[str, list[BaseEmbeddingConfig]]:
         return found
     if not isinstance(tables, Mapping):
         raise TypeError(
-            "plan() takes an nn.Module or a dict of module path -> list of table configs, "
-            f"got {type(tables).__name__}"
+            f"plan() takes an nn.Module or a dict of module path -> list of table configs, got {type(tables).__name__}"
         )
     out: dict[str, list[BaseEmbeddingConfig]] = {}
     for path, configs in tables.items():
         bad = [c for c in configs if not isinstance(c, BaseEmbeddingConfig)]
         if bad:
             raise TypeError(
-                f"module '{path}': tables must be EmbeddingBagConfig / EmbeddingConfig, "
-                f"got {type(bad[0]).__name__}"
+                f"module '{path}': tables must be EmbeddingBagConfig / EmbeddingConfig, got {type(bad[0]).__name__}"
             )
         out[str(path)] = list(configs)
     return out
@@ -122,9 +120,7 @@ def table_specs(
     all_names = {c.name for configs in tables.values() for c in configs}
     unknown = sorted(set(constraints) - all_names)
     if unknown:
-        problems.append(
-            f"constraints name unknown tables {unknown}; available: {', '.join(sorted(all_names))}"
-        )
+        problems.append(f"constraints name unknown tables {unknown}; available: {', '.join(sorted(all_names))}")
     min_partition = default_min_partition(world_size)
     for path in sorted(tables):
         seen: set[str] = set()
@@ -149,9 +145,7 @@ def table_specs(
             if len(counts) == 1:
                 counts = counts * n_feat
             if pc.ranks is not None and pc.ranks[-1] >= world_size:
-                problems.append(
-                    f"table {label}: pinned ranks {pc.ranks} are outside [0, {world_size})"
-                )
+                problems.append(f"table {label}: pinned ranks {pc.ranks} are outside [0, {world_size})")
                 continue
             types = tuple(pc.sharding_types or list(ShardingType))
             buckets = slots = 0
@@ -177,9 +171,7 @@ def table_specs(
                     bags_per_sample=float(sum(counts)),
                     sharding_types=types,
                     compute_kernels=kernels,
-                    min_partition=min(
-                        pc.min_partition or min_partition, config.embedding_dim
-                    ),
+                    min_partition=min(pc.min_partition or min_partition, config.embedding_dim),
                     ranks=tuple(pc.ranks) if pc.ranks is not None else None,
                     num_buckets=buckets,
                     slots_per_bucket=slots,
@@ -209,3 +201,22 @@ def _dynamic_problem(label: str, pc: ParameterConstraints, buckets: int) -> str 
             "or allow table_wise"
         )
     return None
+
+
+def in_backward_constraints(
+    module: object, constraints: dict[str, ParameterConstraints]
+) -> dict[str, ParameterConstraints]:
+    """``constraints`` with the fused kernel required for tables whose weights carry an in-backward optimizer
+    (``apply_optimizer_in_backward``): as plain ``data_parallel`` weights it would never run. A table the user
+    constrained keeps its constraint (a conflicting one is refused when sharding)."""
+    if not isinstance(module, nn.Module):
+        return constraints
+    out = dict(constraints)
+    for coll in module.modules():
+        getter = getattr(coll, "embedding_bag_configs", None) or getattr(coll, "embedding_configs", None)
+        if not callable(getter) or not any(getattr(p, "_optimizer_classes", None) for p in coll.parameters()):
+            continue
+        for cfg in getter():
+            if cfg.name not in out:
+                out[cfg.name] = ParameterConstraints(compute_kernels=[EmbeddingComputeKernel.FUSED])
+    return out

@@ -29,7 +29,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from lightning_shardrec.planner.costs.perf import Workload
-from lightning_shardrec.planner.plans.types import ShardingType
+from lightning_shardrec.planner.plans.tables import TableSpec
+from lightning_shardrec.planner.plans.types import (
+    EmbeddingComputeKernel,
+    ParameterSharding,
+    ShardingType,
+    ShardMetadata,
+)
 from lightning_shardrec.planner.search.enumerate import TableOptions
 from lightning_shardrec.planner.search.fill import (
     TIE_EPS,
@@ -226,3 +232,27 @@ def _spread(
         if not failed and score(placed, ranks) <= within and min(ranks.free) > min(best_ranks.free):
             best, best_ranks = placed, ranks
     return best, [], best_ranks
+
+
+def as_sharding(p: Placement) -> ParameterSharding:
+    """The ``ParameterSharding`` of a placed table (fused kernel)."""
+    shards = [ShardMetadata((x.row_offset, x.col_offset), (x.rows, x.cols), x.rank) for x in p.pieces]
+    return ParameterSharding(p.kind, EmbeddingComputeKernel.FUSED, [s.rank for s in shards], shards)
+
+
+def data_parallel_sharding(spec: TableSpec, world_size: int) -> ParameterSharding:
+    """A replicated table: the whole of it on every rank."""
+    shards = [ShardMetadata((0, 0), (spec.rows, spec.dim), r) for r in range(world_size)]
+    return ParameterSharding(ShardingType.DATA_PARALLEL, EmbeddingComputeKernel.DENSE, list(range(world_size)), shards)
+
+
+def placed_shards(
+    specs: list[TableSpec], result: dict[tuple[str, str], ParameterSharding]
+) -> list[tuple[TableSpec, ShardingType, list[tuple[int, int, int, int]]]]:
+    """Per table: its spec, sharding type and shards ``(rank, col0, rows, cols)``."""
+    out = []
+    for spec in specs:
+        ps = result[spec.key]
+        shards = [(s.rank, s.shard_offsets[1], s.shard_sizes[0], s.shard_sizes[1]) for s in ps.shards]
+        out.append((spec, ps.sharding_type, shards))
+    return out

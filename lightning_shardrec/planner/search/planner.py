@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from lightning_shardrec.configs import EmbOptimType
 from lightning_shardrec.errors import PlannerError, UnsupportedFeatureError
@@ -26,13 +25,17 @@ from lightning_shardrec.planner.machine.rates import step_estimate
 from lightning_shardrec.planner.machine.topology import ComputeDevice, Topology
 from lightning_shardrec.planner.plans.sharding_plan import FixedPlan, GiB, PlanStats, ShardingPlan
 from lightning_shardrec.planner.plans.table_params import with_constraint_fields
-from lightning_shardrec.planner.plans.tables import TablesInput, TableSpec, find_tables, table_specs
+from lightning_shardrec.planner.plans.tables import (
+    TablesInput,
+    TableSpec,
+    find_tables,
+    in_backward_constraints,
+    table_specs,
+)
 from lightning_shardrec.planner.plans.types import (
-    EmbeddingComputeKernel,
     ParameterConstraints,
     ParameterSharding,
     ShardingType,
-    ShardMetadata,
 )
 from lightning_shardrec.planner.plans.validate import sharding_problems
 from lightning_shardrec.planner.search.collective import collective_plan
@@ -42,7 +45,15 @@ from lightning_shardrec.planner.search.enumerate import (
     prefers_data_parallel,
     table_options,
 )
-from lightning_shardrec.planner.search.partition import Placement, RankLoads, makespan, partition
+from lightning_shardrec.planner.search.partition import (
+    Placement,
+    RankLoads,
+    as_sharding,
+    data_parallel_sharding,
+    makespan,
+    partition,
+    placed_shards,
+)
 
 Key = tuple[str, str]
 DEFAULT_BATCH_SIZE = 512  # per rank, TorchRec's default
@@ -257,7 +268,7 @@ class EmbeddingShardingPlanner:
         for opt in opts:
             only = all(k is ShardingType.DATA_PARALLEL for k in opt.kinds)
             if prefers_data_parallel(opt, cap) and ((auto_dp and opt.table.key != keep_sharded) or only):
-                ps = _data_parallel(opt.table, topo.world_size)
+                ps = data_parallel_sharding(opt.table, topo.world_size)
                 self._charge(opt.table, ps, load, used, owners)
                 result[opt.table.key] = ps
             else:
@@ -276,7 +287,7 @@ class EmbeddingShardingPlanner:
         free = [cap - u for u in used]
 
         def build(placed: list[Placement], ranks: RankLoads) -> ShardingPlan:
-            return self._build(specs, result | {p.table.key: _sharding(p) for p in placed}, ranks, lower)
+            return self._build(specs, result | {p.table.key: as_sharding(p) for p in placed}, ranks, lower)
 
         def estimate(placed: list[Placement], ranks: RankLoads) -> float:
             return step_estimate(build(placed, ranks), topo)
@@ -313,7 +324,7 @@ class EmbeddingShardingPlanner:
             storage_cap=topo.memory_cap,
             lower_bound=lower,
             reserve=self.reserve,
-            phase_cost={} if topo.rates is None else phase_loads(_placed(specs, result), self.work),
+            phase_cost={} if topo.rates is None else phase_loads(placed_shards(specs, result), self.work),
         )
         device, local = str(topo.compute_device.value), topo.local_world_size or 1
         dynamic = dynamic_layouts(specs, self.work)
@@ -394,44 +405,3 @@ class EmbeddingShardingPlanner:
 
 def _slowest(plan: ShardingPlan) -> float:
     return max(plan.stats.rank_cost) if plan.stats is not None else float("inf")
-
-
-def _data_parallel(spec: TableSpec, world_size: int) -> ParameterSharding:
-    shards = [ShardMetadata((0, 0), (spec.rows, spec.dim), r) for r in range(world_size)]
-    return ParameterSharding(ShardingType.DATA_PARALLEL, EmbeddingComputeKernel.DENSE, list(range(world_size)), shards)
-
-
-def _placed(
-    specs: list[TableSpec], result: dict[Key, ParameterSharding]
-) -> list[tuple[TableSpec, ShardingType, list[tuple[int, int, int, int]]]]:
-    """Per table: its spec, sharding type and shards ``(rank, col0, rows, cols)``."""
-    out = []
-    for spec in specs:
-        ps = result[spec.key]
-        shards = [(s.rank, s.shard_offsets[1], s.shard_sizes[0], s.shard_sizes[1]) for s in ps.shards]
-        out.append((spec, ps.sharding_type, shards))
-    return out
-
-
-def _sharding(p: Placement) -> ParameterSharding:
-    shards = [ShardMetadata((x.row_offset, x.col_offset), (x.rows, x.cols), x.rank) for x in p.pieces]
-    return ParameterSharding(p.kind, EmbeddingComputeKernel.FUSED, [s.rank for s in shards], shards)
-
-
-def in_backward_constraints(
-    module: object, constraints: dict[str, ParameterConstraints]
-) -> dict[str, ParameterConstraints]:
-    """``constraints`` with the fused kernel required for tables whose weights carry an in-backward optimizer
-    (``apply_optimizer_in_backward``): as plain ``data_parallel`` weights it would never run. A table the user
-    constrained keeps its constraint (a conflicting one is refused when sharding)."""
-    if not isinstance(module, nn.Module):
-        return constraints
-    out = dict(constraints)
-    for coll in module.modules():
-        getter = getattr(coll, "embedding_bag_configs", None) or getattr(coll, "embedding_configs", None)
-        if not callable(getter) or not any(getattr(p, "_optimizer_classes", None) for p in coll.parameters()):
-            continue
-        for cfg in getter():
-            if cfg.name not in out:
-                out[cfg.name] = ParameterConstraints(compute_kernels=[EmbeddingComputeKernel.FUSED])
-    return out
