@@ -144,7 +144,21 @@ def summarize_plain(trainer: Any) -> None:
         vars(callback).pop("_summary", None)
 
 
+def _fabric_setup_takes_scheduler() -> bool:
+    from lightning.fabric.strategies import Strategy
+
+    return "scheduler" in inspect.signature(Strategy.setup_module_and_optimizers).parameters
+
+
+#: Public, but its shape moved: Lightning 2.6's ``Fabric.setup`` passes an LR scheduler through
+#: ``Strategy.setup_module_and_optimizers(module, optimizers, scheduler)`` and unpacks three values back;
+#: Lightning 2.5 passes ``(module, optimizers)`` and unpacks two. ``ShardRecFabricStrategy`` answers in the
+#: shape of the Lightning it runs under.
+FABRIC_SETUP_TAKES_SCHEDULER = _fabric_setup_takes_scheduler()
+
+
 __all__ = [
+    "FABRIC_SETUP_TAKES_SCHEDULER",
     "HAVE_FETCHERS",
     "SIGTERM_LOOP_CHECK",
     "DataFetcher",

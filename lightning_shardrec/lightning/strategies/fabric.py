@@ -46,6 +46,7 @@ from lightning_shardrec.lightning.failures.teardown import destroy_default_group
 from lightning_shardrec.lightning.parameters.dense import DenseReplicas
 from lightning_shardrec.lightning.parameters.optimizers import rule_report
 from lightning_shardrec.lightning.parameters.tables import ShardedTables
+from lightning_shardrec.lightning.pl_compat import FABRIC_SETUP_TAKES_SCHEDULER
 from lightning_shardrec.lightning.strategies.cluster import ranks_per_host
 from lightning_shardrec.lightning.strategies.options import ShardRecOptions, with_strategy_args
 from lightning_shardrec.optim import RepeatedLookups
@@ -146,9 +147,9 @@ class ShardRecFabricStrategy(DDPStrategy):
             module.to(self.root_device)
 
     @override
-    def setup_module_and_optimizers(
+    def setup_module_and_optimizers(  # type: ignore[override]
         self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
-    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer], Any]:
+    ) -> tuple[Any, ...]:
         """Plan and shard the tables (collective), move them from the optimizers into the fused optimizer
         (lr linked to their param group), the model on its device, the dense rest in DDP."""
         tables = self.tables
@@ -160,7 +161,8 @@ class ShardRecFabricStrategy(DDPStrategy):
             )
         if not collections:
             rank_zero_info("ShardRecFabricStrategy: the model has no embedding collection; training as plain DDP")
-            return super().setup_module_and_optimizers(module, optimizers, scheduler)
+            with_scheduler = (scheduler,) if FABRIC_SETUP_TAKES_SCHEDULER else ()
+            return super().setup_module_and_optimizers(module, optimizers, *with_scheduler)  # type: ignore[call-arg]
         table_params = [p for c in collections.values() for p in c.parameters()]
         holder = tables.pick_holder(optimizers, table_params)
         tables.migrated = self.options.torchrec_config(module)
@@ -179,7 +181,7 @@ class ShardRecFabricStrategy(DDPStrategy):
         self.module = module
         device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]  # as Fabric's DDP
         wrapped = self.dense.wrap(tables, module, device_ids, **self._ddp_kwargs)
-        return wrapped, optimizers, scheduler
+        return (wrapped, optimizers, scheduler) if FABRIC_SETUP_TAKES_SCHEDULER else (wrapped, optimizers)
 
     @override
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
