@@ -3,7 +3,8 @@
 # Each job builds .venv-range-<name>: its torch (and fbgemm, and Lightning) first, then the
 # project with `pip install -e .[test]`, which must leave that torch as it is (a user's torch
 # is never replaced); then the suite without the slow cases. Prints one timing line a job.
-#   RANGE_JOBS="newest newest-nofbgemm" (the default, what CI runs); add "oldest" for torch 2.11 + Lightning 2.5
+#   RANGE_JOBS="newest newest-nofbgemm oldest" (the default, what CI runs: the newest torch with and without
+#   fbgemm, and the oldest supported torch + Lightning)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -14,7 +15,7 @@ JOBS=(
   "newest-nofbgemm|2.14.1||"
   "oldest|2.11.0||2.5.*"
 )
-WANT="${RANGE_JOBS:-newest newest-nofbgemm}"
+WANT="${RANGE_JOBS:-newest newest-nofbgemm oldest}"
 
 summary=()
 for job in "${JOBS[@]}"; do
