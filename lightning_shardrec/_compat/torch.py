@@ -384,6 +384,14 @@ def sharded_tensor_from_local(
     )
 
 
+# --- a tensor's in-place version (distributed/sharded/collection.py: a prefetched batch edited in place) -----------
+def inplace_version(t: Tensor) -> int:
+    """``Tensor._version`` (since torch 0.4): the counter every in-place operation on ``t`` (or a view of it)
+    bumps, which autograd reads to refuse stale saved tensors. No public spelling exists; without it (never
+    seen) the count reads 0, so an in-place edit of a prefetched batch would go unnoticed as before the check."""
+    return int(getattr(t, "_version", 0))
+
+
 __all__ = [
     "GetAttrKey",
     "KeyEntry",
@@ -402,6 +410,7 @@ __all__ = [
     "open_zipfile_writer",
     "rebuild_tensor_v2",
     "enumerable_sharding_spec",
+    "inplace_version",
     "is_pytree_node",
     "register_flatten_spec",
     "register_pytree_node",

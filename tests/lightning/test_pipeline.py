@@ -184,3 +184,29 @@ def test_by_default_a_collection_fed_a_copy_stops_being_prefetched():
     plain = run_ranks(fit_copying_unpipelined, 2)[0]
     for k in plain:
         assert torch.equal(state[k], plain[k]), k
+
+
+class OffsetsRec(Rec):
+    """Reads the batch KJT's offsets before the lookup: the KJT derives them then (a cache, not an edit)."""
+
+    def forward(self, batch):
+        assert batch.sparse.offsets()[-1] == batch.sparse.values().numel()
+        return super().forward(batch)
+
+
+def fit_offsets(rank, world, pipeline):
+    from lightning_shardrec import ShardRecStrategy
+
+    external_launch(rank, world)
+    strategy = ShardRecStrategy(kernel="torch", pipeline=pipeline)
+    trainer(strategy=strategy, devices=world, max_steps=4).fit(OffsetsRec("adagrad"), data(BATCH, 5))
+    stats = strategy.pipeline.stats if strategy.pipeline is not None else None
+    return stats, {k: v.clone() for k, v in strategy.full_state_dict().items()}
+
+
+def test_a_kjt_deriving_its_offsets_after_the_prefetch_is_not_an_edit():
+    (stats, piped), _ = run_ranks(fit_offsets, 2, None)
+    assert stats.hits == 3 and stats.misses == 0, stats
+    (_, plain), _ = run_ranks(fit_offsets, 2, False)
+    for k in plain:
+        assert torch.equal(piped[k], plain[k]), k

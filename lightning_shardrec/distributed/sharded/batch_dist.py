@@ -242,7 +242,7 @@ class PrefetchHandle:
         self.sent: Tensor | None = None
         self.explain: Callable[[], None] | None = None
         #: identity and in-place version of the KJT's tensors when its ids were sent (set by the collection)
-        self.versions: tuple[tuple[int, int], ...] = ()
+        self.versions: tuple[tuple[int, int] | None, ...] = (None, None, None, None)
 
     def progress(self) -> None:
         """Wait for the header, then issue the id all-to-alls (async). Idempotent; never raises.

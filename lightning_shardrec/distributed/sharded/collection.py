@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.configs import BaseEmbeddingConfig, FusedOptimConfig
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv
 from lightning_shardrec.distributed.sharded.batch_dist import (
@@ -172,7 +173,7 @@ class ShardedCollection(nn.Module):
             return None
         for i, h in enumerate(self._prefetched):
             if h.features is features:
-                if _versions(features) != h.versions:
+                if _edited(h.versions, _versions(features)):
                     raise PrefetchedBatchEditedError(
                         f"{type(self).__name__} over features {self.feature_names()}: the batch's KeyedJaggedTensor "
                         "was changed in place (its values, lengths, offsets or weights) after the pipeline sent its "
@@ -282,7 +283,14 @@ class ShardedCollection(nn.Module):
         return [g.output_dist for g in self._groups()]
 
 
-def _versions(kjt: KeyedJaggedTensor) -> tuple[tuple[int, int], ...]:
-    """Identity and in-place version of each tensor ``kjt`` holds (values, weights, lengths, offsets)."""
-    held = (kjt._values, kjt._weights, kjt._lengths, kjt._offsets)  # noqa: SLF001 (the KJT's own storage)
-    return tuple((id(t), t._version) if t is not None else (0, -1) for t in held)
+def _versions(kjt: KeyedJaggedTensor) -> tuple[tuple[int, int] | None, ...]:
+    """Identity and in-place version of each tensor ``kjt`` holds (values, weights, lengths, offsets; None: not
+    held)."""
+    held = (kjt.values(), kjt.weights_or_none(), kjt.lengths_or_none(), kjt.offsets_or_none())
+    return tuple(None if t is None else (id(t), compat.inplace_version(t)) for t in held)
+
+
+def _edited(sent: tuple[tuple[int, int] | None, ...], now: tuple[tuple[int, int] | None, ...]) -> bool:
+    """Whether a tensor held when the ids were sent was replaced or changed in place since. One held only now
+    (lengths or offsets the KJT derived later, on a ``kjt.offsets()`` call) is not an edit."""
+    return any(before is not None and before != after for before, after in zip(sent, now, strict=True))

@@ -281,6 +281,6 @@ def prefetch_line(sharded: dict[str, ShardedCollection], default: bool = False) 
     head = (
         "ShardRecStrategy: pipeline on (the default on 2+ ranks; pipeline=False turns it off): "
         if default
-        else ("ShardRecStrategy(pipeline=True): ")
+        else "ShardRecStrategy(pipeline=True): "
     )
     return head + "; ".join(parts)

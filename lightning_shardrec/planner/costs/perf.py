@@ -205,8 +205,7 @@ def holder_output_seconds(
         away = len(chunk) - same
         near = same - (1 if rank in chunk else 0)
     return _over(inside + near * per_source, float(topo.intra_host_bw)) + _over(  # type: ignore[arg-type]
-        away * per_source,
-        float(topo.inter_host_bw),  # type: ignore[arg-type]
+        away * per_source, float(topo.inter_host_bw)  # type: ignore[arg-type]
     )
 
 

@@ -50,7 +50,9 @@ STORAGE: dict[ShardingType, Callable[[TableSpec, Workload, int, int], float]] = 
 }
 
 
-def shard_storage(table: TableSpec, work: Workload, kind: ShardingType, rows: int, cols: int) -> int:
+def shard_storage(
+    table: TableSpec, work: Workload, kind: ShardingType, rows: int, cols: int
+) -> int:
     """Bytes a ``rows x cols`` shard of ``table`` needs on its rank."""
     return math.ceil(STORAGE[kind](table, work, rows, cols))
 

@@ -19,7 +19,8 @@ GiB = 1024**3
 
 DEFAULT_RESERVE = 0.15
 RESERVED_FOR = (
-    "the dense model and its optimizer, activations, communication buffers, the CUDA context and allocator slack"
+    "the dense model and its optimizer, activations, communication buffers, "
+    "the CUDA context and allocator slack"
 )
 
 

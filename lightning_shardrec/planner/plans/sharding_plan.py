@@ -130,7 +130,10 @@ class ShardingPlan:
 
     def to_json(self, indent: int | None = 2) -> str:
         data: dict[str, object] = {
-            "plan": {path: {name: ps.to_dict() for name, ps in tables.items()} for path, tables in self.plan.items()},
+            "plan": {
+                path: {name: ps.to_dict() for name, ps in tables.items()}
+                for path, tables in self.plan.items()
+            },
             "stats": None if self.stats is None else self.stats.to_dict(),
             "compute_device": self.compute_device,
             "local_world_size": self.local_world_size,
@@ -159,7 +162,7 @@ class ShardingPlan:
         device, local = data.get("compute_device", "cpu"), data.get("local_world_size", 1)
         if not isinstance(device, str) or not isinstance(local, int) or isinstance(local, bool) or local < 1:
             raise ValueError(
-                'ShardingPlan.from_json: compute_device must be a device type string ("cpu", "cuda") and '
+                "ShardingPlan.from_json: compute_device must be a device type string (\"cpu\", \"cuda\") and "
                 f"local_world_size an int >= 1, got {device!r} and {local!r}"
             )
         stats_ = None if stats is None else PlanStats(**stats)
@@ -195,7 +198,10 @@ class ShardingPlan:
                     )
                 )
         widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
-        lines = [" | ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + " | " + r[-1] for r in rows]
+        lines = [
+            " | ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + " | " + r[-1]
+            for r in rows
+        ]
         lines.insert(1, "-+-".join("-" * w for w in widths) + "-+-" + "-" * len(header[-1]))
         lines.extend(dynamic_lines(self.dynamic))
         if self.stats is not None:

@@ -176,7 +176,9 @@ def sharding_fields_to_dict(ps: Any) -> dict[str, object]:
 
 def sharding_fields_from_dict(data: dict[str, object], table: str) -> dict[str, Any]:
     """The kernel settings of a plan entry's JSON form (:func:`sharding_fields_to_dict`)."""
-    unknown = sorted(set(data) - {"sharding_type", "compute_kernel", "ranks", "shards", *TORCHREC_SHARDING_FIELDS})
+    unknown = sorted(
+        set(data) - {"sharding_type", "compute_kernel", "ranks", "shards", *TORCHREC_SHARDING_FIELDS}
+    )
     if unknown:
         raise ValueError(
             f"plan entry for table '{table}' has unknown fields {', '.join(unknown)}; valid: sharding_type, "

@@ -161,11 +161,9 @@ class ParameterSharding:
             cache_params, enforce_hbm, stochastic_rounding, bounds_check_mode, output_dtype, key_value_params
         )
         parts = tuple(
-            s
-            if isinstance(s, ShardMetadata)
-            else ShardMetadata(**s)
-            if isinstance(s, dict)
-            else ShardMetadata(s.shard_offsets, s.shard_sizes, spec_rank(s))
+            s if isinstance(s, ShardMetadata) else ShardMetadata(**s) if isinstance(s, dict) else ShardMetadata(
+                s.shard_offsets, s.shard_sizes, spec_rank(s)
+            )
             for s in spec_shards(shards if sharding_spec is None else sharding_spec)
         )
         values = {
@@ -232,7 +230,6 @@ class ParameterSharding:
             ]
         )
 
-
 @dataclass(frozen=True, kw_only=True)
 class ParameterConstraints:
     """What the planner may do with one table (TorchRec's field names).
@@ -273,12 +270,19 @@ class ParameterConstraints:
         if self.sharding_types is not None:
             types = [parse_enum(ShardingType, t, "sharding type") for t in self.sharding_types]
             if not types:
-                raise ValueError("ParameterConstraints: sharding_types is empty; use None to allow all")
+                raise ValueError(
+                    "ParameterConstraints: sharding_types is empty; use None to allow all"
+                )
             object.__setattr__(self, "sharding_types", types)
         if self.compute_kernels is not None:
-            kernels = [parse_enum(EmbeddingComputeKernel, k, "compute kernel") for k in self.compute_kernels]
+            kernels = [
+                parse_enum(EmbeddingComputeKernel, k, "compute kernel")
+                for k in self.compute_kernels
+            ]
             if not kernels:
-                raise ValueError("ParameterConstraints: compute_kernels is empty; use None to allow all")
+                raise ValueError(
+                    "ParameterConstraints: compute_kernels is empty; use None to allow all"
+                )
             object.__setattr__(self, "compute_kernels", kernels)
         try:
             factors = [float(p) for p in self.pooling_factors]
@@ -297,8 +301,12 @@ class ParameterConstraints:
                     f"({len(factors)}), got {self.num_poolings!r}"
                 )
             object.__setattr__(self, "num_poolings", [float(n) for n in self.num_poolings])
-        if self.min_partition is not None and (not isinstance(self.min_partition, int) or self.min_partition <= 0):
-            raise ValueError(f"ParameterConstraints: min_partition must be a positive int, got {self.min_partition!r}")
+        if self.min_partition is not None and (
+            not isinstance(self.min_partition, int) or self.min_partition <= 0
+        ):
+            raise ValueError(
+                f"ParameterConstraints: min_partition must be a positive int, got {self.min_partition!r}"
+            )
         if self.ranks is not None:
             ranks = sorted(set(self.ranks))
             if not ranks or any(not isinstance(r, int) or r < 0 for r in ranks):

@@ -39,7 +39,9 @@ def _columns(t: TableSpec, ps: ParameterSharding, topo: Topology) -> list[str]:
     return []
 
 
-def _row_blocks(t: TableSpec, shards: Sequence[ShardMetadata], kind: str, col0: int, width: int) -> list[str]:
+def _row_blocks(
+    t: TableSpec, shards: Sequence[ShardMetadata], kind: str, col0: int, width: int
+) -> list[str]:
     """Blocks that tile all rows of columns ``[col0, col0 + width)`` in order, on distinct ranks."""
     row = 0
     for i, s in enumerate(shards):
@@ -104,11 +106,17 @@ def _every_rank(t: TableSpec, ps: ParameterSharding, topo: Topology) -> list[str
     want = list(range(topo.world_size))
     problems = []
     if [s.rank for s in ps.shards] != want:
-        problems.append(f"data_parallel needs one shard on every rank 0..{topo.world_size - 1} in order")
+        problems.append(
+            f"data_parallel needs one shard on every rank 0..{topo.world_size - 1} in order"
+        )
     if any(s.shard_offsets != (0, 0) or s.shard_sizes != (t.rows, t.dim) for s in ps.shards):
-        problems.append(f"data_parallel shards must all be the full table (0, 0) + ({t.rows}, {t.dim})")
+        problems.append(
+            f"data_parallel shards must all be the full table (0, 0) + ({t.rows}, {t.dim})"
+        )
     if ps.compute_kernel is not EmbeddingComputeKernel.DENSE:
-        problems.append(f"data_parallel uses compute kernel 'dense', got {ps.compute_kernel.value!r}")
+        problems.append(
+            f"data_parallel uses compute kernel 'dense', got {ps.compute_kernel.value!r}"
+        )
     return problems
 
 
@@ -132,9 +140,16 @@ def sharding_problems(table: TableSpec, ps: ParameterSharding, topology: Topolog
     if bad:
         problems.append(f"ranks {bad} are outside [0, {world})")
     if list(ps.ranks) != [s.rank for s in ps.shards]:
-        problems.append(f"ranks {list(ps.ranks)} differ from the shards' ranks {[s.rank for s in ps.shards]}")
-    if ps.sharding_type is not ShardingType.DATA_PARALLEL and ps.compute_kernel is not EmbeddingComputeKernel.FUSED:
-        problems.append(f"{ps.sharding_type.value} uses compute kernel 'fused', got {ps.compute_kernel.value!r}")
+        problems.append(
+            f"ranks {list(ps.ranks)} differ from the shards' ranks {[s.rank for s in ps.shards]}"
+        )
+    if (
+        ps.sharding_type is not ShardingType.DATA_PARALLEL
+        and ps.compute_kernel is not EmbeddingComputeKernel.FUSED
+    ):
+        problems.append(
+            f"{ps.sharding_type.value} uses compute kernel 'fused', got {ps.compute_kernel.value!r}"
+        )
     if table.num_buckets:
         problems += _dynamic(table, ps)
     return problems + VALIDATORS[ps.sharding_type](table, ps, topology)

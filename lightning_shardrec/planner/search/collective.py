@@ -45,5 +45,7 @@ def collective_plan(
     if isinstance(plan, Exception):
         raise plan
     if not isinstance(plan, ShardingPlan):
-        raise RuntimeError(f"collective_plan: rank {src} broadcast {type(plan).__name__}, not a ShardingPlan")
+        raise RuntimeError(
+            f"collective_plan: rank {src} broadcast {type(plan).__name__}, not a ShardingPlan"
+        )
     return plan

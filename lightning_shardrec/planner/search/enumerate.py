@@ -82,7 +82,9 @@ class TableOptions:
         return min(totals)
 
 
-def _affine(fn: object, table: TableSpec, work: Workload, kind: ShardingType, by_rows: bool, width: int = 0) -> Affine:
+def _affine(
+    fn: object, table: TableSpec, work: Workload, kind: ShardingType, by_rows: bool, width: int = 0
+) -> Affine:
     """``fn`` as an affine function of a shard's rows (``width`` columns, default all) or columns."""
     width = width or table.dim
 
@@ -132,7 +134,9 @@ def _grid_cuts(table: TableSpec, work: Workload) -> tuple[tuple[GridPiece, ...],
     return tuple(cuts)
 
 
-def _storage_float(table: TableSpec, work: Workload, kind: ShardingType, rows: int, cols: int) -> float:
+def _storage_float(
+    table: TableSpec, work: Workload, kind: ShardingType, rows: int, cols: int
+) -> float:
     return STORAGE[kind](table, work, rows, cols)
 
 

@@ -81,7 +81,9 @@ class RankLoads:
         self.free[rank] -= mem
         insort(self.order, (self.load[rank], rank))
 
-    def best_fit(self, cost: float, mem: int, limit: float, cands: Sequence[int] | None) -> int | None:
+    def best_fit(
+        self, cost: float, mem: int, limit: float, cands: Sequence[int] | None
+    ) -> int | None:
         """The fullest rank (lowest id on ties) where ``cost`` and ``mem`` still fit."""
         if cands is not None:
             fits = [r for r in cands if self.load[r] + cost <= limit and self.free[r] >= mem]
@@ -94,7 +96,9 @@ class RankLoads:
             i -= 1
         return None
 
-    def spread_fit(self, cost: float, mem: int, limit: float, cands: Sequence[int] | None) -> int | None:
+    def spread_fit(
+        self, cost: float, mem: int, limit: float, cands: Sequence[int] | None
+    ) -> int | None:
         """The least-loaded rank where ``cost`` and ``mem`` fit; among ranks within
         ``TIE_EPS`` of that load, the one with the most free memory (lowest id on ties)."""
         pool = self.order if cands is None else sorted((self.load[r], r) for r in cands)
@@ -150,7 +154,9 @@ def make_piece(
     )
 
 
-def _greedy_fill(total: int, minimum: int, align: int, caps: list[int], loads: list[float], cost: Affine) -> list[int]:
+def _greedy_fill(
+    total: int, minimum: int, align: int, caps: list[int], loads: list[float], cost: Affine
+) -> list[int]:
     """Fill the ranks to their caps in order, keeping ``minimum`` for each later piece."""
     sizes = [minimum] * len(caps)
     left = total - minimum * len(caps)
@@ -162,11 +168,17 @@ def _greedy_fill(total: int, minimum: int, align: int, caps: list[int], loads: l
     return sizes if left == 0 and all(s <= c for s, c in zip(sizes, caps, strict=True)) else []
 
 
-def _water_fill(total: int, minimum: int, align: int, caps: list[int], loads: list[float], cost: Affine) -> list[int]:
+def _water_fill(
+    total: int, minimum: int, align: int, caps: list[int], loads: list[float], cost: Affine
+) -> list[int]:
     """Split ``total`` into ``len(caps)`` sizes in ``[minimum, cap]`` that level the final loads."""
 
     def size_at(level: float, i: int) -> float:
-        return min(max((level - loads[i] - cost.fixed) / cost.slope, minimum), caps[i]) if cost.slope > 0 else caps[i]
+        return (
+            min(max((level - loads[i] - cost.fixed) / cost.slope, minimum), caps[i])
+            if cost.slope > 0
+            else caps[i]
+        )
 
     lo = min(loads) + cost.fixed
     hi = max(loads[i] + cost.at(caps[i]) for i in range(len(caps)))
@@ -244,7 +256,9 @@ def fill(
     chosen: list[int] = []
     caps: list[int] = []
     for r in order:
-        fit = min(cost.largest_within(limit - ranks.load[r]), mem.largest_within(ranks.free[r] * 0.999999))
+        fit = min(
+            cost.largest_within(limit - ranks.load[r]), mem.largest_within(ranks.free[r] * 0.999999)
+        )
         cap = int(min(fit, total)) // align * align if fit < total else total
         if cap < minimum:
             continue
