@@ -124,7 +124,7 @@ def worker_shardrec(a: WorkerArgs) -> None:
     from lightning_shardrec import FusedOptimConfig, ShardRecStrategy
 
     import_rss = rss_mib()
-    torch.set_num_threads(1)
+    worker_env()  # one thread, the common seed
     total = a.warmup + a.steps
 
     class Batches:

@@ -293,12 +293,17 @@ def report(
         f"- shardrec_bf16 / shardrec = {ratio('shardrec_bf16', 'shardrec')}",
         f"- shardrec / shardrec_pg = {ratio('shardrec', 'shardrec_pg')} (shared-memory all-to-alls vs gloo's TCP)",
         f"- shardrec_pg / torchrec_dmp = {ratio('shardrec_pg', 'torchrec_dmp')}",
+        f"- shardrec_pg_pipeline / torchrec_dmp = {ratio('shardrec_pg_pipeline', 'torchrec_dmp')} "
+        "(the defaults: the process group, the pipeline on)",
+        f"- shardrec_pg_pipeline / floor ({fastest}) = {ratio('shardrec_pg_pipeline', 'floor')}",
         f"- shardrec / floor ({fastest}) = {ratio('shardrec', 'floor')} (2.0 = two cores' ideal)",
         f"- shardrec / dmp_plain = {ratio('shardrec', 'dmp_plain')} (1.0 = no Lightning overhead)",
         f"- dmp_plain / torchrec_dmp = {ratio('dmp_plain', 'torchrec_dmp')}",
         f"- ddp_sparse / floor = {ratio('ddp_sparse', 'floor')}",
         f"- kernel_floor_torch / kernel_floor = {ratio('kernel_floor_torch', 'kernel_floor')} "
         "(our portable kernel vs fbgemm's CPU TBE, same one-core job)",
+        "",
+        same_losses(runs),
         "",
     ]
     if plot is not None:
@@ -307,6 +312,30 @@ def report(
     if profile is not None:
         lines += profile_lines(profile)
     return "\n".join(lines)
+
+
+#: variants running this project's code in fp32 on 2 ranks: from the same seed, the same losses at every step
+OURS_FP32 = ("dmp_plain", "shardrec", "shardrec_pipeline", "shardrec_pg", "shardrec_pg_pipeline")
+
+
+def same_losses(runs: dict[str, list[list[dict[str, Any]]]]) -> str:
+    """Each of our fp32 variants' per-step losses (every rank, last round) against ``dmp_plain``'s: the
+    largest difference (the kernels ``kernel="auto"`` picks per run may round differently; 0 = bit for bit)."""
+    if not runs.get("dmp_plain"):
+        return "Losses: dmp_plain did not run, nothing to compare."
+
+    def losses(v: str) -> list[float]:
+        return [x for r in sorted(runs[v][-1], key=lambda r: r["rank"]) for x in r["losses"]]
+
+    ref = losses("dmp_plain")
+    diffs = [
+        f"{v} {max(abs(x - y) for x, y in zip(losses(v), ref, strict=True)):.1e}"
+        for v in OURS_FP32
+        if v != "dmp_plain" and runs.get(v) and len(losses(v)) == len(ref)
+    ]
+    return "Losses at every step (every rank, same seed) against dmp_plain, largest difference: " + (
+        ", ".join(diffs) or "no other variant of ours ran"
+    )
 
 
 def profile_lines(p: dict[str, Any]) -> list[str]:
@@ -374,6 +403,8 @@ def write_section(path: Path, text: str) -> None:
     ``docs/benchmarks.md``; other machines' figures stay beside it; keep its ``Reading:``."""
     body = text.split("\n", 1)[1].lstrip("\n") if text.startswith(SECTION) else text
     replace_machine_section(path, SECTION, machine_heading(), body)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")

@@ -55,7 +55,10 @@ def _kjt_flatten(kjt: KeyedJaggedTensor) -> tuple[list[Tensor | None], list[str]
 
 def _tracing(*tensors: Tensor | None) -> bool:
     """Whether ``tensors`` are being traced (fake tensors of ``torch.export``/``torch.compile``)."""
-    return torch.compiler.is_compiling() or compat.detect_fake(tensors)
+    if torch.compiler.is_compiling():
+        return True
+    # plain tensors are real (a fake one is a subclass): no need to ask for a fake mode, a few us each batch
+    return not all(t is None or type(t) is Tensor for t in tensors) and compat.detect_fake(tensors)
 
 
 def _kjt_unflatten(leaves: Iterable[Any], context: Any) -> KeyedJaggedTensor:

@@ -48,6 +48,24 @@ def test_cpu_per_rank_is_main_plus_other_threads_median_over_rounds():
     assert e2e.cpu_per_rank([[{"rank": 0, "cpu_ms": {}}]]) == "-"  # results of a run without /proc
 
 
+def test_same_losses_compares_every_rank_and_step_of_the_last_round_with_dmp_plain():
+    e2e = _load()
+
+    def run(*per_rank: list[float]) -> list[list[dict[str, object]]]:
+        old = [{"rank": r, "losses": [9.0] * len(x)} for r, x in enumerate(per_rank)]  # an earlier round
+        return [old, [{"rank": r, "losses": x} for r, x in reversed(list(enumerate(per_rank)))]]
+
+    runs = {
+        "dmp_plain": run([0.7, 0.6], [0.8, 0.5]),
+        "shardrec_pg": run([0.7, 0.6], [0.8, 0.5]),
+        "shardrec_pg_pipeline": run([0.7, 0.6], [0.8, 0.25]),
+        "shardrec": [],  # did not run
+    }
+    line = e2e.same_losses(runs)
+    assert "shardrec_pg 0.0e+00" in line and "shardrec_pg_pipeline 2.5e-01" in line and "shardrec " not in line
+    assert "did not run" in e2e.same_losses({"dmp_plain": [], "shardrec_pg": runs["shardrec_pg"]})
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="per-thread CPU is read from /proc")
 def test_step_timer_counts_cpu_per_timed_step():
     """CPU of the timed steps only (after the warm-up), per step, main thread and the others."""

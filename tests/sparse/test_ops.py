@@ -42,7 +42,11 @@ def test_segment_ids_skips_empty_bags() -> None:
 
 
 # --- permute_2d ------------------------------------------------------------------------
-@pytest.mark.parametrize("use_fbgemm", BOTH_PATHS)
+# None: the automatic choice, on CPU with few keys the key-by-key host copy
+PERMUTE_PATHS = [pytest.param(None, id="auto"), *BOTH_PATHS]
+
+
+@pytest.mark.parametrize("use_fbgemm", PERMUTE_PATHS)
 def test_permute_2d_reorders_drops_and_repeats_keys(use_fbgemm: bool) -> None:
     # keys a, b, c with batch 2:  a=[[1], [2, 3]]  b=[[], [4]]  c=[[5, 6], []]
     lengths = torch.tensor([[1, 2], [0, 1], [2, 0]])
@@ -57,7 +61,7 @@ def test_permute_2d_reorders_drops_and_repeats_keys(use_fbgemm: bool) -> None:
     torch.testing.assert_close(out_w, torch.tensor([0.5, 0.6, 0.1, 0.2, 0.3, 0.5, 0.6]))
 
 
-@pytest.mark.parametrize("use_fbgemm", BOTH_PATHS)
+@pytest.mark.parametrize("use_fbgemm", PERMUTE_PATHS)
 def test_permute_2d_without_weights_returns_none(use_fbgemm: bool) -> None:
     _, values, weights = ops.permute_2d(
         torch.tensor([1, 0]),
@@ -67,6 +71,39 @@ def test_permute_2d_without_weights_returns_none(use_fbgemm: bool) -> None:
     )
     assert values.tolist() == [8, 9, 7]
     assert weights is None
+
+
+@PROPS
+@given(
+    keys=st.integers(1, 9),
+    batch=st.integers(0, 5),
+    order=st.lists(st.integers(0, 8), max_size=12),
+    weighted=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_permute_2d_host_copy_equals_the_gather(
+    keys: int, batch: int, order: list[int], weighted: bool, seed: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (keys, batch), generator=g, dtype=torch.int32)
+    values = torch.randint(0, 100, (int(lengths.sum()),), generator=g)
+    weights = torch.rand(values.shape, generator=g) if weighted else None
+    permute = torch.tensor([k % keys for k in order], dtype=torch.long)
+    got = ops._permute_2d_slices(permute, lengths, values, weights)
+    want = ops.permute_2d(permute, lengths, values, weights, use_fbgemm=False)
+    for a, b in zip(got, want, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)  # type: ignore[arg-type]
+
+
+def test_permute_2d_takes_the_host_copy_on_cpu_with_few_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = ops._permute_2d_slices
+    monkeypatch.setattr(ops, "_permute_2d_slices", lambda p, *a: calls.append(p.numel()) or real(p, *a))
+    few, many = ops.SLICES_UP_TO, ops.SLICES_UP_TO + 1
+    for k in (few, many):
+        lengths = torch.ones(k, 2, dtype=torch.long)
+        ops.permute_2d(torch.arange(k).flip(0), lengths, torch.arange(2 * k))
+    assert calls == [few]  # above the bound: fbgemm's operator or torch's gather, never a key-by-key loop
 
 
 # --- jagged_to_padded_dense ------------------------------------------------------------
