@@ -13,16 +13,18 @@ each, ~8 ids per bag; 13 dense features; bottom MLP 13->128->64, concat interact
 
 Variants (each in fresh processes; one intra-op thread per rank):
 
-- ``shardrec``: ``Trainer(strategy=ShardRecStrategy(comm_transport="auto", ...), accelerator="cpu",
+- ``shardrec``: ``Trainer(strategy=ShardRecStrategy(comm_transport="auto", pipeline=False, ...), accelerator="cpu",
   devices=2)`` (the all-to-alls through same-host shared memory), the full Lightning loop (its
   own popen launcher), steps timed inside the loop by a callback (start of a batch to start
   of the next), process start and warm-up excluded.
 - ``shardrec_pipeline``: the same run with ``ShardRecStrategy(pipeline=True)``.
 - ``shardrec_bf16``: the same run with ``ShardRecStrategy(comm_precision="bf16")`` (pooled
   outputs and their gradients cross ranks in bf16).
-- ``shardrec_pg_pipeline``: ``shardrec_pg`` with ``pipeline=True`` (issue 42: the pipeline on the default transport).
-- ``shardrec_pg``: the same run with ``ShardRecStrategy(comm_transport="pg")``, the default since
-  issue 30: the all-to-alls on gloo's loopback TCP instead of same-host shared memory.
+- ``shardrec_pg_pipeline``: ``shardrec_pg`` with ``pipeline=True``: **the defaults** (the process group since
+  issue 30, the pipeline on 2+ ranks since issue 42).
+- ``shardrec_pg``: the same run with ``ShardRecStrategy(comm_transport="pg")`` (the all-to-alls on gloo's
+  loopback TCP instead of same-host shared memory), the pipeline off as in every ``shardrec*`` variant
+  without ``_pipeline`` in its name.
 - ``dmp_plain``: our ``DistributedModelParallel`` in a plain loop, 2 ranks (gloo).
 - ``torchrec_dmp``: TorchRec 1.8.0's ``DistributedModelParallel``, its default planner,
   2 ranks (gloo), run by ``benchmarks/.venv-torchrec/bin/python`` (made by
