@@ -106,20 +106,23 @@ def median_seconds(step: Callable[[], object], mode: Mode, steps: int, warmup: i
 @contextmanager
 def gpu_code_path() -> Iterator[bool]:
     """On CPU, run the GPU's code paths: the dynamic tables' tensor ops instead of the compiled loops,
-    and the ids' range check on the device (a flag read with the batch header) instead of on the host.
+    the ids' range check on the device (a flag read with the batch header) instead of on the host, and
+    key permutes by one operator instead of key by key on the host.
 
     Yields whether it could (False if the loops are no longer found where this expects them).
     """
     from lightning_shardrec.modules import features, table_init
     from lightning_shardrec.modules.dynamic import slots
+    from lightning_shardrec.sparse import ops
 
-    if not all(hasattr(m, "native_loops") for m in (slots, table_init)):
+    if not all(hasattr(m, "native_loops") for m in (slots, table_init)) or not hasattr(ops, "_slices_for"):
         yield False
         return
-    saved = slots.native_loops, table_init.native_loops, features.checks_on_device
+    saved = slots.native_loops, table_init.native_loops, features.checks_on_device, ops._slices_for
     slots.native_loops = table_init.native_loops = lambda: None  # type: ignore[assignment]
     features.checks_on_device = lambda device: True  # type: ignore[assignment]
+    ops._slices_for = lambda *tensors: False  # type: ignore[assignment]
     try:
         yield True
     finally:
-        slots.native_loops, table_init.native_loops, features.checks_on_device = saved
+        slots.native_loops, table_init.native_loops, features.checks_on_device, ops._slices_for = saved
