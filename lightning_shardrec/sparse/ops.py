@@ -1,7 +1,9 @@
 """Jagged-layout primitives: fbgemm operators where they run, plain torch otherwise.
 
 Both paths return identical results; tests pin them against each other. Every
-function here is pure and batched (no Python loop over samples or keys' data).
+function here is pure and batched (no Python loop over samples), except the CPU
+route of :func:`permute_2d` for a few keys: one slice per key, cheaper there than
+any operator.
 """
 
 from __future__ import annotations
