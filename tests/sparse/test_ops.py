@@ -95,15 +95,14 @@ def test_permute_2d_host_copy_equals_the_gather(
         assert (a is None and b is None) or torch.equal(a, b)  # type: ignore[arg-type]
 
 
-def test_permute_2d_takes_the_host_copy_on_cpu_with_few_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_permute_2d_takes_the_host_copy_on_cpu_with_few_keys_of_many_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     real = ops._permute_2d_slices
     monkeypatch.setattr(ops, "_permute_2d_slices", lambda p, *a: calls.append(p.numel()) or real(p, *a))
-    few, many = ops.SLICES_UP_TO, ops.SLICES_UP_TO + 1
-    for k in (few, many):
-        lengths = torch.ones(k, 2, dtype=torch.long)
-        ops.permute_2d(torch.arange(k).flip(0), lengths, torch.arange(2 * k))
-    assert calls == [few]  # above the bound: fbgemm's operator or torch's gather, never a key-by-key loop
+    few, many, ids = ops.SLICES_UP_TO, ops.SLICES_UP_TO + 1, ops.SLICE_MIN_IDS_PER_KEY
+    for k, per_key in ((few, ids), (many, ids), (few, ids - 1)):  # one bag a key
+        ops.permute_2d(torch.arange(k).flip(0), torch.full((k, 1), per_key), torch.arange(k * per_key))
+    assert calls == [few]  # above either bound: fbgemm's operator or torch's gather, never a key-by-key loop
 
 
 # --- jagged_to_padded_dense ------------------------------------------------------------

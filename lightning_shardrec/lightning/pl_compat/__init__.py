@@ -82,8 +82,9 @@ def attached_trainer(module: LightningModule | None) -> Any:
 
 
 def load_state(cls: type[LightningModule], checkpoint: dict[str, Any], strict: bool | None, **kwargs: Any) -> Any:
-    """``lightning.pytorch.core.saving._load_state`` (1.x to 2.6): the second half of ``load_from_checkpoint``
-    (the module built from the checkpoint's hyperparameters, ``on_load_checkpoint``, ``load_state_dict``).
+    """Lightning's private ``_load_state`` (module ``lightning.pytorch.core.saving``, 1.x to 2.6): the second half
+    of ``load_from_checkpoint`` (the module built from the checkpoint's hyperparameters, ``on_load_checkpoint``,
+    ``load_state_dict``).
 
     Fallback when missing: the module built from the saved hyperparameters the ``__init__`` accepts
     (``kwargs`` win), then ``on_load_checkpoint`` and ``load_state_dict``.
@@ -109,9 +110,9 @@ def _load_state_fallback(
 
 
 def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
-    """Lightning's ``lightning.fabric.utilities.optimizer._optimizers_to_device`` (2.0 to 2.6), written on public
-    names: every optimizer's state tensors moved to ``device``, ``"step"`` left where it is (torch keeps it on
-    the CPU for most optimizers). No fallback needed: nothing private is used."""
+    """What Lightning's private ``_optimizers_to_device`` (``lightning.fabric.utilities.optimizer``, 2.0 to 2.6)
+    does, written on public names: every optimizer's state tensors moved to ``device``, ``"step"`` left where it
+    is (torch keeps it on the CPU for most optimizers). No fallback needed: nothing private is used."""
     for optimizer in optimizers:
         for param, state in optimizer.state.items():
             if not isinstance(state, MutableMapping):
