@@ -4,14 +4,11 @@ Table configs keep TorchRec's field names *and positional order*, so TorchRec co
 that builds them positionally means the same thing here.
 """
 
-from __future__ import annotations
-
 import enum
 import math
 import numbers
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Callable, List, Optional, TypeVar
 
 import torch
 
@@ -60,6 +57,16 @@ def _finite_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+@dataclass
+class VirtualTableEvictionPolicy:
+    """TorchRec's base of virtual-table eviction policies (its fields), for imports and annotations:
+    virtual tables are not supported here, and a config given one is refused by name."""
+
+    meta_header_len: int = 0
+    embedding_dim: int = 0
+    initialized: bool = False
+
+
 @dataclass(frozen=True)
 class BaseEmbeddingConfig:
     """One embedding table: ``num_embeddings`` rows of ``embedding_dim`` floats.
@@ -81,19 +88,19 @@ class BaseEmbeddingConfig:
     embedding_dim: int
     name: str = ""
     data_type: DataType = DataType.FP32
-    feature_names: list[str] = field(default_factory=list)
+    feature_names: List[str] = field(default_factory=list)
     weight_init_max: float | None = None
     weight_init_min: float | None = None
     num_embeddings_post_pruning: int | None = None
-    init_fn: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    init_fn: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None
     need_pos: bool = False
     input_dim: int | None = None
     total_num_buckets: int | None = None
     use_virtual_table: bool = False
-    virtual_table_eviction_policy: object | None = None
+    virtual_table_eviction_policy: Optional[VirtualTableEvictionPolicy] = None
     enable_embedding_update: bool = False
     stash_weights: bool = False
-    dynamic: DynamicConfig | None = field(default=None, kw_only=True)
+    dynamic: Optional["DynamicConfig"] = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
@@ -152,7 +159,7 @@ class BaseEmbeddingConfig:
             self.dynamic.layout(self.num_embeddings, self.name)  # raises if the buckets do not fit
 
     @property
-    def num_features(self) -> _CallableInt:
+    def num_features(self) -> "_CallableInt":
         """Features reading this table: ``cfg.num_features`` here, ``cfg.num_features()`` in TorchRec."""
         return _CallableInt(len(self.feature_names))
 
@@ -249,7 +256,7 @@ class EmbOptimType(str, enum.Enum):
     EXACT_ROWWISE_ADAGRAD = "rowwise_adagrad"
 
     @classmethod
-    def parse(cls, value: object) -> EmbOptimType:
+    def parse(cls, value: object) -> "EmbOptimType":
         """A member from itself, its value or name in any case, or fbgemm's ``EmbOptimType`` (or its value)."""
         if isinstance(value, EmbOptimType):
             return value

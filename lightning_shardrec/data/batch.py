@@ -63,7 +63,8 @@ class RecBatch:
         """``non_blocking=None``: asynchronous from host memory to CUDA (pageable memory is staged in pinned
         memory first, see :func:`~lightning_shardrec.sparse.device_copy.staged`)."""
         move = mover(device, non_blocking)
-        return RecBatch(move(self.dense), self.sparse.to(device, non_blocking=non_blocking), move(self.labels))
+        sparse = self.sparse.to(torch.device(device), non_blocking=non_blocking)  # type: ignore[arg-type]  # None, above
+        return RecBatch(move(self.dense), sparse, move(self.labels))
 
     def pin_memory(self) -> RecBatch:
         return RecBatch(self.dense.pin_memory(), self.sparse.pin_memory(), self.labels.pin_memory())
@@ -71,5 +72,5 @@ class RecBatch:
     def record_stream(self, stream: torch.Stream) -> None:
         """Mark every tensor as in use on ``stream`` (CUDA caching allocator)."""
         self.dense.record_stream(stream)  # type: ignore[arg-type]
-        self.sparse.record_stream(stream)
+        self.sparse.record_stream(stream)  # type: ignore[arg-type]
         self.labels.record_stream(stream)  # type: ignore[arg-type]

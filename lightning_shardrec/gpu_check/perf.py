@@ -51,7 +51,7 @@ def kernel_throughput(report: Report, mode: Mode, bandwidth: float) -> None:
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=s.kernel_dim, num_embeddings=s.kernel_rows, feature_names=[f])
         for i, f in enumerate(features)
     ]
-    coll = EmbeddingBagCollection(specs, device="meta")
+    coll = EmbeddingBagCollection(specs, device=torch.device("meta"))
     ids_n = len(features) * s.kernel_batch * s.kernel_pooling
     values = torch.randint(0, s.kernel_rows, (ids_n,), device=mode.device)
     lengths = torch.full((len(features) * s.kernel_batch,), s.kernel_pooling, device=mode.device)

@@ -6,7 +6,7 @@ exactly TorchRec's state-dict layout. Any ``torch.optim`` optimizer trains it; t
 unsharded run is the reference every sharded run must match.
 """
 
-from __future__ import annotations
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,9 +56,9 @@ class EmbeddingBagCollection(SeededTables, HasDynamicTables, nn.Module):
 
     def __init__(
         self,
-        tables: list[EmbeddingBagConfig],
+        tables: List[EmbeddingBagConfig],
         is_weighted: bool = False,
-        device: torch.device | str | None = None,
+        device: Optional[torch.device] = None,
         *,
         validate_ids: bool = True,
     ) -> None:
@@ -90,7 +90,7 @@ class EmbeddingBagCollection(SeededTables, HasDynamicTables, nn.Module):
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
         self._make_dynamic_tables(self._tables, device)
 
-    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
         return self._tables
 
     def is_weighted(self) -> bool:

@@ -4,7 +4,7 @@ One ``nn.Embedding`` per table under ``embeddings.<table>`` (TorchRec's layout);
 each id keeps its own row.
 """
 
-from __future__ import annotations
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +33,8 @@ class EmbeddingCollection(SeededTables, HasDynamicTables, nn.Module):
 
     def __init__(
         self,
-        tables: list[EmbeddingConfig],
-        device: torch.device | str | None = None,
+        tables: List[EmbeddingConfig],
+        device: Optional[torch.device] = None,
         need_indices: bool = False,
         *,
         validate_ids: bool = True,
@@ -65,7 +65,7 @@ class EmbeddingCollection(SeededTables, HasDynamicTables, nn.Module):
         self._table_of = [t.name for t in tables for _ in t.feature_names]
         self._make_dynamic_tables(self._tables, device)
 
-    def embedding_configs(self) -> list[EmbeddingConfig]:
+    def embedding_configs(self) -> List[EmbeddingConfig]:
         return self._tables
 
     def need_indices(self) -> bool:
@@ -75,7 +75,7 @@ class EmbeddingCollection(SeededTables, HasDynamicTables, nn.Module):
         """Input features, table by table (a shared feature once per table that reads it)."""
         return self._feature_names
 
-    def embedding_names_by_table(self) -> list[list[str]]:
+    def embedding_names_by_table(self) -> List[List[str]]:
         """Output keys per table (``feature@table`` for a feature several tables read)."""
         return self._embedding_names_by_table
 
@@ -101,7 +101,7 @@ class EmbeddingCollection(SeededTables, HasDynamicTables, nn.Module):
         refuse_script("EmbeddingCollection")
         return self
 
-    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+    def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         if is_traced(features):  # torch.fx.symbolic_trace (modules/fx_trace.py)
             return traced_sequence(self, features, self._embedding_names_by_table)
         kjt = self._arrange(features)

@@ -12,6 +12,7 @@ from lightning_shardrec.configs import (
     EmbeddingBagConfig,
     EmbeddingConfig,
     PoolingType,
+    VirtualTableEvictionPolicy,
 )
 from lightning_shardrec.errors import missing_names
 
@@ -54,5 +55,6 @@ __all__ = [
     "EmbeddingTableConfig",
     "PoolingType",
     "QuantConfig",
+    "VirtualTableEvictionPolicy",
     "pooling_type_to_str",
 ]

@@ -176,7 +176,7 @@ class PlainEmbeddingBag(EmbeddingBagCall, EmbeddingBagCollection):
             pooling=PoolingType.MEAN if module.mode == "mean" else PoolingType.SUM,
         )
         with torch.random.fork_rng(devices=[]):  # the user's weight: no table seed drawn from their RNG
-            super().__init__([config], is_weighted=module.mode == "sum", device="meta")
+            super().__init__([config], is_weighted=module.mode == "sum", device=torch.device("meta"))
         self.embedding_bags[config.name].weight = module.weight
         self.spec = PlainSpec(path, "EmbeddingBag", module.mode, module.padding_idx, module.include_last_offset)
 
@@ -187,7 +187,7 @@ class PlainMaxEmbeddingBag(EmbeddingBagCall, EmbeddingCollection):
     def __init__(self, module: nn.EmbeddingBag, path: str) -> None:
         config = _sequence_config(module, path)
         with torch.random.fork_rng(devices=[]):  # the user's weight: no table seed drawn from their RNG
-            super().__init__([config], device="meta")
+            super().__init__([config], device=torch.device("meta"))
         self.embeddings[config.name].weight = module.weight
         self.spec = PlainSpec(path, "EmbeddingBag", "max", module.padding_idx, module.include_last_offset)
 
@@ -198,7 +198,7 @@ class PlainEmbedding(EmbeddingCall, EmbeddingCollection):
     def __init__(self, module: nn.Embedding, path: str) -> None:
         config = _sequence_config(module, path)
         with torch.random.fork_rng(devices=[]):  # the user's weight: no table seed drawn from their RNG
-            super().__init__([config], device="meta")
+            super().__init__([config], device=torch.device("meta"))
         self.embeddings[config.name].weight = module.weight
         self.spec = PlainSpec(path, "Embedding", "lookup", module.padding_idx)
 

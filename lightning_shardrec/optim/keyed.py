@@ -9,16 +9,19 @@ Both are ``torch.optim.Optimizer``s whose ``param_groups`` are the wrapped optim
 dicts, so an LR scheduler on the wrapper reaches them.
 """
 
-from __future__ import annotations
-
 import copy
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Collection, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from lightning_shardrec._compat.torch import is_sharded_tensor
+from lightning_shardrec._compat.torch import is_sharded_tensor, sharded_tensor_type
+
+if TYPE_CHECKING:
+    from lightning_shardrec._compat.torch import ShardedTensor
+else:  # torch's (a sharded table in a keyed optimizer's ``params``, as in TorchRec)
+    ShardedTensor = sharded_tensor_type()
 
 
 class KeyedOptimizer(torch.optim.Optimizer):
@@ -30,7 +33,7 @@ class KeyedOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Mapping[str, Tensor],
+        params: Mapping[str, Union[torch.Tensor, ShardedTensor]],
         state: Mapping[Any, Any],
         param_groups: Collection[Mapping[str, Any]],
     ) -> None:
@@ -45,6 +48,7 @@ class KeyedOptimizer(torch.optim.Optimizer):
         # refuses an empty list, so it gets one empty group, then the live state and groups replace its own
         super().__init__([{"params": []}], {"_save_param_groups": False})
         self._bind(params, state, param_groups)
+        self._bound = True
 
     def _bind(
         self, params: Mapping[str, Tensor], state: Mapping[Any, Any], groups: Collection[Mapping[str, Any]]
@@ -59,10 +63,15 @@ class KeyedOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch's
         raise NotImplementedError(f"{type(self).__name__}.step: use KeyedOptimizerWrapper or CombinedOptimizer")
 
-    def init_state(self, sparse_grad_parameter_names: set[str] | None = None) -> None:
+    def add_param_group(self, param_group: Any) -> None:
+        if not getattr(self, "_bound", False):  # ``Optimizer.__init__``'s placeholder group, before the live ones
+            return super().add_param_group(param_group)
+        raise NotImplementedError(f"{type(self).__name__}.add_param_group: add the group to the wrapped optimizer")
+
+    def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
         """Create the optimizer state now: zero gradients (sparse for the named ones), then one step.
 
         As TorchRec: the step runs with zero gradients, so stateless rules (and Adagrad) leave the
@@ -160,11 +169,6 @@ class OptimizerWrapper(KeyedOptimizer):
     def zero_grad(self, set_to_none: bool = False) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
-    def add_param_group(self, param_group: Any) -> None:
-        if "params" not in self.__dict__:  # ``Optimizer.__init__``'s placeholder group, before the wrapped one binds
-            return super().add_param_group(param_group)
-        raise NotImplementedError(f"{type(self).__name__}.add_param_group: add the group to the wrapped optimizer")
-
     def state_dict(self) -> dict[str, Any]:
         return self._optimizer.state_dict()
 
@@ -188,7 +192,7 @@ class CombinedOptimizer(KeyedOptimizer):
     ``state_dict()`` is TorchRec's: ``{"state": {name: state}, "param_groups": [...]}`` over those names.
     """
 
-    def __init__(self, optims: Sequence[torch.optim.Optimizer | tuple[str, torch.optim.Optimizer]]) -> None:
+    def __init__(self, optims: List[Union[KeyedOptimizer, Tuple[str, KeyedOptimizer]]]) -> None:
         self._optims: list[tuple[str, torch.optim.Optimizer]] = []
         for i, item in enumerate(optims):
             prefix, opt = item if isinstance(item, tuple) else ("", item)
@@ -220,16 +224,16 @@ class CombinedOptimizer(KeyedOptimizer):
 
     @staticmethod
     def prepend_opt_key(name: str, opt_key: str) -> str:
-        return name if not opt_key else f"{opt_key}.{name}"
+        """``"<opt_key>.<name>"`` (either alone when the other is empty), as TorchRec."""
+        return f"{opt_key}.{name}" if opt_key and name else opt_key or name
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        loss = None
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # TorchRec's signature
+        """Run ``closure`` once (it computes the gradients), then step every optimizer."""
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                closure()
         for _, opt in self._optims:
             opt.step()
-        return loss
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         for _, opt in self._optims:

@@ -62,7 +62,7 @@ def regroup_kts(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[
     """TorchRec's function form of ``KeyedTensor.regroup``: one ``[B, sum of dims]`` tensor per group."""
     from lightning_shardrec.sparse.keyed_tensor import KeyedTensor
 
-    return KeyedTensor.regroup(keyed_tensors, groups)
+    return KeyedTensor.regroup(list(keyed_tensors), [list(g) for g in groups])
 
 
 #: TorchRec's other paths to ``regroup_kts`` (its reference implementation, the fbgemm multi-permute op and the

@@ -12,7 +12,7 @@ As in TorchRec, values (and weights) may run longer than ``sum(lengths)``: the t
 belongs to no bag and is ignored. Values may be of any dtype, ``[N]`` or ``[N, D]``.
 """
 
-from __future__ import annotations
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -49,9 +49,9 @@ class JaggedTensor(metaclass=ProxyableConstruction):
     def __init__(
         self,
         values: Tensor,
-        weights: Tensor | None = None,
-        lengths: Tensor | None = None,
-        offsets: Tensor | None = None,
+        weights: Optional[torch.Tensor] = None,
+        lengths: Optional[torch.Tensor] = None,
+        offsets: Optional[torch.Tensor] = None,
     ) -> None:
         if lengths is None and offsets is None:
             raise JaggedAssertionError("JaggedTensor needs lengths or offsets (got neither)")
@@ -67,11 +67,11 @@ class JaggedTensor(metaclass=ProxyableConstruction):
     @staticmethod
     def empty(
         is_weighted: bool = False,
-        device: torch.device | str | None = None,
-        values_dtype: torch.dtype | None = None,
-        weights_dtype: torch.dtype | None = None,
+        device: Optional[torch.device] = None,
+        values_dtype: Optional[torch.dtype] = None,
+        weights_dtype: Optional[torch.dtype] = None,
         lengths_dtype: torch.dtype = torch.int32,
-    ) -> JaggedTensor:
+    ) -> "JaggedTensor":
         """No bags: empty values, lengths and offsets (TorchRec's int32 lengths by default)."""
         weights = torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None
         out = JaggedTensor.__new__(JaggedTensor)
@@ -82,7 +82,7 @@ class JaggedTensor(metaclass=ProxyableConstruction):
         return out
 
     @staticmethod
-    def empty_like(jt: JaggedTensor) -> JaggedTensor:
+    def empty_like(jt: "JaggedTensor") -> "JaggedTensor":
         """No bags, on ``jt``'s device with its dtypes (weighted if ``jt`` is)."""
         weights = jt.weights_or_none()
         return JaggedTensor.empty(
@@ -94,7 +94,7 @@ class JaggedTensor(metaclass=ProxyableConstruction):
         )
 
     @staticmethod
-    def from_dense(values: list[Tensor], weights: list[Tensor] | None = None) -> JaggedTensor:
+    def from_dense(values: List[torch.Tensor], weights: Optional[List[torch.Tensor]] = None) -> "JaggedTensor":
         """One bag per list entry: ``[tensor([1, 2]), tensor([]), tensor([3])]``."""
         if weights is not None and len(weights) != len(values):
             raise ValueError(f"from_dense got {len(values)} value bags but {len(weights)} weight bags")
@@ -105,7 +105,7 @@ class JaggedTensor(metaclass=ProxyableConstruction):
         return JaggedTensor(cat_values, cat_weights, lengths=lengths.to(cat_values.device))
 
     @staticmethod
-    def from_dense_lengths(values: Tensor, lengths: Tensor, weights: Tensor | None = None) -> JaggedTensor:
+    def from_dense_lengths(values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> "JaggedTensor":
         """Bags from the first ``lengths[b]`` entries of each row of a padded ``[B, L]``."""
         mask = torch.arange(values.shape[1], device=values.device) < lengths.unsqueeze(1)
         return JaggedTensor(values[mask], _optional_mask(weights, mask), lengths=lengths)
@@ -146,12 +146,12 @@ class JaggedTensor(metaclass=ProxyableConstruction):
         return ops.tensor_bytes(self._values, self._weights, self._lengths, self._offsets)
 
     # --- conversions --------------------------------------------------------------
-    def to_dense(self) -> list[Tensor]:
+    def to_dense(self) -> List[Tensor]:
         """One tensor per bag (the inverse of :meth:`from_dense`)."""
         sizes = self.lengths().tolist()
         return list(torch.split(self._values[: sum(sizes)], sizes))
 
-    def to_dense_weights(self) -> list[Tensor] | None:
+    def to_dense_weights(self) -> Optional[List[Tensor]]:
         if self._weights is None:
             return None
         sizes = self.lengths().tolist()
@@ -179,7 +179,7 @@ class JaggedTensor(metaclass=ProxyableConstruction):
         )
 
     # --- movement -----------------------------------------------------------------
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
+    def to(self, device: torch.device, non_blocking: bool = False) -> "JaggedTensor":
         def move(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
@@ -188,7 +188,7 @@ class JaggedTensor(metaclass=ProxyableConstruction):
         out._weights, out._lengths, out._offsets = move(self._weights), move(self._lengths), move(self._offsets)
         return out
 
-    def pin_memory(self) -> JaggedTensor:
+    def pin_memory(self) -> "JaggedTensor":
         out = JaggedTensor.__new__(JaggedTensor)
         out._values = self._values.pin_memory()
         out._weights, out._lengths, out._offsets = (
@@ -196,7 +196,7 @@ class JaggedTensor(metaclass=ProxyableConstruction):
         )
         return out
 
-    def record_stream(self, stream: torch.Stream) -> None:
+    def record_stream(self, stream: torch.cuda.streams.Stream) -> None:
         for t in (self._values, self._weights, self._lengths, self._offsets):
             if t is not None:
                 t.record_stream(stream)  # type: ignore[arg-type]

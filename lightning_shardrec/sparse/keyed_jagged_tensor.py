@@ -14,9 +14,8 @@ With a variable batch per key (VBE, ``stride_per_key_per_rank``) key ``k`` has
 ``stride_per_key()[k]`` bags instead of ``stride`` (see :mod:`.kjt_checks`).
 """
 
-from __future__ import annotations
-
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -43,20 +42,20 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
 
     def __init__(
         self,
-        keys: Sequence[str],
-        values: Tensor,
-        weights: Tensor | None = None,
-        lengths: Tensor | None = None,
-        offsets: Tensor | None = None,
-        stride: int | None = None,
-        stride_per_key_per_rank: list[list[int]] | Tensor | None = None,
-        stride_per_key: list[int] | None = None,
-        length_per_key: list[int] | None = None,
-        lengths_offset_per_key: list[int] | None = None,
-        offset_per_key: list[int] | None = None,
-        index_per_key: dict[str, int] | None = None,
-        jt_dict: dict[str, JaggedTensor] | None = None,
-        inverse_indices: tuple[list[str], Tensor] | None = None,
+        keys: List[str],
+        values: torch.Tensor,
+        weights: Optional[torch.Tensor] = None,
+        lengths: Optional[torch.Tensor] = None,
+        offsets: Optional[torch.Tensor] = None,
+        stride: Optional[int] = None,
+        stride_per_key_per_rank: Optional[Union[List[List[int]], torch.IntTensor]] = None,
+        stride_per_key: Optional[List[int]] = None,
+        length_per_key: Optional[List[int]] = None,
+        lengths_offset_per_key: Optional[List[int]] = None,
+        offset_per_key: Optional[List[int]] = None,
+        index_per_key: Optional[Dict[str, int]] = None,
+        jt_dict: Optional[Dict[str, JaggedTensor]] = None,
+        inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
     ) -> None:
         args = check_kjt_args(
             keys, values, weights, lengths, offsets, stride, stride_per_key_per_rank, inverse_indices, length_per_key
@@ -108,7 +107,7 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
         *,
         stride_per_key_per_rank: list[list[int]] | None = None,
         inverse_indices: tuple[list[str], Tensor] | None = None,
-    ) -> KeyedJaggedTensor:
+    ) -> "KeyedJaggedTensor":
         """Build from parts this library produced and already knows to be consistent."""
         kjt = cls.__new__(cls)
         kjt._init(
@@ -119,14 +118,14 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
     # --- alternative constructors ---------------------------------------------------
     @staticmethod
     def from_lengths_sync(
-        keys: Sequence[str],
-        values: Tensor,
-        lengths: Tensor,
-        weights: Tensor | None = None,
-        stride: int | None = None,
-        stride_per_key_per_rank: list[list[int]] | Tensor | None = None,
-        inverse_indices: tuple[list[str], Tensor] | None = None,
-    ) -> KeyedJaggedTensor:
+        keys: List[str],
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: Optional[torch.Tensor] = None,
+        stride: Optional[int] = None,
+        stride_per_key_per_rank: Optional[List[List[int]]] = None,
+        inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
+    ) -> "KeyedJaggedTensor":
         return KeyedJaggedTensor(
             keys,
             values,
@@ -139,14 +138,14 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
 
     @staticmethod
     def from_offsets_sync(
-        keys: Sequence[str],
-        values: Tensor,
-        offsets: Tensor,
-        weights: Tensor | None = None,
-        stride: int | None = None,
-        stride_per_key_per_rank: list[list[int]] | Tensor | None = None,
-        inverse_indices: tuple[list[str], Tensor] | None = None,
-    ) -> KeyedJaggedTensor:
+        keys: List[str],
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: Optional[torch.Tensor] = None,
+        stride: Optional[int] = None,
+        stride_per_key_per_rank: Optional[List[List[int]]] = None,
+        inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
+    ) -> "KeyedJaggedTensor":
         return KeyedJaggedTensor(
             keys,
             values,
@@ -158,23 +157,23 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
         ).sync()
 
     @staticmethod
-    def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
+    def from_jt_dict(jt_dict: Dict[str, JaggedTensor]) -> "KeyedJaggedTensor":
         """Stack per-key JaggedTensors; differing batch sizes give a variable-batch KJT."""
         return kjt_ops.from_jt_dict(jt_dict)
 
     @staticmethod
-    def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    def concat(kjt_list: List["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":
         """Keys of every KJT, in order, over one shared batch (or all variable-batch)."""
         return kjt_ops.concat(kjt_list)
 
     @staticmethod
     def empty(
         is_weighted: bool = False,
-        device: torch.device | str | None = None,
-        values_dtype: torch.dtype | None = None,
-        weights_dtype: torch.dtype | None = None,
+        device: Optional[torch.device] = None,
+        values_dtype: Optional[torch.dtype] = None,
+        weights_dtype: Optional[torch.dtype] = None,
         lengths_dtype: torch.dtype = torch.int32,
-    ) -> KeyedJaggedTensor:
+    ) -> "KeyedJaggedTensor":
         """No keys, no values (TorchRec's dtypes: int64 values, float weights, int32 lengths)."""
         values_dtype = torch.int64 if values_dtype is None else values_dtype
         weights_dtype = torch.float32 if weights_dtype is None else weights_dtype
@@ -188,12 +187,12 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
         )
 
     @staticmethod
-    def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    def empty_like(kjt: "KeyedJaggedTensor") -> "KeyedJaggedTensor":
         """No keys, on ``kjt``'s device with its dtypes and batch size (its per-key strides if VBE)."""
         return kjt_ops.empty_like(kjt)
 
     # --- accessors ----------------------------------------------------------------
-    def keys(self) -> list[str]:
+    def keys(self) -> List[str]:
         return self._keys
 
     def values(self) -> Tensor:
@@ -231,7 +230,7 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
         """Batch size: bags per key (with VBE: the batch the outputs expand to)."""
         return self._stride
 
-    def stride_per_key(self) -> list[int]:
+    def stride_per_key(self) -> List[int]:
         """Bags of each key: ``[stride] * K``, or the per-rank sums with VBE."""
         if self._stride_per_key is None:
             spkpr = self._stride_per_key_per_rank
@@ -242,7 +241,7 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
             )
         return self._stride_per_key
 
-    def stride_per_key_per_rank(self) -> list[list[int]]:
+    def stride_per_key_per_rank(self) -> List[List[int]]:
         """``[K][R]`` bags per key per rank of a VBE KJT; ``[]`` for a fixed batch."""
         spkpr = self._stride_per_key_per_rank
         return [] if spkpr is None else [list(row) for row in spkpr]
@@ -251,17 +250,17 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
         """Whether the batch varies per key (``stride_per_key_per_rank`` was given)."""
         return self._stride_per_key_per_rank is not None
 
-    def inverse_indices(self) -> tuple[list[str], Tensor]:
+    def inverse_indices(self) -> Tuple[List[str], torch.Tensor]:
         if self._inverse_indices is None:
             raise JaggedAssertionError(
                 f"KeyedJaggedTensor(keys={self._keys}) has no inverse_indices; use inverse_indices_or_none()"
             )
         return self._inverse_indices
 
-    def inverse_indices_or_none(self) -> tuple[list[str], Tensor] | None:
+    def inverse_indices_or_none(self) -> Optional[Tuple[List[str], torch.Tensor]]:
         return self._inverse_indices
 
-    def lengths_offset_per_key(self) -> list[int]:
+    def lengths_offset_per_key(self) -> List[int]:
         """Start of each key's lengths in ``lengths()``, plus the total: ``[K + 1]``."""
         out = [0]
         for n in self.stride_per_key():
@@ -271,7 +270,7 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
     def device(self) -> torch.device:
         return self._values.device
 
-    def length_per_key(self) -> list[int]:
+    def length_per_key(self) -> List[int]:
         """Number of ids of each key (one host sync, cached)."""
         if self._length_per_key is None:
             if not self._keys:
@@ -285,10 +284,10 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
                 self._length_per_key = self.lengths().view(len(self._keys), self._stride).sum(1).tolist()
         return self._length_per_key
 
-    def length_per_key_or_none(self) -> list[int] | None:
+    def length_per_key_or_none(self) -> Optional[List[int]]:
         return self._length_per_key
 
-    def offset_per_key(self) -> list[int]:
+    def offset_per_key(self) -> List[int]:
         """Start of each key's ids in ``values()``, plus the total: ``[K + 1]``."""
         if self._offset_per_key is None:
             out = [0]
@@ -297,30 +296,43 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
             self._offset_per_key = out
         return self._offset_per_key
 
-    def offset_per_key_or_none(self) -> list[int] | None:
+    def offset_per_key_or_none(self) -> Optional[List[int]]:
         return self._offset_per_key
 
-    def index_per_key(self) -> dict[str, int]:
+    def index_per_key(self) -> Dict[str, int]:
         """Position of each key (the last one where a permute repeated a key)."""
         if self._index_per_key is None:
             self._index_per_key = {k: i for i, k in enumerate(self._keys)}
         return self._index_per_key
 
-    def _key_indices(self) -> dict[str, int]:
+    def _key_indices(self) -> Dict[str, int]:
         """TorchRec's name for :meth:`index_per_key`."""
         return self.index_per_key()
 
-    def dist_labels(self) -> list[str]:
+    def dist_labels(self) -> List[str]:
         """Names of :meth:`dist_tensors` (TorchRec's): lengths, values, then strides (VBE), weights."""
         return kjt_ops.dist_labels(self)
 
-    def dist_splits(self, key_splits: list[int]) -> list[list[int]]:
+    def dist_splits(self, key_splits: List[int]) -> List[List[int]]:
         """Per destination (keys cut in ``key_splits``): bags, ids, then keys (VBE) and ids (weights)."""
         return kjt_ops.dist_splits(self, key_splits)
 
-    def dist_tensors(self) -> list[Tensor]:
+    def dist_tensors(self) -> List[torch.Tensor]:
         """The tensors :meth:`dist_labels` names (strides as an int64 tensor on the values' device)."""
         return kjt_ops.dist_tensors(self)
+
+    @staticmethod
+    def dist_init(
+        keys: List[str],
+        tensors: List[torch.Tensor],
+        variable_stride_per_key: bool,
+        num_workers: int,
+        recat: Optional[torch.Tensor],
+        stride_per_rank: Optional[List[int]],
+        stagger: int = 1,
+    ) -> "KeyedJaggedTensor":
+        """What an all-to-all of :meth:`dist_tensors` delivered, its sources' segments put key-major by ``recat``."""
+        return kjt_ops.dist_init(keys, tensors, variable_stride_per_key, num_workers, recat, stride_per_rank, stagger)
 
     def _key_index(self, key: str) -> int:
         try:
@@ -331,51 +343,51 @@ class KeyedJaggedTensor(metaclass=ProxyableConstruction):
     def __getitem__(self, key: str) -> JaggedTensor:
         return kjt_ops.getitem(self, self._key_index(key))
 
-    def to_dict(self, compute_offsets: bool = True) -> dict[str, JaggedTensor]:
+    def to_dict(self, compute_offsets: bool = True) -> Dict[str, JaggedTensor]:
         """One JaggedTensor per key."""
         return kjt_ops.to_dict(self, compute_offsets)
 
     # --- reshaping ----------------------------------------------------------------
-    def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
+    def split(self, segments: List[int]) -> List["KeyedJaggedTensor"]:
         """Consecutive groups of keys: ``segments`` are key counts summing to ``len(keys)``."""
         return kjt_ops.split(self, segments)
 
-    def permute(self, indices: Sequence[int], indices_tensor: Tensor | None = None) -> KeyedJaggedTensor:
+    def permute(self, indices: List[int], indices_tensor: Optional[torch.Tensor] = None) -> "KeyedJaggedTensor":
         """New key order: key ``j`` of the result is key ``indices[j]`` (keys may repeat or drop)."""
         return kjt_ops.permute(self, indices, indices_tensor)
 
-    def flatten_lengths(self) -> KeyedJaggedTensor:
+    def flatten_lengths(self) -> "KeyedJaggedTensor":
         """The same KJT with 1-D lengths (lengths are always stored 1-D here)."""
         return kjt_ops.flatten_lengths(self)
 
     # --- movement -----------------------------------------------------------------
     def _map(
         self, fn: Callable[[Tensor], Tensor], weights_fn: Callable[[Tensor], Tensor] | None = None
-    ) -> KeyedJaggedTensor:
+    ) -> "KeyedJaggedTensor":
         return kjt_ops.map_tensors(self, fn, weights_fn)
 
     def to(
-        self, device: torch.device | str, non_blocking: bool | None = False, dtype: torch.dtype | None = None
-    ) -> KeyedJaggedTensor:
+        self, device: torch.device, non_blocking: bool = False, dtype: Optional[torch.dtype] = None
+    ) -> "KeyedJaggedTensor":
         """A copy on ``device``; ``dtype`` (as TorchRec) converts the weights only. ``non_blocking`` defaults to
         False as TorchRec's; ``None`` (what ``RecBatch.to`` passes): asynchronous from host memory to CUDA
         (stream-ordered, so safe; pageable memory is staged in pinned memory first, see :func:`.device_copy.staged`)."""
         return self._map(mover(device, non_blocking), mover(device, non_blocking, dtype))
 
-    def pin_memory(self) -> KeyedJaggedTensor:
+    def pin_memory(self) -> "KeyedJaggedTensor":
         return self._map(lambda t: t.pin_memory())
 
-    def record_stream(self, stream: torch.Stream) -> None:
+    def record_stream(self, stream: torch.cuda.streams.Stream) -> None:
         for t in (self._values, self._weights, self._lengths, self._offsets):
             if t is not None:
                 t.record_stream(stream)  # type: ignore[arg-type]
 
-    def sync(self) -> KeyedJaggedTensor:
+    def sync(self) -> "KeyedJaggedTensor":
         """Compute and cache ``length_per_key``/``offset_per_key`` now (TorchRec API)."""
         self.offset_per_key()
         return self
 
-    def unsync(self) -> KeyedJaggedTensor:
+    def unsync(self) -> "KeyedJaggedTensor":
         """Drop the cached ``length_per_key``/``offset_per_key`` (TorchRec API)."""
         self._length_per_key = None
         self._offset_per_key = None

@@ -7,10 +7,8 @@
     values          [B, 5]  = [ user(2) | item(3) ]
 """
 
-from __future__ import annotations
-
 import numbers
-from collections.abc import Sequence
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -24,12 +22,12 @@ class KeyedTensor(metaclass=ProxyableConstruction):
 
     def __init__(
         self,
-        keys: Sequence[str],
-        length_per_key: Sequence[int],
-        values: Tensor,
+        keys: List[str],
+        length_per_key: List[int],
+        values: torch.Tensor,
         key_dim: int = 1,
-        offset_per_key: list[int] | None = None,
-        index_per_key: dict[str, int] | None = None,
+        offset_per_key: Optional[List[int]] = None,
+        index_per_key: Optional[Dict[str, int]] = None,
     ) -> None:
         if not isinstance(values, Tensor):
             raise TypeError(f"KeyedTensor: values must be a torch.Tensor, got {type(values).__name__}")
@@ -65,15 +63,15 @@ class KeyedTensor(metaclass=ProxyableConstruction):
 
     @staticmethod
     def from_tensor_list(
-        keys: Sequence[str], tensors: Sequence[Tensor], key_dim: int = 1, cat_dim: int = 1
-    ) -> KeyedTensor:
+        keys: List[str], tensors: List[torch.Tensor], key_dim: int = 1, cat_dim: int = 1
+    ) -> "KeyedTensor":
         return KeyedTensor(keys, [t.shape[key_dim] for t in tensors], torch.cat(list(tensors), cat_dim), key_dim)
 
     def _key_indices(self) -> dict[str, int]:
         """Key -> its position (TorchRec's)."""
         return {k: i for i, k in enumerate(self.keys())}
 
-    def wait(self) -> KeyedTensor:
+    def wait(self) -> "KeyedTensor":
         """TorchRec's awaitable protocol: a sharded collection's output is already computed here."""
         return self
 
@@ -117,16 +115,16 @@ class KeyedTensor(metaclass=ProxyableConstruction):
         parts = torch.split(self._values, self._length_per_key, dim=self._key_dim)
         return dict(zip(self._keys, parts, strict=True))
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
+    def to(self, device: torch.device, non_blocking: bool = False) -> "KeyedTensor":
         return KeyedTensor(
             self._keys, self._length_per_key, self._values.to(device, non_blocking=non_blocking), self._key_dim
         )
 
-    def record_stream(self, stream: torch.Stream) -> None:
+    def record_stream(self, stream: torch.cuda.streams.Stream) -> None:
         self._values.record_stream(stream)  # type: ignore[arg-type]
 
     @staticmethod
-    def regroup(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[Tensor]:
+    def regroup(keyed_tensors: List["KeyedTensor"], groups: List[List[str]]) -> List[torch.Tensor]:
         """One tensor per group: the named keys' columns, from whichever KeyedTensor holds them."""
         if (tracer := _tracer_of((keyed_tensors, groups), {})) is not None:  # fx: one node, as TorchRec's
             return tracer.create_proxy("call_function", KeyedTensor.regroup, (keyed_tensors, groups), {})
@@ -142,8 +140,8 @@ class KeyedTensor(metaclass=ProxyableConstruction):
 
     @staticmethod
     def regroup_as_dict(
-        keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]], keys: Sequence[str]
-    ) -> dict[str, Tensor]:
+        keyed_tensors: List["KeyedTensor"], groups: List[List[str]], keys: List[str]
+    ) -> Dict[str, torch.Tensor]:
         if (tracer := _tracer_of((keyed_tensors, groups, keys), {})) is not None:
             return tracer.create_proxy("call_function", KeyedTensor.regroup_as_dict, (keyed_tensors, groups, keys), {})
         if len(groups) != len(keys):

@@ -332,3 +332,60 @@ def flatten_lengths(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         kjt.length_per_key(),
         stride_per_key_per_rank=kjt._stride_per_key_per_rank,
     )
+
+
+def dist_init(
+    keys: list[str],
+    tensors: list[Tensor],
+    variable_stride_per_key: bool,
+    num_workers: int,
+    recat: Tensor | None,
+    stride_per_rank: list[int] | None,
+    stagger: int = 1,
+) -> KeyedJaggedTensor:
+    """The KJT an all-to-all of ``dist_tensors`` delivered (TorchRec's ``KeyedJaggedTensor.dist_init``).
+
+    ``tensors`` hold ``num_workers`` sources one after another, each with every key of ``keys``
+    (``[R * K]`` segments); ``recat`` (``[R * K]``, or one entry per bag when sources' batches
+    differ) lists them in the order they take in the result, key-major, so key ``k``'s bags are
+    every source's bags of it. Fixed batch: ``stride_per_rank`` are the sources' batch sizes.
+    """
+    from lightning_shardrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+
+    labels = 3 if variable_stride_per_key else 2  # lengths, values[, strides], then weights
+    if len(tensors) not in (labels, labels + 1):
+        raise ValueError(f"dist_init: got {len(tensors)} tensors; expected {labels} or {labels + 1} (with weights)")
+    lengths, values = tensors[0], tensors[1]
+    weights = tensors[labels] if len(tensors) == labels + 1 else None
+    if variable_stride_per_key:
+        strides = tensors[2].long()  # bags of each (source, key) segment, source-major
+        if strides.numel() != num_workers * len(keys):
+            raise ValueError(f"dist_init: {strides.numel()} strides for {num_workers} workers x {len(keys)} keys")
+        if recat is not None:
+            ids = ops.complete_cumsum(lengths.long(), use_fbgemm=False)
+            bounds = ops.complete_cumsum(strides, use_fbgemm=False)
+            ids_per_segment = ids[bounds[1:]] - ids[bounds[:-1]]
+            lengths = _take_segments(lengths, strides, recat)
+            values = _take_segments(values, ids_per_segment, recat)
+            weights = None if weights is None else _take_segments(weights, ids_per_segment, recat)
+        spkpr = strides.view(num_workers, len(keys)).T.cpu()  # [K, R]
+        if stagger > 1:
+            spkpr = spkpr[:, torch.arange(num_workers).view(stagger, -1).T.reshape(-1)]
+        return KeyedJaggedTensor(keys, values, weights, lengths, stride_per_key_per_rank=spkpr.tolist()).sync()
+    if stride_per_rank is None:
+        raise ValueError("dist_init: a fixed batch needs stride_per_rank (each source's batch size)")
+    if recat is not None:
+        stride = stride_per_rank[0]
+        bags_per_row = stride if all(s == stride for s in stride_per_rank) else 1  # else recat is per bag
+        if bags_per_row > 0:
+            rows = lengths.view(-1, bags_per_row)
+            rows, values, weights = ops.permute_2d(recat.long(), rows, values, weights)
+            lengths = rows.reshape(-1)
+    return KeyedJaggedTensor(keys, values, weights, lengths, stride=sum(stride_per_rank)).sync()
+
+
+def _take_segments(t: Tensor, sizes: Tensor, order: Tensor) -> Tensor:
+    """The segments of ``t`` (``sizes[i]`` entries each, in order) concatenated as ``order`` lists them."""
+    starts = ops.complete_cumsum(sizes, use_fbgemm=False)[:-1]
+    order = order.long()
+    return t.index_select(0, ops.gather_index(starts.index_select(0, order), sizes.index_select(0, order)))

@@ -80,7 +80,7 @@ def _kjt_unflatten(leaves: Iterable[Any], context: Any) -> KeyedJaggedTensor:
         weights,
         lengths,
         offsets,
-        stride_per_key_per_rank=spkpr,
+        stride_per_key_per_rank=spkpr,  # type: ignore[arg-type]  # a [K, R] tensor, as TorchRec's
         inverse_indices=None if inverse is None else (list(context), inverse),
     )
 

@@ -48,3 +48,21 @@ def test_a_state_key_that_is_no_parameter_is_refused() -> None:
     p = torch.nn.Parameter(torch.ones(2))
     with pytest.raises(ValueError, match=r"KeyedOptimizer: All state keys must be params. Not among params: \['x'\]"):
         KeyedOptimizer({"p": p}, {p: {}, "x": 1.0}, [{"params": [p]}])
+
+
+def test_keyed_optimizers_take_no_new_groups_and_combined_steps_as_torchrec() -> None:
+    for opt in (_sgd(), CombinedOptimizer([("a", _sgd())])):
+        with pytest.raises(NotImplementedError, match=f"{type(opt).__name__}.add_param_group: add the group"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
+    inner = _sgd()
+    combined = CombinedOptimizer([("a", inner)])
+    calls = []
+
+    def closure() -> torch.Tensor:
+        calls.append(1)
+        inner.params["w"].grad = torch.ones(2, 3)
+        return torch.tensor(3.0)
+
+    assert combined.step(closure) is None and calls == [1]  # TorchRec's step returns None; the closure runs once
+    assert torch.equal(inner.params["w"].detach(), torch.full((2, 3), 0.5))
+    assert [CombinedOptimizer.prepend_opt_key(n, k) for n, k in [("w", "a"), ("w", ""), ("", "a")]] == ["a.w", "w", "a"]

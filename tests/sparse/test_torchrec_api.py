@@ -192,3 +192,56 @@ def test_kt_key_indices_and_to_defaults() -> None:
     assert kt.wait() is kt  # a sharded collection's output: already computed
     for cls in (KeyedJaggedTensor, JaggedTensor, KeyedTensor):
         assert inspect.signature(cls.to).parameters["non_blocking"].default is False
+
+
+def _sources(batches: list[int], weighted: bool, vbe: bool) -> list[KeyedJaggedTensor]:
+    """One KJT over keys ``a``, ``b`` per source rank, batch ``batches[r]`` (per key when ``vbe``)."""
+    gen = torch.Generator().manual_seed(sum(batches))
+    out = []
+    for r, b in enumerate(batches):
+        strides = [b, b + 1] if vbe else [b, b]
+        lengths = torch.randint(0, 3, (sum(strides),), generator=gen)
+        n = int(lengths.sum())
+        kw = {"stride_per_key_per_rank": [[s] for s in strides]} if vbe else {}
+        out.append(
+            KeyedJaggedTensor(
+                ["a", "b"], torch.arange(n) + 100 * r, torch.rand(n, generator=gen) if weighted else None, lengths, **kw
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("vbe", [False, True])
+@pytest.mark.parametrize("batches", [[2, 2, 2], [1, 3, 2]])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_kjt_dist_init_rebuilds_what_an_all_to_all_delivered(batches: list[int], weighted: bool, vbe: bool) -> None:
+    sources = _sources(batches, weighted, vbe)
+    received = [torch.cat(parts) for parts in zip(*(s.dist_tensors() for s in sources), strict=True)]
+    keys, n_ranks = ["a", "b"], len(sources)
+    if vbe or len(set(batches)) == 1:  # one segment per (source, key), put key-major
+        recat = T([r * len(keys) + k for k in range(len(keys)) for r in range(n_ranks)])
+    else:  # sources' batches differ: one entry per bag
+        first = [sum(2 * b for b in batches[:r]) for r in range(n_ranks)]
+        recat = T([first[r] + k * batches[r] + i for k in range(2) for r in range(n_ranks) for i in range(batches[r])])
+    got = KeyedJaggedTensor.dist_init(keys, received, vbe, n_ranks, recat, None if vbe else batches)
+    assert got.keys() == keys and got.variable_stride_per_key() == vbe
+    for key in keys:
+        want = [bag for s in sources for bag in s[key].to_dense()]
+        assert [t.tolist() for t in got[key].to_dense()] == [t.tolist() for t in want]
+        if weighted:
+            want_w = [w for s in sources for w in s[key].to_dense_weights()]
+            assert torch.equal(torch.cat(got[key].to_dense_weights()), torch.cat(want_w))
+    if vbe:
+        assert got.stride_per_key_per_rank() == [[s.stride_per_key()[k] for s in sources] for k in range(2)]
+    else:
+        assert got.stride() == sum(batches)
+    with pytest.raises(ValueError, match="dist_init: got 1 tensors; expected"):
+        KeyedJaggedTensor.dist_init(keys, received[:1], vbe, n_ranks, recat, batches)
+
+
+def test_kjt_dist_init_without_recat_keeps_the_order() -> None:
+    kjt = KeyedJaggedTensor(["a", "b"], torch.arange(4), lengths=T([1, 0, 2, 1]))
+    got = KeyedJaggedTensor.dist_init(["a", "b"], kjt.dist_tensors(), False, 1, None, [2])
+    assert got.lengths().tolist() == [1, 0, 2, 1] and got.stride() == 2 and got.length_per_key() == [1, 3]
+    with pytest.raises(ValueError, match="a fixed batch needs stride_per_rank"):
+        KeyedJaggedTensor.dist_init(["a", "b"], kjt.dist_tensors(), False, 1, None, None)

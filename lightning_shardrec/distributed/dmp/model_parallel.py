@@ -8,10 +8,8 @@ Plain PyTorch (no Lightning)::
     loss = model(batch).mean(); loss.backward(); dense_opt.step()   # tables already stepped in backward
 """
 
-from __future__ import annotations
-
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,7 +55,6 @@ from lightning_shardrec.optim import FusedOptimizer
 from lightning_shardrec.planner import (
     EmbeddingShardingPlanner,
     ParameterConstraints,
-    ParameterSharding,
     ShardingPlan,
     ShardMetadata,
     Topology,
@@ -131,10 +128,10 @@ class DistributedModelParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        env: ShardingEnv | None = None,
-        device: torch.device | str | None = None,
-        plan: ShardingPlan | dict[str, ParameterSharding] | None = None,
-        sharders: Sequence[ModuleSharder[Any]] | None = None,
+        env: Optional[ShardingEnv] = None,
+        device: Optional[torch.device] = None,
+        plan: Optional[ShardingPlan] = None,
+        sharders: Optional[List[ModuleSharder[torch.nn.Module]]] = None,
         init_data_parallel: bool = True,
         init_parameters: bool = True,
         data_parallel_wrapper: DataParallelWrapper | None = None,
@@ -238,7 +235,7 @@ class DistributedModelParallel(nn.Module):
         m = self._dmp_wrapped_module
         return m.module if isinstance(m, DistributedDataParallel) else m
 
-    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def forward(self, *args, **kwargs) -> Any:  # type: ignore[no-untyped-def]
         out = self._dmp_wrapped_module(*args, **kwargs)
         return WaitableDict(out) if type(out) is dict else out  # a sharded EmbeddingCollection's output
 
