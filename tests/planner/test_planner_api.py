@@ -40,11 +40,13 @@ def test_defaults_without_a_process_group() -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["enumerator", "storage_reservation", "proposer", "partitioner", "performance_model", "stats", "plan_loader"],
+    ["enumerator", "proposer", "partitioner", "performance_model", "stats", "plan_loader"],
 )
 def test_unimplemented_parts_are_refused_by_name(name: str) -> None:
     with pytest.raises(UnsupportedFeatureError, match=rf"EmbeddingShardingPlanner: {name}=object is not supported"):
         EmbeddingShardingPlanner(Topology(2), **{name: object()})
+    with pytest.raises(TypeError, match="storage_reservation must be a StorageReservation .* got object"):
+        EmbeddingShardingPlanner(Topology(2), storage_reservation=object())
 
 
 def test_callbacks_refused_timeout_accepted() -> None:

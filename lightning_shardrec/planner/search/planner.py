@@ -22,6 +22,7 @@ from lightning_shardrec.planner.costs.perf import Workload, host_charges, phase_
 from lightning_shardrec.planner.costs.storage import resident_bytes, shard_storage
 from lightning_shardrec.planner.machine.memory import DEFAULT_RESERVE, RESERVED_FOR, MemoryBudget, check_reserve
 from lightning_shardrec.planner.machine.rates import step_estimate
+from lightning_shardrec.planner.machine.reservations import check_reservation, reserved_fraction
 from lightning_shardrec.planner.machine.topology import ComputeDevice, Topology
 from lightning_shardrec.planner.plans.sharding_plan import FixedPlan, GiB, PlanStats, ShardingPlan
 from lightning_shardrec.planner.plans.table_params import with_constraint_fields
@@ -87,13 +88,15 @@ class EmbeddingShardingPlanner:
     TorchRec's constructor order. ``topology`` defaults to the live process group
     (:meth:`Topology.from_process_group`), or one rank without one; ``batch_size`` to 512.
     This planner enumerates, partitions and rates plans itself: ``enumerator``,
-    ``storage_reservation``, ``proposer``, ``partitioner``, ``performance_model`` and
-    ``stats`` (and TorchRec's later ``callbacks``, ``plan_loader``) raise
-    :class:`UnsupportedFeatureError` unless None (steer it with ``constraints`` or pin
-    tables with ``plan(module, fixed=...)``). ``debug`` logs each plan at INFO on this
-    module's logger; ``timeout_seconds`` is accepted and unused (this planner runs one
-    greedy pass, not a timed search). ``optimizer`` and ``reserve`` (ours, keyword-only)
-    size the optimizer state the memory model charges and the memory it keeps free.
+    ``proposer``, ``partitioner``, ``performance_model`` and ``stats`` (and TorchRec's later
+    ``callbacks``, ``plan_loader``) raise :class:`UnsupportedFeatureError` unless None (steer it
+    with ``constraints`` or pin tables with ``plan(module, fixed=...)``). ``storage_reservation``
+    (TorchRec's :class:`~lightning_shardrec.planner.machine.reservations.StorageReservation`) takes
+    the place of ``reserve``: each plan fills the topology its ``reserve(...)`` leaves.
+    ``debug`` logs each plan at INFO on this module's logger; ``timeout_seconds`` is accepted
+    and unused (this planner runs one greedy pass, not a timed search). ``optimizer`` and
+    ``reserve`` (ours, keyword-only) size the optimizer state the memory model charges and the
+    memory it keeps free.
 
     ``reserve`` (default 0.15) is the fraction of each rank's memory kept free for what the
     planner cannot see (dense model, activations, communication buffers, CUDA context,
@@ -118,11 +121,10 @@ class EmbeddingShardingPlanner:
         plan_loader: object | None = None,
         *,
         optimizer: EmbOptimType | str = EmbOptimType.ADAGRAD,
-        reserve: float = DEFAULT_RESERVE,
+        reserve: float | None = None,
     ) -> None:
         given = {
             "enumerator": enumerator,
-            "storage_reservation": storage_reservation,
             "proposer": proposer,
             "partitioner": partitioner,
             "performance_model": performance_model,
@@ -132,12 +134,11 @@ class EmbeddingShardingPlanner:
         }
         for name, value in given.items():
             if value is not None:
-                reserve_hint = "; keep memory free with reserve=<fraction>" if name == "storage_reservation" else ""
                 raise UnsupportedFeatureError(
                     f"EmbeddingShardingPlanner: {name}={type(value).__name__} is not supported (this planner "
                     "enumerates, partitions and rates plans itself); leave it None and steer the plan with "
-                    "constraints={table: ParameterConstraints(...)} or pin tables with plan(module, fixed=...)"
-                    f"{reserve_hint}. See docs/migrating.md"
+                    "constraints={table: ParameterConstraints(...)} or pin tables with plan(module, fixed=...). "
+                    "See docs/migrating.md"
                 )
         if timeout_seconds is not None and (not isinstance(timeout_seconds, int) or timeout_seconds <= 0):
             raise ValueError(
@@ -157,6 +158,8 @@ class EmbeddingShardingPlanner:
         self.topology = topology
         self.batch_size = batch_size
         self.constraints = dict(constraints or {})
+        self.storage_reservation = check_reservation(storage_reservation, reserve, "EmbeddingShardingPlanner")
+        reserve = DEFAULT_RESERVE if reserve is None else reserve
         self.reserve = check_reserve(reserve, "EmbeddingShardingPlanner: reserve")
         self.budget = MemoryBudget(topology.memory_cap, self.reserve)
         self.debug = bool(debug)
@@ -199,6 +202,9 @@ class EmbeddingShardingPlanner:
 
     def _plan(self, module: TablesInput, fixed: FixedPlan | None) -> ShardingPlan:
         topo = self.topology
+        if self.storage_reservation is not None:  # what it leaves depends on the module
+            self.reserve = reserved_fraction(self.storage_reservation, topo, self.batch_size, module, self.constraints)
+            self.budget = MemoryBudget(topo.memory_cap, self.reserve)
         constraints = in_backward_constraints(module, self.constraints)
         specs = table_specs(find_tables(module), constraints, topo.world_size)
         given = self._fixed(fixed, specs)
@@ -397,6 +403,8 @@ class EmbeddingShardingPlanner:
         )
 
     def _budget_text(self) -> str:
+        if self.storage_reservation is not None:
+            return f"{self.budget.describe()}; the reserve is {type(self.storage_reservation).__name__}'s"
         return (
             f"{self.budget.describe()}; the reserve is kept for {RESERVED_FOR} "
             "(lower it with reserve=, or --reserve in plan on paper)"

@@ -12,6 +12,7 @@ from lightning_shardrec.compat.torchrec.distributed.planner.torchrec_types impor
 )
 from lightning_shardrec.errors import PlannerError, missing_names
 from lightning_shardrec.planner import ParameterConstraints, Topology
+from lightning_shardrec.planner.machine.reservations import StorageReservation
 
 _STAGES = "the planner's stages are built in; steer it with ParameterConstraints (see docs/migrating.md, 'Planner')"
 __getattr__ = missing_names(
@@ -24,7 +25,6 @@ __getattr__ = missing_names(
             "Proposer",
             "PerfModel",
             "ShardEstimator",
-            "StorageReservation",
             "Stats",
             "ShardingOption",
             "Perf",
@@ -40,6 +40,7 @@ __all__ = [
     "PlannerError",
     "Shard",
     "Storage",
+    "StorageReservation",
     "Topology",
     "TrainerConfig",
     "hash_planner_context_inputs",
