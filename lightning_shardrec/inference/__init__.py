@@ -1,7 +1,9 @@
 """Quantized inference: row-wise int8/int4/fp16 tables on fbgemm's integer TBE (torch fallback).
 
 * :func:`quantize` swaps each ``EmbeddingBagCollection`` for a
-  :class:`QuantEmbeddingBagCollection` (same ``forward(kjt) -> KeyedTensor``).
+  :class:`QuantEmbeddingBagCollection` (same ``forward(kjt) -> KeyedTensor``);
+  :class:`QuantEmbeddingCollection` is the sequence counterpart (``from_float``, and TorchRec's
+  ``quantize_inference_model``).
 * :mod:`lightning_shardrec.inference.export` writes/reads a serving artifact
   (``export``/``load`` here as :func:`export_model`/:func:`load`; CLI
   ``python -m lightning_shardrec.inference.export``).
@@ -17,6 +19,7 @@ from lightning_shardrec.inference.export import load
 from lightning_shardrec.inference.lookup import QuantBackend
 from lightning_shardrec.inference.program import export_program
 from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection
+from lightning_shardrec.inference.quant_embedding_collection import QuantEmbeddingCollection
 from lightning_shardrec.inference.quant_plain import QuantEmbedding, QuantEmbeddingBag
 from lightning_shardrec.inference.quantize import quantize, quantize_dense
 from lightning_shardrec.inference.rowwise import (
@@ -47,6 +50,7 @@ __all__ = [
     "QuantEmbedding",
     "QuantEmbeddingBag",
     "QuantEmbeddingBagCollection",
+    "QuantEmbeddingCollection",
     "QuantizedPredictor",
     "QuantizedRows",
     "ServingEmbeddingBags",

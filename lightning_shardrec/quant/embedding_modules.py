@@ -1,11 +1,12 @@
-"""TorchRec's quantized collection at its path (``torchrec.quant.embedding_modules``).
+"""TorchRec's quantized collections at their path (``torchrec.quant.embedding_modules``).
 
 ``EmbeddingBagCollection.from_float(module)`` reads the ``qconfig`` that
 ``torch.quantization.quantize_dynamic(module, qconfig_spec={EmbeddingBagCollection: QuantConfig(...)},
 mapping={EmbeddingBagCollection: <this class>})`` set on the float collection, and returns a
 :class:`~lightning_shardrec.inference.QuantEmbeddingBagCollection` of the storage type it names
-(:mod:`lightning_shardrec.inference.torchrec_quant`). Built directly, the class takes this library's
-arguments (``tables, dtype, is_weighted, device``), not TorchRec's.
+(:mod:`lightning_shardrec.quant.torchrec_quant`); ``EmbeddingCollection.from_float`` does the same for
+a sequence collection (:class:`~lightning_shardrec.inference.QuantEmbeddingCollection`). Built directly,
+the classes take this library's arguments (``tables, dtype, ...``), not TorchRec's.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from torch import nn
 
 from lightning_shardrec.errors import missing_names
 from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection
-from lightning_shardrec.inference.torchrec_quant import storage_of
+from lightning_shardrec.inference.quant_embedding_collection import QuantEmbeddingCollection
 from lightning_shardrec.modules import EmbeddingBagCollection as FloatEmbeddingBagCollection
+from lightning_shardrec.modules import EmbeddingCollection as FloatEmbeddingCollection
+from lightning_shardrec.quant.torchrec_quant import storage_of
 
 #: the attribute ``quant_prep_enable_register_tbes`` sets (TorchRec's name)
 MODULE_ATTR_REGISTER_TBES_BOOL = "__register_tbes_in_named_modules"
@@ -43,6 +46,26 @@ class EmbeddingBagCollection(QuantEmbeddingBagCollection):
         return super().from_float(module, dtype)  # type: ignore[return-value]
 
 
+class EmbeddingCollection(QuantEmbeddingCollection):
+    """The quantized ``EmbeddingCollection`` under TorchRec's name, for ``quantize_dynamic``'s mapping."""
+
+    @classmethod
+    def from_float(  # type: ignore[override]
+        cls, module: FloatEmbeddingCollection, use_precomputed_fake_quant: bool = False
+    ) -> EmbeddingCollection:
+        """``module`` quantized as its ``qconfig`` says (set by ``quantize_dynamic``)."""
+        where = "quant.embedding_modules.EmbeddingCollection.from_float"
+        qconfig = getattr(module, "qconfig", None)
+        if qconfig is None:
+            raise ValueError(
+                f"{where}: the float EmbeddingCollection has no qconfig; quantize it with "
+                "torch.quantization.quantize_dynamic(..., qconfig_spec={EmbeddingCollection: QuantConfig(...)}) "
+                "or lightning_shardrec.inference.modules.quantize_inference_model"
+            )
+        dtype = storage_of(qconfig, [t.name for t in module.embedding_configs()], where)
+        return super().from_float(module, dtype)  # type: ignore[return-value]
+
+
 def quant_prep_enable_register_tbes(module: nn.Module, module_types: Sequence[type[nn.Module]]) -> None:
     """Mark the collections of ``module_types`` as TorchRec does before quantizing. TorchRec then registers
     its fbgemm lookup modules as submodules; the lookups here hold no submodules, so the mark changes
@@ -55,7 +78,6 @@ def quant_prep_enable_register_tbes(module: nn.Module, module_types: Sequence[ty
 __getattr__ = missing_names(
     __name__,
     {
-        "EmbeddingCollection": "sequence (EmbeddingCollection) tables are not quantized here; quantize pooled ones",
         "FeatureProcessedEmbeddingBagCollection": "feature processors are not supported",
         "QuantManagedCollisionEmbeddingCollection": "managed-collision modules are not supported",
         "quant_prep_enable_quant_state_dict_split_scale_bias": "the state dict always splits scale and bias here",
@@ -66,4 +88,9 @@ __getattr__ = missing_names(
     },
 )
 
-__all__ = ["MODULE_ATTR_REGISTER_TBES_BOOL", "EmbeddingBagCollection", "quant_prep_enable_register_tbes"]
+__all__ = [
+    "MODULE_ATTR_REGISTER_TBES_BOOL",
+    "EmbeddingBagCollection",
+    "EmbeddingCollection",
+    "quant_prep_enable_register_tbes",
+]

@@ -71,6 +71,11 @@ def model(kind: str) -> torch.nn.Module:
             for i, k in enumerate(KEYS)
         ]
         return Sequence(EmbeddingCollection(tables=configs))
+    if kind == "quant-ec":
+        from lightning_shardrec.inference import QuantEmbeddingCollection
+
+        seq = model("ec").coll
+        return Sequence(QuantEmbeddingCollection.from_float(seq, "int8"))  # type: ignore[arg-type]
     if kind.startswith("quant"):
         from lightning_shardrec.inference import quantize
 
@@ -98,7 +103,7 @@ def flat(out) -> list[torch.Tensor]:
     return list(out) if isinstance(out, list | tuple) else [out]
 
 
-@pytest.mark.parametrize("kind", ["ebc", "ec", "quant-torch", "quant-auto", "dlrm"])
+@pytest.mark.parametrize("kind", ["ebc", "ec", "quant-torch", "quant-auto", "quant-ec", "dlrm"])
 def test_export_with_a_kjt_input_equals_eager_and_loads_in_a_fresh_process(kind, tmp_path: Path):
     if kind == "quant-auto":
         pytest.importorskip("fbgemm_gpu")

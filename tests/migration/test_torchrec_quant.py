@@ -107,3 +107,55 @@ def test_from_float_needs_the_qconfig_and_register_tbes_only_marks():
     import lightning_shardrec.inference as trec_infer
 
     assert trec_infer.modules.quantize_embeddings is quantize_embeddings  # TorchRec's attribute path
+
+
+class Both(torch.nn.Module):
+    """A pooled and a sequence collection, as TorchRec's inference models hold them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning_shardrec import EmbeddingCollection, EmbeddingConfig
+
+        torch.manual_seed(0)
+        self.ebc = Model().ebc
+        self.ec = EmbeddingCollection(
+            tables=[EmbeddingConfig(name="s", embedding_dim=8, num_embeddings=20, feature_names=["fs"])]
+        )
+
+    def forward(self, kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
+        return [self.ebc(kjt).values(), self.ec(kjt)["fs"].values()]
+
+
+def test_quantize_inference_model_swaps_both_collections_as_torchrec():
+    from lightning_shardrec.inference import QuantEmbeddingCollection
+    from lightning_shardrec.inference.modules import DEFAULT_QUANT_MAPPING, quantize_inference_model
+    from lightning_shardrec.quant.embedding_modules import EmbeddingCollection as QuantEC
+
+    kjt = KeyedJaggedTensor(["fa", "fb", "fs"], torch.tensor([1, 2, 3, 4, 5]), lengths=torch.tensor([2, 0, 1, 0, 2, 0]))
+    model = Both()
+    want = model(kjt)
+    q = quantize_inference_model(model, per_table_weight_dtype={"s": torch.float16})
+    assert q is model and type(q.ebc) is QuantEBC and type(q.ec) is QuantEC
+    assert isinstance(q.ec, QuantEmbeddingCollection) and q.ec.dtype is QuantDType.FP16
+    assert q.ebc._dtype is QuantDType.INT8
+    for got, w in zip(q(kjt), want, strict=True):
+        torch.testing.assert_close(got, w, atol=0.02, rtol=0.02)
+    assert set(DEFAULT_QUANT_MAPPING.values()) == {QuantEBC, QuantEC}
+    # a mapping names types by torch.typename, TorchRec's module path included
+    only_ec = Both()
+    quantize_inference_model(only_ec, {"lightning_shardrec.modules.embedding_modules.EmbeddingCollection": QuantEC})
+    assert type(only_ec.ec) is QuantEC and type(only_ec.ebc) is QuantEBC  # quantize_embeddings always maps the EBC
+    with pytest.raises(ValueError, match=r"quantization_mapping names 'my.Missing', which is no class"):
+        quantize_inference_model(Both(), {"my.Missing": QuantEC})
+
+
+def test_quantize_dynamic_onto_the_sequence_collection():
+    from lightning_shardrec import EmbeddingCollection
+    from lightning_shardrec.quant.embedding_modules import EmbeddingCollection as QuantEC
+
+    model = Both()
+    q = quantize_dynamic(model, qconfig_spec={EmbeddingCollection: _qconfig(torch.quint4x2)},
+                         mapping={EmbeddingCollection: QuantEC}, inplace=False)  # fmt: skip
+    assert type(q.ec) is QuantEC and q.ec.dtype is QuantDType.INT4 and type(q.ebc) is EmbeddingBagCollection
+    with pytest.raises(ValueError, match="the float EmbeddingCollection has no qconfig"):
+        QuantEC.from_float(model.ec)
