@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
+import torch
 
 from lightning_shardrec import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_shardrec.configs import DataType
@@ -118,6 +119,16 @@ def test_hash_planner_context_inputs_is_a_fingerprint_of_the_inputs():
     assert h != hash_planner_context_inputs(topo, 128, constraints={})
     with pytest.raises(UnsupportedFeatureError, match=r"hash_planner_context_inputs\(enumerator=object\)"):
         hash_planner_context_inputs(topo, 128, enumerator=object())
+    from lightning_shardrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
+
+    reservation = HeuristicalStorageReservation(percentage=0.15)
+    with pytest.raises(ValueError, match="HeuristicalStorageReservation has reserved nothing yet"):
+        hash_planner_context_inputs(topo, 128, storage_reservation=reservation, constraints=c)
+    reservation.reserve(topo, 128, torch.nn.Linear(4, 4), [], c)
+    with_reservation = hash_planner_context_inputs(topo, 128, storage_reservation=reservation, constraints=c)
+    assert with_reservation != h
+    reservation.reserve(topo, 128, torch.nn.Linear(40, 40), [], c)  # a bigger dense part leaves less
+    assert hash_planner_context_inputs(topo, 128, storage_reservation=reservation, constraints=c) != with_reservation
 
 
 def test_validate_compute_kernels_lists_every_violation():

@@ -203,16 +203,24 @@ def hash_planner_context_inputs(
     constraints: Mapping[str, ParameterConstraints] | None = None,
     hash_function: Callable[[list[Any]], int] = hash_sha256_to_int,
 ) -> int:
-    """A fingerprint of what a plan depends on: the topology, the batch size and the constraints (in table
-    order). The planner here has no pluggable enumerator or storage reservation: those must be None."""
-    for name, value in (("enumerator", enumerator), ("storage_reservation", storage_reservation)):
-        if value is not None:
-            raise UnsupportedFeatureError(
-                f"hash_planner_context_inputs({name}={type(value).__name__}): the planner's stages are built in "
-                f"here; pass {name}=None"
+    """A fingerprint of what a plan depends on: the topology, the batch size, the topology a storage reservation
+    left (as TorchRec's: after its ``reserve``) and the constraints (in table order). The planner's enumerator is
+    built in here: ``enumerator`` must be None."""
+    if enumerator is not None:
+        raise UnsupportedFeatureError(
+            f"hash_planner_context_inputs(enumerator={type(enumerator).__name__}): the planner's enumerator is "
+            "built in here; pass enumerator=None"
+        )
+    reserved = None
+    if storage_reservation is not None:
+        reserved = getattr(storage_reservation, "last_reserved_topology", None)
+        if reserved is None:
+            raise ValueError(
+                f"hash_planner_context_inputs: {type(storage_reservation).__name__} has reserved nothing yet; "
+                "call its reserve(...) (or plan with it) before hashing"
             )
     items = sorted((constraints or {}).items())
-    return hash_function([repr(topology), batch_size, [(name, repr(c)) for name, c in items]])
+    return hash_function([repr(topology), batch_size, repr(reserved), [(name, repr(c)) for name, c in items]])
 
 
 __all__ = [
