@@ -12,6 +12,7 @@ from lightning_shardrec.planner import EmbeddingShardingPlanner, ParameterConstr
 from lightning_shardrec.planner.machine.reservations import (
     FixedPercentageStorageReservation,
     HeuristicalStorageReservation,
+    StorageReservation,
 )
 
 MiB = 1 << 20
@@ -88,6 +89,21 @@ def test_bad_reservations_are_refused() -> None:
         HeuristicalStorageReservation(1.5)
     with pytest.raises(PlannerError, match="nothing is left for the tables: 1.00 MiB per rank - 90% - dense part"):
         HeuristicalStorageReservation(0.9).reserve(CUDA, 64, _model(), [])
+    with pytest.raises(ValueError, match="parameter_multiplier must be a number >= 0, got -1"):
+        HeuristicalStorageReservation(0.1, parameter_multiplier=-1)
+    with pytest.raises(ValueError, match="dense_tensor_estimate must be None or an int >= 0 .bytes., got 1.5"):
+        HeuristicalStorageReservation(0.1, dense_tensor_estimate=1.5)  # type: ignore[arg-type]
+
+
+class _Generous(StorageReservation):
+    def reserve(self, topology, batch_size, module, sharders, constraints=None):  # type: ignore[no-untyped-def]
+        return Topology(world_size=topology.world_size, compute_device="cuda", hbm_cap=2 * topology.memory_cap)
+
+
+def test_a_reservation_of_your_own_must_leave_at_most_the_capacity() -> None:
+    planner = EmbeddingShardingPlanner(CUDA, 64, storage_reservation=_Generous())
+    with pytest.raises(ValueError, match=r"_Generous.reserve must return a Topology of the same 2 ranks with 1 to"):
+        planner.plan(_model())
 
 
 def test_torchrecs_path() -> None:

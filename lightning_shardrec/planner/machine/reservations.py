@@ -5,7 +5,7 @@ planning, ``reserve(topology, batch_size, module, sharders, constraints)`` retur
 left to the tables, and the planner fills that. TorchRec's two training reservations:
 
 * :class:`FixedPercentageStorageReservation` ``(percentage)``: ``percentage`` of each rank's
-  memory (what ``reserve=percentage`` keeps);
+  HBM (on ``cuda``, what ``reserve=percentage`` keeps);
 * :class:`HeuristicalStorageReservation` ``(percentage, parameter_multiplier=6.0,
   dense_tensor_estimate=None)``: that percentage, then the dense part (its parameters times
   ``parameter_multiplier`` for gradients and optimizer state, plus its buffers, or
@@ -52,7 +52,7 @@ class StorageReservation(abc.ABC):
 
 
 class FixedPercentageStorageReservation(StorageReservation):
-    """``percentage`` (in ``[0, 1]``) of every rank's memory kept from the tables."""
+    """``percentage`` (in ``[0, 1]``) of every rank's HBM kept from the tables (DDR: none, as TorchRec's)."""
 
     def __init__(self, percentage: float) -> None:
         self._percentage = _check_percentage(percentage, type(self).__name__)
@@ -75,12 +75,20 @@ class FixedPercentageStorageReservation(StorageReservation):
 
 
 class HeuristicalStorageReservation(StorageReservation):
-    """``percentage`` of every rank's memory, then the dense part and the inputs (module docstring)."""
+    """``percentage`` of every rank's HBM, then the dense part and the inputs (module docstring)."""
 
     def __init__(
         self, percentage: float, parameter_multiplier: float = 6.0, dense_tensor_estimate: int | None = None
     ) -> None:
-        self._percentage = _check_percentage(percentage, type(self).__name__)
+        owner = type(self).__name__
+        self._percentage = _check_percentage(percentage, owner)
+        if isinstance(parameter_multiplier, bool) or not isinstance(parameter_multiplier, (int, float)):
+            raise ValueError(f"{owner}: parameter_multiplier must be a number >= 0, got {parameter_multiplier!r}")
+        if parameter_multiplier < 0:
+            raise ValueError(f"{owner}: parameter_multiplier must be a number >= 0, got {parameter_multiplier!r}")
+        estimate = dense_tensor_estimate
+        if estimate is not None and (isinstance(estimate, bool) or not isinstance(estimate, int) or estimate < 0):
+            raise ValueError(f"{owner}: dense_tensor_estimate must be None or an int >= 0 (bytes), got {estimate!r}")
         self._parameter_multiplier = parameter_multiplier
         self._dense_tensor_estimate = dense_tensor_estimate
         self._last_reserved_topology: Topology | None = None
@@ -142,7 +150,14 @@ def reserved_fraction(
     module path -> table configs: a plan on paper, with no dense part)."""
     module = tables if isinstance(tables, nn.Module) else _TableConfigs(tables)
     left = reservation.reserve(topology, batch_size, module, [], constraints)
-    return 1.0 - left.memory_cap / topology.memory_cap
+    cap = topology.memory_cap
+    if not isinstance(left, Topology) or left.world_size != topology.world_size or not 0 < left.memory_cap <= cap:
+        got = left.memory_cap if isinstance(left, Topology) else type(left).__name__
+        raise ValueError(
+            f"{type(reservation).__name__}.reserve must return a Topology of the same {topology.world_size} ranks "
+            f"with 1 to {cap} bytes per rank left for the tables; got {got!r}"
+        )
+    return 1.0 - left.memory_cap / cap
 
 
 class _TableConfigs(nn.Module):
