@@ -24,6 +24,7 @@ from lightning_shardrec.inference.quant_embedding_bag_collection import QuantTab
 from lightning_shardrec.inference.rowwise import QuantDType, dequantize_rows, quantize_rows
 from lightning_shardrec.modules import EmbeddingCollection
 from lightning_shardrec.modules.embedding_bag_collection import check_unique_tables
+from lightning_shardrec.modules.embedding_collection import one_embedding_dim
 from lightning_shardrec.modules.features import FeatureArranger, check_ids, embedding_names_by_table
 from lightning_shardrec.modules.fx_trace import is_traced, refuse_script, traced_leaf
 from lightning_shardrec.modules.table_dict import TableDict
@@ -98,10 +99,7 @@ class QuantEmbeddingCollection(nn.Module):
 
     def embedding_dim(self) -> int:
         """The one embedding dim of every table (as :meth:`EmbeddingCollection.embedding_dim`)."""
-        dims = sorted({t.embedding_dim for t in self._tables})
-        if len(dims) > 1:
-            raise ValueError(f"{_OWNER}: tables have embedding dims {dims}, so there is no single embedding_dim()")
-        return dims[0]
+        return one_embedding_dim(self._tables, _OWNER)
 
     @property
     def dtype(self) -> QuantDType:

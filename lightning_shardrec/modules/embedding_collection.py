@@ -20,6 +20,17 @@ from lightning_shardrec.modules.table_init import SeededTables, table_device
 from lightning_shardrec.sparse import JaggedTensor, KeyedJaggedTensor
 
 
+def one_embedding_dim(tables: list[EmbeddingConfig], owner: str) -> int:
+    """The embedding dim every table of a sequence collection shares, else a ``ValueError``."""
+    dims = sorted({t.embedding_dim for t in tables})
+    if len(dims) > 1:
+        raise ValueError(
+            f"{owner}: tables have embedding dims {dims}, so there is no single "
+            "embedding_dim(); read each table's config (embedding_configs())"
+        )
+    return dims[0]
+
+
 class EmbeddingCollection(SeededTables, HasDynamicTables, nn.Module):
     """Sequence embeddings: ``forward(kjt) -> {feature: JaggedTensor}``.
 
@@ -81,13 +92,7 @@ class EmbeddingCollection(SeededTables, HasDynamicTables, nn.Module):
 
     def embedding_dim(self) -> int:
         """The one embedding dim of every table (TorchRec's EmbeddingCollection has one)."""
-        dims = sorted({t.embedding_dim for t in self._tables})
-        if len(dims) > 1:
-            raise ValueError(
-                f"EmbeddingCollection: tables have embedding dims {dims}, so there is no single "
-                "embedding_dim(); read each table's config (embedding_configs())"
-            )
-        return dims[0]
+        return one_embedding_dim(self._tables, "EmbeddingCollection")
 
     @property
     def device(self) -> torch.device:

@@ -18,6 +18,7 @@ from torch import nn
 from lightning_shardrec.errors import missing_names
 from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection
 from lightning_shardrec.inference.quant_embedding_collection import QuantEmbeddingCollection
+from lightning_shardrec.inference.rowwise import QuantDType
 from lightning_shardrec.modules import EmbeddingBagCollection as FloatEmbeddingBagCollection
 from lightning_shardrec.modules import EmbeddingCollection as FloatEmbeddingCollection
 from lightning_shardrec.quant.torchrec_quant import storage_of
@@ -34,15 +35,8 @@ class EmbeddingBagCollection(QuantEmbeddingBagCollection):
         cls, module: FloatEmbeddingBagCollection, use_precomputed_fake_quant: bool = False
     ) -> EmbeddingBagCollection:
         """``module`` quantized as its ``qconfig`` says (set by ``quantize_dynamic``)."""
-        where = "quant.embedding_modules.EmbeddingBagCollection.from_float"
-        qconfig = getattr(module, "qconfig", None)
-        if qconfig is None:
-            raise ValueError(
-                f"{where}: the float EmbeddingBagCollection has no qconfig; quantize it with "
-                "torch.quantization.quantize_dynamic(..., qconfig_spec={EmbeddingBagCollection: QuantConfig(...)}) "
-                "or lightning_shardrec.inference.modules.quantize_embeddings"
-            )
-        dtype = storage_of(qconfig, [t.name for t in module.embedding_bag_configs()], where)
+        tables = [t.name for t in module.embedding_bag_configs()]
+        dtype = _qconfig_storage(module, "EmbeddingBagCollection", tables, "quantize_embeddings")
         return super().from_float(module, dtype)  # type: ignore[return-value]
 
 
@@ -54,16 +48,21 @@ class EmbeddingCollection(QuantEmbeddingCollection):
         cls, module: FloatEmbeddingCollection, use_precomputed_fake_quant: bool = False
     ) -> EmbeddingCollection:
         """``module`` quantized as its ``qconfig`` says (set by ``quantize_dynamic``)."""
-        where = "quant.embedding_modules.EmbeddingCollection.from_float"
-        qconfig = getattr(module, "qconfig", None)
-        if qconfig is None:
-            raise ValueError(
-                f"{where}: the float EmbeddingCollection has no qconfig; quantize it with "
-                "torch.quantization.quantize_dynamic(..., qconfig_spec={EmbeddingCollection: QuantConfig(...)}) "
-                "or lightning_shardrec.inference.modules.quantize_inference_model"
-            )
-        dtype = storage_of(qconfig, [t.name for t in module.embedding_configs()], where)
+        tables = [t.name for t in module.embedding_configs()]
+        dtype = _qconfig_storage(module, "EmbeddingCollection", tables, "quantize_inference_model")
         return super().from_float(module, dtype)  # type: ignore[return-value]
+
+
+def _qconfig_storage(module: nn.Module, kind: str, tables: list[str], entry: str) -> QuantDType:
+    """The storage type the ``qconfig`` ``quantize_dynamic`` set on the float ``kind`` ``module`` names."""
+    where = f"quant.embedding_modules.{kind}.from_float"
+    qconfig = getattr(module, "qconfig", None)
+    if qconfig is None:
+        raise ValueError(
+            f"{where}: the float {kind} has no qconfig; quantize it with torch.quantization.quantize_dynamic(..., "
+            f"qconfig_spec={{{kind}: QuantConfig(...)}}) or lightning_shardrec.inference.modules.{entry}"
+        )
+    return storage_of(qconfig, tables, where)
 
 
 def quant_prep_enable_register_tbes(module: nn.Module, module_types: Sequence[type[nn.Module]]) -> None:

@@ -89,3 +89,14 @@ def test_refusals_name_the_table_and_the_value() -> None:
     meta = EmbeddingCollection([EmbeddingConfig(num_embeddings=4, embedding_dim=8, name="m")], torch.device("meta"))
     with pytest.raises(ValueError, match="on the meta device"):
         QuantEmbeddingCollection.from_float(meta)
+
+
+def test_bad_tables_and_a_missing_single_dim_are_named() -> None:
+    with pytest.raises(ValueError, match="QuantEmbeddingCollection needs at least one EmbeddingConfig"):
+        QuantEmbeddingCollection([])
+    with pytest.raises(TypeError, match=r"QuantEmbeddingCollection takes EmbeddingConfig tables, got \['int'\]"):
+        QuantEmbeddingCollection([3])  # type: ignore[list-item]
+    mixed = [EmbeddingConfig(num_embeddings=4, embedding_dim=8, name="a"), EmbeddingConfig(4, 16, "b")]
+    assert QuantEmbeddingCollection(mixed[:1]).embedding_dim() == 8
+    with pytest.raises(ValueError, match=r"QuantEmbeddingCollection: tables have embedding dims \[8, 16\]"):
+        QuantEmbeddingCollection(mixed).embedding_dim()

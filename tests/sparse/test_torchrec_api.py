@@ -245,3 +245,13 @@ def test_kjt_dist_init_without_recat_keeps_the_order() -> None:
     assert got.lengths().tolist() == [1, 0, 2, 1] and got.stride() == 2 and got.length_per_key() == [1, 3]
     with pytest.raises(ValueError, match="a fixed batch needs stride_per_rank"):
         KeyedJaggedTensor.dist_init(["a", "b"], kjt.dist_tensors(), False, 1, None, None)
+
+
+def test_kjt_dist_init_staggered_sources_and_a_wrong_stride_count() -> None:
+    # 4 sources of one key with 1, 2, 3, 4 bags, received in TorchRec's staggered order (stagger 2: ranks 0, 2, 1, 3)
+    strides = T([1, 2, 3, 4])
+    lengths = torch.ones(10, dtype=torch.long)
+    got = KeyedJaggedTensor.dist_init(["a"], [lengths, torch.arange(10), strides], True, 4, None, None, stagger=2)
+    assert got.stride_per_key_per_rank() == [[1, 3, 2, 4]]
+    with pytest.raises(ValueError, match=re.escape("dist_init: 3 strides for 2 workers x 1 keys")):
+        KeyedJaggedTensor.dist_init(["a"], [lengths, torch.arange(10), T([1, 2, 3])], True, 2, None, None)

@@ -14,7 +14,7 @@ left to the tables, and the planner fills that. TorchRec's two training reservat
 
 The memory is the one the tables live in: HBM on ``cuda``, DDR on ``cpu``. As TorchRec's, the
 percentage applies to HBM only: on a CPU topology these reserve the dense part and the inputs
-alone (``reserve=`` keeps a fraction of DDR). Checked against TorchRec 1.8: the same bytes left.
+alone (``reserve=`` keeps a fraction of DDR). The same bytes left as TorchRec 1.8: ``benchmarks/torchrec_parity.py``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,14 @@ INPUT_COPIES = 20
 
 
 class StorageReservation(abc.ABC):
-    """TorchRec's interface: ``reserve(...)`` returns the topology left to the tables."""
+    """TorchRec's interface: ``reserve(...)`` returns the topology left to the tables (kept as
+    :attr:`last_reserved_topology`)."""
+
+    _last_reserved_topology: Topology | None = None
+
+    @property
+    def last_reserved_topology(self) -> Topology | None:
+        return self._last_reserved_topology
 
     @abc.abstractmethod
     def reserve(
@@ -56,7 +63,6 @@ class FixedPercentageStorageReservation(StorageReservation):
 
     def __init__(self, percentage: float) -> None:
         self._percentage = _check_percentage(percentage, type(self).__name__)
-        self._last_reserved_topology: Topology | None = None
 
     def reserve(
         self,
@@ -69,10 +75,6 @@ class FixedPercentageStorageReservation(StorageReservation):
         self._last_reserved_topology = _with_cap(topology, _after_percentage(topology, self._percentage))
         return self._last_reserved_topology
 
-    @property
-    def last_reserved_topology(self) -> Topology | None:
-        return self._last_reserved_topology
-
 
 class HeuristicalStorageReservation(StorageReservation):
     """``percentage`` of every rank's HBM, then the dense part and the inputs (module docstring)."""
@@ -82,16 +84,14 @@ class HeuristicalStorageReservation(StorageReservation):
     ) -> None:
         owner = type(self).__name__
         self._percentage = _check_percentage(percentage, owner)
-        if isinstance(parameter_multiplier, bool) or not isinstance(parameter_multiplier, (int, float)):
-            raise ValueError(f"{owner}: parameter_multiplier must be a number >= 0, got {parameter_multiplier!r}")
-        if parameter_multiplier < 0:
+        multiplier = parameter_multiplier
+        if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) or multiplier < 0:
             raise ValueError(f"{owner}: parameter_multiplier must be a number >= 0, got {parameter_multiplier!r}")
         estimate = dense_tensor_estimate
         if estimate is not None and (isinstance(estimate, bool) or not isinstance(estimate, int) or estimate < 0):
             raise ValueError(f"{owner}: dense_tensor_estimate must be None or an int >= 0 (bytes), got {estimate!r}")
         self._parameter_multiplier = parameter_multiplier
         self._dense_tensor_estimate = dense_tensor_estimate
-        self._last_reserved_topology: Topology | None = None
 
     def reserve(
         self,
@@ -115,10 +115,6 @@ class HeuristicalStorageReservation(StorageReservation):
                 "percentage, the parameter_multiplier or the batch size, or plan for more memory per rank"
             )
         self._last_reserved_topology = _with_cap(topology, cap)
-        return self._last_reserved_topology
-
-    @property
-    def last_reserved_topology(self) -> Topology | None:
         return self._last_reserved_topology
 
 
