@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_shardrec._fbgemm import describe, fbgemm_available, fbgemm_ops_on
+from lightning_shardrec.sparse.fx_proxy import _tracer_of
 
 if TYPE_CHECKING:
     from lightning_shardrec.sparse.jagged_tensor import JaggedTensor
@@ -37,6 +38,8 @@ def jt_is_equal(jt_1: JaggedTensor, jt_2: JaggedTensor) -> bool:
     """Whether two ``JaggedTensor`` hold the same values, weights, lengths and offsets."""
     from lightning_shardrec.sparse.jagged_tensor import JaggedTensor
 
+    if (tracer := _tracer_of((jt_1, jt_2), {})) is not None:  # fx: one node (compares the run-time inputs)
+        return tracer.create_proxy("call_function", jt_is_equal, (jt_1, jt_2), {})  # type: ignore[no-any-return]
     if not (isinstance(jt_1, JaggedTensor) and isinstance(jt_2, JaggedTensor)):
         return False
     pairs = [(j.values(), j.weights_or_none(), j.lengths(), j.offsets()) for j in (jt_1, jt_2)]
@@ -47,6 +50,8 @@ def kjt_is_equal(kjt_1: KeyedJaggedTensor, kjt_2: KeyedJaggedTensor) -> bool:
     """Whether two ``KeyedJaggedTensor`` hold the same keys (in order), values, weights, lengths, offsets and stride."""
     from lightning_shardrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 
+    if (tracer := _tracer_of((kjt_1, kjt_2), {})) is not None:  # fx: one node (compares the run-time inputs)
+        return tracer.create_proxy("call_function", kjt_is_equal, (kjt_1, kjt_2), {})  # type: ignore[no-any-return]
     if not (isinstance(kjt_1, KeyedJaggedTensor) and isinstance(kjt_2, KeyedJaggedTensor)):
         return False
     if list(kjt_1.keys()) != list(kjt_2.keys()):

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_shardrec.sparse import formatting, ops
 from lightning_shardrec.sparse.errors import JaggedAssertionError
-from lightning_shardrec.sparse.fx_proxy import ProxyableConstruction
+from lightning_shardrec.sparse.fx_proxy import ProxyableConstruction, _tracer_of
 
 #: dtypes of lengths and offsets (what fbgemm's jagged operators take; narrower ints overflow)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -96,6 +96,8 @@ class JaggedTensor(metaclass=ProxyableConstruction):
     @staticmethod
     def from_dense(values: List[torch.Tensor], weights: Optional[List[torch.Tensor]] = None) -> "JaggedTensor":
         """One bag per list entry: ``[tensor([1, 2]), tensor([]), tensor([3])]``."""
+        if (tracer := _tracer_of((values, weights), {})) is not None:  # fx: one node
+            return tracer.create_proxy("call_function", JaggedTensor.from_dense, (values, weights), {})  # type: ignore[no-any-return]
         if weights is not None and len(weights) != len(values):
             raise ValueError(f"from_dense got {len(values)} value bags but {len(weights)} weight bags")
         lengths = torch.tensor([v.shape[0] for v in values], dtype=torch.int32)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from lightning_shardrec.sparse import ops
 from lightning_shardrec.sparse.errors import JaggedAssertionError, JaggedIndexError
+from lightning_shardrec.sparse.fx_proxy import _tracer_of
 from lightning_shardrec.sparse.jagged_tensor import JaggedTensor
 
 if TYPE_CHECKING:
@@ -113,6 +114,8 @@ def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
     """Keys of every KJT, in order, over one shared batch (or all VBE)."""
     from lightning_shardrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 
+    if (tracer := _tracer_of((kjt_list,), {})) is not None:  # fx: one node, as TorchRec's
+        return tracer.create_proxy("call_function", concat, (kjt_list,), {})  # type: ignore[no-any-return]
     if not kjt_list:
         raise ValueError("KeyedJaggedTensor.concat needs at least one KJT")
     vbe = {kjt.variable_stride_per_key() for kjt in kjt_list}
@@ -174,6 +177,8 @@ def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
     """Stack per-key JaggedTensors; different batch sizes give a VBE KJT (one rank)."""
     from lightning_shardrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 
+    if (tracer := _tracer_of((jt_dict,), {})) is not None:  # fx: one node
+        return tracer.create_proxy("call_function", from_jt_dict, (jt_dict,), {})  # type: ignore[no-any-return]
     if not jt_dict:
         return KeyedJaggedTensor.empty()
     jts = list(jt_dict.values())
@@ -219,6 +224,8 @@ def to_dict(kjt: KeyedJaggedTensor, compute_offsets: bool = True) -> dict[str, J
 
 def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
     """No keys, on ``kjt``'s device with its dtypes and batch size (its per-key strides if VBE)."""
+    if (tracer := _tracer_of((kjt,), {})) is not None:  # fx: one node, as TorchRec's
+        return tracer.create_proxy("call_function", empty_like, (kjt,), {})  # type: ignore[no-any-return]
     weights, device = kjt.weights_or_none(), kjt.device()
     return type(kjt)._trusted(
         [],

@@ -129,6 +129,81 @@ def test_sparse_types_built_from_traced_tensors_are_graph_nodes() -> None:
     assert torch.equal(gm(values, lengths), Build()(values, lengths))
 
 
+def _fx_concat_list(ks: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.concat(ks)
+
+
+def _fx_concat_pair(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.concat([a, b])
+
+
+def _fx_empty_like(a: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.empty_like(a)
+
+
+def _fx_from_jt_dict(d: dict) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.from_jt_dict(d)
+
+
+def _fx_kjt_is_equal(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
+    from lightning_shardrec.sparse.jagged_tensor import kjt_is_equal  # a user's import, not the defining module
+
+    return kjt_is_equal(a, b)
+
+
+def _fx_jt_is_equal(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
+    from lightning_shardrec.sparse.jagged_tensor import jt_is_equal
+
+    return jt_is_equal(a["f1"], b["f1"])
+
+
+def _fx_from_dense(a: torch.Tensor, b: torch.Tensor) -> KeyedJaggedTensor:
+    from lightning_shardrec.sparse import JaggedTensor
+
+    return KeyedJaggedTensor.from_jt_dict({"f": JaggedTensor.from_dense([a, b])})
+
+
+_OTHER = KeyedJaggedTensor(keys=["g"], values=torch.tensor([4, 5]), lengths=torch.tensor([0, 2]), weights=torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("fn", "args", "op"),
+    [
+        (_fx_concat_list, lambda: ([KJT, _OTHER],), "concat"),
+        (_fx_concat_pair, lambda: (KJT, _OTHER), "concat"),
+        (_fx_empty_like, lambda: (KJT,), "empty_like"),
+        (_fx_from_jt_dict, lambda: (KJT.to_dict(),), "from_jt_dict"),
+        (_fx_kjt_is_equal, lambda: (KJT, _OTHER), "kjt_is_equal"),
+        (_fx_jt_is_equal, lambda: (KJT, KJT), "jt_is_equal"),
+        (_fx_from_dense, lambda: (torch.tensor([1, 2]), torch.tensor([3])), "from_dense"),
+    ],
+)
+def test_static_constructors_and_comparisons_of_traced_kjts_are_one_node(fn, args, op: str) -> None:
+    # TorchRec fx-wraps concat, empty_like and the comparisons: their bodies read keys and strides, which a trace
+    # only has as proxies (before: AttributeError / TraceError, or a comparison frozen into the graph as a constant)
+    from lightning_shardrec.sparse.jagged_tensor import kjt_is_equal
+
+    class One(torch.nn.Module):
+        def forward(self, a):  # type: ignore[no-untyped-def]
+            return fn(a)
+
+    class Two(torch.nn.Module):
+        def forward(self, a, b):  # type: ignore[no-untyped-def]
+            return fn(a, b)
+
+    M = One if len(args()) == 1 else Two
+    gm = torch.fx.symbolic_trace(M())
+    called = [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"]
+    assert [c for c in called if c != "getitem"] == ([op, "from_jt_dict"] if op == "from_dense" else [op])
+    out, ref = gm(*args()), M()(*args())
+    if isinstance(ref, bool):
+        assert out is ref
+    else:
+        assert kjt_is_equal(out, ref) and out.keys() == ref.keys()
+    if op == "kjt_is_equal":  # compares what it is given at run time, not what it saw while tracing
+        assert gm(KJT, KJT) is True and gm(KJT, _OTHER) is False
+
+
 def test_a_lazy_awaitable_built_in_a_trace_is_one_node_and_waits_at_use() -> None:
     # TorchRec's tracer test: a module returning a LazyAwaitable; torch ops on it wait for it
     from lightning_shardrec.distributed.types import LazyAwaitable
