@@ -17,6 +17,8 @@ The artifact is one ``torch.save`` file of plain data, loadable with
     dense           bool                    nn.Linear layers dynamically quantized (int8)
     collections     {path: {"is_weighted": bool, "tables": [{name, num_embeddings, embedding_dim,
                                                               feature_names, pooling, dynamic}]}}
+    sequence_collections  {path: {"need_indices": bool, "tables": [{name, num_embeddings,
+                                  embedding_dim, feature_names}]}}   (EmbeddingCollections)
     plain           [path]                  plain nn.Embedding/nn.EmbeddingBag modules, quantized
     state_dict      the quantized model's state dict (uint8 rows + fp16 scale/bias, fp32 dense;
                     a dynamic table's frozen id mapping, ``id_maps.<table>.ids/rows``)
@@ -50,16 +52,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_shardrec.configs import DynamicConfig, EmbeddingBagConfig, PoolingType
+from lightning_shardrec.configs import DynamicConfig, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from lightning_shardrec.errors import CheckpointError, unknown_name
 from lightning_shardrec.inference.example_inputs import default_example, resolve_example
 from lightning_shardrec.inference.lookup import QuantBackend
 from lightning_shardrec.inference.program import export_program, metadata, save_program
 from lightning_shardrec.inference.quant_embedding_bag_collection import QuantEmbeddingBagCollection, QuantTable
+from lightning_shardrec.inference.quant_embedding_collection import QuantEmbeddingCollection
 from lightning_shardrec.inference.quant_plain import QuantEmbedding, QuantEmbeddingBag, quantize_plain
-from lightning_shardrec.inference.quantize import collection_paths, quantize, quantize_dense, swap_collections
+from lightning_shardrec.inference.quantize import (
+    collection_paths,
+    quantize,
+    quantize_dense,
+    sequence_collection_paths,
+    swap_collections,
+)
 from lightning_shardrec.inference.rowwise import QuantDType
-from lightning_shardrec.modules import EmbeddingBagCollection
+from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollection
 from lightning_shardrec.modules.plain_embeddings import find_embedding_modules
 
 FORMAT = "lightning_shardrec.quantized"
@@ -125,16 +134,20 @@ def export(
             model.load_state_dict(state, strict=True)
         except RuntimeError as err:
             raise CheckpointError(f"export: checkpoint {str(checkpoint_path)!r} does not fit {target}: {err}") from None
-    if not collection_paths(model) and not find_embedding_modules(model):
-        raise ValueError(f"export: {target} has no EmbeddingBagCollection, nn.Embedding or nn.EmbeddingBag to quantize")
+    if not (collection_paths(model) or sequence_collection_paths(model) or find_embedding_modules(model)):
+        raise ValueError(
+            f"export: {target} has no EmbeddingBagCollection, EmbeddingCollection, nn.Embedding or nn.EmbeddingBag "
+            "to quantize"
+        )
     model = quantize(model, qdtype, dense=dense, inplace=not given)
     collections = {path: _describe(model.get_submodule(path)) for path in collection_paths(model)}
+    sequences = {path: _describe_sequence(model.get_submodule(path)) for path in sequence_collection_paths(model)}
     plain = [n for n, m in model.named_modules() if isinstance(m, (QuantEmbedding, QuantEmbeddingBag))]
     if fmt != "state":
         inputs = default_example(model, target) if example_inputs is None else tuple(example_inputs)
         program, specs = export_program(model, inputs, device=device)
         info = {"factory": target, "dtype": qdtype.value, "collections": collections, "plain": plain,
-                "device": str(torch.device(device))}  # fmt: skip
+                "sequence_collections": sequences, "device": str(torch.device(device))}  # fmt: skip
         save_program(program, out, fmt, metadata(specs, info))
         return model
     artifact = {
@@ -145,6 +158,7 @@ def export(
         "dtype": qdtype.value,
         "dense": dense,
         "collections": collections,
+        "sequence_collections": sequences,
         "plain": plain,
         "state_dict": model.state_dict(),
     }
@@ -181,7 +195,23 @@ def load(path: str | Path, *, backend: str | QuantBackend = QuantBackend.AUTO) -
             )
         return QuantEmbeddingBagCollection(tables, dtype, spec["is_weighted"], "cpu", backend=backend)
 
+    sequences: dict[str, dict[str, Any]] = artifact.get("sequence_collections", {})  # absent: written before ECs
+
+    def empty_sequence(path: str, ec: EmbeddingCollection) -> nn.Module:
+        if path not in sequences:
+            raise CheckpointError(
+                f"load: {artifact['factory']} has an EmbeddingCollection at {path!r}; "
+                f"the artifact has {sorted(sequences)}"
+            )
+        tables = [EmbeddingConfig(**t) for t in sequences[path]["tables"]]
+        if [f for t in tables for f in t.feature_names] != [f for t in ec.embedding_configs() for f in t.feature_names]:
+            raise CheckpointError(
+                f"load: EmbeddingCollection {path!r} of {artifact['factory']} reads other features than the artifact's"
+            )
+        return QuantEmbeddingCollection(tables, dtype, "cpu", sequences[path]["need_indices"])
+
     model = swap_collections(model, empty_quantized)
+    model = swap_collections(model, empty_sequence, EmbeddingCollection)
     plain = artifact.get("plain", [])  # absent: written before plain modules were quantized
     quantize_plain(model, dtype, copy_weights=False, paths=plain)
     if artifact["dense"]:
@@ -314,6 +344,17 @@ def _describe(module: nn.Module) -> dict[str, Any]:
         for t in module.embedding_bag_configs()
     ]
     return {"is_weighted": module.is_weighted(), "tables": tables}
+
+
+def _describe_sequence(module: nn.Module) -> dict[str, Any]:
+    if not isinstance(module, QuantEmbeddingCollection):  # pragma: no cover - quantize() swapped them all
+        raise TypeError(f"expected a QuantEmbeddingCollection, got {type(module).__name__}")
+    tables = [
+        {"name": t.name, "num_embeddings": t.num_embeddings, "embedding_dim": t.embedding_dim,
+         "feature_names": list(t.feature_names)}
+        for t in module.embedding_configs()
+    ]  # fmt: skip
+    return {"need_indices": module.need_indices(), "tables": tables}
 
 
 def _dynamic_spec(config: DynamicConfig | None) -> dict[str, Any] | None:

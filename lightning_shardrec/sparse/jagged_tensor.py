@@ -170,7 +170,11 @@ class JaggedTensor(metaclass=ProxyableConstruction):
         offsets = self.offsets()
         if offsets.numel() == 0:  # TorchRec's empty(): no bags
             offsets = torch.zeros(1, dtype=offsets.dtype, device=offsets.device)
-        values = self._values[: int(offsets[-1])] if self._values.device.type != "meta" else self._values
+        values = self._values
+        if values.device.type != "meta":  # ``.item()``: a size torch.export keeps symbolic (``int()`` would guard)
+            total = offsets[-1].item()
+            torch._check(total <= values.shape[0])
+            values = values[:total]
         return ops.jagged_to_padded_dense(values, offsets, desired_length, padding_value)
 
     def to_padded_dense_weights(self, desired_length: int | None = None, padding_value: float = 0.0) -> Tensor | None:

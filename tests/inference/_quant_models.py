@@ -71,3 +71,22 @@ class DynRec(L.LightningModule):
         self.ebc = EmbeddingBagCollection(tables)
         self.mlp = torch.nn.Sequential(torch.nn.Linear(NUM_DENSE + dim * len(FEATURES), 16), torch.nn.ReLU(),
                                        torch.nn.Linear(16, 1))
+
+
+class SeqRec(torch.nn.Module):
+    """A sequence model: an ``EmbeddingCollection`` read per id, summed per bag, then a linear head ``[B, 1]``."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        from lightning_shardrec import EmbeddingCollection, EmbeddingConfig
+
+        self.ec = EmbeddingCollection(
+            [EmbeddingConfig(num_embeddings=50, embedding_dim=dim, name="t_hist", feature_names=["clicks", "views"]),
+             EmbeddingConfig(num_embeddings=20, embedding_dim=dim, name="t_q", feature_names=["query"])]
+        )  # fmt: skip
+        self.head = torch.nn.Linear(3 * dim, 1)
+
+    def forward(self, kjt):  # type: ignore[no-untyped-def]
+        seqs = self.ec(kjt)
+        pooled = [seqs[f].to_padded_dense(4).sum(1) for f in ("clicks", "views", "query")]  # [B, dim] each
+        return self.head(torch.cat(pooled, dim=1))

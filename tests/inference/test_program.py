@@ -12,6 +12,7 @@ from _fresh_serve import serve_fresh
 from torch import nn
 
 from lightning_shardrec import DynamicConfig, EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from lightning_shardrec.errors import CheckpointError
 from lightning_shardrec.inference import QuantDType, QuantEmbeddingBagCollection, load, quantize, quantize_dense
 from lightning_shardrec.inference.dense_int8 import ExportableInt8Linear, exportable_dense
 from lightning_shardrec.inference.export import export
@@ -266,3 +267,32 @@ def test_an_id_outside_its_table_fails_the_request():
         ep.module()(ids, offsets, items + 50)
     with pytest.raises(RuntimeError, match=r"QuantEmbeddingBag 'user': an id is outside \[0, 100\)"):
         tower(ids - 200, offsets, items)
+
+
+def test_sequence_collections_quantize_export_and_serve_fresh(tmp_path):
+    """quantize() swaps EmbeddingCollections too (they stayed float before); the state artifact loads them back
+    and a pt2 program of the model serves in a fresh process at other batch sizes, equal to eager."""
+    from _quant_models import SeqRec
+
+    from lightning_shardrec.inference import QuantEmbeddingCollection
+
+    torch.manual_seed(0)
+    model = SeqRec()
+    batches = [_kjt(["clicks", "views", "query"], b, seed=b, high=20) for b in (1, 5, 17)]
+    quantized = export(None, model, "int4", tmp_path / "seq.pt")
+    assert isinstance(quantized.ec, QuantEmbeddingCollection)
+    loaded = load(tmp_path / "seq.pt")
+    assert isinstance(loaded.ec, QuantEmbeddingCollection)
+    program = export(None, SeqRec(), "int8", tmp_path / "seq.pt2", format="pt2", example_inputs=(batches[1],))
+    info = read_metadata(tmp_path / "seq.pt2")
+    assert list(info["sequence_collections"]) == ["ec"] and info["collections"] == {}
+    served = serve_fresh([(tmp_path / "seq.pt2", "pt2", [plain_inputs((b,)) for b in batches])], tmp_path)[0]
+    with torch.no_grad():
+        for kjt, got in zip(batches, served, strict=True):
+            torch.testing.assert_close(loaded(kjt), quantized(kjt), rtol=0, atol=0)
+            torch.testing.assert_close(got, program(kjt), rtol=1e-6, atol=1e-6)
+    artifact = torch.load(tmp_path / "seq.pt", weights_only=True)
+    del artifact["sequence_collections"]  # as an artifact of another model would be
+    torch.save(artifact, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="has an EmbeddingCollection at 'ec'; the artifact has \\[\\]"):
+        load(tmp_path / "other.pt")
