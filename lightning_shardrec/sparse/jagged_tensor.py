@@ -166,7 +166,7 @@ class JaggedTensor(metaclass=ProxyableConstruction):
         """
         if desired_length is None:
             lengths = self.lengths()
-            desired_length = int(lengths.max()) if lengths.numel() else 0
+            desired_length = lengths.max().item() if lengths.numel() else 0  # symbolic under torch.export
         offsets = self.offsets()
         if offsets.numel() == 0:  # TorchRec's empty(): no bags
             offsets = torch.zeros(1, dtype=offsets.dtype, device=offsets.device)

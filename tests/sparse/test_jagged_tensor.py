@@ -120,6 +120,20 @@ def test_to_padded_dense_of_empty_batch() -> None:
     assert JaggedTensor.empty().to_padded_dense().shape == (0, 0)
 
 
+@pytest.mark.parametrize("desired_length", [None, 3])
+def test_to_padded_dense_exports_with_data_dependent_sizes(desired_length: int | None) -> None:
+    # torch.export of a model that pads its bags: the values count (and the longest bag, when no length is
+    # given) stay symbolic, so the program serves other lengths (before: GuardOnDataDependentSymNode)
+    class Pad(torch.nn.Module):
+        def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            jt = JaggedTensor(values=values, lengths=lengths, weights=values * 2)
+            return jt.to_padded_dense(desired_length) + jt.to_padded_dense_weights(desired_length)
+
+    values = torch.arange(1.0, 7.0)
+    program = torch.export.export(Pad(), (values, torch.tensor([2, 1, 0, 3])), strict=False).module()
+    for lengths in ([2, 1, 0, 3], [4, 0, 2, 0], [1, 1, 1, 1]):
+        torch.testing.assert_close(program(values, torch.tensor(lengths)), Pad()(values, torch.tensor(lengths)))
+
 def test_from_dense_lengths() -> None:
     padded = torch.tensor([[1, 2, 0], [0, 0, 0], [3, 4, 5]])
     weights = padded.float() / 10
