@@ -12,7 +12,7 @@ As in TorchRec, values (and weights) may run longer than ``sum(lengths)``: the t
 belongs to no bag and is ignored. Values may be of any dtype, ``[N]`` or ``[N, D]``.
 """
 
-from typing import List, Optional
+from typing import List, Optional, cast
 
 import torch
 from torch import Tensor
@@ -31,6 +31,12 @@ def _optional_mask(t: Tensor | None, mask: Tensor) -> Tensor | None:
 
 
 torch.fx.wrap("_optional_mask")
+
+
+def int_item(t: Tensor) -> int:
+    """``t.item()`` of a one-element integer tensor: an int, or a size torch.export keeps symbolic (``int(t)``
+    would guard on the data)."""
+    return cast(int, t.item())
 
 
 def _lengths_from_offsets(offsets: Tensor) -> Tensor:
@@ -164,18 +170,19 @@ class JaggedTensor(metaclass=ProxyableConstruction):
 
         L defaults to the longest bag.
         """
-        if desired_length is None:
+        length = desired_length
+        if length is None:
             lengths = self.lengths()
-            desired_length = lengths.max().item() if lengths.numel() else 0  # symbolic under torch.export
+            length = int_item(lengths.max()) if lengths.numel() else 0
         offsets = self.offsets()
         if offsets.numel() == 0:  # TorchRec's empty(): no bags
             offsets = torch.zeros(1, dtype=offsets.dtype, device=offsets.device)
         values = self._values
-        if values.device.type != "meta":  # ``.item()``: a size torch.export keeps symbolic (``int()`` would guard)
-            total = offsets[-1].item()
+        if values.device.type != "meta":
+            total = int_item(offsets[-1])
             torch._check(total <= values.shape[0])
             values = values[:total]
-        return ops.jagged_to_padded_dense(values, offsets, desired_length, padding_value)
+        return ops.jagged_to_padded_dense(values, offsets, length, padding_value)
 
     def to_padded_dense_weights(self, desired_length: int | None = None, padding_value: float = 0.0) -> Tensor | None:
         if self._weights is None:
