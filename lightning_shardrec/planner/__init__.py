@@ -8,7 +8,12 @@ from lightning_shardrec.planner.costs.perf import Workload, shard_perf
 from lightning_shardrec.planner.costs.storage import shard_storage
 from lightning_shardrec.planner.machine.rates import Rates, step_estimate
 from lightning_shardrec.planner.machine.topology import DEVICE_DEFAULTS, ComputeDevice, Topology
-from lightning_shardrec.planner.plans.sharding_plan import PlanStats, ShardingPlan
+from lightning_shardrec.planner.plans.sharding_plan import (
+    EmbeddingModuleShardingPlan,
+    ModuleShardingPlan,
+    PlanStats,
+    ShardingPlan,
+)
 from lightning_shardrec.planner.plans.types import (
     EmbeddingComputeKernel,
     ParameterConstraints,
@@ -24,7 +29,9 @@ __all__ = [
     "DEVICE_DEFAULTS",
     "ComputeDevice",
     "EmbeddingComputeKernel",
+    "EmbeddingModuleShardingPlan",
     "EmbeddingShardingPlanner",
+    "ModuleShardingPlan",
     "ParameterConstraints",
     "ParameterSharding",
     "PlanStats",

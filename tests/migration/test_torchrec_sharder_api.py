@@ -64,6 +64,32 @@ def test_a_one_rank_shard_equals_the_module():
     assert sharded.fused_optimizer.param_groups[0]["lr"] == 0.01  # the default optimizer: adagrad, lr 0.01
 
 
+def test_shard_takes_a_generator_a_dict_of_them_or_shardings_as_torchrec():
+    # torchrec.distributed.shard.shard(module, plan, env, device, sharder): TorchRec's "sharded_ebc = shard(ebc,
+    # table_row_wise(host_index=0))"; generators run per table with (param, local size, world, device type, sharder)
+    from lightning_shardrec import KeyedJaggedTensor
+    from lightning_shardrec.distributed.shard import shard, shard_modules
+    from lightning_shardrec.distributed.sharding_plan import table_row_wise, table_wise
+    from lightning_shardrec.distributed.types import ShardingPlan
+
+    env = ShardingEnv.from_local(1, 0)
+    kjt = KeyedJaggedTensor(keys=["f1"], values=torch.tensor([1, 3, 9]), lengths=torch.tensor([2, 1]))
+    ebc = _ebc()
+    one = shard(ebc, table_row_wise(host_index=0), env, "cpu")
+    assert isinstance(one, ShardedEmbeddingBagCollection)
+    torch.testing.assert_close(one(kjt).wait().values(), ebc(kjt).values())
+    by_table = shard(ebc, {"t1": table_wise(rank=0)}, env, torch.device("cpu"))
+    assert by_table.module_sharding_plan["t1"].sharding_type == "table_wise"
+    given = shard(ebc, {"t1": by_table.module_sharding_plan["t1"]}, env, "cpu", EmbeddingBagCollectionSharder())
+    torch.testing.assert_close(given(kjt).wait().values(), ebc(kjt).values())
+    with pytest.raises(ValueError, match=r"shard: the plan names tables \['t9'\] that the module does not have"):
+        shard(ebc, {"t9": table_wise(rank=0)}, env, "cpu")
+    # shard_modules takes TorchRec's positional order: (module, env, device, plan, sharders, init_params)
+    model = torch.nn.Sequential()
+    model.add_module("ebc", _ebc())
+    out = shard_modules(model, env, torch.device("cpu"), ShardingPlan({"ebc": by_table.module_sharding_plan}))
+    assert out is model and isinstance(model.ebc, ShardedEmbeddingBagCollection)
+
 class _Ones(LazyAwaitable[torch.Tensor]):
     def __init__(self) -> None:
         super().__init__()
@@ -81,3 +107,36 @@ def test_awaitables_wait_once_run_callbacks_and_lazy_ones_wait_when_used():
     assert torch.equal(torch.add(a, 1), torch.full((2, 3), 3.0))  # a torch function: waits
     assert torch.equal(a.wait(), torch.full((2, 3), 2.0)) and a.calls == 1
     assert NoWait(5).wait() == 5
+
+
+def _unwrap(rank: int, world: int) -> tuple[bool, ...]:
+    from lightning_shardrec.distributed.model_parallel import (
+        DistributedModelParallel,
+        get_default_sharders,
+        get_module,
+        get_unwrapped_module,
+    )
+    from lightning_shardrec.distributed.types import EmbeddingModuleShardingPlan
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = _ebc()
+            self.head = torch.nn.Linear(8, 1)
+
+    model = Model()
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=get_default_sharders())
+    plan = dmp.plan.plan["ebc"]
+    return (
+        get_unwrapped_module(dmp) is model,
+        isinstance(get_module(dmp), torch.nn.parallel.DistributedDataParallel),  # DDP inside DMP is kept
+        get_unwrapped_module(model) is model,
+        isinstance(plan, EmbeddingModuleShardingPlan) and plan == dict(plan),
+        model.ebc.module_sharding_plan == plan,  # the sharded collection's own plan
+    )
+
+
+def test_model_parallel_helpers_unwrap_and_plans_are_torchrecs_types():
+    from lightning_shardrec.testing import run_ranks
+
+    assert run_ranks(_unwrap, 2) == [(True,) * 5] * 2

@@ -266,7 +266,7 @@ ALIASES: dict[str, str] = {
     "distributed.fbgemm_qcomm_codec": "distributed.comm.fbgemm_qcomm_codec",
     "distributed.model_parallel": "distributed.dmp.model_parallel",
     "distributed.planner": "compat.torchrec.distributed.planner",
-    "distributed.shard": "distributed.dmp.shard",
+    "distributed.shard": "compat.torchrec.distributed.shard",
     "distributed.sharding_plan": "compat.torchrec.distributed.sharding_plan",
     "distributed.test_utils": "compat.torchrec.distributed.test_utils",
     "distributed.train_pipeline": "compat.torchrec.distributed.train_pipeline",

@@ -43,10 +43,10 @@ from lightning_shardrec.distributed.dmp.shardable import (
     find_collections,
     table_names,
 )
-from lightning_shardrec.distributed.dmp.sharders import ModuleSharder, check_sharders
+from lightning_shardrec.distributed.dmp.sharders import ModuleSharder, check_sharders, get_default_sharders
 from lightning_shardrec.distributed.sharded.dynamic_stats import dynamic_stats
 from lightning_shardrec.distributed.sharding import KernelSetup
-from lightning_shardrec.errors import UnsupportedFeatureError
+from lightning_shardrec.errors import UnsupportedFeatureError, missing_names
 from lightning_shardrec.kernels import KernelBackend
 from lightning_shardrec.modules.plain_embeddings import (
     swap_embedding_modules,
@@ -306,3 +306,36 @@ class DistributedModelParallel(nn.Module):
             for table, shards in s.local_shards().items():
                 out[f"{prefix}{s.state_key(table)}"] = shards
         return out
+
+
+def get_module(module: nn.Module) -> nn.Module:
+    """``module`` without its ``DistributedModelParallel`` wrappers (a DDP or FSDP wrapper inside is kept)."""
+    while isinstance(module, DistributedModelParallel):
+        module = module._dmp_wrapped_module
+    return module
+
+
+def get_unwrapped_module(module: nn.Module) -> nn.Module:
+    """``module`` without its ``DistributedModelParallel``, DDP and FSDP wrappers (TorchRec's helper)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    while isinstance(module, (DistributedModelParallel, DistributedDataParallel, FullyShardedDataParallel)):
+        if isinstance(module, DistributedModelParallel):
+            module = module._dmp_wrapped_module
+        elif isinstance(module, FullyShardedDataParallel):
+            module = module._fsdp_wrapped_module
+        else:
+            module = module.module
+    return module
+
+
+__getattr__ = missing_names(
+    "lightning_shardrec.distributed.model_parallel",  # TorchRec's path of this module
+    {
+        "DMPCollection": "2D parallelism (shards replicated over groups of ranks) is not supported",
+        "HybridEvalDMP": "evaluate with DistributedModelParallel itself (model.eval())",
+    },
+)
+
+#: TorchRec's module also offers the default sharders here
+__all__ = ["DistributedModelParallel", "get_default_sharders", "get_module", "get_unwrapped_module"]

@@ -31,8 +31,8 @@ from lightning_shardrec.planner import EmbeddingShardingPlanner, ShardingPlan, T
 def shard_modules(
     module: nn.Module,
     env: ShardingEnv | None = None,
-    plan: ShardingPlan | None = None,
     device: torch.device | str | None = None,
+    plan: ShardingPlan | None = None,
     sharders: Sequence[ModuleSharder[Any]] | None = None,
     init_params: bool = False,
 ) -> nn.Module:

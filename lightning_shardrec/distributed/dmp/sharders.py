@@ -159,12 +159,23 @@ def check_sharders(sharders: Sequence[object] | None, where: str) -> list[Module
     return out
 
 
+def get_default_sharders() -> list[ModuleSharder[Any]]:
+    """A sharder per collection type this library shards (TorchRec's list, for what exists here)."""
+    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+
+
+def get_module_to_default_sharders() -> dict[type[nn.Module], ModuleSharder[Any]]:
+    return {s.module_type: s for s in get_default_sharders()}
+
+
 __all__ = [
     "BaseEmbeddingSharder",
     "EmbeddingBagCollectionSharder",
     "EmbeddingCollectionSharder",
     "ModuleSharder",
     "check_sharders",
+    "get_default_sharders",
+    "get_module_to_default_sharders",
     "sharder_comm_precision",
     "sharder_optim",
 ]

@@ -36,7 +36,7 @@ from lightning_shardrec.modules import features as id_checks
 from lightning_shardrec.modules.dynamic.mapper import DynamicIdMapper
 from lightning_shardrec.modules.dynamic.stats import FIELDS, mapper_stats, stats_dict
 from lightning_shardrec.modules.features import IdRanges, check_ids
-from lightning_shardrec.planner import ShardMetadata
+from lightning_shardrec.planner import EmbeddingModuleShardingPlan, ShardMetadata
 from lightning_shardrec.sparse import KeyedJaggedTensor
 
 
@@ -194,6 +194,7 @@ class ShardedCollection(nn.Module):
         if missing:
             raise ShardingError(f"the sharding plan has no entry for tables {missing}")
         self._configs = configs
+        self._module_sharding_plan = EmbeddingModuleShardingPlan({t.name: plan[t.name] for t in configs})
 
     def state_key(self, table: str) -> str:
         """``table``'s weight key in the unsharded module's state dict, relative to this module."""
@@ -204,6 +205,11 @@ class ShardedCollection(nn.Module):
         its copy, so the unsharded tables are freed with the module they came from."""
         for g in self._groups():
             g.tables = [replace(t, weight=None) for t in g.tables]
+
+    @property
+    def module_sharding_plan(self) -> EmbeddingModuleShardingPlan:
+        """How this collection's tables are sharded (TorchRec's ``module_sharding_plan``)."""
+        return self._module_sharding_plan
 
     def table_configs(self) -> list[BaseEmbeddingConfig]:
         return self._configs

@@ -97,6 +97,14 @@ class PlanStats:
         }
 
 
+class ModuleShardingPlan:
+    """TorchRec's base class of one module's plan (for ``isinstance`` checks and annotations)."""
+
+
+class EmbeddingModuleShardingPlan(ModuleShardingPlan, dict[str, ParameterSharding]):
+    """One collection's plan, ``{table: ParameterSharding}`` (TorchRec's ``plan.plan[path]``): a dict."""
+
+
 @dataclass(frozen=True)
 class ShardingPlan:
     """How every table of every collection is sharded (``==`` compares only ``plan``).
@@ -110,6 +118,14 @@ class ShardingPlan:
     #: where the shards live, for TorchRec's ``placement`` text in ``repr`` (``"cpu"``, ``"cuda"``)
     compute_device: str = field(default="cpu", compare=False, kw_only=True)
     local_world_size: int = field(default=1, compare=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        # each module's tables as TorchRec's EmbeddingModuleShardingPlan (a dict), whatever mapping was given
+        plan = {
+            path: tables if isinstance(tables, EmbeddingModuleShardingPlan) else EmbeddingModuleShardingPlan(tables)
+            for path, tables in self.plan.items()
+        }
+        object.__setattr__(self, "plan", plan)
 
     def __repr__(self) -> str:
         """TorchRec's ``repr`` of the same plan: ``ShardingPlan(plan={path: {table: ParameterSharding(...)}})``."""

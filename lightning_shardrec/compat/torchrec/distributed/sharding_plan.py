@@ -18,7 +18,6 @@ dense optimizer (TorchRec's ``dense``), so such a table trains with the model's 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,28 +25,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_shardrec.distributed.comm.local_ranks import get_local_size
 from lightning_shardrec.distributed.dmp.sharders import (
-    EmbeddingBagCollectionSharder,
-    EmbeddingCollectionSharder,
     ModuleSharder,
+    get_default_sharders,
+    get_module_to_default_sharders,
 )
 from lightning_shardrec.errors import UnsupportedFeatureError
-from lightning_shardrec.planner import EmbeddingComputeKernel, ParameterSharding, ShardingType, ShardMetadata
+from lightning_shardrec.planner import (
+    EmbeddingComputeKernel,
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    ShardingType,
+    ShardMetadata,
+)
 
 #: (parameter, local_size, world_size, device_type, sharder) -> its sharding
 ParameterShardingGenerator = Callable[[nn.Parameter, int, int, str, ModuleSharder[Any]], ParameterSharding]
 #: TorchRec's ``MIN_CW_DIM``: the smallest column block ``column_wise`` cuts without ``ranks``
 MIN_CW_DIM = 128
 Sizes = list[list[int]]
-
-
-def get_default_sharders() -> list[ModuleSharder[Any]]:
-    """A sharder per collection type this library shards (TorchRec's list, for what exists here)."""
-    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
-
-
-def get_module_to_default_sharders() -> dict[type[nn.Module], ModuleSharder[Any]]:
-    return {s.module_type: s for s in get_default_sharders()}
 
 
 def placement(compute_device: str, rank: int, local_size: int) -> str:
@@ -262,7 +259,7 @@ def construct_module_sharding_plan(
     local_size: int | None = None,
     world_size: int | None = None,
     device_type: str | None = None,
-) -> dict[str, ParameterSharding]:
+) -> EmbeddingModuleShardingPlan:
     """``{table: ParameterSharding}`` of ``module`` (every table named once), for ``ShardingPlan({path: ...})``."""
     found = _sharder_for(module, sharder)
     params = found.shardable_parameters(module)
@@ -272,9 +269,11 @@ def construct_module_sharding_plan(
             f"got {sorted(params)} != {sorted(per_param_sharding)}"
         )
     world = world_size or dist.get_world_size()
-    local = local_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local = local_size or get_local_size(world)
     device = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    return {name: generate(params[name], local, world, device, found) for name, generate in per_param_sharding.items()}
+    return EmbeddingModuleShardingPlan(
+        {name: generate(params[name], local, world, device, found) for name, generate in per_param_sharding.items()}
+    )
 
 
 __all__ = [

@@ -9,6 +9,8 @@ from lightning_shardrec.distributed.dmp.sharders import ModuleSharder
 from lightning_shardrec.errors import missing_names
 from lightning_shardrec.planner import (
     EmbeddingComputeKernel,
+    EmbeddingModuleShardingPlan,
+    ModuleShardingPlan,
     ParameterSharding,
     ShardingPlan,
     ShardingType,
@@ -44,7 +46,9 @@ __all__ = [
     "LazyAwaitable",
     "NoWait",
     "EmbeddingComputeKernel",
+    "EmbeddingModuleShardingPlan",
     "ModuleSharder",
+    "ModuleShardingPlan",
     "ParameterSharding",
     "ShardMetadata",
     "ShardingEnv",
