@@ -25,6 +25,22 @@ def pooling_type_to_str(pooling_type: PoolingType) -> str:
     return PoolingType(pooling_type).value.lower()
 
 
+#: TorchRec's ``DataType`` values -> torch dtypes (``INT4``/``INT2`` are the packed quantized dtypes)
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16, "NFP8": torch.float8_e4m3fn,
+    "INT64": torch.int64, "INT32": torch.int32, "INT8": torch.int8, "UINT8": torch.uint8,
+    "INT4": torch.quint4x2, "INT2": torch.quint2x4,
+}  # fmt: skip
+
+
+def data_type_to_dtype(data_type: DataType) -> torch.dtype:
+    """The torch dtype of a ``DataType`` (this library's or TorchRec's members, by value)."""
+    dtype = _TORCH_DTYPES.get(getattr(data_type, "value", data_type))  # type: ignore[call-overload]
+    if dtype is None:
+        raise ValueError(f"DataType {data_type} cannot be converted to dtype")
+    return dtype
+
+
 class QuantConfig(NamedTuple):
     """How ``quantize_dynamic`` / ``quantize_embeddings`` quantize a collection (TorchRec's fields).
 
@@ -56,5 +72,6 @@ __all__ = [
     "PoolingType",
     "QuantConfig",
     "VirtualTableEvictionPolicy",
+    "data_type_to_dtype",
     "pooling_type_to_str",
 ]

@@ -70,6 +70,13 @@ def regroup_kts(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[
     return KeyedTensor.regroup(list(keyed_tensors), [list(g) for g in groups])
 
 
+def _all_keys_used_once(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> bool:
+    """Whether the groups name every key of the KeyedTensors exactly once (TorchRec's helper)."""
+    keys = [k for kt in keyed_tensors for k in kt.keys()]  # noqa: SIM118 (a KeyedTensor, not a dict)
+    grouped = [k for g in groups for k in g]
+    return len(set(keys)) == len(set(grouped)) == len(keys) == len(grouped)
+
+
 #: TorchRec's other paths to ``regroup_kts`` (its reference implementation, the fbgemm multi-permute op and the
 #: pooled-embedding permute): one implementation here, the same results and gradients
 _regroup_keyed_tensors = regroup_kts
@@ -94,4 +101,4 @@ def _kt_regroup_arguments(
     return torch.ops.fbgemm.kt_regroup_arguments(value, keys, key_lengths, groups)  # type: ignore[no-any-return]
 
 
-__all__ = ["jt_is_equal", "kjt_is_equal", "regroup_kts"]
+__all__ = ["_all_keys_used_once", "jt_is_equal", "kjt_is_equal", "regroup_kts"]

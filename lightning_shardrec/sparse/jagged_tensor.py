@@ -337,8 +337,8 @@ def _check_data(
 
 
 _EQUALITY_NAMES = frozenset(
-    ("jt_is_equal", "kjt_is_equal", "regroup_kts", "_regroup_keyed_tensors", "permute_multi_embedding",
-     "_fbgemm_permute_pooled_embs", "_kt_regroup_arguments")
+    ("jt_is_equal", "kjt_is_equal", "regroup_kts", "_all_keys_used_once", "_regroup_keyed_tensors",
+     "permute_multi_embedding", "_fbgemm_permute_pooled_embs", "_kt_regroup_arguments")
 )  # fmt: skip
 
 

@@ -186,6 +186,9 @@ def test_random_dataset_draws_as_torchrec():
     assert b.sparse_features["a"].lengths().tolist() == la.tolist()
     assert b.sparse_features["a"].values().tolist() == va.tolist()
     assert b.dense_features.shape == (3, 4) and set(b.labels.tolist()) <= {0, 1}
+    assert len(RandomRecDataset(keys=["a"], batch_size=3, hash_size=4, num_batches=5)) == 5  # TorchRec's len
+    with pytest.raises(TypeError, match=r"RandomRecDataset\(num_batches=None\) is endless: it has no len\(\)"):
+        len(RandomRecDataset(keys=["a"], batch_size=3, hash_size=4))
     with pytest.raises(ValueError, match=r"RandomRecDataset: hash_sizes has 1 entries for 2 keys \['a', 'b'\]"):
         RandomRecDataset(keys=["a", "b"], batch_size=3, hash_sizes=[4])
     with pytest.raises(ValueError, match="feature 'a': ids per sample must satisfy 0 <= 3 <= 2"):
@@ -199,10 +202,45 @@ def test_mlp_applies_the_activation_after_every_layer():
     mlp = MLP(4, [8, 2])
     assert (mlp(torch.randn(5, 4)) >= 0).all()  # relu after the last layer too, as TorchRec
     assert [p.shape for p in mlp.parameters()] == [(8, 4), (8,), (2, 8), (2,)]
-    with pytest.raises(ValueError, match="MLP: activation must be 'relu' or a callable, got 'tanhh'"):
+    with pytest.raises(ValueError, match="MLP: activation must be 'relu', 'sigmoid', 'swish_layernorm' or a callable"):
         MLP(4, [2], activation="tanhh")
-    with pytest.raises(ValueError, match="swish_layernorm.* is not provided here"):
-        MLP(4, [2], activation="swish_layernorm")
+    with pytest.raises(ValueError, match="an activation factory taking no input must return a torch.nn.Module, got"):
+        MLP(4, [2], activation=lambda: 3)
+
+
+def test_mlp_takes_torchrec_18s_activations():
+    # TorchRec 1.8's MLP (checked side by side: same parameter names and bit-identical outputs at the same seed):
+    # "sigmoid", "swish_layernorm" (a SwishLayerNorm per layer), activation_on_last, factories called per layer
+    from lightning_shardrec.modules.activation import SwishLayerNorm
+    from lightning_shardrec.modules.mlp import MLP
+
+    x = torch.randn(3, 6)
+    swish = MLP(6, [5, 4], activation="swish_layernorm", activation_on_last=False)
+    assert sorted(swish.state_dict()) == [
+        "_mlp.0._activation_fn.norm.0.bias", "_mlp.0._activation_fn.norm.0.weight",
+        "_mlp.0._linear.bias", "_mlp.0._linear.weight", "_mlp.1._linear.bias", "_mlp.1._linear.weight",
+    ]  # fmt: skip
+    hidden = swish._mlp[0]._linear(x)
+    expected = swish._mlp[1]._linear(hidden * torch.sigmoid(torch.nn.functional.layer_norm(hidden, (5,))))
+    torch.testing.assert_close(swish(x), expected)  # no activation after the last layer
+    assert isinstance(swish._mlp[0]._activation_fn, SwishLayerNorm)
+    sig = MLP(6, [4], activation="sigmoid")
+    torch.testing.assert_close(sig(x), torch.sigmoid(sig._mlp[0]._linear(x)))
+    made = MLP(6, [5, 4], activation=lambda: torch.nn.PReLU())  # a factory: one module per layer
+    assert made._mlp[0]._activation_fn is not made._mlp[1]._activation_fn
+    shared = torch.nn.PReLU()
+    both = MLP(6, [5, 4], activation=shared)  # a module instance: shared by every layer
+    assert both._mlp[0]._activation_fn is shared and both._mlp[1]._activation_fn is shared
+
+
+def test_a_traced_mlp_scripts_as_torchrecs():
+    # TorchRec's test_fx_script: fx then TorchScript of the dense modules (before: "Unknown type name '_Tensor_'")
+    from lightning_shardrec.modules.mlp import MLP, Perceptron
+
+    for module in (MLP(6, [5, 4]), Perceptron(6, 4)):
+        scripted = torch.jit.script(torch.fx.symbolic_trace(module))
+        x = torch.randn(2, 6)
+        torch.testing.assert_close(scripted(x), module(x))
 
 
 def _transform_errors(rank, world):

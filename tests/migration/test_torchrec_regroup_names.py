@@ -121,3 +121,33 @@ def test_fx_traces_regroup_as_dict_as_one_node_that_equals_eager() -> None:
     got, want = gm(kts), _RegroupAsDict()(kts)
     assert got.keys() == want.keys() == {"a", "b"}
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_kt_regroup_as_dict_module_equals_regroup_as_dict_values_and_gradients() -> None:
+    # TorchRec's modules.regroup.KTRegroupAsDict (its test_regroup.py): the module form of regroup_as_dict,
+    # with emb_dtype casting the outputs; torchrec.types and data_type_to_dtype at their paths
+    from lightning_shardrec.modules.embedding_configs import data_type_to_dtype
+    from lightning_shardrec.modules.regroup import KTRegroupAsDict
+    from lightning_shardrec.sparse.jagged_tensor import _all_keys_used_once
+    from lightning_shardrec.types import CacheMixin, DataType, ModuleNoCopyMixin
+
+    kts = _kts()
+    groups = build_groups(kts=kts, num_groups=2, skips=True, duplicates=True)
+    assert _all_keys_used_once(kts, groups) is False
+    assert _all_keys_used_once(kts, [list(kts[0].keys()), list(kts[1].keys())]) is True
+    module = KTRegroupAsDict(groups=groups, keys=["user", "object"])
+    out, ref = module(kts), KeyedTensor.regroup_as_dict(kts, groups, ["user", "object"])
+    assert list(out) == ["user", "object"] and all(torch.equal(out[k], ref[k]) for k in ref)
+    grads = torch.autograd.grad(out["user"].sum() * 2 + out["object"].sum(), [kts[0].values(), kts[1].values()])
+    refs = torch.autograd.grad(ref["user"].sum() * 2 + ref["object"].sum(), [kts[0].values(), kts[1].values()])
+    assert all(torch.equal(g, r) for g, r in zip(grads, refs, strict=True))
+    half = KTRegroupAsDict(groups=groups, keys=["user", "object"], emb_dtype=DataType.FP16)(kts)
+    assert half["user"].dtype == torch.float16 and torch.equal(half["user"], ref["user"].half())
+    assert data_type_to_dtype(DataType.BF16) is torch.bfloat16 and data_type_to_dtype(DataType.INT4) is torch.quint4x2
+    with pytest.raises(ValueError, match="KTRegroupAsDict: 2 groups but 1 keys"):
+        KTRegroupAsDict(groups=groups, keys=["user"])
+    with pytest.raises(ValueError, match="DataType FP64 cannot be converted to dtype"):
+        data_type_to_dtype("FP64")  # type: ignore[arg-type]
+    gm = torch.fx.symbolic_trace(module)
+    assert all(torch.equal(gm(kts)[k], ref[k]) for k in ref)
+    assert ModuleNoCopyMixin().copy(torch.device("cpu")) is not None and hasattr(CacheMixin, "clear_cache")

@@ -109,6 +109,41 @@ def test_awaitables_wait_once_run_callbacks_and_lazy_ones_wait_when_used():
     assert NoWait(5).wait() == 5
 
 
+def test_lazy_awaitables_wait_under_operators_and_lazy_getitem():
+    # TorchRec's LazyAwaitable operators (torch.fx's magic methods and their reflections), LazyNoWait,
+    # LazyGetItemMixin (a[key] stays lazy) and the error for a subclass that skipped super().__init__()
+    from lightning_shardrec.distributed.types import LazyGetItemMixin, LazyNoWait
+
+    a = _Ones()
+    assert torch.equal(a + 1, torch.full((2, 3), 2.0)) and torch.equal(2 * a, torch.full((2, 3), 2.0))
+    assert torch.equal(-a, -torch.ones(2, 3)) and torch.equal(a[0], torch.ones(3)) and a.calls == 1
+    assert LazyNoWait(3) + 4 == 7 and 10 - LazyNoWait(3) == 7 and (LazyNoWait(3) == 3) is True
+    assert len({LazyNoWait(1), LazyNoWait(1)}) == 2  # still hashable, by identity
+
+    class Parts(LazyGetItemMixin[str, torch.Tensor], LazyAwaitable[dict]):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def _wait_impl(self) -> dict:
+            self.calls += 1
+            return {"x": torch.tensor(2.0), "y": torch.tensor(5.0)}
+
+    parts = Parts()
+    x, y = parts["x"], parts["y"]
+    assert isinstance(x, LazyAwaitable) and x._result is None and parts._result is None and parts.calls == 0
+    assert torch.add(x, y) == 7.0 and parts.calls == 1
+
+    class Forgot(LazyAwaitable[int]):
+        def __init__(self) -> None:  # no super().__init__()
+            pass
+
+        def _wait_impl(self) -> int:
+            return 1
+
+    with pytest.raises(RuntimeError, match="has not been initialized properly, did you forget to call 'super\\(\\)'"):
+        Forgot() + 1
+
 def _unwrap(rank: int, world: int) -> tuple[bool, ...]:
     from lightning_shardrec.distributed.model_parallel import (
         DistributedModelParallel,

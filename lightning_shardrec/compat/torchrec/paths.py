@@ -275,6 +275,7 @@ ALIASES: dict[str, str] = {
     "modules.embedding_modules": "compat.torchrec.modules.embedding_modules",
     "modules.mc_modules": "compat.torchrec.modules.mc_modules",
     "sparse.tests": "compat.torchrec.sparse.tests",
+    "types": "compat.torchrec.types",
 }
 _PACKAGE = "lightning_shardrec"
 _MIRRORS = "compat.torchrec."

@@ -76,6 +76,12 @@ class RandomRecDataset(IterableDataset[Batch]):
             yield cached[i % len(cached)] if cached else self._batch(generator)
             i += 1
 
+    def __len__(self) -> int:
+        """``num_batches`` (TorchRec's ``len``); an endless dataset (``num_batches=None``) has no length."""
+        if self.num_batches is None:
+            raise TypeError("RandomRecDataset(num_batches=None) is endless: it has no len()")
+        return self.num_batches
+
     def _batch(self, generator: torch.Generator | None) -> Batch:
         b = self.batch_size
         values, lengths = [], []

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from lightning_shardrec._compat.torch import sharded_tensor_type
-from lightning_shardrec.compat.torchrec.distributed.awaitables import Awaitable, LazyAwaitable, NoWait
+from lightning_shardrec.compat.torchrec.distributed.awaitables import (
+    Awaitable,
+    GetItemLazyAwaitable,
+    LazyAwaitable,
+    LazyGetItemMixin,
+    LazyNoWait,
+    NoWait,
+)
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv
 from lightning_shardrec.distributed.dmp.sharders import ModuleSharder
 from lightning_shardrec.errors import missing_names
@@ -41,9 +48,12 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "Awaitable",
+    "GetItemLazyAwaitable",
     "CacheParams",
     "KeyValueParams",
     "LazyAwaitable",
+    "LazyGetItemMixin",
+    "LazyNoWait",
     "NoWait",
     "EmbeddingComputeKernel",
     "EmbeddingModuleShardingPlan",
