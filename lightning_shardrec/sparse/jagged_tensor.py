@@ -17,6 +17,7 @@ from typing import List, Optional, cast
 import torch
 from torch import Tensor
 
+from lightning_shardrec._compat import torch as compat
 from lightning_shardrec.sparse import formatting, ops
 from lightning_shardrec.sparse.errors import JaggedAssertionError
 from lightning_shardrec.sparse.fx_proxy import ProxyableConstruction, _tracer_of
@@ -180,7 +181,7 @@ class JaggedTensor(metaclass=ProxyableConstruction):
         values = self._values
         if values.device.type != "meta":
             total = int_item(offsets[-1])
-            torch._check(total <= values.shape[0])
+            compat.check(total <= values.shape[0])
             values = values[:total]
         return ops.jagged_to_padded_dense(values, offsets, length, padding_value)
 
