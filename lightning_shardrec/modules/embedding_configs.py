@@ -35,7 +35,8 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 
 def data_type_to_dtype(data_type: DataType) -> torch.dtype:
     """The torch dtype of a ``DataType`` (this library's or TorchRec's members, by value)."""
-    dtype = _TORCH_DTYPES.get(getattr(data_type, "value", data_type))  # type: ignore[call-overload]
+    value: object = getattr(data_type, "value", data_type)
+    dtype = _TORCH_DTYPES.get(value) if isinstance(value, str) else None
     if dtype is None:
         raise ValueError(f"DataType {data_type} cannot be converted to dtype")
     return dtype
