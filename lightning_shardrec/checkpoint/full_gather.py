@@ -108,7 +108,7 @@ class FullGather:
 
     def __init__(self, sharded: Mapping[str, ShardedCollection], dst: int) -> None:
         self.dst = dst
-        groups, keys = iter(range(2**62)), {}
+        groups, keys = iter(range(2**62)), dict[int, str]()
         self._gather = BandGather(_tables(sharded, groups, keys), dst, band_bytes=sharded_state.PIECE_BYTES)
         self.tensors: list[tuple[str, str | None, tuple[int, ...]]] = []
         for layout in self._gather.layouts:
@@ -148,7 +148,7 @@ def iter_full_state(sharded: Mapping[str, ShardedCollection], dst: int | None = 
         gather = FullGather(sharded, dst)
         yield from _assembled(gather)
         return
-    groups, local, keys = iter(range(2**62)), [], {}
+    groups, local, keys = iter(range(2**62)), list[LocalTensor](), dict[int, str]()
     for path, module in sharded.items():  # a collection's tables, then its mappings
         local += _tables({path: module}, groups, keys)
         local += _mappings(path, module, groups)

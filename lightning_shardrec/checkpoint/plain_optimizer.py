@@ -99,8 +99,8 @@ def table_parameter_keys(collections: Mapping[str, nn.Module], sharded: Mapping[
     """``id(table weight) -> its state-dict key`` for the unsharded ``collections`` (module path -> collection)."""
     keys: dict[int, str] = {}
     for path, coll in collections.items():
-        tables = coll.embedding_bags if hasattr(coll, "embedding_bags") else coll.embeddings
-        for name, module in tables.items():
+        tables = coll.get_submodule("embedding_bags" if hasattr(coll, "embedding_bags") else "embeddings")
+        for name, module in tables.named_children():
             key = sharded[path].state_key(name)
             keys[id(module.weight)] = f"{path}.{key}" if path else key
     return keys
@@ -141,13 +141,13 @@ def merge_plain_optimizer_states(
     found.update(fused)
     out: list[dict[str, Any]] = []
     positions: dict[str, tuple[int, int]] = {}
-    for i, (opt_state, groups) in enumerate(zip(dense, groups_before, strict=True)):
+    for i, (opt_state, slot_groups) in enumerate(zip(dense, groups_before, strict=True)):
         state: dict[int, Any] = {}
         new_groups, position = [], 0
-        for saved_group, params in zip(opt_state["param_groups"], groups, strict=True):
+        for saved_group, slots in zip(opt_state["param_groups"], slot_groups, strict=True):
             indices = []
-            for p in params:
-                key = p if isinstance(p, str) else id(p)
+            for slot in slots:
+                key = slot if isinstance(slot, str) else id(slot)
                 if isinstance(key, str):
                     positions[key] = (i, position)
                 if key in found:

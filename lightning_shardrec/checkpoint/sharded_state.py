@@ -18,7 +18,7 @@ A dynamic table's id mapping enters as global tensors chunked by bucket range
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -107,8 +107,8 @@ def own_storage(t: Tensor) -> Tensor:
 
 def _sharded(
     size: tuple[int, ...],
-    shards: list[tuple[tuple[int, ...], tuple[int, ...], int]],
-    local: list[tuple[tuple[int, ...], Tensor]],
+    shards: Sequence[tuple[Sequence[int], Sequence[int], int]],
+    local: Sequence[tuple[Sequence[int], Tensor]],
     rank: int,
     dtype: torch.dtype = torch.float32,
 ) -> ShardedTensor:
@@ -117,7 +117,7 @@ def _sharded(
     device = local[0][1].device if local else torch.device("cpu")
     dtype = local[0][1].dtype if local else dtype
     row_bytes = math.prod(size[1:]) * torch.empty(0, dtype=dtype).element_size()
-    pieces = [p for o, s, r in shards for p in row_pieces(o, s, r, row_bytes)]
+    pieces = [p for o, s, r in shards for p in row_pieces(tuple(o), tuple(s), r, row_bytes)]
     by_offset: dict[tuple[int, ...], Tensor] = {}
     for offsets, t in local:
         for o, s, _ in row_pieces(tuple(offsets), tuple(t.shape), rank, row_bytes):
@@ -126,9 +126,10 @@ def _sharded(
 
 
 def _plan_shards(module: ShardedCollection, table: str) -> tuple[ShardingType, list[ShardMetadata]]:
-    kinds, shards = set(), []
+    kinds: set[ShardingType] = set()
+    shards: list[ShardMetadata] = []
     for g in module.groups:
-        for t in g.tables:  # type: ignore[attr-defined]
+        for t in g.tables:
             if t.config.name == table:
                 kinds.add(t.plan.sharding_type)
                 shards.extend(t.plan.shards)

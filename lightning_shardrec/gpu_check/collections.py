@@ -14,6 +14,7 @@ CPU (the compiled loops there), bit for bit for the id -> slot mapping.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -47,7 +48,7 @@ TORCH_TWINS: dict[EmbOptimType, Callable[..., torch.optim.Optimizer]] = {
     EmbOptimType.ADAM: lambda p: torch.optim.Adam(p, lr=0.01),
     EmbOptimType.ADAMW: lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.05),
 }
-TOL = {"rtol": 1e-4, "atol": 1e-5}  # fused in-backward update vs autograd + optimizer: summation order
+TOL: dict[str, Any] = {"rtol": 1e-4, "atol": 1e-5}  # fused in-backward update vs autograd + optimizer: summation order
 ROWS, DIMS, POOLING = 16, (8, 16), 3
 
 

@@ -25,6 +25,8 @@ their row, any other id reads zeros (and still counts in a MEAN bag's size).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
@@ -272,7 +274,7 @@ class QuantEmbeddingBagCollection(nn.Module):
             self._lookup_key = self._buffers_key()
         return self._lookup  # type: ignore[return-value]
 
-    def _build_lookup(self, names: list[str], rows: list[QuantizedRows], features: list[int]) -> None:
+    def _build_lookup(self, names: list[str], rows: list[QuantizedRows], features: Sequence[int]) -> None:
         if self.backend is QuantBackend.FBGEMM:
             lookup = FbgemmQuantLookup(names, rows, features, bounds_check=not self.validate_ids)
             for name, stored in zip(names, lookup.stored_rows([r.dtype for r in rows]), strict=True):

@@ -205,8 +205,8 @@ class TorchBatchedEmbedding(BatchedEmbeddingKernel):
             self._check_rows(ids, rows_t.repeat_interleave(per_key, output_size=ids.numel()), feats)
             if any(self._feature_row_offset[f] for f in feats):
                 ids = ids + offsets_t.repeat_interleave(per_key, output_size=ids.numel())
-        offsets = kjt.offsets().long() if self.pooled else None
-        out = _FusedLookup.apply(placeholder, self, g, ids, offsets, psw)
+        bags = kjt.offsets().long() if self.pooled else None
+        out = _FusedLookup.apply(placeholder, self, g, ids, bags, psw)
         return self._finish(out, kjt, len(feats))
 
     def _native_takes(self, g: _DimGroup, kjt: KeyedJaggedTensor, psw: Tensor | None) -> bool:

@@ -106,11 +106,11 @@ class EmbeddingBagCollection(SeededTables, HasDynamicTables, nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return next(iter(self.embedding_bags.values())).weight.device
+        return self.embedding_bags.weight(self._tables[0].name).device
 
     def reset_parameters(self) -> None:
         for t in self._tables:
-            self._init_table(t, self.embedding_bags[t.name].weight)
+            self._init_table(t, self.embedding_bags.weight(t.name))
 
     def __prepare_scriptable__(self) -> nn.Module:
         refuse_script("EmbeddingBagCollection")
@@ -140,7 +140,7 @@ class EmbeddingBagCollection(SeededTables, HasDynamicTables, nn.Module):
         pooled = []
         for t, sub in zip(self._tables, kjt.split([t.num_features for t in self._tables]), strict=True):
             weights = sub.weights_or_none() if self._is_weighted else None
-            ids, offsets, weight = sub.values().long(), sub.offsets().long(), self.embedding_bags[t.name].weight
+            ids, offsets, weight = sub.values().long(), sub.offsets().long(), self.embedding_bags.weight(t.name)
             if dyn is not None and t.dynamic is not None:
                 train = self.training and torch.is_grad_enabled()
                 ids, offsets, weights = dyn.bags(t.name, ids, sub.lengths(), weights, weight, train)
@@ -162,7 +162,7 @@ class EmbeddingBagCollection(SeededTables, HasDynamicTables, nn.Module):
         for t, sub in zip(self._tables, kjt.split([t.num_features for t in self._tables]), strict=True):
             rows = F.embedding_bag(
                 sub.values().long(),
-                self.embedding_bags[t.name].weight,  # type: ignore[arg-type]
+                self.embedding_bags.weight(t.name),
                 sub.offsets().long(),
                 mode="sum",
                 per_sample_weights=sub.weights_or_none() if self._is_weighted else None,

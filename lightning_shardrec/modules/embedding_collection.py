@@ -96,11 +96,11 @@ class EmbeddingCollection(SeededTables, HasDynamicTables, nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return next(iter(self.embeddings.values())).weight.device
+        return self.embeddings.weight(self._tables[0].name).device
 
     def reset_parameters(self) -> None:
         for t in self._tables:
-            self._init_table(t, self.embeddings[t.name].weight)
+            self._init_table(t, self.embeddings.weight(t.name))
 
     def __prepare_scriptable__(self) -> nn.Module:
         refuse_script("EmbeddingCollection")
@@ -118,7 +118,7 @@ class EmbeddingCollection(SeededTables, HasDynamicTables, nn.Module):
                 dyn.check_static_ids(kjt, self._tables, self._rows, self._table_of)
         out: dict[str, JaggedTensor] = {}
         for t, sub in zip(self._tables, kjt.split([t.num_features for t in self._tables]), strict=True):
-            weight = self.embeddings[t.name].weight
+            weight = self.embeddings.weight(t.name)
             if dyn is not None and t.dynamic is not None:
                 slots = dyn.slots(t.name, sub.values(), weight, self.training and torch.is_grad_enabled())
                 hit = (slots >= 0).nonzero().squeeze(1)

@@ -163,7 +163,7 @@ class EmbeddingCall:
         return unpadded(self.spec, input, out[self.spec.path].values())
 
 
-class PlainEmbeddingBag(EmbeddingBagCall, EmbeddingBagCollection):
+class PlainEmbeddingBag(EmbeddingBagCall, EmbeddingBagCollection):  # type: ignore[misc]  # nn.Embedding(Bag)'s call, not a KJT's
     """An ``nn.EmbeddingBag`` (mode sum/mean) as a one-table EmbeddingBagCollection; same call and result."""
 
     def __init__(self, module: nn.EmbeddingBag, path: str) -> None:
@@ -181,7 +181,7 @@ class PlainEmbeddingBag(EmbeddingBagCall, EmbeddingBagCollection):
         self.spec = PlainSpec(path, "EmbeddingBag", module.mode, module.padding_idx, module.include_last_offset)
 
 
-class PlainMaxEmbeddingBag(EmbeddingBagCall, EmbeddingCollection):
+class PlainMaxEmbeddingBag(EmbeddingBagCall, EmbeddingCollection):  # type: ignore[misc]  # nn.Embedding(Bag)'s call, not a KJT's
     """An ``nn.EmbeddingBag(mode="max")`` as a one-table EmbeddingCollection, max-pooled per bag."""
 
     def __init__(self, module: nn.EmbeddingBag, path: str) -> None:
@@ -192,7 +192,7 @@ class PlainMaxEmbeddingBag(EmbeddingBagCall, EmbeddingCollection):
         self.spec = PlainSpec(path, "EmbeddingBag", "max", module.padding_idx, module.include_last_offset)
 
 
-class PlainEmbedding(EmbeddingCall, EmbeddingCollection):
+class PlainEmbedding(EmbeddingCall, EmbeddingCollection):  # type: ignore[misc]  # nn.Embedding(Bag)'s call, not a KJT's
     """An ``nn.Embedding`` as a one-table EmbeddingCollection; same call and result."""
 
     def __init__(self, module: nn.Embedding, path: str) -> None:
@@ -237,7 +237,9 @@ def _adapter(module: nn.Module, path: str) -> PlainModule:
             )
     if isinstance(module, nn.EmbeddingBag):
         return PlainMaxEmbeddingBag(module, path) if module.mode == "max" else PlainEmbeddingBag(module, path)
-    return PlainEmbedding(module, path)
+    if isinstance(module, nn.Embedding):
+        return PlainEmbedding(module, path)
+    raise TypeError(f"{what}: not an nn.Embedding or nn.EmbeddingBag")
 
 
 def find_embedding_modules(model: nn.Module) -> dict[str, nn.Embedding | nn.EmbeddingBag]:

@@ -10,7 +10,7 @@ its name. Read a table as ``d[name]`` (``d.items`` stays the method).
 
 from __future__ import annotations
 
-from torch import nn
+from torch import Tensor, nn
 
 
 class TableDict(nn.ModuleDict):
@@ -20,3 +20,10 @@ class TableDict(nn.ModuleDict):
         if not isinstance(module, nn.Module):
             raise TypeError(f"TableDict: table {key!r} must be an nn.Module, got {type(module).__name__}")
         self._modules[key] = module  # not add_module: it rejects names of ModuleDict's methods
+
+    def weight(self, name: str) -> Tensor:
+        """Table ``name``'s ``weight`` (``[rows, dim]``; quantized tables: their stored rows)."""
+        weight = getattr(self._modules[name], "weight", None)
+        if not isinstance(weight, Tensor):
+            raise TypeError(f"TableDict: table {name!r} has no weight tensor")
+        return weight

@@ -20,6 +20,7 @@ def _tracer_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.fx.Proxy):
             return a.tracer
+        inner: Any
         if isinstance(a, list | tuple):
             inner = a
         elif isinstance(a, dict):

@@ -200,18 +200,16 @@ class BandGather:
         else:  # gather the lengths on dst, then each description travels to dst as it is
             size = torch.tensor([mine.numel()], dtype=torch.int64, device=self.device)
             root = self.rank == self.root
-            sizes = [torch.empty_like(size) for _ in range(self.world)] if root else None
-            dist.gather(size, sizes, dst=self._global(self.root), group=self.group)
+            counts = [torch.empty_like(size) for _ in range(self.world)] if root else None
+            dist.gather(size, counts, dst=self._global(self.root), group=self.group)
             if not root:
                 dist.send(mine, self._global(self.root), group=self.group)
                 return []
             every = [
                 mine if r == self.rank else torch.empty(int(n), dtype=torch.int64, device=self.device)
-                for r, n in enumerate(sizes or [])
+                for r, n in enumerate(counts or [])
             ]
-            works = [dist.irecv(t, self._global(r), group=self.group) for r, t in enumerate(every) if r != self.rank]
-            for work in works:
-                work.wait()
+            _wait_all([dist.irecv(t, self._global(r), group=self.group) for r, t in enumerate(every) if r != self.rank])
             described = [t.tolist() for t in every]
         merged: dict[tuple[int, str], Layout] = {}
         for rank, flat in enumerate(described):
@@ -280,8 +278,7 @@ class BandGather:
                 part = piece.detach()[rows[0] : rows[1]].to(self.device).contiguous()  # a copy only if needed
                 held.append(part)
                 works.append(dist.isend(part, self._global(self.root), group=self.group))
-        for work in works:
-            work.wait()
+        _wait_all(works)
 
     def _receive(self, band: tuple[int, int], layout: Layout, local: LocalTensor | None, rows: Tensor) -> None:
         """Every rank's rows of ``layout`` in ``band`` into ``rows``: received in place where they can be."""
@@ -305,8 +302,7 @@ class BandGather:
             staged = torch.empty(shape, dtype=piece.dtype, device=self.device)
             works.append(dist.irecv(staged, self._global(piece.rank), group=self.group))
             copies.append((target, staged))
-        for work in works:
-            work.wait()
+        _wait_all(works)
         for target, value in copies:  # in rank order: of overlapping pieces the last rank's wins
             target.copy_(value)
 
@@ -324,3 +320,10 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def _wait_all(works: list[dist.Work | None]) -> None:
+    """Wait for every point-to-point operation (torch types them ``Work | None``: None off the group)."""
+    for work in works:
+        if work is not None:
+            work.wait()

@@ -70,7 +70,7 @@ def shard_modules(
         tables = plan.get_plan_for_module(path)
         if tables is None:
             raise ValueError(f"the sharding plan has no entry for module '{path or '<root>'}'")
-        new = SHARDED[type(coll)](coll, dict(tables), env, setup)
+        new = SHARDED[type(coll)](coll, dict(tables), env, setup)  # type: ignore[arg-type]  # keyed by the type it takes
         if path:
             parent, _, leaf = path.rpartition(".")
             setattr(module.get_submodule(parent) if parent else module, leaf, new)

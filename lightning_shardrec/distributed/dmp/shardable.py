@@ -28,6 +28,7 @@ from lightning_shardrec.distributed.dmp.dmp_settings import (
     resolve_comm_precision,
     resolve_fused_config,
 )
+from lightning_shardrec.distributed.sharded.collection import ShardedCollection
 from lightning_shardrec.distributed.sharded.embedding import ShardedEmbeddingCollection
 from lightning_shardrec.distributed.sharded.embeddingbag import ShardedEmbeddingBagCollection
 from lightning_shardrec.distributed.sharded.plain_embeddings import (
@@ -42,8 +43,6 @@ from lightning_shardrec.modules import EmbeddingBagCollection, EmbeddingCollecti
 from lightning_shardrec.modules.plain_embeddings import PlainEmbedding, PlainEmbeddingBag, PlainMaxEmbeddingBag
 from lightning_shardrec.optim import FusedOptimizer
 from lightning_shardrec.planner import ParameterSharding
-
-ShardedCollection = ShardedEmbeddingBagCollection | ShardedEmbeddingCollection
 
 #: each collection type this library shards -> its sharded type
 SHARDED: dict[type[nn.Module], type[ShardedCollection]] = {

@@ -337,7 +337,8 @@ class RankMonitor:
         """Tell the other ranks this rank is going down with ``exc`` (not a lost peer)."""
         with contextlib.suppress(Exception):
             text = f"{type(exc).__name__}: {exc}"[:500].replace("\n", " ")
-            self.store.append(f"{_PREFIX}/failed", f"{self.rank}|{text}\n")  # one key: one read names them all
+            # one key: one read names them all (Store.append is in torch's C++ API, not in its type stubs)
+            self.store.append(f"{_PREFIX}/failed", f"{self.rank}|{text}\n")  # type: ignore[attr-defined]
 
     def explain(self, wait: float | None = None) -> str | None:
         """Which rank went away, after a failed collective: ``"rank 1 ..."``, or None if all look alive.

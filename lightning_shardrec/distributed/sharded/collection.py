@@ -11,6 +11,7 @@ Prefetch (the pipelined input distribution, see :mod:`~lightning_shardrec.distri
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
@@ -54,12 +55,22 @@ def check_static_ids(kjt: KeyedJaggedTensor, rows: list[int], names: list[str], 
         check_ids(kjt.permute(static), [rows[i] for i in static], [names[i] for i in static])
 
 
+class ShardingGroups(nn.ModuleList):
+    """A collection's sharding groups in their fixed order: an ``nn.ModuleList`` typed by what it holds."""
+
+    def __iter__(self) -> Iterator[EmbeddingSharding]:
+        return super().__iter__()  # type: ignore[return-value]
+
+    def __getitem__(self, index: int) -> EmbeddingSharding:  # type: ignore[override]
+        return super().__getitem__(index)  # type: ignore[return-value]
+
+
 class ShardedCollection(nn.Module):
     """Base of the sharded collections: ``groups`` of shardings over ``_configs`` tables."""
 
     #: state-dict prefix of the unsharded module's tables (``embedding_bags`` / ``embeddings``)
     weight_prefix: str
-    groups: nn.ModuleList
+    groups: ShardingGroups
     _configs: list
     _feature_names: list[str]
     _split: Split
@@ -270,7 +281,7 @@ class ShardedCollection(nn.Module):
         return stats_dict(configs, local)
 
     def _groups(self) -> list[EmbeddingSharding]:
-        return list(self.groups)  # type: ignore[arg-type]
+        return list(self.groups)
 
     # --- TorchRec's per-sharding pieces, by its private names, for programs that print them (issue 43) ---
     @property

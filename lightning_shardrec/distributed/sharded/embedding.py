@@ -20,11 +20,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv
 from lightning_shardrec.distributed.sharded.batch_dist import DistContext, distribute_inputs
-from lightning_shardrec.distributed.sharded.collection import ShardedCollection, check_static_ids, static_features
+from lightning_shardrec.distributed.sharded.collection import (
+    ShardedCollection,
+    ShardingGroups,
+    check_static_ids,
+    static_features,
+)
 from lightning_shardrec.distributed.sharding import KINDS, EmbeddingSharding, KernelSetup, TableSharding, mechanism
 from lightning_shardrec.distributed.sharding.base import SequenceDist
 from lightning_shardrec.modules import EmbeddingCollection
@@ -59,7 +64,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         inner = unshare_features(configs)
         by_group: dict[tuple[type[EmbeddingSharding], int], list[TableSharding]] = {}
         for t in inner:
-            weight = module.embeddings[t.name].weight
+            weight = module.embeddings.weight(t.name)
             real = None if weight.device.type == "meta" else weight
             seed = module.init_seed(t.name)
             for width, part in _split_by_width(plan[t.name]):
@@ -67,7 +72,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
                 by_group.setdefault(key, []).append(TableSharding(t, part, real, seed))
         # Fixed group order (registry order, then width), identical on every rank.
         order = sorted(by_group, key=lambda k: (KINDS.index(k[0]), k[1]))
-        self.groups = nn.ModuleList([kind(by_group[(kind, w)], env, setup) for kind, w in order])
+        self.groups = ShardingGroups([kind(by_group[(kind, w)], env, setup) for kind, w in order])
         self._release_full_weights()
 
         self._feature_names = module.feature_names()
@@ -112,7 +117,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
     def input_dist(self, features: KeyedJaggedTensor) -> DistContext:
         return distribute_inputs(
-            features, self._split, self.groups, self.env, self._device, self.batch_tag, self.id_check()
+            features, self._split, self._groups(), self.env, self._device, self.batch_tag, self.id_check()
         )
 
     def input_device(self) -> torch.device:

@@ -14,14 +14,19 @@ cost of sending the repeated bags.
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_shardrec.configs import PoolingType
 from lightning_shardrec.distributed.comm.collectives import ShardingEnv
 from lightning_shardrec.distributed.comm.pooled_all_to_all import ColumnBlocks, all_to_all_pooled, merged_layout
 from lightning_shardrec.distributed.comm.qcomm import CommPrecision
 from lightning_shardrec.distributed.sharded.batch_dist import DistContext, distribute_inputs
-from lightning_shardrec.distributed.sharded.collection import ShardedCollection, check_static_ids, static_features
+from lightning_shardrec.distributed.sharded.collection import (
+    ShardedCollection,
+    ShardingGroups,
+    check_static_ids,
+    static_features,
+)
 from lightning_shardrec.distributed.sharding import (
     KINDS,
     EmbeddingSharding,
@@ -61,13 +66,13 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         inner = unshare_features(configs)
         by_kind: dict[type[EmbeddingSharding], list[TableSharding]] = {}
         for t in inner:
-            weight = module.embedding_bags[t.name].weight
+            weight = module.embedding_bags.weight(t.name)
             real = None if weight.device.type == "meta" else weight
             seed = module.init_seed(t.name)
             table = TableSharding(t, plan[t.name], real, seed)
             by_kind.setdefault(mechanism(t, plan[t.name]), []).append(table)
         # Fixed group order (registry order), identical on every rank.
-        self.groups = nn.ModuleList([k(by_kind[k], env, setup) for k in KINDS if k in by_kind])
+        self.groups = ShardingGroups([k(by_kind[k], env, setup) for k in KINDS if k in by_kind])
         self._release_full_weights()
         grouped = [f for g in self.groups for f in g.feature_names]
         source = dict(zip(embedding_names(configs), module.feature_names(), strict=True))
@@ -110,7 +115,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     def input_dist(self, features: KeyedJaggedTensor) -> DistContext:
         return distribute_inputs(
-            features, self._split, self.groups, self.env, self._mean_dims.device, self.batch_tag, self.id_check()
+            features, self._split, self._groups(), self.env, self._mean_dims.device, self.batch_tag, self.id_check()
         )
 
     def input_device(self) -> torch.device:

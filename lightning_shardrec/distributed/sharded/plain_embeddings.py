@@ -71,13 +71,13 @@ class _ShardedPlain:
         return super().__getattr__(name)  # type: ignore[misc]
 
 
-class ShardedPlainEmbeddingBag(_ShardedPlain, EmbeddingBagCall, ShardedEmbeddingBagCollection):
+class ShardedPlainEmbeddingBag(_ShardedPlain, EmbeddingBagCall, ShardedEmbeddingBagCollection):  # type: ignore[misc]  # nn.Embedding(Bag)'s call, not a KJT's
     """A sharded ``nn.EmbeddingBag`` (mode sum/mean): same call, same result, ``<path>.weight`` in checkpoints."""
 
 
-class ShardedPlainMaxEmbeddingBag(_ShardedPlain, EmbeddingBagCall, ShardedEmbeddingCollection):
+class ShardedPlainMaxEmbeddingBag(_ShardedPlain, EmbeddingBagCall, ShardedEmbeddingCollection):  # type: ignore[misc]  # nn.Embedding(Bag)'s call, not a KJT's
     """A sharded ``nn.EmbeddingBag(mode="max")``: rows per id, max-pooled after the output distribution."""
 
 
-class ShardedPlainEmbedding(_ShardedPlain, EmbeddingCall, ShardedEmbeddingCollection):
+class ShardedPlainEmbedding(_ShardedPlain, EmbeddingCall, ShardedEmbeddingCollection):  # type: ignore[misc]  # nn.Embedding(Bag)'s call, not a KJT's
     """A sharded ``nn.Embedding``: same call (any input shape), same result."""

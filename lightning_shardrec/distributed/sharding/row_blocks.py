@@ -48,6 +48,8 @@ from lightning_shardrec.sparse import KeyedJaggedTensor
 class RowBlockSharding(EmbeddingSharding):
     """Row-wise tables of one collection (and the id routing of table-row-wise and grid)."""
 
+    _columns: Tensor  # buffer: this rank's output columns, in the collection's order
+
     def __init__(self, tables: list[TableSharding], env: ShardingEnv, setup: KernelSetup) -> None:
         super().__init__(tables, env, setup)
         # Sub-tables: (table, column piece) with the piece's shards in row order.
@@ -151,8 +153,10 @@ class RowBlockSharding(EmbeddingSharding):
         if index is not None:
             rows = rows.index_select(0, index)
         routed = ctx.routed
-        back = all_to_all_grad(rows, routed.value_splits, ctx.recv_values, self.env, self.comm_precision)  # type: ignore[union-attr]
-        order = routed.order  # type: ignore[union-attr]
+        if routed is None or routed.order is None:  # pragma: no cover - row-wise routing keeps the ids' order
+            raise RuntimeError("RowBlockSharding: the input distribution kept no id order for the sequence output")
+        back = all_to_all_grad(rows, routed.value_splits, ctx.recv_values, self.env, self.comm_precision)
+        order = routed.order
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         back = scale_grad(back.index_select(0, inverse), 1.0 / self.env.world_size)

@@ -160,7 +160,8 @@ def replica(coll: ShardedCollection, full: dict[str, Tensor]) -> nn.Module:
     with torch.random.fork_rng(devices=[]):  # building a collection draws table seeds: not from the user's RNG
         if isinstance(coll, ShardedEmbeddingBagCollection):
             meta = torch.device("meta")
-            module = EmbeddingBagCollection(tables=coll.table_configs(), is_weighted=coll.is_weighted(), device=meta)
+            tables = coll.embedding_bag_configs()
+            module = EmbeddingBagCollection(tables=tables, is_weighted=coll.is_weighted(), device=meta)
         elif isinstance(coll, ShardedEmbeddingCollection):
             need, check = coll.need_indices(), coll.validate_ids
             module = EmbeddingCollection(coll.table_configs(), "meta", need, validate_ids=check)  # type: ignore[arg-type]

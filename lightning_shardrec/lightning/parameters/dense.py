@@ -50,11 +50,11 @@ class DenseReplicas:
         if not any(p.requires_grad for n, p in model.named_parameters() if n not in skip):
             return model
         compat.ddp_ignore(model, fused)
-        if not live_group(self.pg):
-            self.pg = self.own(self.new_group())
-        ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=self.pg, **ddp_kwargs)
+        pg = self.pg if self.pg is not None and live_group(self.pg) else self.own(self.new_group())
+        self.pg = pg
+        ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=pg, **ddp_kwargs)
         if next(iter(tables.sharded.values())).env.transport is not None:  # every rank alike
-            self.transport = self.allreduce_hook(ddp, self.pg)
+            self.transport = self.allreduce_hook(ddp, pg)
         return ddp
 
     def own(self, group: dist.ProcessGroup) -> dist.ProcessGroup:

@@ -136,7 +136,8 @@ def summarize_through(trainer: Any, build: Callable[[LightningModule, int], Any]
     for callback in trainer.callbacks:
         if isinstance(callback, ModelSummary) and callable(getattr(type(callback), "_summary", None)):
             depth = int(getattr(callback, "_max_depth", 1))
-            callback._summary = lambda _trainer, module, depth=depth: build(module, depth)
+            # shadowed on the instance: the class's method stays Lightning's
+            callback._summary = lambda _trainer, module, depth=depth: build(module, depth)  # type: ignore[method-assign,misc]
 
 
 def summarize_plain(trainer: Any) -> None:

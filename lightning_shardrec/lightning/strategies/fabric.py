@@ -184,7 +184,7 @@ class ShardRecFabricStrategy(DDPStrategy):
         return (wrapped, optimizers, scheduler) if FABRIC_SETUP_TAKES_SCHEDULER else (wrapped, optimizers)
 
     @override
-    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:  # type: ignore[override]  # DDP or the model
         """The model alone (evaluation): sharded with ``embedding_optimizer`` (default: the fused default)."""
         if not self.tables.find(module) and not self.tables.sharded:
             return super().setup_module(module)  # no tables: plain DDP

@@ -204,7 +204,7 @@ class ShardRecStrategy(DDPStrategy):
         kernels = tables.link(holder)
         if self.guard is None and self.sharded:
             self.guard = guards.ShardedGuard(self.sharded, lambda: attached_trainer(self.lightning_module))
-        if fitting:
+        if fitting and self.model is not None:  # Lightning connected the model before setup
             self.model = self.dense.wrap(self.tables, self.model, self.determine_ddp_device_ids(), **self._ddp_kwargs)
             self._register_ddp_hooks()
         self.setup_precision_plugin()
