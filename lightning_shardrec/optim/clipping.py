@@ -74,12 +74,10 @@ class GradientClippingOptimizer(OptimizerWrapper):
 
     def compute_total_grad_norm(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The total ``norm_type`` norm of the gradients (not clipped), and the gradients."""
-        grads = [p.grad for p in self._with_grads()]
+        grads = [p.grad for p in self._with_grads() if p.grad is not None]
         if not grads:
             return torch.tensor(0.0), []
-        norms = torch._foreach_norm(grads, self._norm_type)  # type: ignore[arg-type]
-        total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]), self._norm_type)  # type: ignore[union-attr]
-        return total, grads  # type: ignore[return-value]
+        return torch.nn.utils.get_total_norm(grads, self._norm_type), grads
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]  # TorchRec's signature
         if self._check_meta:
