@@ -141,7 +141,7 @@ def export(
         )
     model = quantize(model, qdtype, dense=dense, inplace=not given)
     collections = {path: _describe(model.get_submodule(path)) for path in collection_paths(model)}
-    sequences = {path: _describe_sequence(model.get_submodule(path)) for path in sequence_collection_paths(model)}
+    sequences = {path: _describe(model.get_submodule(path)) for path in sequence_collection_paths(model)}
     plain = [n for n, m in model.named_modules() if isinstance(m, (QuantEmbedding, QuantEmbeddingBag))]
     if fmt != "state":
         inputs = default_example(model, target) if example_inputs is None else tuple(example_inputs)
@@ -180,35 +180,31 @@ def load(path: str | Path, *, backend: str | QuantBackend = QuantBackend.AUTO) -
     factory = _resolve(artifact["factory"])
     model = factory(**artifact["factory_kwargs"])
     collections: dict[str, dict[str, Any]] = artifact["collections"]
-
-    def empty_quantized(path: str, ebc: EmbeddingBagCollection) -> nn.Module:
-        if path not in collections:
-            raise CheckpointError(
-                f"load: {artifact['factory']} has a collection at {path!r}; the artifact has {sorted(collections)}"
-            )
-        spec = collections[path]
-        tables = [_table(t) for t in spec["tables"]]
-        if [f for t in tables for f in t.feature_names] != ebc.feature_names():
-            raise CheckpointError(
-                f"load: collection {path!r} of {artifact['factory']} reads {ebc.feature_names()}, "
-                f"the artifact's reads {[f for t in tables for f in t.feature_names]}"
-            )
-        return QuantEmbeddingBagCollection(tables, dtype, spec["is_weighted"], "cpu", backend=backend)
-
     sequences: dict[str, dict[str, Any]] = artifact.get("sequence_collections", {})  # absent: written before ECs
 
+    def spec(specs: Mapping[str, dict[str, Any]], path: str, kind: str, reads: list[str]) -> dict[str, Any]:
+        """The artifact's entry for the collection at ``path``, which must read the same features."""
+        if path not in specs:
+            raise CheckpointError(
+                f"load: {artifact['factory']} has {kind} at {path!r}; the artifact has {sorted(specs)}"
+            )
+        saved = [f for t in specs[path]["tables"] for f in t["feature_names"]]
+        if saved != reads:
+            raise CheckpointError(
+                f"load: {kind} {path!r} of {artifact['factory']} reads {reads}, the artifact's reads {saved}"
+            )
+        return specs[path]
+
+    def empty_quantized(path: str, ebc: EmbeddingBagCollection) -> nn.Module:
+        entry = spec(collections, path, "an EmbeddingBagCollection", ebc.feature_names())
+        tables = [_table(t) for t in entry["tables"]]
+        return QuantEmbeddingBagCollection(tables, dtype, entry["is_weighted"], "cpu", backend=backend)
+
     def empty_sequence(path: str, ec: EmbeddingCollection) -> nn.Module:
-        if path not in sequences:
-            raise CheckpointError(
-                f"load: {artifact['factory']} has an EmbeddingCollection at {path!r}; "
-                f"the artifact has {sorted(sequences)}"
-            )
-        tables = [EmbeddingConfig(**t) for t in sequences[path]["tables"]]
-        if [f for t in tables for f in t.feature_names] != [f for t in ec.embedding_configs() for f in t.feature_names]:
-            raise CheckpointError(
-                f"load: EmbeddingCollection {path!r} of {artifact['factory']} reads other features than the artifact's"
-            )
-        return QuantEmbeddingCollection(tables, dtype, "cpu", sequences[path]["need_indices"])
+        reads = [f for t in ec.embedding_configs() for f in t.feature_names]
+        entry = spec(sequences, path, "an EmbeddingCollection", reads)
+        tables = [EmbeddingConfig(**t) for t in entry["tables"]]
+        return QuantEmbeddingCollection(tables, dtype, "cpu", entry["need_indices"])
 
     model = swap_collections(model, empty_quantized)
     model = swap_collections(model, empty_sequence, EmbeddingCollection)
@@ -336,25 +332,21 @@ def _check_plain(value: object, where: str) -> None:
 
 
 def _describe(module: nn.Module) -> dict[str, Any]:
+    """A quantized collection's artifact entry: its tables, and whether it is weighted / returns indices."""
+    if isinstance(module, QuantEmbeddingCollection):
+        return {"need_indices": module.need_indices(), "tables": [_table_spec(t) for t in module.embedding_configs()]}
     if not isinstance(module, QuantEmbeddingBagCollection):  # pragma: no cover - quantize() swapped them all
-        raise TypeError(f"expected a QuantEmbeddingBagCollection, got {type(module).__name__}")
+        raise TypeError(f"expected a quantized collection, got {type(module).__name__}")
     tables = [
-        {"name": t.name, "num_embeddings": t.num_embeddings, "embedding_dim": t.embedding_dim,
-         "feature_names": list(t.feature_names), "pooling": t.pooling.value, "dynamic": _dynamic_spec(t.dynamic)}
+        _table_spec(t) | {"pooling": t.pooling.value, "dynamic": _dynamic_spec(t.dynamic)}
         for t in module.embedding_bag_configs()
     ]
     return {"is_weighted": module.is_weighted(), "tables": tables}
 
 
-def _describe_sequence(module: nn.Module) -> dict[str, Any]:
-    if not isinstance(module, QuantEmbeddingCollection):  # pragma: no cover - quantize() swapped them all
-        raise TypeError(f"expected a QuantEmbeddingCollection, got {type(module).__name__}")
-    tables = [
-        {"name": t.name, "num_embeddings": t.num_embeddings, "embedding_dim": t.embedding_dim,
-         "feature_names": list(t.feature_names)}
-        for t in module.embedding_configs()
-    ]  # fmt: skip
-    return {"need_indices": module.need_indices(), "tables": tables}
+def _table_spec(t: EmbeddingConfig | EmbeddingBagConfig) -> dict[str, Any]:
+    return {"name": t.name, "num_embeddings": t.num_embeddings, "embedding_dim": t.embedding_dim,
+            "feature_names": list(t.feature_names)}  # fmt: skip
 
 
 def _dynamic_spec(config: DynamicConfig | None) -> dict[str, Any] | None:

@@ -296,3 +296,8 @@ def test_sequence_collections_quantize_export_and_serve_fresh(tmp_path):
     torch.save(artifact, tmp_path / "other.pt")
     with pytest.raises(CheckpointError, match="has an EmbeddingCollection at 'ec'; the artifact has \\[\\]"):
         load(tmp_path / "other.pt")
+    artifact = torch.load(tmp_path / "seq.pt", weights_only=True)
+    artifact["sequence_collections"]["ec"]["tables"][1]["feature_names"] = ["search"]
+    torch.save(artifact, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match=r"reads \['clicks', 'views', 'query'\], the artifact's reads \["):
+        load(tmp_path / "other.pt")
