@@ -63,7 +63,6 @@ class GradientClippingOptimizer(OptimizerWrapper):
         self._last_total_grad_norm: torch.Tensor | None = None
         self._params: list[torch.Tensor] = [p for group in self.param_groups for p in group["params"]]
         self._check_meta = True
-        self._step_num = 0
 
     @property
     def last_total_grad_norm(self) -> torch.Tensor | None:
@@ -99,7 +98,6 @@ class GradientClippingOptimizer(OptimizerWrapper):
             if self._clipping == GradientClipping.VALUE:
                 torch.nn.utils.clip_grad_value_(params, clip_value=self._max_gradient)
         super().step(closure)
-        self._step_num += 1
 
 
 __all__ = ["GradientClipping", "GradientClippingOptimizer"]

@@ -47,7 +47,15 @@ def test_local_ranks_refuse_what_they_cannot_read(monkeypatch) -> None:
         get_local_size(0)
     with pytest.raises(RuntimeError, match="pass world_size, or initialize the default process group first"):
         get_local_size()
+    with pytest.raises(RuntimeError, match="pass rank, or initialize the default process group first"):
+        get_group_rank(4)
+    from lightning_shardrec.distributed.comm import get_node_group_size
+
+    assert get_node_group_size(4) == get_local_size(4) == 4  # no 2D parallelism: the local size
     from lightning_shardrec.errors import MissingTorchRecFeatureError
 
     with pytest.raises(MissingTorchRecFeatureError, match="distributed.comm.intra_and_cross_node_pg"):
         from lightning_shardrec.distributed.comm import intra_and_cross_node_pg  # noqa: F401
+    refused = r"model_parallel.DMPCollection \(TorchRec's torchrec.distributed.model_parallel.DMPCollection\) is not"
+    with pytest.raises(MissingTorchRecFeatureError, match=refused + " provided: 2D parallelism"):
+        from lightning_shardrec.distributed.model_parallel import DMPCollection  # noqa: F401

@@ -206,6 +206,8 @@ def test_mlp_applies_the_activation_after_every_layer():
         MLP(4, [2], activation="tanhh")
     with pytest.raises(ValueError, match="an activation factory taking no input must return a torch.nn.Module, got"):
         MLP(4, [2], activation=lambda: 3)
+    with pytest.raises(TypeError, match="MLP: activation must be a string, a module or a callable, got int"):
+        MLP(4, [2], activation=3)  # type: ignore[arg-type]
 
 
 def test_mlp_takes_torchrec_18s_activations():

@@ -61,6 +61,11 @@ def test_warmup_refuses_stages_out_of_order_or_incomplete() -> None:
         WarmupOptimizer(_sgd(lin), [WarmupStage(max_iters=5), WarmupStage(max_iters=3)])
     with pytest.raises(ValueError, match="stage 0 .INTERPOLATE. needs start_interpolating_iters and end_value"):
         WarmupOptimizer(_sgd(lin), [WarmupStage(WarmupPolicy.INTERPOLATE, max_iters=5)])
+    late = WarmupStage(WarmupPolicy.INTERPOLATE, max_iters=5, start_interpolating_iters=5, end_value=1.0)
+    with pytest.raises(ValueError, match=r"max_iters \(5\) must be greater than start_interpolating_iters \(5\)"):
+        WarmupOptimizer(_sgd(lin), [late])
+    with pytest.raises(ValueError, match="stage 0: sgdr_period must be >= 1, got 0"):
+        WarmupOptimizer(_sgd(lin), [WarmupStage(WarmupPolicy.COSINE_ANNEALING_WARM_RESTARTS, 5, sgdr_period=0)])
 
 
 @pytest.mark.parametrize(

@@ -78,11 +78,8 @@ class LazyAwaitable(Awaitable[W], metaclass=ProxyableABCMeta):  # built from an 
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        def ready(x: Any) -> Any:
-            return x.wait() if isinstance(x, LazyAwaitable) else x
-
-        new_args = compat.tree_map(ready, tuple(args))
-        new_kwargs = compat.tree_map(ready, dict(kwargs or {}))
+        new_args = compat.tree_map(_ready, tuple(args))
+        new_kwargs = compat.tree_map(_ready, dict(kwargs or {}))
         return func(*new_args, **new_kwargs)
 
 
